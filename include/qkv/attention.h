@@ -1,0 +1,177 @@
+// Attention scoring functions: scaled dot-product and additive attention,
+// forward and backward (docs/semantics.md has the full rules).
+//   queries: (B, Nq, D)   keys: (B, Nk, D) (additive: (B, Nk, Dk))   values: (B, Nk, Dv)
+//   valid_lens: absent, (B) or (B, Nq)
+//   output: (B, Nq, Dv)   weights: (B, Nq, Nk) if asked for   lse: (B, Nq) if asked for
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "qkv/tensor.h"
+#include "qkv/valid_lens.h"
+
+namespace qkv {
+
+struct AttentionOptions {
+  // Multiplies the dot products; default 1/sqrt(D). Scaled dot-product only:
+  // additive attention rejects it.
+  std::optional<double> scale;
+  // Dropout probability p in [0, 1] on the weights, applied only when training.
+  double dropout = 0.0;
+  bool training = false;
+  // Selects the dropout mask (qkv/dropout.h); the backward must get the same seed.
+  uint64_t seed = 0;
+  // Return the weights (masked softmax, before dropout, as d2l's
+  // attention_weights). Off by default: fused kernels need not form them.
+  bool want_weights = false;
+  // Return lse[b, i] = log sum_{j < L} exp(score[b, i, j]) (-inf when L = 0),
+  // needed by the backward and for merging partial results over key sets.
+  bool want_lse = false;
+};
+
+template <class T>
+struct AttentionResult {
+  Tensor<T> output;   // (B, Nq, Dv)
+  Tensor<T> weights;  // (B, Nq, Nk), empty unless want_weights
+  Tensor<T> lse;      // (B, Nq), empty unless want_lse
+};
+
+// Caller-provided destinations for the write-into form; each must be
+// contiguous and have the documented shape. Absent optionals are not computed.
+template <class T>
+struct AttentionOutputs {
+  TensorView<T> output;
+  std::optional<TensorView<T>> weights;
+  std::optional<TensorView<T>> lse;
+};
+
+template <class T>
+struct DotProductGrads {
+  Tensor<T> d_queries;  // (B, Nq, D)
+  Tensor<T> d_keys;     // (B, Nk, D)
+  Tensor<T> d_values;   // (B, Nk, Dv)
+};
+
+template <class T>
+struct AdditiveGrads {
+  Tensor<T> d_queries;  // (B, Nq, Dq)
+  Tensor<T> d_keys;     // (B, Nk, Dk)
+  Tensor<T> d_values;   // (B, Nk, Dv)
+  Tensor<T> d_w_q;      // (H, Dq)
+  Tensor<T> d_w_k;      // (H, Dk)
+  Tensor<T> d_w_v;      // same shape as the w_v given: (H) or (1, H)
+};
+
+// ---- Scaled dot-product attention: softmax(Q Kᵀ · scale) V ----------------
+
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries,
+                                                    ConstView<float> keys,
+                                                    ConstView<float> values,
+                                                    const ValidLens& valid_lens = {},
+                                                    const AttentionOptions& options = {});
+AttentionResult<double> scaled_dot_product_attention(ConstView<double> queries,
+                                                     ConstView<double> keys,
+                                                     ConstView<double> values,
+                                                     const ValidLens& valid_lens = {},
+                                                     const AttentionOptions& options = {});
+// Write-into form; options.want_weights/want_lse are ignored in favour of
+// whether outputs.weights/lse are given.
+void scaled_dot_product_attention(ConstView<float> queries, ConstView<float> keys,
+                                  ConstView<float> values, const ValidLens& valid_lens,
+                                  const AttentionOptions& options,
+                                  const AttentionOutputs<float>& outputs);
+void scaled_dot_product_attention(ConstView<double> queries, ConstView<double> keys,
+                                  ConstView<double> values, const ValidLens& valid_lens,
+                                  const AttentionOptions& options,
+                                  const AttentionOutputs<double>& outputs);
+
+// Gradients given the forward's inputs, options (same seed), output and lse,
+// and d_output = dLoss/d(output).
+DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
+    ConstView<float> lse, ConstView<float> d_output);
+DotProductGrads<double> scaled_dot_product_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
+    ConstView<double> lse, ConstView<double> d_output);
+
+// ---- Additive attention: score = w_vᵀ tanh(W_q q + W_k k) ------------------
+// w_q: (H, Dq)   w_k: (H, Dk)   w_v: (H) or (1, H), laid out like nn.Linear weights.
+
+AttentionResult<float> additive_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values, ConstView<float> w_q,
+                                          ConstView<float> w_k, ConstView<float> w_v,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> additive_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values, ConstView<double> w_q,
+                                           ConstView<double> w_k, ConstView<double> w_v,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+void additive_attention(ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+                        ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
+                        const ValidLens& valid_lens, const AttentionOptions& options,
+                        const AttentionOutputs<float>& outputs);
+void additive_attention(ConstView<double> queries, ConstView<double> keys,
+                        ConstView<double> values, ConstView<double> w_q, ConstView<double> w_k,
+                        ConstView<double> w_v, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<double>& outputs);
+
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
+    ConstView<float> lse, ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
+    ConstView<double> lse, ConstView<double> d_output);
+
+namespace ref {
+// Reference versions: plain loops, double accumulation, any strides. They
+// always return weights and lse (regardless of want_*), and validate exactly
+// like the fast versions.
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries,
+                                                    ConstView<float> keys,
+                                                    ConstView<float> values,
+                                                    const ValidLens& valid_lens = {},
+                                                    const AttentionOptions& options = {});
+AttentionResult<double> scaled_dot_product_attention(ConstView<double> queries,
+                                                     ConstView<double> keys,
+                                                     ConstView<double> values,
+                                                     const ValidLens& valid_lens = {},
+                                                     const AttentionOptions& options = {});
+DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
+    ConstView<float> lse, ConstView<float> d_output);
+DotProductGrads<double> scaled_dot_product_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
+    ConstView<double> lse, ConstView<double> d_output);
+AttentionResult<float> additive_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values, ConstView<float> w_q,
+                                          ConstView<float> w_k, ConstView<float> w_v,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> additive_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values, ConstView<double> w_q,
+                                           ConstView<double> w_k, ConstView<double> w_v,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
+    ConstView<float> lse, ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
+    ConstView<double> lse, ConstView<double> d_output);
+}  // namespace ref
+
+}  // namespace qkv

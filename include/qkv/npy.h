@@ -1,0 +1,37 @@
+// Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0;
+// little-endian <f4, <f8, <i4, <i8; C order). Anything else — Fortran order,
+// big-endian, other dtypes, truncated data, a header that disagrees with the
+// file size — is a qkv::Error saying what and at which byte offset.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <variant>
+
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+// An array read from a .npy file, in the type the file holds.
+using NpyArray = std::variant<Tensor<float>, Tensor<double>, Tensor<int32_t>, Tensor<int64_t>>;
+
+// Parses a whole .npy file held in memory. `name` goes into error messages.
+NpyArray parse_npy(const void* bytes, size_t size, const std::string& name = "<memory>");
+// Reads a .npy file.
+NpyArray read_npy(const std::string& path);
+
+// The bytes of a .npy file (version 1.0, or 2.0 if the header needs it).
+std::string npy_bytes(ConstView<float> array);
+std::string npy_bytes(ConstView<double> array);
+std::string npy_bytes(ConstView<int32_t> array);
+std::string npy_bytes(ConstView<int64_t> array);
+
+// Writes a .npy file atomically: to a temporary file beside `path`, renamed
+// over it only once complete, so a failure never leaves a partial file.
+void write_npy(const std::string& path, ConstView<float> array);
+void write_npy(const std::string& path, ConstView<double> array);
+void write_npy(const std::string& path, ConstView<int32_t> array);
+void write_npy(const std::string& path, ConstView<int64_t> array);
+
+}  // namespace qkv

@@ -1,0 +1,52 @@
+// ValidLens: which keys each query may attend to. Absent (every key valid),
+// one length per batch element (B), or one per query (B, Nq); int32 or int64,
+// borrowed from the caller like any other view.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <variant>
+
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+class ValidLens {
+ public:
+  // No lengths: every key is valid for every query.
+  ValidLens() = default;
+  ValidLens(ConstView<int32_t> lens) : lens_(lens) {}
+  ValidLens(ConstView<int64_t> lens) : lens_(lens) {}
+  ValidLens(const Tensor<int32_t>& lens) : lens_(lens.view()) {}
+  ValidLens(const Tensor<int64_t>& lens) : lens_(lens.view()) {}
+
+  bool present() const { return !std::holds_alternative<std::monostate>(lens_); }
+  // Shape of the given lengths; rank 0 when absent.
+  Shape shape() const;
+  int rank() const { return shape().rank(); }
+
+  // The valid length for query i of batch element b, or num_keys when absent.
+  int64_t operator()(int64_t b, int64_t i, int64_t num_keys) const {
+    if (const auto* v32 = std::get_if<ConstView<int32_t>>(&lens_)) {
+      return v32->rank() == 1 ? (*v32)(b) : (*v32)(b, i);
+    }
+    if (const auto* v64 = std::get_if<ConstView<int64_t>>(&lens_)) {
+      return v64->rank() == 1 ? (*v64)(b) : (*v64)(b, i);
+    }
+    return num_keys;
+  }
+
+  // Throws Error unless the lengths fit scores of shape (B, Nq, Nk): shape
+  // (B) or (B, Nq), every value in [0, Nk]. `scores_name`/`scores_shape`
+  // name the tensor the message compares against, e.g. "scores" [2, 4, 5].
+  void check(std::string_view function, std::string_view scores_name, const Shape& scores_shape,
+             int64_t batch, int64_t num_queries, int64_t num_keys) const;
+
+  // An owning copy as int64 (B) or (B, Nq); empty Tensor when absent.
+  Tensor<int64_t> to_tensor() const;
+
+ private:
+  std::variant<std::monostate, ConstView<int32_t>, ConstView<int64_t>> lens_;
+};
+
+}  // namespace qkv

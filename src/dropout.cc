@@ -1,0 +1,55 @@
+// Dropout: the public per-element decision and the in-place application.
+#include "qkv/dropout.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "philox.h"
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+void check_p(std::string_view function, double p) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    fail(function, "dropout probability p = " + std::to_string(p) + " is outside [0, 1]");
+  }
+}
+
+template <class T>
+void apply_dropout_impl(TensorView<T> weights, uint64_t seed, double p) {
+  check_p("apply_dropout", p);
+  if (weights.rank() != 3) {
+    fail("apply_dropout", "weights has shape " + weights.shape().str() +
+                              "; expected rank 3 (batch, num_queries, num_keys)");
+  }
+  const int64_t nk = weights.size(2);
+  const T scale = p < 1.0 ? static_cast<T>(1.0 / (1.0 - p)) : T(0);
+  std::vector<uint8_t> keep(static_cast<size_t>(nk));
+  for (int64_t b = 0; b < weights.size(0); ++b) {
+    for (int64_t i = 0; i < weights.size(1); ++i) {
+      detail::dropout_row_mask(seed, p, b, i, 0, nk, keep.data());
+      for (int64_t j = 0; j < nk; ++j) {
+        weights(b, i, j) = keep[j] ? weights(b, i, j) * scale : T(0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool dropout_keep(uint64_t seed, double p, int64_t b, int64_t i, int64_t j) {
+  check_p("dropout_keep", p);
+  const auto bits = detail::dropout_bits(detail::philox_key(seed), b, i, j / 4);
+  return bits[j % 4] >= detail::dropout_threshold(p);
+}
+
+void apply_dropout(TensorView<float> weights, uint64_t seed, double p) {
+  apply_dropout_impl(weights, seed, p);
+}
+void apply_dropout(TensorView<double> weights, uint64_t seed, double p) {
+  apply_dropout_impl(weights, seed, p);
+}
+
+}  // namespace qkv

@@ -1,0 +1,40 @@
+// The library-wide thread count. OpenBLAS is kept single-threaded inside our
+// parallel regions (see blas.h): qkv owns the threading, so the blocking — and
+// with it every result bit — does not depend on how many threads run.
+#include "qkv/threads.h"
+
+#include <omp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+std::atomic<int> requested_threads{0};  // 0: use the default
+
+int default_threads() {
+  if (const char* env = std::getenv("QKV_NUM_THREADS")) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
+  }
+  return omp_get_num_procs();
+}
+
+}  // namespace
+
+void set_num_threads(int n) {
+  if (n < 0) fail("set_num_threads", "n = " + std::to_string(n) + " must be >= 0");
+  requested_threads.store(n);
+}
+
+int num_threads() {
+  const int n = requested_threads.load();
+  return n > 0 ? n : default_threads();
+}
+
+}  // namespace qkv
