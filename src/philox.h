@@ -8,7 +8,8 @@
 
 namespace qkv::detail {
 
-inline std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> ctr, std::array<uint32_t, 2> key) {
+inline std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> ctr,
+                                          std::array<uint32_t, 2> key) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
@@ -35,9 +36,8 @@ inline uint64_t dropout_threshold(double p) {
 // The four random words for weights (b, i, 4c .. 4c+3).
 inline std::array<uint32_t, 4> dropout_bits(std::array<uint32_t, 2> key, int64_t b, int64_t i,
                                             int64_t c) {
-  return philox4x32({static_cast<uint32_t>(c), static_cast<uint32_t>(i),
-                     static_cast<uint32_t>(b), 0u},
-                    key);
+  return philox4x32(
+      {static_cast<uint32_t>(c), static_cast<uint32_t>(i), static_cast<uint32_t>(b), 0u}, key);
 }
 
 // Fills keep[0 .. n) for weights (b, i, j0 .. j0 + n): 1 kept, 0 dropped.

@@ -28,12 +28,12 @@ void ValidLens::check(std::string_view function, std::string_view scores_name,
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t len = (*this)(b, i, num_keys);
       if (len < 0 || len > num_keys) {
-        const std::string where =
-            per_batch ? "[" + std::to_string(b) + "]"
-                      : "[" + std::to_string(b) + ", " + std::to_string(i) + "]";
-        fail(function, "valid_lens" + where + " = " + std::to_string(len) +
-                           " is outside [0, " + std::to_string(num_keys) + "] (" +
-                           std::string(scores_name) + " has shape " + scores_shape.str() + ")");
+        const std::string where = per_batch
+                                      ? "[" + std::to_string(b) + "]"
+                                      : "[" + std::to_string(b) + ", " + std::to_string(i) + "]";
+        fail(function, "valid_lens" + where + " = " + std::to_string(len) + " is outside [0, " +
+                           std::to_string(num_keys) + "] (" + std::string(scores_name) +
+                           " has shape " + scores_shape.str() + ")");
       }
     }
   }

@@ -65,8 +65,7 @@ struct AdditiveGrads {
 
 // ---- Scaled dot-product attention: softmax(Q Kᵀ · scale) V ----------------
 
-AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries,
-                                                    ConstView<float> keys,
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries, ConstView<float> keys,
                                                     ConstView<float> values,
                                                     const ValidLens& valid_lens = {},
                                                     const AttentionOptions& options = {});
@@ -114,28 +113,31 @@ void additive_attention(ConstView<float> queries, ConstView<float> keys, ConstVi
                         ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
                         const ValidLens& valid_lens, const AttentionOptions& options,
                         const AttentionOutputs<float>& outputs);
-void additive_attention(ConstView<double> queries, ConstView<double> keys,
-                        ConstView<double> values, ConstView<double> w_q, ConstView<double> w_k,
-                        ConstView<double> w_v, const ValidLens& valid_lens,
-                        const AttentionOptions& options, const AttentionOutputs<double>& outputs);
+void additive_attention(ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+                        ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
+                        const ValidLens& valid_lens, const AttentionOptions& options,
+                        const AttentionOutputs<double>& outputs);
 
-AdditiveGrads<float> additive_attention_backward(
-    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
-    ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
-    ConstView<float> lse, ConstView<float> d_output);
-AdditiveGrads<double> additive_attention_backward(
-    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
-    ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
-    ConstView<double> lse, ConstView<double> d_output);
+AdditiveGrads<float> additive_attention_backward(ConstView<float> queries, ConstView<float> keys,
+                                                 ConstView<float> values, ConstView<float> w_q,
+                                                 ConstView<float> w_k, ConstView<float> w_v,
+                                                 const ValidLens& valid_lens,
+                                                 const AttentionOptions& options,
+                                                 ConstView<float> output, ConstView<float> lse,
+                                                 ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(ConstView<double> queries, ConstView<double> keys,
+                                                  ConstView<double> values, ConstView<double> w_q,
+                                                  ConstView<double> w_k, ConstView<double> w_v,
+                                                  const ValidLens& valid_lens,
+                                                  const AttentionOptions& options,
+                                                  ConstView<double> output, ConstView<double> lse,
+                                                  ConstView<double> d_output);
 
 namespace ref {
 // Reference versions: plain loops, double accumulation, any strides. They
 // always return weights and lse (regardless of want_*), and validate exactly
 // like the fast versions.
-AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries,
-                                                    ConstView<float> keys,
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries, ConstView<float> keys,
                                                     ConstView<float> values,
                                                     const ValidLens& valid_lens = {},
                                                     const AttentionOptions& options = {});
@@ -162,16 +164,20 @@ AttentionResult<double> additive_attention(ConstView<double> queries, ConstView<
                                            ConstView<double> w_k, ConstView<double> w_v,
                                            const ValidLens& valid_lens = {},
                                            const AttentionOptions& options = {});
-AdditiveGrads<float> additive_attention_backward(
-    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
-    ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
-    ConstView<float> lse, ConstView<float> d_output);
-AdditiveGrads<double> additive_attention_backward(
-    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
-    ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
-    ConstView<double> lse, ConstView<double> d_output);
+AdditiveGrads<float> additive_attention_backward(ConstView<float> queries, ConstView<float> keys,
+                                                 ConstView<float> values, ConstView<float> w_q,
+                                                 ConstView<float> w_k, ConstView<float> w_v,
+                                                 const ValidLens& valid_lens,
+                                                 const AttentionOptions& options,
+                                                 ConstView<float> output, ConstView<float> lse,
+                                                 ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(ConstView<double> queries, ConstView<double> keys,
+                                                  ConstView<double> values, ConstView<double> w_q,
+                                                  ConstView<double> w_k, ConstView<double> w_v,
+                                                  const ValidLens& valid_lens,
+                                                  const AttentionOptions& options,
+                                                  ConstView<double> output, ConstView<double> lse,
+                                                  ConstView<double> d_output);
 }  // namespace ref
 
 }  // namespace qkv

@@ -14,8 +14,10 @@ namespace qkv {
 Tensor<float> masked_softmax(ConstView<float> scores, const ValidLens& valid_lens = {});
 Tensor<double> masked_softmax(ConstView<double> scores, const ValidLens& valid_lens = {});
 // Writes into a caller-provided buffer of the scores' shape (may alias scores).
-void masked_softmax(ConstView<float> scores, const ValidLens& valid_lens, TensorView<float> weights);
-void masked_softmax(ConstView<double> scores, const ValidLens& valid_lens, TensorView<double> weights);
+void masked_softmax(ConstView<float> scores, const ValidLens& valid_lens,
+                    TensorView<float> weights);
+void masked_softmax(ConstView<double> scores, const ValidLens& valid_lens,
+                    TensorView<double> weights);
 
 // Gradient with respect to the scores, given the forward's weights and the
 // gradient d_weights of the loss with respect to them:

@@ -57,8 +57,8 @@ class DotProductAttention {
 template <class T = float>
 class AdditiveAttention {
  public:
-  AdditiveAttention(int64_t key_size, int64_t query_size, int64_t num_hiddens,
-                    double dropout = 0.0, uint64_t seed = 0);
+  AdditiveAttention(int64_t key_size, int64_t query_size, int64_t num_hiddens, double dropout = 0.0,
+                    uint64_t seed = 0);
 
   void train(bool on = true) { training_ = on; }
   void eval() { training_ = false; }

@@ -63,13 +63,11 @@ class TensorView {
   TensorView(T* data, Shape shape)
       : data_(data), shape_(shape), strides_(row_major_strides(shape)) {}
   // Arbitrary strides, in elements (may be 0 for broadcast reads).
-  TensorView(T* data, Shape shape, Shape strides)
-      : data_(data), shape_(shape), strides_(strides) {
+  TensorView(T* data, Shape shape, Shape strides) : data_(data), shape_(shape), strides_(strides) {
     assert(shape.rank() == strides.rank());
   }
   // A mutable view converts to a read-only one.
-  template <class U,
-            class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
+  template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
   TensorView(const TensorView<U>& other)
       : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
 
@@ -92,9 +90,7 @@ class TensorView {
 
   T& operator()() const { return *data_; }
   T& operator()(int64_t i0) const { return data_[i0 * strides_[0]]; }
-  T& operator()(int64_t i0, int64_t i1) const {
-    return data_[i0 * strides_[0] + i1 * strides_[1]];
-  }
+  T& operator()(int64_t i0, int64_t i1) const { return data_[i0 * strides_[0] + i1 * strides_[1]]; }
   T& operator()(int64_t i0, int64_t i1, int64_t i2) const {
     return data_[i0 * strides_[0] + i1 * strides_[1] + i2 * strides_[2]];
   }

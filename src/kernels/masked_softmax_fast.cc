@@ -1,0 +1,114 @@
+// Masked softmax, fast version: one SIMD pass for the max, one for exp and
+// sum, one to normalise, rows spread over threads. Rows holding NaN or ±inf
+// take a scalar path that applies DESIGN.md §3's rules exactly.
+#include <cmath>
+#include <limits>
+
+#include "kernels/kernels.h"
+#include "kernels/vecmath.h"
+#include "parallel.h"
+
+namespace qkv::kernels::fast {
+namespace {
+
+// The rare rows with non-finite scores, elementwise (w may alias x).
+template <class T>
+T softmax_row_nonfinite(const T* x, int64_t len, T* w) {
+  constexpr T kInf = std::numeric_limits<T>::infinity();
+  T max = -kInf;
+  for (int64_t j = 0; j < len; ++j) {
+    if (std::isnan(x[j]) || x[j] == kInf) {
+      for (int64_t jj = 0; jj < len; ++jj) w[jj] = std::numeric_limits<T>::quiet_NaN();
+      return std::numeric_limits<T>::quiet_NaN();
+    }
+    max = std::max(max, x[j]);
+  }
+  if (max == -kInf) {
+    for (int64_t j = 0; j < len; ++j) w[j] = T(0);
+    return -kInf;
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j < len; ++j) sum += w[j] = std::exp(x[j] - max);
+  const T inv = static_cast<T>(1.0 / sum);
+  for (int64_t j = 0; j < len; ++j) w[j] *= inv;
+  return static_cast<T>(max + std::log(sum));
+}
+
+template <class T>
+T softmax_row_impl(const T* x, int64_t len, int64_t n, T* w) {
+  if (len == 0) {
+    for (int64_t j = 0; j < n; ++j) w[j] = T(0);
+    return -std::numeric_limits<T>::infinity();
+  }
+  bool all_finite = true;
+  const T max = vecmath::max_of(x, len, &all_finite);
+  T lse;
+  if (all_finite) {
+    const T sum = vecmath::exp_shift_sum(x, max, w, len);
+    vecmath::scale(w, T(1) / sum, len);
+    lse = max + std::log(sum);
+  } else {
+    lse = softmax_row_nonfinite(x, len, w);
+  }
+  for (int64_t j = len; j < n; ++j) w[j] = T(0);
+  return lse;
+}
+
+// Rows per task: a few hundred KiB of scores, enough to amortise scheduling.
+int64_t rows_per_task(int64_t row_length) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_length, 1));
+}
+
+}  // namespace
+
+float softmax_row(const float* x, int64_t len, int64_t n, float* w) {
+  return softmax_row_impl(x, len, n, w);
+}
+double softmax_row(const double* x, int64_t len, int64_t n, double* w) {
+  return softmax_row_impl(x, len, n, w);
+}
+
+// scores: (B, Nq, Nk) with unit stride on the last axis   weights: contiguous (B, Nq, Nk)
+template <class T>
+void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights) {
+  const int64_t nq = scores.size(1), nk = scores.size(2);
+  const int64_t rows = scores.size(0) * nq;
+  const int64_t block = rows_per_task(nk);
+  detail::parallel_for((rows + block - 1) / block, [&](int64_t task) {
+    const int64_t end = std::min(rows, (task + 1) * block);
+    for (int64_t r = task * block; r < end; ++r) {
+      const int64_t b = r / nq, i = r % nq;
+      const T* x = &scores(b, i, 0);
+      softmax_row_impl(x, valid_lens(b, i, nk), nk, &weights(b, i, 0));
+    }
+  });
+}
+
+template <class T>
+void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
+                             const ValidLens& valid_lens, TensorView<T> d_scores) {
+  const int64_t nq = weights.size(1), nk = weights.size(2);
+  const int64_t rows = weights.size(0) * nq;
+  const int64_t block = rows_per_task(nk);
+  detail::parallel_for((rows + block - 1) / block, [&](int64_t task) {
+    const int64_t end = std::min(rows, (task + 1) * block);
+    for (int64_t r = task * block; r < end; ++r) {
+      const int64_t b = r / nq, i = r % nq;
+      const int64_t len = valid_lens(b, i, nk);
+      const T* w = &weights(b, i, 0);
+      const T* g = &d_weights(b, i, 0);
+      T* out = &d_scores(b, i, 0);
+      vecmath::softmax_grad(w, g, vecmath::dot(w, g, len), out, len);
+      for (int64_t j = len; j < nk; ++j) out[j] = T(0);
+    }
+  });
+}
+
+template void masked_softmax<float>(ConstView<float>, const ValidLens&, TensorView<float>);
+template void masked_softmax<double>(ConstView<double>, const ValidLens&, TensorView<double>);
+template void masked_softmax_backward<float>(ConstView<float>, ConstView<float>, const ValidLens&,
+                                             TensorView<float>);
+template void masked_softmax_backward<double>(ConstView<double>, ConstView<double>,
+                                              const ValidLens&, TensorView<double>);
+
+}  // namespace qkv::kernels::fast

@@ -1,0 +1,113 @@
+// Masked softmax front ends: validate, then run the fast or reference kernel.
+#include "qkv/masked_softmax.h"
+
+#include "check.h"
+#include "kernels/kernels.h"
+
+namespace qkv {
+namespace {
+
+constexpr const char* kAxes = "(batch, num_queries, num_keys)";
+
+template <class T>
+void check_scores(std::string_view function, const char* name, ConstView<T> scores,
+                  const ValidLens& valid_lens) {
+  detail::check_rank(function, name, scores, 3, kAxes);
+  valid_lens.check(function, name, scores.shape(), scores.size(0), scores.size(1), scores.size(2));
+}
+
+template <class T>
+void forward_into(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights) {
+  constexpr std::string_view kFn = "masked_softmax";
+  check_scores(kFn, "scores", scores, valid_lens);
+  detail::check_destination(kFn, "weights", weights, scores.shape());
+  if (scores.stride(2) == 1) {
+    kernels::fast::masked_softmax(scores, valid_lens, weights);
+  } else {
+    const detail::Contiguous<T> packed(scores);
+    kernels::fast::masked_softmax(packed.view(), valid_lens, weights);
+  }
+}
+
+template <class T>
+Tensor<T> forward(ConstView<T> scores, const ValidLens& valid_lens) {
+  Tensor<T> weights(scores.shape());
+  forward_into(scores, valid_lens, weights.view());
+  return weights;
+}
+
+template <class T>
+void check_backward(std::string_view function, ConstView<T> weights, ConstView<T> d_weights,
+                    const ValidLens& valid_lens) {
+  check_scores(function, "weights", weights, valid_lens);
+  detail::check_shape(function, "d_weights", d_weights, weights.shape());
+}
+
+template <class T>
+Tensor<T> backward(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens) {
+  check_backward("masked_softmax_backward", weights, d_weights, valid_lens);
+  Tensor<T> d_scores(weights.shape());
+  const detail::Contiguous<T> w(weights), g(d_weights);
+  kernels::fast::masked_softmax_backward(w.view(), g.view(), valid_lens, d_scores.view());
+  return d_scores;
+}
+
+template <class T>
+Tensor<T> ref_forward(ConstView<T> scores, const ValidLens& valid_lens) {
+  check_scores("masked_softmax", "scores", scores, valid_lens);
+  Tensor<T> weights(scores.shape());
+  kernels::ref::masked_softmax(scores, valid_lens, weights.view());
+  return weights;
+}
+
+template <class T>
+Tensor<T> ref_backward(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens) {
+  check_backward("masked_softmax_backward", weights, d_weights, valid_lens);
+  Tensor<T> d_scores(weights.shape());
+  kernels::ref::masked_softmax_backward(weights, d_weights, valid_lens, d_scores.view());
+  return d_scores;
+}
+
+}  // namespace
+
+Tensor<float> masked_softmax(ConstView<float> scores, const ValidLens& valid_lens) {
+  return forward(scores, valid_lens);
+}
+Tensor<double> masked_softmax(ConstView<double> scores, const ValidLens& valid_lens) {
+  return forward(scores, valid_lens);
+}
+void masked_softmax(ConstView<float> scores, const ValidLens& valid_lens,
+                    TensorView<float> weights) {
+  forward_into(scores, valid_lens, weights);
+}
+void masked_softmax(ConstView<double> scores, const ValidLens& valid_lens,
+                    TensorView<double> weights) {
+  forward_into(scores, valid_lens, weights);
+}
+Tensor<float> masked_softmax_backward(ConstView<float> weights, ConstView<float> d_weights,
+                                      const ValidLens& valid_lens) {
+  return backward(weights, d_weights, valid_lens);
+}
+Tensor<double> masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
+                                       const ValidLens& valid_lens) {
+  return backward(weights, d_weights, valid_lens);
+}
+
+namespace ref {
+Tensor<float> masked_softmax(ConstView<float> scores, const ValidLens& valid_lens) {
+  return ref_forward(scores, valid_lens);
+}
+Tensor<double> masked_softmax(ConstView<double> scores, const ValidLens& valid_lens) {
+  return ref_forward(scores, valid_lens);
+}
+Tensor<float> masked_softmax_backward(ConstView<float> weights, ConstView<float> d_weights,
+                                      const ValidLens& valid_lens) {
+  return ref_backward(weights, d_weights, valid_lens);
+}
+Tensor<double> masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
+                                       const ValidLens& valid_lens) {
+  return ref_backward(weights, d_weights, valid_lens);
+}
+}  // namespace ref
+
+}  // namespace qkv
