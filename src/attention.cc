@@ -147,10 +147,11 @@ void check_saved(std::string_view fn, const Dims& dims, ConstView<T> output, Con
 
 // ---- scaled dot-product ------------------------------------------------------
 
+// The forward once the inputs are known to be consistent (dims from check_inputs).
 template <class T>
-void dot_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
-              const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
-  const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
+void run_dot(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
+             const AttentionOptions& options, const Dims& dims,
+             const AttentionOutputs<T>& outputs) {
   const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
   check_outputs(kDot, dims, outputs);
   const detail::Contiguous<T> qc(q), kc(k), vc(v);
@@ -160,12 +161,17 @@ void dot_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& v
 }
 
 template <class T>
+void dot_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
+              const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
+  run_dot(q, k, v, valid_lens, options, check_inputs(kDot, q, k, v, true, valid_lens), outputs);
+}
+
+template <class T>
 AttentionResult<T> dot(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
                        const AttentionOptions& options) {
   const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
   AttentionResult<T> result;
-  const AttentionOutputs<T> outputs = allocate(dims, options, result);
-  dot_into(q, k, v, valid_lens, options, outputs);
+  run_dot(q, k, v, valid_lens, options, dims, allocate(dims, options, result));
   return result;
 }
 
@@ -203,10 +209,10 @@ DotProductGrads<T> ref_dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T>
 // ---- additive ---------------------------------------------------------------
 
 template <class T>
-void additive_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                   ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                   const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
-  const Dims dims = check_inputs(kAdditive, q, k, v, false, valid_lens);
+void run_additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
+                  ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
+                  const AttentionOptions& options, const Dims& dims,
+                  const AttentionOutputs<T>& outputs) {
   const kernels::AdditiveParams<T> params = check_params(kAdditive, dims, w_q, w_k, w_v);
   const kernels::AttentionConfig config = additive_config(kAdditive, valid_lens, options);
   check_outputs(kAdditive, dims, outputs);
@@ -219,13 +225,20 @@ void additive_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> 
 }
 
 template <class T>
+void additive_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
+                   ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
+                   const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
+  run_additive(q, k, v, w_q, w_k, w_v, valid_lens, options,
+               check_inputs(kAdditive, q, k, v, false, valid_lens), outputs);
+}
+
+template <class T>
 AttentionResult<T> additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
                             ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
                             const AttentionOptions& options) {
   const Dims dims = check_inputs(kAdditive, q, k, v, false, valid_lens);
   AttentionResult<T> result;
-  const AttentionOutputs<T> outputs = allocate(dims, options, result);
-  additive_into(q, k, v, w_q, w_k, w_v, valid_lens, options, outputs);
+  run_additive(q, k, v, w_q, w_k, w_v, valid_lens, options, dims, allocate(dims, options, result));
   return result;
 }
 
