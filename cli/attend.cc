@@ -1,0 +1,209 @@
+// `qkv attend`: scaled dot-product or additive attention on .npy files.
+//   queries: (B, Nq, D)   keys: (B, Nk, Dk)   values: (B, Nk, Dv)   or all 2-D, a batch of one
+//   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <memory>
+
+#include "common.h"
+#include "qkv/attention.h"
+#include "qkv/npy.h"
+#include "qkv/valid_lens.h"
+
+namespace qkv::cli {
+namespace {
+
+struct AttendArgs {
+  std::string scoring;
+  std::string queries, keys, values;
+  std::string valid_lens;
+  std::optional<double> scale;
+  std::string w_q, w_k, w_v;
+  double dropout = 0.0;
+  bool train = false;
+  uint64_t seed = 0;
+  std::string out, weights, lse;
+  std::optional<int> threads;
+};
+
+// Option combinations that cannot mean anything, found before any file is read.
+void check_options(const AttendArgs& args) {
+  const bool additive = args.scoring == "additive";
+  std::vector<std::string> given, missing;
+  const std::pair<const char*, const std::string*> params[] = {
+      {"--wq", &args.w_q}, {"--wk", &args.w_k}, {"--wv", &args.w_v}};
+  for (const auto& [name, path] : params) (path->empty() ? missing : given).push_back(name);
+  const auto join = [](const std::vector<std::string>& names) {
+    std::string text;
+    for (size_t i = 0; i < names.size(); ++i) {
+      text += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+    }
+    return text;
+  };
+  if (additive && !missing.empty()) {
+    throw UsageError("--scoring additive needs --wq, --wk and --wv; missing " + join(missing));
+  }
+  if (!additive && !given.empty()) {
+    throw UsageError(join(given) + (given.size() == 1 ? " is" : " are") +
+                     " for --scoring additive; --scoring dot has no parameters");
+  }
+  if (additive && args.scale) {
+    throw UsageError("--scale is for --scoring dot; additive attention has no scale");
+  }
+}
+
+// `inputs` holds queries, keys, values and, for additive, w_q, w_k, w_v, all
+// of float type T.
+template <class T>
+std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTensor>& inputs,
+                               const ValidLens& valid_lens) {
+  const auto in = [&](size_t i) -> const Tensor<T>& { return std::get<Tensor<T>>(inputs[i]); };
+  const bool batched = in(0).rank() == 3;
+  const auto as_batch = [&](size_t i) {
+    return batched ? in(i).view() : in(i).view().unsqueeze0();
+  };
+  AttentionOptions options;
+  options.scale = args.scale;
+  options.dropout = args.dropout;
+  options.training = args.train;
+  options.seed = args.seed;
+  options.want_weights = !args.weights.empty();
+  options.want_lse = !args.lse.empty();
+
+  AttentionResult<T> result =
+      args.scoring == "dot"
+          ? scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options)
+          : additive_attention(as_batch(0), as_batch(1), as_batch(2), in(3).view(), in(4).view(),
+                               in(5).view(), valid_lens, options);
+  // 2-D inputs give outputs without the batch axis of one.
+  const auto unbatch = [&](Tensor<T>& t) {
+    if (batched) return;
+    const Shape s = t.shape();
+    t = std::move(t).reshaped(s.rank() == 3 ? Shape{s[1], s[2]} : Shape{s[1]});
+  };
+  std::vector<OutputFile> files;
+  unbatch(result.output);
+  files.push_back({"--out", args.out, npy_bytes(result.output.view())});
+  if (options.want_weights) {
+    unbatch(result.weights);
+    files.push_back({"--weights", args.weights, npy_bytes(result.weights.view())});
+  }
+  if (options.want_lse) {
+    unbatch(result.lse);
+    files.push_back({"--lse", args.lse, npy_bytes(result.lse.view())});
+  }
+  return files;
+}
+
+void run_attend(const AttendArgs& args) {
+  check_options(args);
+  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
+  if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
+  if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
+  check_output_paths(outputs);
+  apply_threads(args.threads);
+
+  std::vector<Input> inputs{
+      {"--queries", args.queries}, {"--keys", args.keys}, {"--values", args.values}};
+  if (args.scoring == "additive") {
+    inputs.insert(inputs.end(), {{"--wq", args.w_q}, {"--wk", args.w_k}, {"--wv", args.w_v}});
+  }
+  std::vector<FloatTensor> tensors;
+  for (const Input& input : inputs) tensors.push_back(load_float(input));
+
+  for (const FloatTensor& t : tensors) {
+    if (t.index() == tensors[0].index()) continue;
+    std::string listing;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      listing += (i == 0 ? "" : ", ") + inputs[i].describe() + " is " + dtype_name(tensors[i]);
+    }
+    throw UsageError("mixed float types: " + listing +
+                     "; the inputs must be all float32 or all float64");
+  }
+
+  const Shape& q_shape = shape_of(tensors[0]);
+  if (q_shape.rank() != 2 && q_shape.rank() != 3) {
+    throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() +
+                     "; expected 2-D (Nq, D) or 3-D (B, Nq, D)");
+  }
+  for (size_t i = 1; i < 3; ++i) {
+    const Shape& s = shape_of(tensors[i]);
+    if (s.rank() != q_shape.rank()) {
+      throw UsageError(inputs[i].describe() + " has shape " + s.str() + " but " +
+                       inputs[0].describe() + " has shape " + q_shape.str() +
+                       "; queries, keys and values must be all 2-D or all 3-D");
+    }
+  }
+
+  Tensor<int64_t> lens;
+  if (!args.valid_lens.empty()) {
+    const Input lens_input{"--valid-lens", args.valid_lens};
+    lens = batch_valid_lens(load_valid_lens(lens_input), lens_input, inputs[0], q_shape);
+  }
+  const ValidLens valid_lens = lens.empty() ? ValidLens() : ValidLens(lens);
+
+  write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
+                    ? attend<float>(args, tensors, valid_lens)
+                    : attend<double>(args, tensors, valid_lens));
+}
+
+}  // namespace
+
+Command add_attend_command(CLI::App& parent) {
+  auto args = std::make_shared<AttendArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
+  app->add_option("--scoring", args->scoring,
+                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k)")
+      ->required()
+      ->check(CLI::IsMember({"dot", "additive"}));
+  app->add_option("--queries", args->queries, "Queries Q.npy: (B, Nq, D), or (Nq, D)")
+      ->type_name("Q.npy")
+      ->required();
+  app->add_option("--keys", args->keys, "Keys K.npy: (B, Nk, Dk), or (Nk, Dk)")
+      ->type_name("K.npy")
+      ->required();
+  app->add_option("--values", args->values, "Values V.npy: (B, Nk, Dv), or (Nk, Dv)")
+      ->type_name("V.npy")
+      ->required();
+  app->add_option(
+         "--valid-lens", args->valid_lens,
+         "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D inputs; for 2-D inputs "
+         "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
+         "every key is valid")
+      ->type_name("L.npy");
+  app->add_option("--scale", args->scale, "dot only: multiplies Q K^T (default 1/sqrt(D))")
+      ->type_name("S");
+  app->add_option("--wq", args->w_q, "additive only: W_q (H, D), like nn.Linear's weight")
+      ->type_name("Wq.npy");
+  app->add_option("--wk", args->w_k, "additive only: W_k (H, Dk)")->type_name("Wk.npy");
+  app->add_option("--wv", args->w_v, "additive only: w_v (H) or (1, H)")->type_name("wv.npy");
+  app->add_option("--dropout", args->dropout,
+                  "Dropout probability on the weights, applied only with --train")
+      ->type_name("P")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            char* end = nullptr;
+            const double p = std::strtod(text.c_str(), &end);
+            return end != text.c_str() && *end == '\0' && p >= 0.0 && p <= 1.0
+                       ? std::string()
+                       : "must be a probability in [0, 1], got " + text;
+          },
+          ""));
+  app->add_flag("--train", args->train, "Training mode: apply --dropout");
+  add_seed_option(*app, args->seed, "Selects the dropout mask");
+  app->add_option("--out", args->out, "Output O.npy: (B, Nq, Dv), or (Nq, Dv)")
+      ->type_name("O.npy")
+      ->required();
+  app->add_option("--weights", args->weights,
+                  "Also write the attention weights (before dropout): (B, Nq, Nk), or (Nq, Nk)")
+      ->type_name("W.npy");
+  app->add_option("--lse", args->lse,
+                  "Also write the log-sum-exp of each query's valid scores: (B, Nq), or (Nq)")
+      ->type_name("LSE.npy");
+  add_threads_option(*app, args->threads);
+  return {app, [args] { run_attend(*args); }};
+}
+
+}  // namespace qkv::cli

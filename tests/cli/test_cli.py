@@ -1,0 +1,643 @@
+#!/usr/bin/python3
+"""Tests of the `qkv` command's plumbing: options, file conventions, exit
+statuses, error messages and atomic outputs. The ops' numerics are tested
+elsewhere; here a few results are compared with small NumPy computations.
+
+Usage: test_cli.py --qkv PATH [unittest arguments, e.g. a TestCase name]
+NumPy is required: if it cannot be imported this script fails.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+QKV = None  # path of the qkv binary, from --qkv
+
+# Pass if |got - ref| <= atol + rtol * |ref|; float32 keeps ~7 digits through
+# sums over a few dozen terms, float64 ~16.
+TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol=1e-13)}
+
+
+def run(*args, env=None):
+    return subprocess.run([QKV] + [str(a) for a in args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+# ---- NumPy references (float64) ----------------------------------------------
+
+def lengths_of(lens, batch, num_queries, num_keys):
+    if lens is None:
+        return np.full((batch, num_queries), num_keys)
+    lens = np.asarray(lens)
+    return np.repeat(lens[:, None], num_queries, 1) if lens.ndim == 1 else lens
+
+
+def np_masked_softmax(x, lens=None):
+    x = np.asarray(x, dtype=np.float64)
+    lengths = lengths_of(lens, *x.shape)
+    mask = np.arange(x.shape[2])[None, None, :] < lengths[:, :, None]
+    m = np.where(mask, x, -np.inf).max(axis=2, keepdims=True)
+    e = np.where(mask, np.exp(np.where(mask, x, 0.0) - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    s = e.sum(axis=2, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):  # L = 0: zeros, lse -inf
+        return np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0), (np.log(s) + m)[:, :, 0]
+
+
+def np_attention(scores, values, lens=None):
+    w, lse = np_masked_softmax(scores, lens)
+    return w @ np.asarray(values, dtype=np.float64), w, lse
+
+
+def np_dot(q, k, v, lens=None, scale=None):
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return np_attention(q @ k.transpose(0, 2, 1) * scale, v, lens)
+
+
+def np_additive(q, k, v, w_q, w_k, w_v, lens=None):
+    f64 = lambda a: np.asarray(a, dtype=np.float64)
+    features = np.tanh((f64(q) @ f64(w_q).T)[:, :, None, :] + (f64(k) @ f64(w_k).T)[:, None, :, :])
+    return np_attention(features @ f64(w_v).reshape(-1), v, lens)
+
+
+# ---- the harness ---------------------------------------------------------------
+
+class CliTest(unittest.TestCase):
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="qkv-cli-test-")
+        self.dir = self._tmp.name
+        self.rng = np.random.default_rng(abs(hash(self.id())) % 2**32)
+
+    def tearDown(self):
+        self._tmp.cleanup()
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def save(self, name, array):
+        path = self.path(name)
+        np.save(path, array)
+        return path
+
+    def ok(self, *args, env=None):
+        r = run(*args, env=env)
+        self.assertEqual(r.returncode, 0,
+                         f"qkv {' '.join(map(str, args))}\nstdout: {r.stdout}\nstderr: {r.stderr}")
+        self.assertEqual(r.stderr, "", "a successful run prints nothing on stderr")
+        return r
+
+    def load(self, path, dtype, shape):
+        self.assertTrue(os.path.exists(path), f"qkv wrote no {path}")
+        got = np.load(path)
+        self.assertEqual(got.dtype, np.dtype(dtype), path)
+        self.assertEqual(got.shape, tuple(shape), path)
+        return got
+
+    def assertClose(self, got, ref, dtype):
+        np.testing.assert_allclose(got.astype(np.float64), ref, **TOL[dtype])
+
+    def listing(self, directories):
+        return {d: sorted(os.listdir(d)) for d in directories if os.path.isdir(d)}
+
+    def expect_error(self, command, args, outputs=(), fragments=()):
+        """Runs qkv twice, first with every output absent and then with each
+        output (whose directory exists) holding a sentinel: both runs must exit
+        2 with `qkv <command>: error:` and the fragments on stderr, nothing on
+        stdout, and leave the outputs and their directories as they were."""
+        directories = {os.path.dirname(p) or "." for p in outputs}
+        for existing in (False, True):
+            sentinels = {}
+            for p in outputs:
+                if os.path.isdir(p):
+                    continue
+                if existing and os.path.isdir(os.path.dirname(p) or "."):
+                    sentinels[p] = b"sentinel " + p.encode()
+                    with open(p, "wb") as f:
+                        f.write(sentinels[p])
+                elif os.path.exists(p):
+                    os.remove(p)
+            before = self.listing(directories)
+            r = run(*args)
+            context = (f"qkv {' '.join(map(str, args))}\nexit {r.returncode}\n"
+                       f"stderr: {r.stderr}")
+            self.assertEqual(r.returncode, 2, context)
+            prefix = f"qkv {command}: error: " if command else "qkv: error: "
+            self.assertTrue(r.stderr.startswith(prefix), context)
+            for fragment in fragments:
+                self.assertIn(fragment, r.stderr, context)
+            self.assertEqual(r.stdout, "", context)
+            for p in outputs:
+                if os.path.isdir(p):
+                    continue
+                if p in sentinels:
+                    with open(p, "rb") as f:
+                        self.assertEqual(f.read(), sentinels[p], f"{p} was clobbered\n{context}")
+                else:
+                    self.assertFalse(os.path.exists(p), f"{p} was written\n{context}")
+            self.assertEqual(self.listing(directories), before, f"files left behind\n{context}")
+        return r
+
+    # Inputs shared by many tests.
+    def attention_inputs(self, dtype, batch=2, num_queries=3, num_keys=5, head_dim=4,
+                         value_dim=6):
+        q = self.rng.normal(size=(batch, num_queries, head_dim)).astype(dtype)
+        k = self.rng.normal(size=(batch, num_keys, head_dim)).astype(dtype)
+        v = self.rng.normal(size=(batch, num_keys, value_dim)).astype(dtype)
+        return q, k, v
+
+    def additive_params(self, dtype, hiddens=7, query_size=4, key_size=4, w_v_2d=False):
+        w_q = self.rng.normal(size=(hiddens, query_size)).astype(dtype)
+        w_k = self.rng.normal(size=(hiddens, key_size)).astype(dtype)
+        w_v = self.rng.normal(size=(1, hiddens) if w_v_2d else (hiddens,)).astype(dtype)
+        return w_q, w_k, w_v
+
+    def dot_args(self, q, k, v, out="o.npy"):
+        return ["attend", "--scoring", "dot", "--queries", self.save("q.npy", q),
+                "--keys", self.save("k.npy", k), "--values", self.save("v.npy", v),
+                "--out", self.path(out)]
+
+    def additive_args(self, q, k, v, w_q, w_k, w_v, out="o.npy"):
+        return ["attend", "--scoring", "additive", "--queries", self.save("q.npy", q),
+                "--keys", self.save("k.npy", k), "--values", self.save("v.npy", v),
+                "--wq", self.save("wq.npy", w_q), "--wk", self.save("wk.npy", w_k),
+                "--wv", self.save("wv.npy", w_v), "--out", self.path(out)]
+
+
+# ---- version and help ----------------------------------------------------------
+
+class BasicsTest(CliTest):
+    def test_version(self):
+        r = self.ok("--version")
+        self.assertRegex(r.stdout.strip(), r"^qkv \d+\.\d+\.\d+$")
+
+    def test_help(self):
+        r = self.ok("--help")
+        for command in ("softmax", "attend", "demo"):
+            self.assertIn(command, r.stdout)
+
+    def test_help_of_each_command(self):
+        expected = {
+            "softmax": ["--scores", "--valid-lens", "--out", "--threads"],
+            "attend": ["--scoring", "--queries", "--keys", "--values", "--valid-lens", "--scale",
+                       "--wq", "--wk", "--wv", "--dropout", "--train", "--seed", "--out",
+                       "--weights", "--lse", "--threads"],
+            "demo": ["--seed", "--threads"],
+        }
+        for command, options in expected.items():
+            for flag in ("--help", "-h"):
+                r = self.ok(command, flag)
+                for option in options:
+                    self.assertIn(option, r.stdout, f"qkv {command} {flag}")
+
+    def test_no_command_prints_help_and_exits_2(self):
+        r = run()
+        self.assertEqual(r.returncode, 2)
+        self.assertTrue(r.stderr.startswith("qkv: error: "), r.stderr)
+        for command in ("softmax", "attend", "demo"):
+            self.assertIn(command, r.stderr)
+
+    def test_unknown_command_or_option(self):
+        self.expect_error("", ["frobnicate"])
+        self.expect_error("", ["--frobnicate"])
+        x = self.save("x.npy", np.ones((2, 3), np.float32))
+        self.expect_error("softmax", ["softmax", "--scores", x, "--out", self.path("w.npy"),
+                                      "--frobnicate"], [self.path("w.npy")], ["--frobnicate"])
+
+
+# ---- qkv softmax -------------------------------------------------------------------
+
+class SoftmaxTest(CliTest):
+    def softmax(self, scores, lens=None, extra=()):
+        args = ["softmax", "--scores", self.save("x.npy", scores), "--out", self.path("w.npy")]
+        if lens is not None:
+            args += ["--valid-lens", self.save("l.npy", lens)]
+        self.ok(*args, *extra)
+        return self.load(self.path("w.npy"), scores.dtype, scores.shape)
+
+    def test_3d_without_lens(self):
+        for dtype in (np.float32, np.float64):
+            x = self.rng.normal(size=(2, 3, 5)).astype(dtype)
+            self.assertClose(self.softmax(x), np_masked_softmax(x)[0], dtype)
+
+    def test_3d_with_1d_and_2d_lens(self):
+        for dtype in (np.float32, np.float64):
+            for int_type in (np.int32, np.int64):
+                x = self.rng.normal(size=(2, 3, 5)).astype(dtype)
+                for lens in (np.array([2, 5]), np.array([[1, 3, 5], [4, 2, 0]])):
+                    lens = lens.astype(int_type)
+                    got = self.softmax(x, lens)
+                    self.assertClose(got, np_masked_softmax(x, lens)[0], dtype)
+
+    def test_2d_is_a_batch_of_one(self):
+        for dtype in (np.float32, np.float64):
+            x = self.rng.normal(size=(3, 5)).astype(dtype)
+            self.assertClose(self.softmax(x), np_masked_softmax(x[None])[0][0], dtype)
+
+    def test_2d_with_one_length(self):
+        x = self.rng.normal(size=(3, 5)).astype(np.float32)
+        ref = np_masked_softmax(x[None], np.array([2]))[0][0]
+        for lens in (np.array(2), np.array([2]), np.array([2], dtype=np.int32)):
+            self.assertClose(self.softmax(x, lens), ref, np.float32)
+        self.assertTrue(np.all(self.softmax(x, np.array([2]))[:, 2:] == 0))
+
+    def test_2d_with_one_length_per_query(self):
+        x = self.rng.normal(size=(3, 5)).astype(np.float64)
+        per_query = np.array([1, 5, 3])
+        ref = np_masked_softmax(x[None], per_query[None])[0][0]
+        self.assertClose(self.softmax(x, per_query), ref, np.float64)
+        self.assertClose(self.softmax(x, per_query[None]), ref, np.float64)
+
+    def test_threads_give_identical_results(self):
+        x = self.rng.normal(size=(3, 17, 33)).astype(np.float32)
+        lens = self.rng.integers(0, 34, size=(3, 17))
+        one = self.softmax(x, lens, ["--threads", "1"])
+        two = self.softmax(x, lens, ["--threads", "2"])
+        np.testing.assert_array_equal(one, two)
+
+    def test_replaces_an_existing_output(self):
+        with open(self.path("w.npy"), "wb") as f:
+            f.write(b"old contents")
+        x = self.rng.normal(size=(2, 2, 4)).astype(np.float32)
+        self.softmax(x)
+        self.assertEqual(sorted(os.listdir(self.dir)), ["w.npy", "x.npy"])
+
+    def test_output_in_the_current_directory(self):
+        x = self.rng.normal(size=(2, 4)).astype(np.float32)
+        np.save(self.path("x.npy"), x)
+        r = subprocess.run([QKV, "softmax", "--scores", "x.npy", "--out", "w.npy"],
+                           capture_output=True, text=True, timeout=120, cwd=self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertClose(np.load(self.path("w.npy")), np_masked_softmax(x[None])[0][0], np.float32)
+
+
+# ---- qkv attend --------------------------------------------------------------------
+
+class AttendTest(CliTest):
+    def test_dot_3d_f4_and_f8(self):
+        for dtype in (np.float32, np.float64):
+            q, k, v = self.attention_inputs(dtype)
+            lens = np.array([3, 5])
+            args = self.dot_args(q, k, v) + ["--valid-lens", self.save("l.npy", lens)]
+            self.ok(*args)
+            ref, _, _ = np_dot(q, k, v, lens)
+            self.assertClose(self.load(self.path("o.npy"), dtype, (2, 3, 6)), ref, dtype)
+
+    def test_dot_2d_f4_and_f8(self):
+        for dtype in (np.float32, np.float64):
+            q, k, v = self.attention_inputs(dtype, batch=1)
+            lens = np.array([2, 5, 1], dtype=np.int32)
+            self.ok(*self.dot_args(q[0], k[0], v[0]), "--valid-lens", self.save("l.npy", lens),
+                    "--weights", self.path("w.npy"), "--lse", self.path("lse.npy"))
+            ref, w, lse = np_dot(q, k, v, lens[None])
+            self.assertClose(self.load(self.path("o.npy"), dtype, (3, 6)), ref[0], dtype)
+            self.assertClose(self.load(self.path("w.npy"), dtype, (3, 5)), w[0], dtype)
+            self.assertClose(self.load(self.path("lse.npy"), dtype, (3,)), lse[0], dtype)
+
+    def test_dot_weights_lse_and_scale(self):
+        q, k, v = self.attention_inputs(np.float64)
+        lens = np.array([[1, 2, 3], [5, 4, 2]], dtype=np.int64)
+        self.ok(*self.dot_args(q, k, v), "--valid-lens", self.save("l.npy", lens),
+                "--scale", "0.3", "--weights", self.path("w.npy"), "--lse", self.path("lse.npy"))
+        ref, w, lse = np_dot(q, k, v, lens, scale=0.3)
+        self.assertClose(self.load(self.path("o.npy"), np.float64, (2, 3, 6)), ref, np.float64)
+        self.assertClose(self.load(self.path("w.npy"), np.float64, (2, 3, 5)), w, np.float64)
+        self.assertClose(self.load(self.path("lse.npy"), np.float64, (2, 3)), lse, np.float64)
+
+    def test_additive_3d_f4_and_f8(self):
+        for dtype in (np.float32, np.float64):
+            q, k, v = self.attention_inputs(dtype)
+            w_q, w_k, w_v = self.additive_params(dtype, key_size=4, w_v_2d=dtype == np.float64)
+            lens = np.array([4, 1])
+            self.ok(*self.additive_args(q, k, v, w_q, w_k, w_v), "--valid-lens",
+                    self.save("l.npy", lens), "--weights", self.path("w.npy"),
+                    "--lse", self.path("lse.npy"))
+            ref, w, lse = np_additive(q, k, v, w_q, w_k, w_v, lens)
+            self.assertClose(self.load(self.path("o.npy"), dtype, (2, 3, 6)), ref, dtype)
+            self.assertClose(self.load(self.path("w.npy"), dtype, (2, 3, 5)), w, dtype)
+            self.assertClose(self.load(self.path("lse.npy"), dtype, (2, 3)), lse, dtype)
+
+    def test_additive_2d_f4_and_f8_with_other_key_size(self):
+        for dtype in (np.float32, np.float64):
+            q = self.rng.normal(size=(3, 20)).astype(dtype)
+            k = self.rng.normal(size=(10, 2)).astype(dtype)
+            v = self.rng.normal(size=(10, 4)).astype(dtype)
+            w_q, w_k, w_v = self.additive_params(dtype, hiddens=8, query_size=20, key_size=2)
+            self.ok(*self.additive_args(q, k, v, w_q, w_k, w_v), "--valid-lens",
+                    self.save("l.npy", np.array(6)), "--lse", self.path("lse.npy"))
+            ref, _, lse = np_additive(q[None], k[None], v[None], w_q, w_k, w_v, np.array([6]))
+            self.assertClose(self.load(self.path("o.npy"), dtype, (3, 4)), ref[0], dtype)
+            self.assertClose(self.load(self.path("lse.npy"), dtype, (3,)), lse[0], dtype)
+
+    def chapter_inputs(self):
+        # d2l 11.3: keys all ones, values arange(40) as (10, 4) in both batch
+        # elements, valid_lens [2, 6]; the weights are uniform over the valid keys.
+        keys = np.ones((2, 10, 2), dtype=np.float32)
+        values = np.tile(np.arange(40, dtype=np.float32).reshape(1, 10, 4), (2, 1, 1))
+        return keys, values, np.array([2, 6])
+
+    def test_chapter_example(self):
+        keys, values, lens = self.chapter_inputs()
+        expected = np.array([[[2, 3, 4, 5]], [[10, 11, 12, 13]]], dtype=np.float64)
+        queries = self.rng.normal(size=(2, 1, 20)).astype(np.float32)
+        w_q, w_k, w_v = self.additive_params(np.float32, hiddens=8, query_size=20, key_size=2,
+                                             w_v_2d=True)
+        self.ok(*self.additive_args(queries, keys, values, w_q, w_k, w_v), "--valid-lens",
+                self.save("l.npy", lens), "--dropout", "0.1")
+        self.assertClose(self.load(self.path("o.npy"), np.float32, (2, 1, 4)), expected,
+                         np.float32)
+        queries = self.rng.normal(size=(2, 1, 2)).astype(np.float32)
+        self.ok(*self.dot_args(queries, keys, values), "--valid-lens", self.save("l.npy", lens),
+                "--dropout", "0.5", "--weights", self.path("w.npy"))
+        self.assertClose(self.load(self.path("o.npy"), np.float32, (2, 1, 4)), expected,
+                         np.float32)
+        weights = self.load(self.path("w.npy"), np.float32, (2, 1, 10))
+        uniform = np.zeros((2, 1, 10))
+        uniform[0, 0, :2], uniform[1, 0, :6] = 1 / 2, 1 / 6
+        self.assertClose(weights, uniform, np.float32)
+
+    def test_dropout_with_train(self):
+        q, k, v = self.attention_inputs(np.float32, num_queries=8, num_keys=16)
+        base = self.dot_args(q, k, v)
+
+        def output(*extra):
+            self.ok(*base, *extra)
+            return np.load(self.path("o.npy"))
+
+        eval_out = output()
+        # --dropout without --train is eval mode; --train without --dropout drops nothing.
+        np.testing.assert_array_equal(output("--dropout", "0.5"), eval_out)
+        np.testing.assert_array_equal(output("--train"), eval_out)
+        first = output("--dropout", "0.5", "--train", "--seed", "7")
+        self.assertFalse(np.array_equal(first, eval_out))
+        np.testing.assert_array_equal(output("--dropout", "0.5", "--train", "--seed", "7"), first)
+        np.testing.assert_array_equal(
+            output("--dropout", "0.5", "--train", "--seed", "7", "--threads", "2"), first)
+        self.assertFalse(np.array_equal(output("--dropout", "0.5", "--train", "--seed", "8"),
+                                        first))
+        # p = 1 drops every weight: an all-zero output.
+        np.testing.assert_array_equal(output("--dropout", "1", "--train"), np.zeros_like(first))
+
+    def test_dropout_leaves_weights_and_keeps_additive_reproducible(self):
+        q, k, v = self.attention_inputs(np.float64, num_queries=6, num_keys=9)
+        w_q, w_k, w_v = self.additive_params(np.float64)
+        base = self.additive_args(q, k, v, w_q, w_k, w_v) + ["--weights", self.path("w.npy")]
+        self.ok(*base, "--dropout", "0.3", "--train", "--seed", "123")
+        first, weights = np.load(self.path("o.npy")), np.load(self.path("w.npy"))
+        ref, w, _ = np_additive(q, k, v, w_q, w_k, w_v)
+        # The weights are the softmax before dropout, as d2l's attention_weights.
+        self.assertClose(weights, w, np.float64)
+        self.assertFalse(np.allclose(first, ref))
+        self.ok(*base, "--dropout", "0.3", "--train", "--seed", "123")
+        np.testing.assert_array_equal(np.load(self.path("o.npy")), first)
+
+
+# ---- qkv demo ------------------------------------------------------------------------
+
+class DemoTest(CliTest):
+    def test_demo_prints_the_chapter_examples(self):
+        r = self.ok("demo")
+        out = r.stdout
+        for text in ("Masked softmax", "Additive attention", "Scaled dot-product attention",
+                     "valid_lens [2, 3]", "valid_lens [[1, 3], [2, 4]]"):
+            self.assertIn(text, out)
+        rows = [line.split() for line in out.splitlines()]
+        first = ["b=0", "q=0", "2.0000", "3.0000", "4.0000", "5.0000"]
+        second = ["b=1", "q=0", "10.0000", "11.0000", "12.0000", "13.0000"]
+        self.assertEqual(rows.count(first), 2, out)  # additive and dot-product
+        self.assertEqual(rows.count(second), 2, out)
+        uniform_2 = ["b=0", "q=0"] + ["0.5000"] * 2 + ["0.0000"] * 8
+        uniform_6 = ["b=1", "q=0"] + ["0.1667"] * 6 + ["0.0000"] * 4
+        self.assertEqual(rows.count(uniform_2), 2, out)
+        self.assertEqual(rows.count(uniform_6), 2, out)
+
+    def test_demo_masked_softmax_rows(self):
+        rows = [line.split() for line in self.ok("demo").stdout.splitlines()]
+        softmax_rows = [r for r in rows if len(r) == 6 and r[0].startswith("b=")][:8]
+        self.assertEqual(len(softmax_rows), 8)
+        weights = np.array([[float(x) for x in r[2:]] for r in softmax_rows]).reshape(2, 2, 2, 4)
+        lengths = np.array([[[2, 2], [3, 3]], [[1, 3], [2, 4]]])
+        for c, b, i in np.ndindex(2, 2, 2):
+            row, length = weights[c, b, i], lengths[c, b, i]
+            self.assertTrue(np.all(row[length:] == 0), row)
+            self.assertTrue(np.all(row[:length] > 0), row)
+            self.assertAlmostEqual(row.sum(), 1.0, delta=5e-4)
+
+    def test_seed_and_threads(self):
+        default = self.ok("demo").stdout
+        self.assertEqual(self.ok("demo", "--seed", "0").stdout, default)
+        self.assertEqual(self.ok("demo", "--seed", "0", "--threads", "2").stdout, default)
+        other = self.ok("demo", "--seed", "42").stdout
+        self.assertNotEqual(other, default)
+        self.assertEqual(self.ok("demo", "--seed", "42").stdout, other)
+
+    def test_a_report_that_cannot_be_written_exits_1(self):
+        # Not bad usage but a failure of the system: status 1 (DESIGN.md section 4).
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([QKV, "demo"], stdout=full, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertTrue(r.stderr.startswith("qkv demo: error: "), r.stderr)
+
+
+# ---- every error path ------------------------------------------------------------
+
+class ErrorsTest(CliTest):
+    def setUp(self):
+        super().setUp()
+        self.x = self.save("x.npy", self.rng.normal(size=(2, 3, 4)).astype(np.float32))
+        self.out = self.path("out.npy")
+        q, k, v = self.attention_inputs(np.float32)
+        self.q, self.k, self.v = (self.save(n, a) for n, a in (("q.npy", q), ("k.npy", k),
+                                                                 ("v.npy", v)))
+        w_q, w_k, w_v = self.additive_params(np.float32)
+        self.wq, self.wk, self.wv = (self.save(n, a) for n, a in (("wq.npy", w_q),
+                                                                    ("wk.npy", w_k),
+                                                                    ("wv.npy", w_v)))
+
+    def dot(self, **replace):
+        args = {"--queries": self.q, "--keys": self.k, "--values": self.v, "--out": self.out}
+        args.update(replace)
+        return ["attend", "--scoring", "dot"] + [str(a) for kv in args.items() for a in kv
+                                                 if kv[1] is not None]
+
+    def additive(self, **replace):
+        args = {"--queries": self.q, "--keys": self.k, "--values": self.v, "--wq": self.wq,
+                "--wk": self.wk, "--wv": self.wv, "--out": self.out}
+        args.update(replace)
+        return ["attend", "--scoring", "additive"] + [str(a) for kv in args.items() for a in kv
+                                                      if kv[1] is not None]
+
+    def test_missing_required_options(self):
+        self.expect_error("softmax", ["softmax", "--out", self.out], [self.out], ["--scores"])
+        self.expect_error("softmax", ["softmax", "--scores", self.x], [], ["--out"])
+        self.expect_error("attend", self.dot(**{"--keys": None}), [self.out], ["--keys"])
+        self.expect_error("attend", ["attend", "--queries", self.q, "--keys", self.k, "--values",
+                                     self.v, "--out", self.out], [self.out], ["--scoring"])
+        self.expect_error("softmax", ["softmax", "--scores"], [], ["--scores"])
+
+    def test_missing_input_file(self):
+        missing = self.path("missing.npy")
+        self.expect_error("softmax", ["softmax", "--scores", missing, "--out", self.out],
+                          [self.out], ["--scores", missing, "No such file"])
+        self.expect_error("attend", self.dot(**{"--values": missing}), [self.out],
+                          ["--values", missing])
+        self.expect_error("softmax", ["softmax", "--scores", self.x, "--valid-lens", missing,
+                                      "--out", self.out], [self.out], ["--valid-lens", missing])
+        self.expect_error("softmax", ["softmax", "--scores", self.dir, "--out", self.out],
+                          [self.out], ["directory"])
+
+    def test_bad_npy(self):
+        garbage = self.path("garbage.npy")
+        with open(garbage, "wb") as f:
+            f.write(b"this is not a .npy file at all")
+        truncated = self.path("truncated.npy")
+        with open(self.x, "rb") as f:
+            data = f.read()
+        with open(truncated, "wb") as f:
+            f.write(data[:-5])
+        empty = self.path("empty.npy")
+        open(empty, "wb").close()
+        fortran = self.save("fortran.npy", np.asfortranarray(np.ones((3, 4), np.float32)))
+        for bad in (garbage, truncated, empty, fortran):
+            self.expect_error("softmax", ["softmax", "--scores", bad, "--out", self.out],
+                              [self.out], [os.path.basename(bad)])
+        self.expect_error("attend", self.dot(**{"--queries": truncated}), [self.out],
+                          ["truncated.npy"])
+
+    def test_input_of_the_wrong_dtype(self):
+        ints = self.save("ints.npy", np.ones((2, 3, 4), np.int32))
+        self.expect_error("softmax", ["softmax", "--scores", ints, "--out", self.out],
+                          [self.out], ["--scores", "int32", "float32 or float64"])
+        self.expect_error("attend", self.dot(**{"--keys": ints}), [self.out], ["--keys", "int32"])
+
+    def test_wrong_ranks(self):
+        for shape in ((4,), (2, 2, 3, 4), ()):
+            bad = self.save("bad.npy", np.ones(shape, np.float32))
+            self.expect_error("softmax", ["softmax", "--scores", bad, "--out", self.out],
+                              [self.out], ["--scores", str(list(shape))])
+            self.expect_error("attend", self.dot(**{"--queries": bad}), [self.out],
+                              ["--queries"])
+        keys_2d = self.save("k2.npy", np.ones((5, 4), np.float32))
+        self.expect_error("attend", self.dot(**{"--keys": keys_2d}), [self.out],
+                          ["--keys", "[5, 4]", "[2, 3, 4]"])
+        values_2d = self.save("v2.npy", np.ones((5, 6), np.float32))
+        self.expect_error("attend", self.dot(**{"--values": values_2d}), [self.out],
+                          ["--values", "[5, 6]"])
+
+    def test_mismatched_sizes(self):
+        k3 = self.save("k3.npy", np.ones((2, 5, 3), np.float32))
+        self.expect_error("attend", self.dot(**{"--keys": k3}), [self.out], ["[2, 5, 3]"])
+        v7 = self.save("v7.npy", np.ones((2, 7, 6), np.float32))
+        self.expect_error("attend", self.dot(**{"--values": v7}), [self.out], ["[2, 7, 6]"])
+        b3 = self.save("k_b3.npy", np.ones((3, 5, 4), np.float32))
+        self.expect_error("attend", self.dot(**{"--keys": b3}), [self.out], ["[3, 5, 4]"])
+        wq_bad = self.save("wq_bad.npy", np.ones((7, 9), np.float32))
+        self.expect_error("attend", self.additive(**{"--wq": wq_bad}), [self.out], ["[7, 9]"])
+        lens3 = self.save("l3.npy", np.array([1, 2, 3]))
+        self.expect_error("softmax", ["softmax", "--scores", self.x, "--valid-lens", lens3,
+                                      "--out", self.out], [self.out], ["[3]", "[2, 3, 4]"])
+        lens_q = self.save("lq.npy", np.ones((2, 4), np.int64))
+        self.expect_error("attend", self.dot(**{"--valid-lens": lens_q}), [self.out],
+                          ["[2, 4]", "[2, 3, 5]", "expected [2] or [2, 3]"])
+        lens_3d = self.save("l3d.npy", np.ones((2, 3, 1), np.int64))
+        self.expect_error("softmax", ["softmax", "--scores", self.x, "--valid-lens", lens_3d,
+                                      "--out", self.out], [self.out], ["[2, 3, 1]"])
+
+    def test_lens_that_do_not_fit_2d_inputs(self):
+        x2 = self.save("x2.npy", np.ones((3, 4), np.float32))
+        for shape in ((2,), (4,), (3, 3), (2, 3)):
+            lens = self.save("l.npy", np.ones(shape, np.int64))
+            self.expect_error("softmax", ["softmax", "--scores", x2, "--valid-lens", lens,
+                                          "--out", self.out], [self.out],
+                              ["--valid-lens", str(list(shape)), "[3, 4]"])
+
+    def test_lens_out_of_range(self):
+        for lens in ([1, 6], [-1, 2]):
+            path = self.save("l.npy", np.array(lens, np.int64))
+            self.expect_error("softmax", ["softmax", "--scores", self.x, "--valid-lens", path,
+                                          "--out", self.out], [self.out],
+                              [str(min(lens) if min(lens) < 0 else max(lens))])
+            self.expect_error("attend", self.dot(**{"--valid-lens": path}), [self.out], [])
+
+    def test_float_lens(self):
+        for dtype, name in ((np.float32, "float32"), (np.float64, "float64")):
+            path = self.save("l.npy", np.array([1, 2], dtype))
+            self.expect_error("softmax", ["softmax", "--scores", self.x, "--valid-lens", path,
+                                          "--out", self.out], [self.out],
+                              ["--valid-lens", name, "int32 or int64"])
+            self.expect_error("attend", self.dot(**{"--valid-lens": path}), [self.out], [name])
+
+    def test_mixed_dtypes(self):
+        k64 = self.save("k64.npy", np.load(self.k).astype(np.float64))
+        self.expect_error("attend", self.dot(**{"--keys": k64}), [self.out],
+                          ["float32", "float64", "k64.npy", "q.npy"])
+        wv64 = self.save("wv64.npy", np.load(self.wv).astype(np.float64))
+        self.expect_error("attend", self.additive(**{"--wv": wv64}), [self.out],
+                          ["--wv", "wv64.npy", "float64", "float32"])
+
+    def test_additive_missing_parameters(self):
+        cases = [({"--wq": None}, "missing --wq"),
+                 ({"--wk": None, "--wv": None}, "missing --wk and --wv"),
+                 ({"--wq": None, "--wk": None, "--wv": None}, "missing --wq, --wk and --wv")]
+        for replace, fragment in cases:
+            self.expect_error("attend", self.additive(**replace), [self.out], [fragment])
+
+    def test_parameters_with_dot(self):
+        self.expect_error("attend", self.dot(**{"--wq": self.wq}), [self.out],
+                          ["--wq", "additive"])
+        self.expect_error("attend", self.dot(**{"--wk": self.wk, "--wv": self.wv}), [self.out],
+                          ["--wk and --wv"])
+
+    def test_scale_with_additive(self):
+        self.expect_error("attend", self.additive(**{"--scale": "0.5"}), [self.out], ["--scale"])
+
+    def test_bad_option_values(self):
+        for threads in ("0", "-1", "two", "1.5"):
+            self.expect_error("softmax", ["softmax", "--scores", self.x, "--out", self.out,
+                                          "--threads", threads], [self.out], ["--threads"])
+            self.expect_error("demo", ["demo", "--threads", threads], [], ["--threads"])
+        self.expect_error("attend", self.dot(**{"--threads": "0"}), [self.out], ["--threads"])
+        for seed in ("-1", "x", "1.5"):
+            self.expect_error("attend", self.dot(**{"--seed": seed}), [self.out], ["--seed"])
+            self.expect_error("demo", ["demo", "--seed", seed], [], ["--seed"])
+        for p in ("1.5", "-0.1", "x"):
+            self.expect_error("attend", self.dot(**{"--dropout": p}), [self.out], ["--dropout"])
+        self.expect_error("attend", self.dot(**{"--scale": "x"}), [self.out], ["--scale"])
+        self.expect_error("attend", ["attend", "--scoring", "cosine"] + self.dot()[3:],
+                          [self.out], ["--scoring"])
+
+    def test_output_into_a_nonexistent_directory(self):
+        nowhere = self.path("no/such/dir/out.npy")
+        self.expect_error("softmax", ["softmax", "--scores", self.x, "--out", nowhere], [nowhere],
+                          [nowhere])
+        # The second output fails after the first was staged: neither appears.
+        weights = self.path("w.npy")
+        self.expect_error("attend", self.dot(**{"--weights": weights, "--lse": nowhere}),
+                          [self.out, weights, nowhere], ["--lse", nowhere])
+
+    def test_output_that_is_a_directory_or_repeated(self):
+        self.expect_error("softmax", ["softmax", "--scores", self.x, "--out", self.dir], [],
+                          ["directory"])
+        self.expect_error("attend", self.dot(**{"--weights": self.out}), [self.out],
+                          ["--out and --weights"])
+        same = os.path.join(self.dir, ".", "out.npy")
+        self.expect_error("attend", self.dot(**{"--lse": same}), [self.out], ["--lse"])
+
+
+def main():
+    global QKV
+    argv = list(sys.argv)
+    if len(argv) < 3 or argv[1] != "--qkv":
+        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
+    QKV = os.path.abspath(argv[2])
+    if not os.access(QKV, os.X_OK):
+        sys.exit(f"test_cli.py: {QKV} is not an executable (build the qkv_cli target)")
+    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
+
+
+if __name__ == "__main__":
+    main()
