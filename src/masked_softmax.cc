@@ -20,12 +20,25 @@ template <class T>
 void forward_into(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights) {
   constexpr std::string_view kFn = "masked_softmax";
   check_scores(kFn, "scores", scores, valid_lens);
-  detail::check_destination(kFn, "weights", weights, scores.shape());
-  if (scores.stride(2) == 1) {
-    kernels::fast::masked_softmax(scores, valid_lens, weights);
-  } else {
-    const detail::Contiguous<T> packed(scores);
-    kernels::fast::masked_softmax(packed.view(), valid_lens, weights);
+  detail::check_shape(kFn, "weights", weights, scores.shape());
+  if (scores.numel() == 0) return;
+  // The kernel walks rows with unit stride; other layouts go through copies.
+  Tensor<T> packed;
+  ConstView<T> rows = scores;
+  if (scores.stride(2) != 1) {
+    packed = Tensor<T>::copy_of(scores);
+    rows = packed.view();
+  }
+  if (weights.stride(2) == 1) {
+    kernels::fast::masked_softmax(rows, valid_lens, weights);
+    return;
+  }
+  Tensor<T> dense(scores.shape());
+  kernels::fast::masked_softmax(rows, valid_lens, dense.view());
+  for (int64_t b = 0; b < weights.size(0); ++b) {
+    for (int64_t i = 0; i < weights.size(1); ++i) {
+      for (int64_t j = 0; j < weights.size(2); ++j) weights(b, i, j) = dense(b, i, j);
+    }
   }
 }
 
@@ -47,6 +60,7 @@ template <class T>
 Tensor<T> backward(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens) {
   check_backward("masked_softmax_backward", weights, d_weights, valid_lens);
   Tensor<T> d_scores(weights.shape());
+  if (weights.numel() == 0) return d_scores;
   const detail::Contiguous<T> w(weights), g(d_weights);
   kernels::fast::masked_softmax_backward(w.view(), g.view(), valid_lens, d_scores.view());
   return d_scores;

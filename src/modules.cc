@@ -81,10 +81,6 @@ AttentionOptions forward_options(double dropout, bool training, uint64_t seed, u
   return options;
 }
 
-ValidLens lens_of(const Tensor<int64_t>& lens) {
-  return lens.empty() ? ValidLens() : ValidLens(lens);
-}
-
 void check_ready(std::string_view function, bool ready) {
   if (!ready) fail(function, "there is no forward pass to differentiate; call forward first");
 }
@@ -122,7 +118,7 @@ template <class T>
 DotProductGrads<T> DotProductAttention<T>::backward(ConstView<T> d_output) const {
   check_ready("DotProductAttention::backward", cache_.ready);
   return scaled_dot_product_attention_backward(cache_.queries, cache_.keys, cache_.values,
-                                               lens_of(cache_.valid_lens), cache_.options,
+                                               ValidLens(cache_.valid_lens), cache_.options,
                                                cache_.output, cache_.lse, d_output);
 }
 
@@ -164,7 +160,7 @@ template <class T>
 AdditiveGrads<T> AdditiveAttention<T>::backward(ConstView<T> d_output) {
   check_ready("AdditiveAttention::backward", cache_.ready);
   AdditiveGrads<T> grads = additive_attention_backward(
-      cache_.queries, cache_.keys, cache_.values, w_q_, w_k_, w_v_, lens_of(cache_.valid_lens),
+      cache_.queries, cache_.keys, cache_.values, w_q_, w_k_, w_v_, ValidLens(cache_.valid_lens),
       cache_.options, cache_.output, cache_.lse, d_output);
   // Accumulate, as PyTorch does, until zero_grad().
   qkv::sgd_step(d_w_q_.view(), grads.d_w_q.view(), -1.0);

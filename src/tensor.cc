@@ -2,6 +2,8 @@
 // types the library uses.
 #include "qkv/tensor.h"
 
+#include <limits>
+
 #include "qkv/error.h"
 
 namespace qkv {
@@ -41,6 +43,20 @@ Shape row_major_strides(const Shape& shape) {
   }
   return strides;
 }
+
+namespace detail {
+size_t checked_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t size : shape) {
+    if (size < 0) fail("Tensor", "shape " + shape.str() + " has a negative size");
+    if (size != 0 && n > std::numeric_limits<int64_t>::max() / size) {
+      fail("Tensor", "shape " + shape.str() + " has too many elements");
+    }
+    n *= size;
+  }
+  return static_cast<size_t>(n);
+}
+}  // namespace detail
 
 template <class T>
 Tensor<T>::Tensor(Shape shape, std::vector<T> values) : shape_(shape), data_(std::move(values)) {

@@ -13,7 +13,8 @@ namespace qkv {
 // The fast version (SIMD, threaded).
 Tensor<float> masked_softmax(ConstView<float> scores, const ValidLens& valid_lens = {});
 Tensor<double> masked_softmax(ConstView<double> scores, const ValidLens& valid_lens = {});
-// Writes into a caller-provided buffer of the scores' shape (may alias scores).
+// Writes into a caller-provided buffer of the scores' shape, any strides (it
+// may be the scores themselves: in place).
 void masked_softmax(ConstView<float> scores, const ValidLens& valid_lens,
                     TensorView<float> weights);
 void masked_softmax(ConstView<double> scores, const ValidLens& valid_lens,

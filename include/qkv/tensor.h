@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -50,6 +51,12 @@ class Shape {
 
 // Strides (in elements) of a contiguous row-major tensor of this shape.
 Shape row_major_strides(const Shape& shape);
+
+namespace detail {
+// The element count of a tensor of this shape; throws Error for a negative
+// size or a count that overflows.
+size_t checked_numel(const Shape& shape);
+}  // namespace detail
 
 // A non-owning, strided view of elements of type T (const T for read-only).
 // A default-constructed view has rank 0 and no data.
@@ -133,8 +140,8 @@ template <class T>
 class Tensor {
  public:
   Tensor() = default;
-  explicit Tensor(Shape shape) : shape_(shape), data_(static_cast<size_t>(shape.numel())) {}
-  Tensor(Shape shape, T fill) : shape_(shape), data_(static_cast<size_t>(shape.numel()), fill) {}
+  explicit Tensor(Shape shape) : shape_(shape), data_(detail::checked_numel(shape)) {}
+  Tensor(Shape shape, T fill) : shape_(shape), data_(detail::checked_numel(shape), fill) {}
   // Takes `values` (row-major, exactly shape.numel() of them; throws Error otherwise).
   Tensor(Shape shape, std::vector<T> values);
   // A contiguous copy of any view.

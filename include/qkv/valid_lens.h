@@ -17,8 +17,13 @@ class ValidLens {
   ValidLens() = default;
   ValidLens(ConstView<int32_t> lens) : lens_(lens) {}
   ValidLens(ConstView<int64_t> lens) : lens_(lens) {}
-  ValidLens(const Tensor<int32_t>& lens) : lens_(lens.view()) {}
-  ValidLens(const Tensor<int64_t>& lens) : lens_(lens.view()) {}
+  // A default-constructed (empty) tensor means no lengths.
+  ValidLens(const Tensor<int32_t>& lens) {
+    if (!lens.empty()) lens_ = lens.view();
+  }
+  ValidLens(const Tensor<int64_t>& lens) {
+    if (!lens.empty()) lens_ = lens.view();
+  }
 
   bool present() const { return !std::holds_alternative<std::monostate>(lens_); }
   // Shape of the given lengths; rank 0 when absent.

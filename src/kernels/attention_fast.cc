@@ -338,8 +338,18 @@ void additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                         params.w_k.data(), dk, T(0), grads.d_keys.data(), dk);
   detail::parallel_gemm(true, false, hidden, dq, batch * nq, T(1), dfq.data(), hidden, q.data(), dq,
                         T(0), grads.d_w_q.data(), dq);
-  detail::parallel_gemm(true, false, hidden, dk, batch * nk, T(1), dfk.data(), hidden, k.data(), dk,
-                        T(0), grads.d_w_k.data(), dk);
+  // dW_k = sum_b dFk_b^T K_b over the keys some query of b may see: keys past
+  // every valid length are never read, not even to be multiplied by zero.
+  detail::parallel_for(ceil_div(hidden, detail::kGemmRowBlock), [&](int64_t blk) {
+    const int64_t h0 = blk * detail::kGemmRowBlock;
+    const int64_t rows = std::min(detail::kGemmRowBlock, hidden - h0);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t seen = longest_len(*config.valid_lens, b, 0, nq, nk);
+      detail::gemm(true, false, rows, dk, seen, T(1), dfk.data() + b * nk * hidden + h0, hidden,
+                   k.data() + b * nk * dk, dk, b == 0 ? T(0) : T(1), grads.d_w_k.data() + h0 * dk,
+                   dk);
+    }
+  });
   grads.d_w_v = Tensor<T>(Shape{hidden});
   for (int64_t t = 0; t < dwv_parts.size(0); ++t) {
     for (int64_t h = 0; h < hidden; ++h) grads.d_w_v(h) += dwv_parts(t, h);

@@ -218,6 +218,7 @@ AdditiveGrads<T> additive_attention_backward(ConstView<T> q, ConstView<T> k, Con
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t h = 0; h < hidden; ++h) {
           const double g = df[(b * n + r) * hidden + h];
+          if (g == 0.0) continue;  // e.g. a masked key: never read
           for (int64_t c = 0; c < dim; ++c) {
             dx_acc[(b * n + r) * dim + c] += g * static_cast<double>(w(h, c));
             dw_acc[h * dim + c] += g * static_cast<double>(x(b, r, c));
