@@ -31,7 +31,7 @@ AttentionResult<T> attend(const Matrix& scores, int64_t batch, int64_t nq, int64
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t len = (*config.valid_lens)(b, i, nk);
-      const double* x = &scores[(b * nq + i) * nk];
+      const double* x = scores.data() + (b * nq + i) * nk;
       result.lse(b, i) = static_cast<T>(softmax_row(x, len, nk, w.data()));
       std::fill(out.begin(), out.end(), 0.0);
       for (int64_t j = 0; j < nk; ++j) {
@@ -58,7 +58,7 @@ Matrix attend_backward(const Matrix& scores, int64_t batch, int64_t nq, int64_t 
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t len = (*config.valid_lens)(b, i, nk);
-      softmax_row(&scores[(b * nq + i) * nk], len, nk, w.data());
+      softmax_row(scores.data() + (b * nq + i) * nk, len, nk, w.data());
       double dot = 0.0;
       for (int64_t j = 0; j < len; ++j) {
         const double factor = dropout_factor(config, b, i, j);
