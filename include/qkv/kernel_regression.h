@@ -1,0 +1,135 @@
+// Nadaraya–Watson kernel regression: attention pooling by similarity
+// (d2l §11.2). Queries are where we predict, keys (x) where we observed,
+// values (y) what we observed:
+//   f(q) = sum_i K((q - x_i) / h) y_i / sum_j K((q - x_j) / h)
+// Everything here is float64: statistics users compare against float64 tools.
+//   x: (n) or (n, p)   y: (n) or (n, m)   queries: (t) or (t, p)
+//   predictions: (t) when y is (n), else (t, m)   weights: (t, n)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+// Product kernels: K(u) = prod_c k(u_c) with u_c = (q_c - x_c) / h_c and the
+// profile k: gaussian exp(-u^2/2), boxcar 1{|u| <= 1}, epanechnikov
+// (1 - u^2) 1{|u| <= 1}, triangular (1 - |u|) 1{|u| <= 1}. (Constant factors
+// cancel in the ratio.)
+enum class Kernel { kGaussian, kBoxcar, kEpanechnikov, kTriangular };
+
+// "gaussian", "boxcar" (also "uniform"), "epanechnikov", "triangular";
+// throws Error naming the accepted names otherwise.
+Kernel kernel_from_name(std::string_view name);
+std::string_view kernel_name(Kernel kernel);
+
+struct KernelPrediction {
+  Tensor<double> values;       // (t) or (t, m)
+  int64_t num_undefined = 0;   // compact kernels: queries with no key in reach (NaN rows)
+  bool used_fast_path = false; // true if the 1-D Gaussian fast algorithm served the call
+};
+
+class KernelRegression {
+ public:
+  // Copies x and y. Throws Error for mismatched n, n = 0, ranks other than 1
+  // or 2, or NaN/inf anywhere in x or y (naming the first bad index).
+  KernelRegression(ConstView<double> x, ConstView<double> y, Kernel kernel = Kernel::kGaussian);
+
+  int64_t num_points() const;    // n
+  int64_t num_features() const;  // p (1 for 1-D x)
+  int64_t num_outputs() const;   // m (1 for 1-D y)
+  Kernel kernel() const { return kernel_; }
+
+  // Bandwidth h > 0, finite: one value for every feature, or one per feature.
+  // Initially 1.0 for every feature.
+  void set_bandwidth(double h);
+  void set_bandwidth(const std::vector<double>& h);
+  const std::vector<double>& bandwidth() const { return bandwidth_; }
+
+  // Predictions at the queries with the current bandwidth. The Gaussian
+  // kernel is evaluated as a softmax of -sum_c u_c^2 / 2, so a query far from
+  // every key gets its nearest keys' values, never 0/0. For 1-D x with the
+  // Gaussian kernel and no `exact`, an O((n + t) log n) algorithm with max
+  // relative error <= 1e-7 (docs/regression.md) serves large problems.
+  KernelPrediction predict(ConstView<double> queries, bool exact = false) const;
+
+  // The attention weights (t, n), columns in the order x was given; rows sum
+  // to 1, or are NaN for compact-kernel queries with no key in reach.
+  Tensor<double> weights(ConstView<double> queries) const;
+
+  // Leave-one-out squared error: mean over i of ||f_{-i}(x_i) - y_i||^2,
+  // where f_{-i} leaves out point i (statsmodels' cv_ls objective, divided by
+  // n). Points whose leave-one-out estimate is undefined (compact kernels)
+  // are skipped; if all are, the result is +inf.
+  double loo_error() const;
+  double loo_error(const std::vector<double>& bandwidth) const;
+
+ private:
+  Kernel kernel_;
+  int64_t n_ = 0, p_ = 0, m_ = 0;
+  bool y_was_1d_ = false;
+  Tensor<double> x_;  // (n, p)
+  Tensor<double> y_;  // (n, m)
+  std::vector<double> bandwidth_;
+};
+
+// ---- bandwidth selection ------------------------------------------------------
+
+// Rules of thumb, one bandwidth per feature, from the feature's standard
+// deviation s and interquartile range IQR:
+//   silverman: 0.9 * min(s, IQR / 1.349) * n^(-1/5)   (Silverman 1986, eq. 3.31)
+//   scott:     1.059 * s * n^(-1/(p + 4))            (Scott 1992)
+// A feature with s = 0 (constant x) is an Error naming the feature.
+std::vector<double> silverman_bandwidth(ConstView<double> x);
+std::vector<double> scott_bandwidth(ConstView<double> x);
+
+struct CvResult {
+  std::vector<double> bandwidth;  // the minimiser
+  double loo_error = 0;           // KernelRegression::loo_error at it
+  int iterations = 0;
+};
+
+// Leave-one-out cross-validation (statsmodels' cv_ls): minimises loo_error
+// over the bandwidth, starting from Scott's rule, by a quasi-Newton search on
+// log h with the analytic gradient (Gaussian) — not a grid of refits.
+CvResult cv_bandwidth(const KernelRegression& model);
+
+// ---- the chapter's estimators ---------------------------------------------------
+
+// Average pooling: every query gets the mean of y. (t) or (t, m).
+Tensor<double> average_pooling_regression(ConstView<double> y, int64_t num_queries);
+
+// The chapter's parametric model: Gaussian scores -((q - x_i) w)^2 / 2, i.e.
+// h = 1/|w|, with w learned by full-batch SGD on the leave-one-out loss
+// sum_i ||f_{-i}(x_i) - y_i||^2 (each training point's own pair excluded).
+struct ParametricOptions {
+  int epochs = 5;
+  double lr = 0.5;
+  // Initial w; d2l draws torch.rand(1), U(0, 1): by default so do we, from seed.
+  std::optional<double> initial_w;
+  uint64_t seed = 0;
+};
+
+struct ParametricResult {
+  double w = 0;                // the learned weight (bandwidth 1/|w|)
+  std::vector<double> losses;  // the loss at the start of each epoch, before its step
+  std::vector<double> ws;      // w at the start of each epoch
+};
+
+// The parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 at w and its exact
+// analytic derivative d loss / d w (written to *grad if not null).
+double parametric_loss(ConstView<double> x, ConstView<double> y, double w, double* grad = nullptr);
+
+ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
+                                  const ParametricOptions& options = {});
+
+// Predictions of the parametric model with weight w at the queries (the
+// Gaussian estimator with h = 1/|w|).
+Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, double w,
+                                  ConstView<double> queries);
+
+}  // namespace qkv
