@@ -8,6 +8,10 @@
 #include "common.h"
 #include "qkv/version.h"
 
+namespace qkv::cli {
+Command add_regress_command(CLI::App& parent);  // regress.cc
+}  // namespace qkv::cli
+
 int main(int argc, char** argv) {
   using qkv::cli::Command;
   CLI::App app(std::string("qkv ") + qkv::kVersion +
@@ -17,7 +21,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("qkv ") + qkv::kVersion);
   app.require_subcommand(0, 1);
   const Command commands[] = {qkv::cli::add_softmax_command(app), qkv::cli::add_attend_command(app),
-                              qkv::cli::add_demo_command(app)};
+                              qkv::cli::add_demo_command(app),
+                              qkv::cli::add_regress_command(app)};
   const auto selected = [&]() -> const Command* {
     for (const Command& command : commands) {
       if (command.app->parsed()) return &command;

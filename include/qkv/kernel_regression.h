@@ -28,10 +28,12 @@ Kernel kernel_from_name(std::string_view name);
 std::string_view kernel_name(Kernel kernel);
 
 struct KernelPrediction {
-  Tensor<double> values;       // (t) or (t, m)
-  int64_t num_undefined = 0;   // compact kernels: queries with no key in reach (NaN rows)
-  bool used_fast_path = false; // true if the 1-D Gaussian fast algorithm served the call
+  Tensor<double> values;        // (t) or (t, m)
+  int64_t num_undefined = 0;    // compact kernels: queries with no key in reach (NaN rows)
+  bool used_fast_path = false;  // true if the 1-D Gaussian fast algorithm served the call
 };
+
+struct CvResult;
 
 class KernelRegression {
  public:
@@ -54,7 +56,8 @@ class KernelRegression {
   // kernel is evaluated as a softmax of -sum_c u_c^2 / 2, so a query far from
   // every key gets its nearest keys' values, never 0/0. For 1-D x with the
   // Gaussian kernel and no `exact`, an O((n + t) log n) algorithm with max
-  // relative error <= 1e-7 (docs/regression.md) serves large problems.
+  // relative error <= 1e-7 (docs/regression.md) serves large problems
+  // (n * t > 1e6); used_fast_path says when it did.
   KernelPrediction predict(ConstView<double> queries, bool exact = false) const;
 
   // The attention weights (t, n), columns in the order x was given; rows sum
@@ -69,12 +72,18 @@ class KernelRegression {
   double loo_error(const std::vector<double>& bandwidth) const;
 
  private:
+  friend CvResult cv_bandwidth(const KernelRegression& model);
+
   Kernel kernel_;
   int64_t n_ = 0, p_ = 0, m_ = 0;
   bool y_was_1d_ = false;
   Tensor<double> x_;  // (n, p)
   Tensor<double> y_;  // (n, m)
   std::vector<double> bandwidth_;
+  // 1-D x only: the keys sorted ascending (stable) and y permuted alike, for
+  // the 1-D Gaussian fast algorithm.
+  std::vector<double> sorted_x_;
+  Tensor<double> sorted_y_;  // (n, m)
 };
 
 // ---- bandwidth selection ------------------------------------------------------
@@ -83,19 +92,25 @@ class KernelRegression {
 // deviation s and interquartile range IQR:
 //   silverman: 0.9 * min(s, IQR / 1.349) * n^(-1/5)   (Silverman 1986, eq. 3.31)
 //   scott:     1.059 * s * n^(-1/(p + 4))            (Scott 1992)
-// A feature with s = 0 (constant x) is an Error naming the feature.
+// s divides by n - 1; IQR is the difference of the 75th and 25th percentiles
+// with linear interpolation (numpy.percentile's default). Silverman uses s
+// alone when IQR = 0. Needs n >= 2; a constant feature is an Error naming it.
 std::vector<double> silverman_bandwidth(ConstView<double> x);
 std::vector<double> scott_bandwidth(ConstView<double> x);
 
 struct CvResult {
   std::vector<double> bandwidth;  // the minimiser
   double loo_error = 0;           // KernelRegression::loo_error at it
-  int iterations = 0;
+  int iterations = 0;  // quasi-Newton iterations (Gaussian), coordinate line searches (compact)
 };
 
 // Leave-one-out cross-validation (statsmodels' cv_ls): minimises loo_error
 // over the bandwidth, starting from Scott's rule, by a quasi-Newton search on
-// log h with the analytic gradient (Gaussian) — not a grid of refits.
+// log h with the analytic gradient (Gaussian) — not a grid of refits. A scan
+// of common factors 2^(k/4), |k| <= 24, of Scott's bandwidth picks the start;
+// compact kernels (piecewise smooth objective) use coordinate descent with a
+// golden-section search per feature instead. Never worse than Scott's rule.
+// Needs n >= 2 and no constant feature (Scott's rule).
 CvResult cv_bandwidth(const KernelRegression& model);
 
 // ---- the chapter's estimators ---------------------------------------------------
@@ -121,7 +136,7 @@ struct ParametricResult {
 };
 
 // The parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 at w and its exact
-// analytic derivative d loss / d w (written to *grad if not null).
+// analytic derivative d loss / d w (written to *grad if not null). n >= 2.
 double parametric_loss(ConstView<double> x, ConstView<double> y, double w, double* grad = nullptr);
 
 ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,

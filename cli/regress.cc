@@ -1,0 +1,699 @@
+// `qkv regress`: Nadaraya–Watson kernel regression (d2l §11.2) from a CSV or
+// .npy table, with a fixed, rule-of-thumb, cross-validated or learned bandwidth.
+//   train: (n, p) x columns and (n) y   queries: (t, p)   predictions: (t)   weights: (t, n)
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common.h"
+#include "csv.h"
+#include "qkv/error.h"
+#include "qkv/kernel_regression.h"
+#include "qkv/npy.h"
+
+namespace qkv::cli {
+namespace {
+
+// Grids above this many points are refused (numpy.arange would make them, but
+// 1e8 queries is 1.6 GB of output CSV).
+constexpr double kMaxGridPoints = 1e8;
+// Above this many training points the leave-one-out error (n^2 kernel
+// evaluations) is computed only on request (--loo); --bandwidth cv always has it.
+constexpr int64_t kMaxAutoLooPoints = 50000;
+// --weights above this many elements (4 GB of float64) is refused before the work.
+constexpr double kMaxWeights = 5e8;
+
+struct RegressArgs {
+  std::string train, x_cols, y_col, query, grid, kernel, bandwidth, out, weights;
+  std::optional<int> epochs;
+  std::optional<double> lr;
+  uint64_t seed = 0;
+  bool exact = false, json = false, verbose = false, loo = false;
+  std::optional<int> threads;
+  CLI::App* app = nullptr;  // to ask which options were given
+  bool given(const char* option) const { return app->count(option) > 0; }
+};
+
+const char* const kBandwidthHelp =
+    "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv "
+    "or learn";
+
+std::string join(const std::vector<std::string>& items, const std::string& separator = ", ") {
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) text += (i == 0 ? "" : separator) + items[i];
+  return text;
+}
+
+std::string number(double x) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.17g", x);
+  return text;
+}
+
+std::string short_number(double x) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.6g", x);
+  return text;
+}
+
+std::string quote(const std::string& text) { return "\"" + text + "\""; }
+
+// The comma-separated items of an option's value, spaces around them removed;
+// an empty item is an error.
+std::vector<std::string> split_list(const std::string& option, const std::string& text) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  for (;;) {
+    const size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? comma : comma - start);
+    const size_t first = item.find_first_not_of(" \t");
+    const size_t last = item.find_last_not_of(" \t");
+    item = first == std::string::npos ? std::string() : item.substr(first, last - first + 1);
+    if (item.empty()) throw UsageError(option + " " + quote(text) + " has an empty item");
+    items.push_back(item);
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
+}
+
+// ---- option values -------------------------------------------------------------
+
+// --grid start:stop:step, the points of numpy.arange(start, stop, step).
+struct Grid {
+  double start = 0, step = 1;
+  int64_t count = 0;
+};
+
+Grid parse_grid(const std::string& text) {
+  const auto bad = [&](const std::string& why) -> UsageError {
+    return UsageError("--grid " + quote(text) + ": " + why);
+  };
+  std::vector<double> parts;
+  size_t start = 0;
+  for (;;) {
+    const size_t colon = text.find(':', start);
+    const std::string part = text.substr(start, colon == std::string::npos ? colon : colon - start);
+    const std::optional<double> value = parse_number(part);
+    if (!value || !std::isfinite(*value)) {
+      throw bad(quote(part) + " is not a finite number; expected start:stop:step");
+    }
+    parts.push_back(*value);
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  if (parts.size() != 3) {
+    throw bad("expected start:stop:step (three numbers), got " + std::to_string(parts.size()));
+  }
+  const double first = parts[0], stop = parts[1], step = parts[2];
+  if (step <= 0) throw bad("the step must be > 0");
+  const double count = std::ceil((stop - first) / step);  // numpy.arange's length
+  if (!(count >= 1)) throw bad("has no points: stop must be above start");
+  if (count > kMaxGridPoints) {
+    throw bad("has " + short_number(count) + " points; at most 1e8 are allowed");
+  }
+  return {first, step, static_cast<int64_t>(count)};
+}
+
+// --bandwidth: a rule's name or the numbers.
+struct Bandwidth {
+  std::string rule;            // "fixed", "silverman", "scott", "cv", "learn"
+  std::vector<double> values;  // for "fixed": one, or one per x column
+};
+
+Bandwidth parse_bandwidth(const std::string& text) {
+  for (const char* rule : {"silverman", "scott", "cv", "learn"}) {
+    if (text == rule) return {rule, {}};
+  }
+  Bandwidth b{"fixed", {}};
+  for (const std::string& item : split_list("--bandwidth", text)) {
+    const std::optional<double> h = parse_number(item);
+    if (!h || !std::isfinite(*h) || *h <= 0) {
+      throw UsageError("--bandwidth " + quote(text) + ": " + quote(item) +
+                       " is not a bandwidth; expected " + kBandwidthHelp);
+    }
+    b.values.push_back(*h);
+  }
+  return b;
+}
+
+// Option combinations and values that cannot mean anything, found before any
+// file is read.
+void check_options(const RegressArgs& args, const Bandwidth& bandwidth) {
+  const bool learn = bandwidth.rule == "learn";
+  if (args.given("--query") && args.given("--grid")) {
+    throw UsageError("--query and --grid are alternatives; give one");
+  }
+  if (!args.given("--query") && !args.given("--grid")) {
+    throw UsageError("give the points to predict at: --query FILE or --grid start:stop:step");
+  }
+  if (learn && kernel_from_name(args.kernel) != Kernel::kGaussian) {
+    throw UsageError("--bandwidth learn trains the chapter's Gaussian model; --kernel " +
+                     args.kernel + " cannot be learned (use a number, silverman, scott or cv)");
+  }
+  if (!learn) {
+    std::vector<std::string> misplaced;
+    for (const char* option : {"--epochs", "--lr", "--seed"}) {
+      if (args.given(option)) misplaced.push_back(option);
+    }
+    if (!misplaced.empty()) {
+      throw UsageError(join(misplaced, " and ") + (misplaced.size() == 1 ? " is" : " are") +
+                       " for --bandwidth learn; --bandwidth " + args.bandwidth + " trains nothing");
+    }
+  }
+  if (args.epochs && *args.epochs < 1) {
+    throw UsageError("--epochs must be >= 1, got " + std::to_string(*args.epochs));
+  }
+  if (args.lr && !(std::isfinite(*args.lr) && *args.lr > 0)) {
+    throw UsageError("--lr must be a finite number > 0, got " + number(*args.lr));
+  }
+}
+
+// ---- input ------------------------------------------------------------------------
+
+// True if the file starts like a .npy file; an unreadable file is an error.
+bool is_npy_file(const Input& input) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(input.path, ec)) {
+    throw UsageError(input.describe() + ": is a directory, not a data file");
+  }
+  std::ifstream in(input.path, std::ios::binary);
+  if (!in) throw UsageError(input.describe() + ": cannot open: " + std::strerror(errno));
+  char magic[6] = {};
+  in.read(magic, sizeof magic);
+  return in.gcount() == 6 && std::memcmp(magic, "\x93NUMPY", 6) == 0;
+}
+
+Tensor<double> as_double(FloatTensor tensor) {
+  if (auto* d = std::get_if<Tensor<double>>(&tensor)) return std::move(*d);
+  const Tensor<float>& f = std::get<Tensor<float>>(tensor);
+  return Tensor<double>(f.shape(), std::vector<double>(f.values().begin(), f.values().end()));
+}
+
+// The training data: x (n, p) and y (n), with their column names.
+struct Training {
+  Tensor<double> x, y;
+  std::vector<std::string> x_names;
+  std::string y_name;
+  std::string source;  // the file, for messages
+  bool csv = false;
+};
+
+// Splits a (rows, p + 1) table whose last column is y.
+void split_table(const Tensor<double>& table, Training& data) {
+  const int64_t n = table.size(0), p = table.size(1) - 1;
+  data.x = Tensor<double>(Shape{n, p});
+  data.y = Tensor<double>(Shape{n});
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < p; ++c) data.x(i, c) = table(i, c);
+    data.y(i) = table(i, p);
+  }
+}
+
+void check_selection(const std::vector<std::string>& x_names, const std::string& y_name,
+                     bool y_given) {
+  for (size_t c = 0; c < x_names.size(); ++c) {
+    for (size_t d = 0; d < c; ++d) {
+      if (x_names[c] == x_names[d]) {
+        throw UsageError("--x-cols names " + quote(x_names[c]) + " twice");
+      }
+    }
+    if (x_names[c] == y_name) {
+      throw UsageError(y_given ? "--y-col " + quote(y_name) + " is also one of --x-cols"
+                               : "--y-col defaults to the last column, " + quote(y_name) +
+                                     ", which is one of --x-cols; name the y column with "
+                                     "--y-col");
+    }
+  }
+}
+
+Training load_csv_training(const RegressArgs& args) {
+  const CsvFile csv = CsvFile::read(args.train);
+  const std::vector<std::string>& columns = csv.columns();
+  const auto column = [&](const std::string& option, const std::string& name) {
+    const std::optional<int> c = csv.find(name);
+    if (!c) {
+      std::vector<std::string> listed(columns.begin(), columns.end());
+      throw UsageError(option + " " + quote(name) + " is not a column of " + csv.name() +
+                       " (columns: " + join(listed) + ")");
+    }
+    return *c;
+  };
+  Training data;
+  data.source = csv.name();
+  data.csv = true;
+  const int y =
+      args.given("--y-col") ? column("--y-col", args.y_col) : static_cast<int>(columns.size()) - 1;
+  data.y_name = columns[y];
+  std::vector<int> selected;
+  if (args.given("--x-cols")) {
+    data.x_names = split_list("--x-cols", args.x_cols);
+    for (const std::string& name : data.x_names) selected.push_back(column("--x-cols", name));
+  } else {
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (static_cast<int>(c) == y) continue;
+      selected.push_back(static_cast<int>(c));
+      data.x_names.push_back(columns[c]);
+    }
+    if (selected.empty()) {
+      throw UsageError(csv.name() + " has only the column " + quote(data.y_name) +
+                       "; it needs x columns besides the y column");
+    }
+  }
+  check_selection(data.x_names, data.y_name, args.given("--y-col"));
+  selected.push_back(y);
+  split_table(csv.numbers(selected), data);
+  return data;
+}
+
+// A column index of a .npy table for --x-cols or --y-col.
+int column_index(const std::string& option, const std::string& text, const Input& input,
+                 int64_t width) {
+  int64_t c = -1;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), c);
+  if (ec != std::errc() || ptr != text.data() + text.size() || c < 0 || c >= width) {
+    throw UsageError(option + " " + quote(text) + " is not a column of " + input.describe() +
+                     ", a .npy table of " + std::to_string(width) +
+                     " columns: give column indices 0 to " + std::to_string(width - 1));
+  }
+  return static_cast<int>(c);
+}
+
+// Every value in the selected columns of `table` (rows, width) must be finite.
+void check_finite(const Tensor<double>& table, const std::vector<int>& columns,
+                  const Input& input) {
+  const int64_t width = table.rank() == 2 ? table.size(1) : 1;
+  const double* v = table.data();
+  for (int64_t i = 0; i < table.size(0); ++i) {
+    for (const int c : columns) {
+      const double value = v[i * width + c];
+      if (!std::isfinite(value)) {
+        throw UsageError(input.describe() + ": row " + std::to_string(i) + ", column " +
+                         std::to_string(c) + " is " + number(value) +
+                         "; the data must be finite numbers");
+      }
+    }
+  }
+}
+
+Training load_npy_training(const RegressArgs& args) {
+  const Input input{"--train", args.train};
+  const Tensor<double> table = as_double(load_float(input));
+  if (table.rank() != 2 || table.size(1) < 2) {
+    throw UsageError(input.describe() + " has shape " + table.shape().str() +
+                     "; expected a 2-D table (n, k), k >= 2: x columns and a y column (by "
+                     "default the last)");
+  }
+  if (table.size(0) == 0) throw UsageError(input.describe() + " has no rows");
+  const int64_t width = table.size(1);
+  Training data;
+  data.source = input.path;
+  const int y = args.given("--y-col") ? column_index("--y-col", args.y_col, input, width)
+                                      : static_cast<int>(width - 1);
+  std::vector<int> selected;
+  if (args.given("--x-cols")) {
+    for (const std::string& item : split_list("--x-cols", args.x_cols)) {
+      selected.push_back(column_index("--x-cols", item, input, width));
+    }
+  } else {
+    for (int c = 0; c < width; ++c) {
+      if (c != y) selected.push_back(c);
+    }
+  }
+  // .npy columns are called x<j> and y in outputs (and in a CSV --query).
+  for (const int c : selected) data.x_names.push_back("x" + std::to_string(c));
+  data.y_name = "y";
+  for (const int c : selected) {
+    if (c == y) {
+      throw UsageError((args.given("--y-col")
+                            ? "--y-col " + std::to_string(y)
+                            : "--y-col (by default the last column, " + std::to_string(y) + ")") +
+                       " is also one of --x-cols");
+    }
+  }
+  check_selection(data.x_names, data.y_name, args.given("--y-col"));
+  selected.push_back(y);
+  check_finite(table, selected, input);
+  const int64_t n = table.size(0);
+  Tensor<double> picked(Shape{n, static_cast<int64_t>(selected.size())});
+  for (int64_t i = 0; i < n; ++i) {
+    for (size_t c = 0; c < selected.size(); ++c) picked(i, c) = table(i, selected[c]);
+  }
+  split_table(picked, data);
+  return data;
+}
+
+// The queries, (t, p).
+Tensor<double> load_queries(const RegressArgs& args, const Training& data) {
+  const int64_t p = data.x.size(1);
+  const std::string x_cols = join(data.x_names);
+  if (args.given("--grid")) {
+    if (p != 1) {
+      throw UsageError("--grid makes 1-D queries but there are " + std::to_string(p) +
+                       " x columns (" + x_cols + "); give --query FILE");
+    }
+    const Grid grid = parse_grid(args.grid);
+    Tensor<double> q(Shape{grid.count, 1});
+    for (int64_t i = 0; i < grid.count; ++i) {
+      q(i, 0) = grid.start + static_cast<double>(i) * grid.step;
+    }
+    return q;
+  }
+  const Input input{"--query", args.query};
+  if (!is_npy_file(input)) {
+    const CsvFile csv = CsvFile::read(args.query);
+    std::vector<int> selected;
+    for (const std::string& name : data.x_names) {
+      const std::optional<int> c = csv.find(name);
+      if (!c) {
+        throw UsageError(input.describe() + " has no column " + quote(name) + " (columns: " +
+                         join(csv.columns()) + "); the queries need the x columns " + x_cols);
+      }
+      selected.push_back(*c);
+    }
+    return csv.numbers(selected);
+  }
+  Tensor<double> q = as_double(load_float(input));
+  const Shape& shape = q.shape();
+  const bool fits = (shape.rank() == 1 && p == 1) || (shape.rank() == 2 && shape[1] == p);
+  if (!fits) {
+    throw UsageError(input.describe() + " has shape " + shape.str() + " but there " +
+                     (p == 1 ? "is 1 x column" : "are " + std::to_string(p) + " x columns") + " (" +
+                     x_cols + "); expected " + (p == 1 ? "(t) or (t, 1)" : "(t, p)") +
+                     " with p = " + std::to_string(p));
+  }
+  if (shape[0] == 0) throw UsageError(input.describe() + " holds no queries");
+  q = std::move(q).reshaped(Shape{shape[0], p});
+  std::vector<int> all;
+  for (int c = 0; c < p; ++c) all.push_back(c);
+  check_finite(q, all, input);
+  return q;
+}
+
+// A (rows, p) table as the library takes it: (rows) when p is 1.
+ConstView<double> features(const Tensor<double>& t) {
+  return t.size(1) == 1 ? ConstView<double>(t.data(), Shape{t.size(0)}) : t.view();
+}
+
+// ---- output -----------------------------------------------------------------------
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", c);
+      out += escape;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// JSON has no NaN or infinity: those are null.
+std::string json_number(double x) { return std::isfinite(x) ? number(x) : "null"; }
+
+std::string predictions_csv(const Training& data, const Tensor<double>& queries,
+                            const Tensor<double>& predictions) {
+  std::string out;
+  for (const std::string& name : data.x_names) out += csv_field(name) + ",";
+  out += csv_field(data.y_name + "_pred") + "\n";
+  const int64_t t = queries.size(0), p = queries.size(1);
+  char text[64];
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t c = 0; c < p; ++c) {
+      out.append(text, std::snprintf(text, sizeof text, "%.17g,", queries(i, c)));
+    }
+    const double f = predictions(i);
+    if (std::isnan(f)) {
+      out += "nan\n";  // printf may write "-nan"
+    } else {
+      out.append(text, std::snprintf(text, sizeof text, "%.17g\n", f));
+    }
+  }
+  return out;
+}
+
+// Wall-clock seconds since construction or the last lap.
+class Stopwatch {
+ public:
+  double lap() {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    return s;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
+
+// Progress lines on stderr: when stderr is a terminal, or with --verbose.
+class Progress {
+ public:
+  explicit Progress(bool verbose) : on_(verbose || ::isatty(STDERR_FILENO)) {}
+  void say(const std::string& line) const {
+    if (on_) std::cerr << "qkv regress: " << line << std::endl;
+  }
+
+ private:
+  bool on_;
+};
+
+void run_regress(const RegressArgs& args) {
+  const Bandwidth bandwidth = parse_bandwidth(args.bandwidth);
+  check_options(args, bandwidth);
+  if (args.given("--grid")) parse_grid(args.grid);  // its errors before any file is read
+  const Kernel kernel = kernel_from_name(args.kernel);
+  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
+  if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
+  check_output_paths(outputs);
+  apply_threads(args.threads);
+  const Progress progress(args.verbose);
+  Stopwatch clock;
+
+  // ---- load
+  const Training data =
+      is_npy_file({"--train", args.train}) ? load_npy_training(args) : load_csv_training(args);
+  const int64_t n = data.x.size(0), p = data.x.size(1);
+  if (!bandwidth.values.empty() && bandwidth.values.size() != 1 &&
+      static_cast<int64_t>(bandwidth.values.size()) != p) {
+    throw UsageError("--bandwidth has " + std::to_string(bandwidth.values.size()) +
+                     " values but there " +
+                     (p == 1 ? "is 1 x column" : "are " + std::to_string(p) + " x columns") + " (" +
+                     join(data.x_names) + "); give one value, or one per x column");
+  }
+  const Tensor<double> queries = load_queries(args, data);
+  const int64_t t = queries.size(0);
+  if (!args.weights.empty() && static_cast<double>(t) * static_cast<double>(n) > kMaxWeights) {
+    throw UsageError("--weights would be a (t, n) = (" + std::to_string(t) + ", " +
+                     std::to_string(n) + ") float64 matrix, " +
+                     short_number(8.0 * static_cast<double>(t) * static_cast<double>(n) / 1e9) +
+                     " GB; at most 5e8 weights can be written");
+  }
+  const double load_s = clock.lap();
+  progress.say("read " + std::to_string(n) + " training points, " + std::to_string(p) +
+               (p == 1 ? " x column" : " x columns") + ", and " + std::to_string(t) + " queries (" +
+               short_number(load_s) + " s)");
+
+  // ---- bandwidth
+  KernelRegression model(features(data.x), data.y.view(), kernel);
+  double loo = std::nan("");  // NaN: not computed
+  std::optional<CvResult> cv;
+  std::optional<ParametricResult> learned;
+  if (bandwidth.rule == "fixed") {
+    if (bandwidth.values.size() == 1) {
+      model.set_bandwidth(bandwidth.values[0]);
+    } else {
+      model.set_bandwidth(bandwidth.values);
+    }
+  } else if (bandwidth.rule == "silverman") {
+    model.set_bandwidth(silverman_bandwidth(features(data.x)));
+  } else if (bandwidth.rule == "scott") {
+    model.set_bandwidth(scott_bandwidth(features(data.x)));
+  } else if (bandwidth.rule == "cv") {
+    progress.say("cv: minimising the leave-one-out error over the bandwidth");
+    cv = cv_bandwidth(model);
+    model.set_bandwidth(cv->bandwidth);
+  } else {
+    ParametricOptions options;
+    options.epochs = args.epochs.value_or(options.epochs);
+    options.lr = args.lr.value_or(options.lr);
+    options.seed = args.seed;
+    progress.say("learn: " + std::to_string(options.epochs) + " epochs of SGD, lr " +
+                 short_number(options.lr));
+    learned = train_parametric(features(data.x), data.y.view(), options);
+    for (size_t e = 0; e < learned->losses.size(); ++e) {
+      progress.say("learn: epoch " + std::to_string(e + 1) + ", loss " +
+                   short_number(learned->losses[e]) + ", w " + short_number(learned->ws[e]));
+    }
+    const double h = 1.0 / std::abs(learned->w);
+    if (!std::isfinite(h)) {
+      throw std::runtime_error("learn: the learned w is " + number(learned->w) +
+                               ", so the bandwidth 1/|w| is not finite; try another --lr or "
+                               "--seed");
+    }
+    model.set_bandwidth(h);
+  }
+  if (cv) {
+    loo = cv->loo_error;
+  } else if (n <= kMaxAutoLooPoints || args.loo) {
+    progress.say("computing the leave-one-out error");
+    loo = model.loo_error();
+  }
+  const std::string loo_text =
+      std::isnan(loo)   ? "not computed (n > " + std::to_string(kMaxAutoLooPoints) + "; see --loo)"
+      : std::isinf(loo) ? std::string("undefined (no training point has a leave-one-out estimate)")
+                        : short_number(loo);
+  const double bandwidth_s = clock.lap();
+  std::vector<std::string> shown;
+  for (const double h : model.bandwidth()) shown.push_back(short_number(h));
+  progress.say("bandwidth (" + bandwidth.rule + ") " + join(shown) + ", LOO error " + loo_text +
+               " (" + short_number(bandwidth_s) + " s)");
+
+  // ---- predict
+  Tensor<double> predictions;
+  int64_t num_undefined = 0;
+  bool fast_path = false;
+  const ConstView<double> q = features(queries);
+  if (learned) {
+    predictions = parametric_predict(features(data.x), data.y.view(), learned->w, q);
+    for (const double f : predictions.values()) num_undefined += std::isnan(f);
+  } else {
+    KernelPrediction prediction = model.predict(q, args.exact);
+    predictions = std::move(prediction.values);
+    num_undefined = prediction.num_undefined;
+    fast_path = prediction.used_fast_path;
+  }
+  Tensor<double> weights;
+  if (!args.weights.empty()) weights = model.weights(q);
+  const double predict_s = clock.lap();
+  progress.say("predicted " + std::to_string(t) + " queries (" + short_number(predict_s) + " s)");
+
+  // ---- write
+  std::vector<OutputFile> files{{"--out", args.out, predictions_csv(data, queries, predictions)}};
+  if (!args.weights.empty())
+    files.push_back({"--weights", args.weights, npy_bytes(weights.view())});
+  write_outputs(files);
+  const double write_s = clock.lap();
+
+  if (args.json) {
+    std::vector<std::string> hs, x_cols;
+    for (const double h : model.bandwidth()) hs.push_back(json_number(h));
+    for (const std::string& name : data.x_names) x_cols.push_back(json_string(name));
+    std::string json =
+        "{\"kernel\": " + json_string(std::string(kernel_name(kernel))) + ", \"bandwidth\": [" +
+        join(hs) + "], \"bandwidth_rule\": " + json_string(bandwidth.rule) +
+        ", \"loo_error\": " + json_number(loo) + ", \"num_train\": " + std::to_string(n) +
+        ", \"num_queries\": " + std::to_string(t) +
+        ", \"num_undefined\": " + std::to_string(num_undefined) +
+        ", \"fast_path\": " + (fast_path ? "true" : "false") + ", \"x_cols\": [" + join(x_cols) +
+        "], \"y_col\": " + json_string(data.y_name);
+    if (cv) json += ", \"cv_iterations\": " + std::to_string(cv->iterations);
+    if (learned) {
+      json += ", \"w\": " + json_number(learned->w) + ", \"epochs\": [";
+      for (size_t e = 0; e < learned->losses.size(); ++e) {
+        json += std::string(e == 0 ? "" : ", ") + "{\"epoch\": " + std::to_string(e + 1) +
+                ", \"loss\": " + json_number(learned->losses[e]) +
+                ", \"w\": " + json_number(learned->ws[e]) + "}";
+      }
+      json += "]";
+    }
+    json += ", \"timings_s\": {\"load\": " + json_number(load_s) +
+            ", \"bandwidth\": " + json_number(bandwidth_s) +
+            ", \"predict\": " + json_number(predict_s) + ", \"write\": " + json_number(write_s) +
+            "}}";
+    std::cout << json << std::endl;
+  } else {
+    std::cerr << "qkv regress: " << n << " training points, " << t << " queries, "
+              << kernel_name(kernel) << " kernel\n"
+              << "  bandwidth (" << bandwidth.rule << "): " << join(shown) << "\n";
+    if (learned) {
+      std::cerr << "  learned w: " << short_number(learned->w) << " after "
+                << learned->losses.size() << " epochs (loss "
+                << short_number(learned->losses.front()) << " at the start of epoch 1, "
+                << short_number(learned->losses.back()) << " at the start of the last)\n";
+    }
+    std::cerr << "  LOO error: " << loo_text << "\n"
+              << "  undefined predictions: " << num_undefined << "\n";
+  }
+}
+
+}  // namespace
+
+Command add_regress_command(CLI::App& parent) {
+  auto args = std::make_shared<RegressArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "regress",
+      "Nadaraya-Watson kernel regression (attention pooling by similarity) on a CSV or .npy "
+      "table");
+  args->app = app;
+  app->add_option("--train", args->train,
+                  "Training data: a CSV file with a header row, or a 2-D .npy table (n, k)")
+      ->type_name("DATA")
+      ->required();
+  app->add_option("--x-cols", args->x_cols,
+                  "The x columns, comma-separated: names (CSV) or indices (.npy); default: "
+                  "every column but the y column")
+      ->type_name("a,b");
+  app->add_option("--y-col", args->y_col,
+                  "The y column: a name (CSV) or an index (.npy); default: the last column")
+      ->type_name("y");
+  app->add_option("--query", args->query,
+                  "Where to predict: a CSV file holding the x columns (by name), or .npy (t) "
+                  "or (t, p)")
+      ->type_name("FILE");
+  app->add_option("--grid", args->grid,
+                  "Where to predict, one x column only: numpy.arange(start, stop, step)")
+      ->type_name("start:stop:step");
+  app->add_option("--kernel", args->kernel,
+                  "gaussian exp(-u^2/2); boxcar (or uniform) 1{|u|<=1}; epanechnikov "
+                  "(1-u^2) 1{|u|<=1}; triangular (1-|u|) 1{|u|<=1}")
+      ->required()
+      ->check(CLI::IsMember({"gaussian", "boxcar", "uniform", "epanechnikov", "triangular"}));
+  app->add_option("--bandwidth", args->bandwidth,
+                  std::string("h: ") + kBandwidthHelp +
+                      " (learn: the chapter's parametric model, h = 1/|w|, Gaussian only)")
+      ->type_name("H|silverman|scott|cv|learn")
+      ->required();
+  app->add_option("--epochs", args->epochs, "learn only: SGD epochs, >= 1 (default 5)")
+      ->type_name("N");
+  app->add_option("--lr", args->lr, "learn only: SGD learning rate, > 0 (default 0.5)")
+      ->type_name("LR");
+  add_seed_option(*app, args->seed, "learn only: draws the initial w ~ U(0, 1)");
+  app->add_flag("--exact", args->exact,
+                "Evaluate every kernel exactly (no fast 1-D Gaussian approximation)");
+  app->add_option("--out", args->out, "Output PRED.csv: the query columns, then <y-col>_pred")
+      ->type_name("PRED.csv")
+      ->required();
+  app->add_option("--weights", args->weights,
+                  "Also write the attention weights (t, n), float64, rows summing to 1")
+      ->type_name("W.npy");
+  app->add_flag("--loo", args->loo,
+                "Compute the leave-one-out error also for more than 50000 training points "
+                "(n^2 kernel evaluations)");
+  app->add_flag("--json", args->json,
+                "Print a JSON summary on stdout (bandwidth, LOO error, epochs, timings)");
+  app->add_flag("--verbose", args->verbose, "Progress on stderr even when it is not a terminal");
+  add_threads_option(*app, args->threads);
+  return {app, [args] { run_regress(*args); }};
+}
+
+}  // namespace qkv::cli

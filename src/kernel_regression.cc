@@ -1,0 +1,668 @@
+// Nadaraya–Watson kernel regression, front end (qkv/kernel_regression.h):
+// argument checks, the rules of thumb, leave-one-out cross-validation, the
+// chapter's parametric model and average pooling. The sums themselves live
+// in src/kernels/nadaraya_watson_{ref,fast}.cc and src/kernels/gauss1d_fast.cc.
+#include "qkv/kernel_regression.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "check.h"
+#include "kernels/gauss1d_fast.h"
+#include "kernels/nadaraya_watson.h"
+
+namespace qkv {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Work (n * t kernel evaluations) from which predict() hands 1-D Gaussian
+// problems to the fast algorithm: below it, exact evaluation takes a few
+// milliseconds and the fast algorithm's set-up would not pay off.
+constexpr double kFastPathMinWork = 1e6;
+// The error bound predict() promises for the fast algorithm (relative to the
+// weighted mean of |y|, see kernels/gauss1d_fast.h).
+constexpr double kFastPathRelTol = 1e-7;
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// Rank 1 (n) or 2 (n, k); names the axes in the message.
+void check_rank_1_or_2(std::string_view fn, std::string_view name, const ConstView<double>& v,
+                       std::string_view axes1, std::string_view axes2) {
+  if (v.rank() != 1 && v.rank() != 2) {
+    fail(fn, std::string(name) + " has shape " + v.shape().str() + "; expected rank 1 " +
+                 std::string(axes1) + " or 2 " + std::string(axes2));
+  }
+}
+
+// Throws naming the first NaN or infinite element: "x[3, 1] is nan".
+void check_finite(std::string_view fn, std::string_view name, const ConstView<double>& v) {
+  const int64_t rows = v.size(0), cols = v.rank() == 2 ? v.size(1) : 1;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const double e = v.rank() == 2 ? v(i, c) : v(i);
+      if (!std::isfinite(e)) {
+        const std::string index =
+            v.rank() == 2 ? std::to_string(i) + ", " + std::to_string(c) : std::to_string(i);
+        fail(fn, std::string(name) + "[" + index + "] is " + num(e) + " (" + std::string(name) +
+                     " has shape " + v.shape().str() + "); every element must be finite");
+      }
+    }
+  }
+}
+
+// A contiguous (rows, cols) copy of a rank 1 or 2 view.
+Tensor<double> as_matrix(const ConstView<double>& v) {
+  const int64_t rows = v.size(0), cols = v.rank() == 2 ? v.size(1) : 1;
+  Tensor<double> out(Shape{rows, cols});
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < cols; ++c) out(i, c) = v.rank() == 2 ? v(i, c) : v(i);
+  }
+  return out;
+}
+
+// Training data shared by the constructor and the free functions: x (n) or
+// (n, p) and y (n) or (n, m), finite, n >= min_points.
+void check_training_data(std::string_view fn, const ConstView<double>& x,
+                         const ConstView<double>& y, int64_t min_points) {
+  check_rank_1_or_2(fn, "x", x, "(n)", "(n, p)");
+  check_rank_1_or_2(fn, "y", y, "(n)", "(n, m)");
+  if (y.size(0) != x.size(0)) {
+    fail(fn, "y has " + std::to_string(y.size(0)) + " points but x has " +
+                 std::to_string(x.size(0)) + " (x " + x.shape().str() + ", y " + y.shape().str() +
+                 ")");
+  }
+  if (x.size(0) < min_points) {
+    fail(fn, "x has shape " + x.shape().str() + "; expected at least " +
+                 std::to_string(min_points) + (min_points == 1 ? " point" : " points"));
+  }
+  if (x.rank() == 2 && x.size(1) == 0) {
+    fail(fn, "x has shape " + x.shape().str() + "; expected at least one feature");
+  }
+  if (y.rank() == 2 && y.size(1) == 0) {
+    fail(fn, "y has shape " + y.shape().str() + "; expected at least one output column");
+  }
+  check_finite(fn, "x", x);
+  check_finite(fn, "y", y);
+}
+
+// Queries (t) for 1-D data or (t, p), finite; returns a (t, p) copy.
+Tensor<double> checked_queries(std::string_view fn, const ConstView<double>& queries, int64_t p,
+                               const Shape& x_shape) {
+  check_rank_1_or_2(fn, "queries", queries, "(t)", "(t, p)");
+  const int64_t qp = queries.rank() == 2 ? queries.size(1) : 1;
+  if (qp != p) {
+    fail(fn, "queries has " + std::to_string(qp) + (qp == 1 ? " feature" : " features") +
+                 " but x has " + std::to_string(p) + " (queries " + queries.shape().str() + ", x " +
+                 x_shape.str() + ")");
+  }
+  check_finite(fn, "queries", queries);
+  return as_matrix(queries);
+}
+
+void check_bandwidth(std::string_view fn, const std::vector<double>& h, int64_t p) {
+  if (static_cast<int64_t>(h.size()) != p) {
+    fail(fn, "bandwidth has " + std::to_string(h.size()) + " values but x has " +
+                 std::to_string(p) + (p == 1 ? " feature" : " features") +
+                 "; expected one per feature");
+  }
+  for (size_t c = 0; c < h.size(); ++c) {
+    if (!(h[c] > 0.0) || !std::isfinite(h[c])) {
+      fail(fn,
+           "bandwidth[" + std::to_string(c) + "] = " + num(h[c]) + "; expected a finite value > 0");
+    }
+  }
+}
+
+std::vector<double> inverse(const std::vector<double>& h) {
+  std::vector<double> inv(h.size());
+  for (size_t c = 0; c < h.size(); ++c) inv[c] = 1.0 / h[c];
+  return inv;
+}
+
+// The 1-D Gaussian fast algorithm: keys sorted ascending, y (n, m) in the
+// same order, q (t, 1), out (t, m).
+void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& sorted_y,
+                     const Tensor<double>& q, double h, Tensor<double>& out) {
+  kernels::gauss1d_fast(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
+                        q.data(), q.size(0), h, kFastPathRelTol, out.data());
+}
+
+// Drops the column axis when y was 1-D.
+Tensor<double> shaped_output(Tensor<double> out, bool y_was_1d) {
+  if (!y_was_1d) return out;
+  const int64_t t = out.size(0);
+  return std::move(out).reshaped(Shape{t});
+}
+
+// ---- rules of thumb ------------------------------------------------------------
+
+enum class Rule { kSilverman, kScott };
+
+// numpy.percentile(v, 100 * f) with its default linear interpolation; v sorted.
+double percentile_sorted(const std::vector<double>& v, double f) {
+  const double pos = f * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  const double frac = pos - static_cast<double>(lo);
+  return v[lo] + frac * (v[hi] - v[lo]);
+}
+
+std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& x, Rule rule) {
+  check_rank_1_or_2(fn, "x", x, "(n)", "(n, p)");
+  const int64_t n = x.size(0), p = x.rank() == 2 ? x.size(1) : 1;
+  if (n < 2) {
+    fail(fn, "x has shape " + x.shape().str() +
+                 "; expected at least 2 points (the standard deviation divides by n - 1)");
+  }
+  if (p == 0) fail(fn, "x has shape " + x.shape().str() + "; expected at least one feature");
+  check_finite(fn, "x", x);
+  const Tensor<double> xm = as_matrix(x);
+  std::vector<double> h(static_cast<size_t>(p));
+  std::vector<double> col(static_cast<size_t>(n));
+  for (int64_t c = 0; c < p; ++c) {
+    for (int64_t i = 0; i < n; ++i) col[i] = xm(i, c);
+    const double mean = std::accumulate(col.begin(), col.end(), 0.0) / static_cast<double>(n);
+    double ss = 0.0;
+    for (double v : col) ss += (v - mean) * (v - mean);
+    const double s = std::sqrt(ss / static_cast<double>(n - 1));
+    const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
+    if (*lo == *hi) {  // (the rounded mean may leave s a hair above 0)
+      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() +
+                   ") is constant (standard deviation 0); a rule of thumb needs spread");
+    }
+    const double dn = static_cast<double>(n);
+    if (rule == Rule::kScott) {
+      h[c] = 1.059 * s * std::pow(dn, -1.0 / (static_cast<double>(p) + 4.0));
+    } else {
+      std::sort(col.begin(), col.end());
+      const double iqr = percentile_sorted(col, 0.75) - percentile_sorted(col, 0.25);
+      const double spread = iqr > 0.0 ? std::min(s, iqr / 1.349) : s;
+      h[c] = 0.9 * spread * std::pow(dn, -0.2);
+    }
+  }
+  return h;
+}
+
+// ---- cross-validation ------------------------------------------------------------
+
+// The leave-one-out objective on log h: mean squared error over the defined
+// points (+inf if none) and, for the Gaussian, its gradient.
+class LooObjective {
+ public:
+  LooObjective(const Tensor<double>& x, const Tensor<double>& y, Kernel kernel)
+      : x_(x), y_(y), kernel_(kernel), p_(x.size(1)) {}
+
+  double operator()(const std::vector<double>& theta, std::vector<double>* grad) const {
+    std::vector<double> inv_h(theta.size());
+    for (size_t c = 0; c < theta.size(); ++c) inv_h[c] = std::exp(-theta[c]);
+    const kernels::NwData d{.x = x_.data(),
+                            .y = y_.data(),
+                            .n = x_.size(0),
+                            .p = p_,
+                            .m = y_.size(1),
+                            .inv_h = inv_h.data(),
+                            .kernel = kernel_};
+    const kernels::LooSums sums = kernels::loo_sums(d, grad != nullptr);
+    if (sums.defined == 0) return kInf;
+    const double scale = 1.0 / static_cast<double>(sums.defined);
+    if (grad) {
+      grad->resize(theta.size());
+      for (size_t c = 0; c < theta.size(); ++c)
+        (*grad)[c] = sums.g[c] * inv_h[c] * inv_h[c] * scale;
+    }
+    return sums.sum_sq * scale;
+  }
+
+ private:
+  const Tensor<double>& x_;
+  const Tensor<double>& y_;
+  Kernel kernel_;
+  int64_t p_;
+};
+
+// The best point seen so far; every search below only ever moves to it, so
+// the result is never worse than the start.
+struct Best {
+  std::vector<double> theta;
+  double f = kInf;
+  void offer(const std::vector<double>& t, double v) {
+    if (v < f) {
+      f = v;
+      theta = t;
+    }
+  }
+};
+
+// Quasi-Newton (BFGS on the inverse Hessian) on log h with an Armijo
+// backtracking line search; steps capped at 2 in log h (a factor e^2).
+int bfgs(const LooObjective& f, Best& best) {
+  const size_t p = best.theta.size();
+  std::vector<double> theta = best.theta, g, g_new, theta_new(p), s(p), yv(p), d(p), hy(p);
+  double fx = f(theta, &g);
+  best.offer(theta, fx);
+  std::vector<double> hinv(p * p, 0.0);
+  for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
+  bool scaled = false;
+  int iter = 0;
+  for (; iter < 200; ++iter) {
+    double gmax = 0.0;
+    for (double gc : g) gmax = std::max(gmax, std::abs(gc));
+    if (gmax <= 1e-12 * std::max(fx, 1e-300)) break;  // stationary to rounding
+    double slope = 0.0;
+    for (size_t a = 0; a < p; ++a) {
+      d[a] = 0.0;
+      for (size_t b = 0; b < p; ++b) d[a] -= hinv[a * p + b] * g[b];
+      slope += d[a] * g[a];
+    }
+    if (!(slope < 0.0)) {  // lost descent: restart from steepest descent
+      std::fill(hinv.begin(), hinv.end(), 0.0);
+      for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
+      scaled = false;
+      for (size_t a = 0; a < p; ++a) d[a] = -g[a];
+      slope = 0.0;
+      for (size_t a = 0; a < p; ++a) slope += d[a] * g[a];
+    }
+    double dmax = 0.0;
+    for (double v : d) dmax = std::max(dmax, std::abs(v));
+    if (!scaled && dmax > 0.0) {  // first step: at most a factor e^0.5 in h
+      const double k = std::min(1.0, 0.5 / dmax);
+      for (double& v : d) v *= k;
+      slope *= k;
+      dmax *= k;
+    }
+    if (dmax > 2.0) {
+      const double k = 2.0 / dmax;
+      for (double& v : d) v *= k;
+      slope *= k;
+    }
+    double alpha = 1.0, f_new = kInf;
+    bool accepted = false;
+    for (int back = 0; back < 60; ++back) {
+      for (size_t a = 0; a < p; ++a) theta_new[a] = theta[a] + alpha * d[a];
+      f_new = f(theta_new, nullptr);
+      best.offer(theta_new, f_new);
+      if (f_new <= fx + 1e-4 * alpha * slope) {
+        accepted = true;
+        break;
+      }
+      alpha *= 0.5;
+    }
+    if (!accepted) break;
+    f(theta_new, &g_new);
+    double sy = 0.0, yy = 0.0, smax = 0.0;
+    for (size_t a = 0; a < p; ++a) {
+      s[a] = theta_new[a] - theta[a];
+      yv[a] = g_new[a] - g[a];
+      sy += s[a] * yv[a];
+      yy += yv[a] * yv[a];
+      smax = std::max(smax, std::abs(s[a]));
+    }
+    const double f_old = fx;
+    theta = theta_new;
+    fx = f_new;
+    g = g_new;
+    if (sy > 1e-300 && yy > 0.0) {
+      if (!scaled) {  // Nocedal & Wright (6.20): H0 = (s.y / y.y) I
+        std::fill(hinv.begin(), hinv.end(), 0.0);
+        for (size_t c = 0; c < p; ++c) hinv[c * p + c] = sy / yy;
+        scaled = true;
+      }
+      // H <- (I - rho s y') H (I - rho y s') + rho s s'
+      const double rho = 1.0 / sy;
+      double yhy = 0.0;
+      for (size_t a = 0; a < p; ++a) {
+        hy[a] = 0.0;
+        for (size_t b = 0; b < p; ++b) hy[a] += hinv[a * p + b] * yv[b];
+        yhy += yv[a] * hy[a];
+      }
+      for (size_t a = 0; a < p; ++a) {
+        for (size_t b = 0; b < p; ++b) {
+          hinv[a * p + b] +=
+              -rho * (s[a] * hy[b] + hy[a] * s[b]) + (rho * rho * yhy + rho) * s[a] * s[b];
+        }
+      }
+    }
+    if (smax < 1e-10 || f_old - fx <= 1e-15 * f_old) {
+      ++iter;
+      break;
+    }
+  }
+  return iter;
+}
+
+// Golden-section search of theta[c] on [lo, hi] (coordinate descent step for
+// the compact kernels, whose objective is only piecewise smooth in h).
+void golden_section(const LooObjective& f, Best& best, size_t c, double lo, double hi) {
+  const double kInvPhi = 0.6180339887498949;
+  std::vector<double> t = best.theta;
+  auto eval = [&](double v) {
+    t[c] = v;
+    const double fv = f(t, nullptr);
+    best.offer(t, fv);
+    return fv;
+  };
+  double a = lo, b = hi;
+  double x1 = b - kInvPhi * (b - a), x2 = a + kInvPhi * (b - a);
+  double f1 = eval(x1), f2 = eval(x2);
+  for (int it = 0; it < 40; ++it) {
+    if (f1 <= f2) {
+      b = x2;
+      x2 = x1;
+      f2 = f1;
+      x1 = b - kInvPhi * (b - a);
+      f1 = eval(x1);
+    } else {
+      a = x1;
+      x1 = x2;
+      f1 = f2;
+      x2 = a + kInvPhi * (b - a);
+      f2 = eval(x2);
+    }
+  }
+}
+
+}  // namespace
+
+// ---- kernels by name ---------------------------------------------------------------
+
+Kernel kernel_from_name(std::string_view name) {
+  if (name == "gaussian") return Kernel::kGaussian;
+  if (name == "boxcar" || name == "uniform") return Kernel::kBoxcar;
+  if (name == "epanechnikov") return Kernel::kEpanechnikov;
+  if (name == "triangular") return Kernel::kTriangular;
+  fail("kernel_from_name", "unknown kernel \"" + std::string(name) +
+                               "\"; expected gaussian, boxcar (or uniform), epanechnikov or "
+                               "triangular");
+}
+
+std::string_view kernel_name(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::kGaussian:
+      return "gaussian";
+    case Kernel::kBoxcar:
+      return "boxcar";
+    case Kernel::kEpanechnikov:
+      return "epanechnikov";
+    case Kernel::kTriangular:
+      return "triangular";
+  }
+  fail("kernel_name", "unknown kernel value " + std::to_string(static_cast<int>(kernel)));
+}
+
+// ---- KernelRegression --------------------------------------------------------------
+
+KernelRegression::KernelRegression(ConstView<double> x, ConstView<double> y, Kernel kernel)
+    : kernel_(kernel) {
+  constexpr std::string_view kFn = "KernelRegression";
+  check_training_data(kFn, x, y, 1);
+  if (kernel != Kernel::kGaussian && kernel != Kernel::kBoxcar && kernel != Kernel::kEpanechnikov &&
+      kernel != Kernel::kTriangular) {
+    fail(kFn, "kernel has value " + std::to_string(static_cast<int>(kernel)) +
+                  "; expected Kernel::kGaussian, kBoxcar, kEpanechnikov or kTriangular");
+  }
+  x_ = as_matrix(x);
+  y_ = as_matrix(y);
+  n_ = x_.size(0);
+  p_ = x_.size(1);
+  m_ = y_.size(1);
+  y_was_1d_ = y.rank() == 1;
+  bandwidth_.assign(static_cast<size_t>(p_), 1.0);
+  if (p_ == 1) {
+    std::vector<int64_t> order(static_cast<size_t>(n_));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return x_(a, 0) < x_(b, 0); });
+    sorted_x_.resize(static_cast<size_t>(n_));
+    sorted_y_ = Tensor<double>(Shape{n_, m_});
+    for (int64_t i = 0; i < n_; ++i) {
+      sorted_x_[i] = x_(order[i], 0);
+      for (int64_t k = 0; k < m_; ++k) sorted_y_(i, k) = y_(order[i], k);
+    }
+  }
+}
+
+int64_t KernelRegression::num_points() const { return n_; }
+int64_t KernelRegression::num_features() const { return p_; }
+int64_t KernelRegression::num_outputs() const { return m_; }
+
+void KernelRegression::set_bandwidth(double h) {
+  const std::vector<double> hs(static_cast<size_t>(p_), h);
+  if (!(h > 0.0) || !std::isfinite(h)) {
+    fail("KernelRegression::set_bandwidth", "h = " + num(h) + "; expected a finite value > 0");
+  }
+  bandwidth_ = hs;
+}
+
+void KernelRegression::set_bandwidth(const std::vector<double>& h) {
+  check_bandwidth("KernelRegression::set_bandwidth", h, p_);
+  bandwidth_ = h;
+}
+
+KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact) const {
+  constexpr std::string_view kFn = "KernelRegression::predict";
+  const Tensor<double> q = checked_queries(kFn, queries, p_, x_.shape());
+  const int64_t t = q.size(0);
+  KernelPrediction result;
+  Tensor<double> out(Shape{t, m_});
+  const bool fast_1d = kernel_ == Kernel::kGaussian && p_ == 1 && !exact &&
+                       static_cast<double>(n_) * static_cast<double>(t) > kFastPathMinWork;
+  if (fast_1d) {
+    predict_gauss1d(sorted_x_, sorted_y_, q, bandwidth_[0], out);
+    result.used_fast_path = true;
+  } else {
+    const std::vector<double> inv_h = inverse(bandwidth_);
+    const kernels::NwData d{.x = x_.data(),
+                            .y = y_.data(),
+                            .n = n_,
+                            .p = p_,
+                            .m = m_,
+                            .inv_h = inv_h.data(),
+                            .kernel = kernel_};
+    result.num_undefined = kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr);
+  }
+  result.values = shaped_output(std::move(out), y_was_1d_);
+  return result;
+}
+
+Tensor<double> KernelRegression::weights(ConstView<double> queries) const {
+  constexpr std::string_view kFn = "KernelRegression::weights";
+  const Tensor<double> q = checked_queries(kFn, queries, p_, x_.shape());
+  const int64_t t = q.size(0);
+  Tensor<double> w(Shape{t, n_});
+  Tensor<double> out(Shape{t, m_});
+  const std::vector<double> inv_h = inverse(bandwidth_);
+  const kernels::NwData d{.x = x_.data(),
+                          .y = y_.data(),
+                          .n = n_,
+                          .p = p_,
+                          .m = m_,
+                          .inv_h = inv_h.data(),
+                          .kernel = kernel_};
+  kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), w.data());
+  return w;
+}
+
+double KernelRegression::loo_error() const { return loo_error(bandwidth_); }
+
+double KernelRegression::loo_error(const std::vector<double>& bandwidth) const {
+  check_bandwidth("KernelRegression::loo_error", bandwidth, p_);
+  std::vector<double> theta(bandwidth.size());
+  for (size_t c = 0; c < theta.size(); ++c) theta[c] = std::log(bandwidth[c]);
+  return LooObjective(x_, y_, kernel_)(theta, nullptr);
+}
+
+// ---- bandwidth selection -------------------------------------------------------------
+
+std::vector<double> silverman_bandwidth(ConstView<double> x) {
+  return rule_of_thumb("silverman_bandwidth", x, Rule::kSilverman);
+}
+
+std::vector<double> scott_bandwidth(ConstView<double> x) {
+  return rule_of_thumb("scott_bandwidth", x, Rule::kScott);
+}
+
+// 1. Scott's rule, then a scan of common factors 2^(k/4), k = -24..24, of it
+//    (the objective can have several local minima; this picks the basin).
+// 2. Gaussian: BFGS on log h from the best scan point, analytic gradient.
+//    Compact kernels: coordinate descent, per feature a scan of +-2 in log h
+//    at steps of ln 2 / 8, then golden section between the best point's
+//    neighbours; up to 4 sweeps (1 for p = 1).
+// Every candidate goes through Best, so the result is never worse than the
+// start. iterations: BFGS iterations, or coordinate line searches.
+CvResult cv_bandwidth(const KernelRegression& model) {
+  constexpr std::string_view kFn = "cv_bandwidth";
+  if (model.n_ < 2) {
+    fail(kFn, "x has shape " + model.x_.shape().str() +
+                  "; leave-one-out cross-validation needs at least 2 points");
+  }
+  const std::vector<double> h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott);
+  const LooObjective f(model.x_, model.y_, model.kernel_);
+  const size_t p = h0.size();
+  std::vector<double> theta0(p);
+  for (size_t c = 0; c < p; ++c) theta0[c] = std::log(h0[c]);
+  Best best;
+  best.offer(theta0, f(theta0, nullptr));
+  const double kQuarterLn2 = 0.25 * std::log(2.0);
+  std::vector<double> t(p);
+  for (int k = -24; k <= 24; ++k) {
+    if (k == 0) continue;
+    for (size_t c = 0; c < p; ++c) t[c] = theta0[c] + k * kQuarterLn2;
+    best.offer(t, f(t, nullptr));
+  }
+  CvResult result;
+  if (model.kernel_ == Kernel::kGaussian) {
+    result.iterations = bfgs(f, best);
+  } else {
+    const double step = std::log(2.0) / 8.0;
+    const int sweeps = p == 1 ? 1 : 4;
+    for (int sweep = 0; sweep < sweeps; ++sweep) {
+      const double f_start = best.f;
+      for (size_t c = 0; c < p; ++c) {
+        const std::vector<double> center = best.theta;
+        t = center;
+        for (int k = -16; k <= 16; ++k) {
+          t[c] = center[c] + k * step;
+          best.offer(t, f(t, nullptr));
+        }
+        const double mid = best.theta[c];
+        golden_section(f, best, c, mid - step, mid + step);
+        ++result.iterations;
+      }
+      if (!(best.f < f_start * (1.0 - 1e-12))) break;
+    }
+  }
+  result.bandwidth.resize(p);
+  for (size_t c = 0; c < p; ++c) result.bandwidth[c] = std::exp(best.theta[c]);
+  result.loo_error = model.loo_error(result.bandwidth);
+  return result;
+}
+
+// ---- the chapter's estimators ----------------------------------------------------------
+
+Tensor<double> average_pooling_regression(ConstView<double> y, int64_t num_queries) {
+  constexpr std::string_view kFn = "average_pooling_regression";
+  check_rank_1_or_2(kFn, "y", y, "(n)", "(n, m)");
+  if (y.size(0) < 1) fail(kFn, "y has shape " + y.shape().str() + "; expected at least 1 point");
+  if (num_queries < 0) {
+    fail(kFn, "num_queries = " + std::to_string(num_queries) + "; expected >= 0");
+  }
+  check_finite(kFn, "y", y);
+  const Tensor<double> ym = as_matrix(y);
+  const int64_t n = ym.size(0), m = ym.size(1);
+  std::vector<double> mean(static_cast<size_t>(m), 0.0);
+  for (int64_t k = 0; k < m; ++k) {
+    for (int64_t i = 0; i < n; ++i) mean[k] += ym(i, k);
+    mean[k] /= static_cast<double>(n);
+  }
+  Tensor<double> out(Shape{num_queries, m});
+  for (int64_t i = 0; i < num_queries; ++i) {
+    for (int64_t k = 0; k < m; ++k) out(i, k) = mean[k];
+  }
+  return shaped_output(std::move(out), y.rank() == 1);
+}
+
+double parametric_loss(ConstView<double> x, ConstView<double> y, double w, double* grad) {
+  constexpr std::string_view kFn = "parametric_loss";
+  check_training_data(kFn, x, y, 2);
+  if (!std::isfinite(w)) fail(kFn, "w = " + num(w) + "; expected a finite value");
+  const Tensor<double> xm = as_matrix(x), ym = as_matrix(y);
+  return kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1), ym.size(1), w,
+                                  grad);
+}
+
+ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
+                                  const ParametricOptions& options) {
+  constexpr std::string_view kFn = "train_parametric";
+  check_training_data(kFn, x, y, 2);
+  if (options.epochs < 0) {
+    fail(kFn, "options.epochs = " + std::to_string(options.epochs) + "; expected >= 0");
+  }
+  if (!std::isfinite(options.lr)) {
+    fail(kFn, "options.lr = " + num(options.lr) + "; expected a finite value");
+  }
+  if (options.initial_w && !std::isfinite(*options.initial_w)) {
+    fail(kFn, "options.initial_w = " + num(*options.initial_w) + "; expected a finite value");
+  }
+  const Tensor<double> xm = as_matrix(x), ym = as_matrix(y);
+  double w;
+  if (options.initial_w) {
+    w = *options.initial_w;
+  } else {
+    // U(0, 1) from the seed: 53 random bits of a splitmix64 step.
+    uint64_t z = options.seed + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    w = static_cast<double>(z >> 11) * 0x1.0p-53;
+  }
+  ParametricResult result;
+  for (int epoch = 0; epoch < options.epochs; ++epoch) {
+    double grad = 0.0;
+    const double loss = kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1),
+                                                 ym.size(1), w, &grad);
+    result.losses.push_back(loss);
+    result.ws.push_back(w);
+    w -= options.lr * grad;
+    if (!std::isfinite(w)) {
+      fail(kFn, "w diverged to " + num(w) + " at epoch " + std::to_string(epoch + 1) + " (lr " +
+                    num(options.lr) + "); use a smaller learning rate");
+    }
+  }
+  result.w = w;
+  return result;
+}
+
+Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, double w,
+                                  ConstView<double> queries) {
+  constexpr std::string_view kFn = "parametric_predict";
+  check_training_data(kFn, x, y, 1);
+  if (!std::isfinite(w)) fail(kFn, "w = " + num(w) + "; expected a finite value");
+  const Tensor<double> xm = as_matrix(x), ym = as_matrix(y);
+  const int64_t p = xm.size(1), m = ym.size(1);
+  const Tensor<double> q = checked_queries(kFn, queries, p, x.shape());
+  const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
+  const kernels::NwData d{.x = xm.data(),
+                          .y = ym.data(),
+                          .n = xm.size(0),
+                          .p = p,
+                          .m = m,
+                          .inv_h = inv_h.data(),
+                          .kernel = Kernel::kGaussian};
+  Tensor<double> out(Shape{q.size(0), m});
+  kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out.data(), nullptr);
+  return shaped_output(std::move(out), y.rank() == 1);
+}
+
+}  // namespace qkv

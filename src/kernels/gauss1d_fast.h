@@ -1,0 +1,31 @@
+// Fast 1-D Gaussian Nadaraya–Watson regression (DESIGN.md §3, issue #3 "Scale"):
+// O(n + t) work up to logs for n keys and t queries, with a guaranteed relative
+// error. Algorithms, bounds and measured figures: docs/regression-fast-path.md.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::kernels {
+
+// Gaussian Nadaraya–Watson in 1-D, softmax form: out[i, c] = sum_j w_ij values[j, c] / sum_j w_ij,
+// w_ij = exp(-(queries[i] - keys[j])^2 / (2 h^2)). keys sorted ascending (n >= 1), values (n x m)
+// row-major in the same order, queries (t) any order, out (t x m). Max relative error <= rel_tol
+// (relative to sum_j w_ij |values[j,c]| / sum_j w_ij) against exact float64 evaluation.
+// Returns the name of the method used ("window", "taylor", "exact").
+//
+// The weights are taken relative to each query's largest weight (its nearest
+// key), so a query far from every key returns its nearest keys' values, never
+// NaN; a query at +-inf returns the extreme key's (mean over its duplicates),
+// a NaN query NaN. Guarantee, for finite sorted keys, finite values, h with h^2
+// a normal double, n <= 10^7 and rel_tol in [1e-9, 1): every output satisfies
+// |out - exact| <= rel_tol * sum_j w_ij |values[j,c]| / sum_j w_ij, where exact is
+// the float64 softmax-form evaluation. The dropped keys and the Taylor
+// remainder account for at most rel_tol / 2 (derivation in the doc); float64
+// rounding (below 1e-10 by analysis, about 1e-15 measured) has the other half;
+// for rel_tol in [1e-12, 1e-9) only the analytic half is proven. rel_tol < 1e-12
+// (or NaN), n <= 32 or n * t <= 65536 take the exact path.
+// Deterministic for any thread count; throws nothing.
+const char* gauss1d_fast(const double* keys, const double* values, int64_t n, int64_t m,
+                         const double* queries, int64_t t, double h, double rel_tol, double* out);
+
+}  // namespace qkv::kernels

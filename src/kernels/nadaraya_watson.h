@@ -1,0 +1,61 @@
+// Nadaraya–Watson kernel regression kernels (DESIGN.md §3): exact evaluation
+// in two versions with one contract, ref (plain loops, double, the spec) and
+// fast (SIMD + threads), plus the leave-one-out objective with its analytic
+// gradient. Front end: src/kernel_regression.cc; kernels only assert.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qkv/kernel_regression.h"
+
+namespace qkv::kernels {
+
+// Training data and the kernel: keys x (n, p) and values y (n, m), row-major
+// and contiguous; inv_h (p) the inverse bandwidths 1 / h_c (0 allowed: that
+// feature is ignored, h = inf). Scores u_c = (q_c - x_c) * inv_h_c.
+struct NwData {
+  const double* x = nullptr;
+  const double* y = nullptr;
+  int64_t n = 0, p = 0, m = 0;
+  const double* inv_h = nullptr;
+  Kernel kernel = Kernel::kGaussian;
+};
+
+// q: (t, p)   out: (t, m)   weights: (t, n) or null (not wanted)
+// Gaussian rows are softmax(-sum_c u_c^2 / 2); compact rows are
+// prod_c k(u_c) / sum, or NaN (weights and out) when the sum is 0.
+// Returns the number of NaN rows.
+namespace ref {
+int64_t nadaraya_watson(const NwData& data, const double* q, int64_t t, double* out,
+                        double* weights);
+}  // namespace ref
+namespace fast {
+int64_t nadaraya_watson(const NwData& data, const double* q, int64_t t, double* out,
+                        double* weights);
+}  // namespace fast
+
+// The leave-one-out sums: f_{-i}(x_i) from the other n - 1 points.
+struct LooSums {
+  double sum_sq = 0;      // sum over defined i of ||f_{-i}(x_i) - y_i||^2
+  int64_t defined = 0;    // points whose leave-one-out estimate is defined
+  std::vector<double> g;  // (p), Gaussian only, when asked: see loo_sums
+};
+
+// O(n^2 p), threaded over blocks of points, deterministic. With `gradient`
+// (Gaussian only; every point is defined when n >= 2), the derivative through
+// the scores s_ij = -sum_c E_ijc v_c / 2, E_ijc = (x_ic - x_jc)^2, v_c = inv_h_c^2.
+// With a_ij the leave-one-out softmax weights (a_ii = 0), f_i = f_{-i}(x_i) and
+// r_i = f_i - y_i, ds_ij / dv_c = -E_ijc / 2 gives
+//   g[c] = -2 d sum_sq / d v_c = sum_i 2 r_i . sum_j a_ij E_ijc (y_j - f_i),
+// a weighted covariance of E and y under each point's weights. The chain rule
+// through v_c = h_c^-2 then gives d sum_sq / d log h_c = g[c] * v_c.
+LooSums loo_sums(const NwData& data, bool gradient);
+
+// The chapter's parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 with scores
+// -w^2 ||x_i - x_j||^2 / 2 and d loss / d w (ds_ij / dw = -w ||x_i - x_j||^2);
+// x (n, p), y (n, m) contiguous, n >= 2.
+double parametric_loss(const double* x, const double* y, int64_t n, int64_t p, int64_t m, double w,
+                       double* grad);
+
+}  // namespace qkv::kernels

@@ -1,0 +1,231 @@
+// Nadaraya–Watson regression, fast exact version: tasks of query rows run on
+// qkv's threads; per row the scores are direct differences (q_c - x_jc) over
+// keys stored feature-major, so the inner loop is unit-stride and vectorises,
+// the exponentials use Highway's SIMD exp, and a BLAS GEMM pools the values.
+// Also the leave-one-out objective with its analytic gradient.
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/nadaraya_watson.h"
+#include "kernels/vecmath.h"
+#include "parallel.h"
+
+namespace qkv::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Scores relative to the row's best are clamped here before the exp: far
+// below exp's underflow (-745) so the weight is exactly 0, inside the SIMD
+// exp's valid range, and -inf (an excluded key) becomes finite.
+constexpr double kScoreFloor = -800.0;
+
+// Rows per task: the task's weights (rows x n doubles) stay within 256 KiB,
+// so they are still in L2 for the GEMM that pools them, and a task holds at
+// least ~2^15 kernel evaluations (~0.1 ms), so thread start-up does not
+// dominate small problems. Depends on n only (determinism).
+int64_t rows_per_task(int64_t n) {
+  return std::clamp<int64_t>((int64_t{1} << 15) / std::max<int64_t>(n, 1), 1, 4096);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Keys feature-major: xt[c * n + j] = x[j * p + c].
+std::vector<double> transpose_keys(const NwData& d) {
+  std::vector<double> xt(static_cast<size_t>(d.n * d.p));
+  for (int64_t j = 0; j < d.n; ++j) {
+    for (int64_t c = 0; c < d.p; ++c) xt[c * d.n + j] = d.x[j * d.p + c];
+  }
+  return xt;
+}
+
+// The unnormalised kernel row of query qi (p) over all keys, key `skip`
+// (or none if < 0) left out with weight 0: Gaussian exp(s_j - max s), so the
+// nearest key has weight 1 and the row can never sum to 0 while any key is
+// left; compact prod_c k(u_c). The compact profiles are the same expressions
+// as the reference's, so both agree exactly on which keys are in reach.
+// Returns the row's sum.
+double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t skip, double* w) {
+  const int64_t n = d.n;
+  if (d.kernel == Kernel::kGaussian) {
+    std::fill(w, w + n, 0.0);
+    for (int64_t c = 0; c < d.p; ++c) {
+      const double qc = qi[c], ih = d.inv_h[c];
+      const double* xc = xt + c * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const double u = (qc - xc[j]) * ih;
+        w[j] += u * u;
+      }
+    }
+    if (skip >= 0) w[skip] = kInf;
+    double best = kInf;
+    for (int64_t j = 0; j < n; ++j) best = std::min(best, w[j]);
+    if (best == kInf) {  // no key left (n = 1 with its only key skipped)
+      std::fill(w, w + n, 0.0);
+      return 0.0;
+    }
+    for (int64_t j = 0; j < n; ++j) w[j] = std::max(-0.5 * (w[j] - best), kScoreFloor);
+    return vecmath::exp_shift_sum(w, 0.0, w, n);
+  }
+  std::fill(w, w + n, 1.0);
+  for (int64_t c = 0; c < d.p; ++c) {
+    const double qc = qi[c], ih = d.inv_h[c];
+    const double* xc = xt + c * n;
+    switch (d.kernel) {
+      case Kernel::kBoxcar:
+        for (int64_t j = 0; j < n; ++j) {
+          const double u = (qc - xc[j]) * ih;
+          w[j] = std::abs(u) <= 1.0 ? w[j] : 0.0;
+        }
+        break;
+      case Kernel::kEpanechnikov:
+        for (int64_t j = 0; j < n; ++j) {
+          const double u = (qc - xc[j]) * ih;
+          w[j] *= std::abs(u) <= 1.0 ? 1.0 - u * u : 0.0;
+        }
+        break;
+      case Kernel::kTriangular:
+        for (int64_t j = 0; j < n; ++j) {
+          const double u = (qc - xc[j]) * ih;
+          const double a = std::abs(u);
+          w[j] *= a <= 1.0 ? 1.0 - a : 0.0;
+        }
+        break;
+      case Kernel::kGaussian:
+        assert(false);
+        break;
+    }
+  }
+  if (skip >= 0) w[skip] = 0.0;
+  double sum = 0.0;
+  for (int64_t j = 0; j < n; ++j) sum += w[j];
+  return sum;
+}
+
+}  // namespace
+
+namespace fast {
+
+// q: (t, p)   x: (n, p)   y: (n, m)   ->   out: (t, m), weights: (t, n) or null
+int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> xt = transpose_keys(d);
+  const int64_t rows = rows_per_task(d.n);
+  const int64_t tasks = ceil_div(t, rows);
+  std::vector<int64_t> undefined(static_cast<size_t>(tasks), 0);
+  detail::parallel_for(tasks, [&](int64_t task) {
+    const int64_t i0 = task * rows, r_end = std::min(rows, t - i0);
+    std::vector<double> scratch;
+    double* w = weights ? weights + i0 * d.n : nullptr;
+    if (!w) {
+      scratch.resize(static_cast<size_t>(r_end * d.n));
+      w = scratch.data();
+    }
+    std::vector<double> sums(static_cast<size_t>(r_end));
+    for (int64_t r = 0; r < r_end; ++r) {
+      sums[r] = kernel_row(d, xt.data(), q + (i0 + r) * d.p, -1, w + r * d.n);
+    }
+    double* o = out + i0 * d.m;
+    detail::gemm(false, false, r_end, d.m, d.n, 1.0, w, d.n, d.y, d.m, 0.0, o, d.m);
+    for (int64_t r = 0; r < r_end; ++r) {
+      if (sums[r] == 0.0) {
+        ++undefined[task];
+        std::fill(o + r * d.m, o + (r + 1) * d.m, nan);
+        if (weights) std::fill(w + r * d.n, w + (r + 1) * d.n, nan);
+        continue;
+      }
+      const double inv = 1.0 / sums[r];
+      vecmath::scale(o + r * d.m, inv, d.m);
+      if (weights) vecmath::scale(w + r * d.n, inv, d.n);
+    }
+  });
+  int64_t total = 0;
+  for (int64_t u : undefined) total += u;
+  return total;
+}
+
+}  // namespace fast
+
+// One task = rows points (>= 2^16 pairs, so small problems run as one task
+// without thread start-up); per task partial sums, added in task order, so
+// the result does not depend on the thread count.
+LooSums loo_sums(const NwData& d, bool gradient) {
+  const int64_t rows = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(d.n, 1));
+  assert(!gradient || d.kernel == Kernel::kGaussian);
+  const std::vector<double> xt = transpose_keys(d);
+  const int64_t n = d.n, p = d.p, m = d.m;
+  const int64_t tasks = ceil_div(n, rows);
+  std::vector<LooSums> parts(static_cast<size_t>(tasks));
+  detail::parallel_for(tasks, [&](int64_t task) {
+    LooSums& part = parts[task];
+    if (gradient) part.g.assign(static_cast<size_t>(p), 0.0);
+    std::vector<double> w(static_cast<size_t>(n)), b(gradient ? n : 0);
+    std::vector<double> f(static_cast<size_t>(m)), r(static_cast<size_t>(m));
+    const int64_t i_end = std::min(n, (task + 1) * rows);
+    for (int64_t i = task * rows; i < i_end; ++i) {
+      const double* xi = d.x + i * p;
+      const double* yi = d.y + i * m;
+      const double sum = kernel_row(d, xt.data(), xi, i, w.data());
+      if (sum == 0.0) continue;
+      const double inv = 1.0 / sum;
+      vecmath::scale(w.data(), inv, n);  // a_ij
+      std::fill(f.begin(), f.end(), 0.0);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t k = 0; k < m; ++k) f[k] += w[j] * d.y[j * m + k];
+      }
+      double sq = 0.0;
+      for (int64_t k = 0; k < m; ++k) {
+        r[k] = f[k] - yi[k];
+        sq += r[k] * r[k];
+      }
+      part.sum_sq += sq;
+      ++part.defined;
+      if (!gradient) continue;
+      // b_j = 2 a_ij (y_j - f_i) . r_i, then g[c] += sum_j b_j E_ijc.
+      for (int64_t j = 0; j < n; ++j) {
+        double dot = 0.0;
+        for (int64_t k = 0; k < m; ++k) dot += (d.y[j * m + k] - f[k]) * r[k];
+        b[j] = 2.0 * w[j] * dot;
+      }
+      for (int64_t c = 0; c < p; ++c) {
+        const double* xc = xt.data() + c * n;
+        const double xic = xi[c];
+        double acc = 0.0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double diff = xic - xc[j];
+          acc += b[j] * diff * diff;
+        }
+        part.g[c] += acc;
+      }
+    }
+  });
+  LooSums total;
+  if (gradient) total.g.assign(static_cast<size_t>(p), 0.0);
+  for (const LooSums& part : parts) {
+    total.sum_sq += part.sum_sq;
+    total.defined += part.defined;
+    for (int64_t c = 0; c < static_cast<int64_t>(part.g.size()); ++c) total.g[c] += part.g[c];
+  }
+  return total;
+}
+
+// d loss / d w: every v_c = w^2, so d loss / d w = sum_c (d loss / d v_c) 2 w
+// = -w sum_c g[c] with loo_sums' g (regular at w = 0, unlike going through h).
+double parametric_loss(const double* x, const double* y, int64_t n, int64_t p, int64_t m, double w,
+                       double* grad) {
+  const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
+  const NwData d{
+      .x = x, .y = y, .n = n, .p = p, .m = m, .inv_h = inv_h.data(), .kernel = Kernel::kGaussian};
+  const LooSums sums = loo_sums(d, grad != nullptr);
+  if (grad) {
+    double g = 0.0;
+    for (double gc : sums.g) g += gc;
+    *grad = -w * g;
+  }
+  return sums.sum_sq;
+}
+
+}  // namespace qkv::kernels

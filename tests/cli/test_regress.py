@@ -1,0 +1,534 @@
+#!/usr/bin/python3
+"""Tests of `qkv regress`: Nadaraya-Watson kernel regression from CSV and .npy
+tables. Predictions are held to a float64 NumPy reference of the estimator;
+the bandwidth rules, --json, --weights and every error path are checked
+through the command line. The harness (running qkv, temporary directories,
+expect_error) is test_cli.py's.
+
+Usage: test_regress.py --qkv PATH [unittest arguments, e.g. a TestCase name]
+NumPy is required: if it cannot be imported this script fails.
+"""
+
+import json
+import os
+import sys
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+
+# Exact evaluation against the float64 reference; the 1-D Gaussian fast path
+# has the bound kernel_regression.h documents for it.
+EXACT = dict(rtol=1e-12, atol=1e-13)
+FAST = dict(rtol=1e-7, atol=1e-7)
+
+SUMMARY_KEYS = {"kernel", "bandwidth", "bandwidth_rule", "loo_error", "num_train", "num_queries",
+                "num_undefined", "fast_path", "timings_s"}
+TIMING_KEYS = {"load", "bandwidth", "predict", "write"}
+
+
+# ---- float64 references ----------------------------------------------------------
+
+PROFILES = {
+    "gaussian": lambda u: np.exp(-u * u / 2),
+    "boxcar": lambda u: (np.abs(u) <= 1).astype(np.float64),
+    "epanechnikov": lambda u: np.where(np.abs(u) <= 1, 1 - u * u, 0.0),
+    "triangular": lambda u: np.where(np.abs(u) <= 1, 1 - np.abs(u), 0.0),
+}
+
+
+def np_weights(x, q, h, kernel="gaussian"):
+    """(t, n) Nadaraya-Watson weights of a product kernel; x (n, p), q (t, p),
+    h a scalar or (p). Gaussian in softmax form; rows with no key in reach of
+    a compact kernel are NaN."""
+    x, q = np.atleast_2d(x.T).T, np.atleast_2d(q.T).T
+    u = (q[:, None, :] - x[None, :, :]) / np.broadcast_to(np.asarray(h, float), (x.shape[1],))
+    if kernel == "gaussian":
+        s = -0.5 * (u * u).sum(axis=2)
+        k = np.exp(s - s.max(axis=1, keepdims=True))
+    else:
+        k = PROFILES[kernel](u).prod(axis=2)
+    total = k.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, k / np.where(total > 0, total, 1), np.nan)
+
+
+def np_predict(x, y, q, h, kernel="gaussian"):
+    return np_weights(x, q, h, kernel) @ y
+
+
+def chapter_data(rng, n=50):
+    """d2l §11.2: sorted x ~ U(0, 5), y = 2 sin x + x^0.8 + N(0, 0.5)."""
+    x = np.sort(rng.uniform(0, 5, n))
+    y = 2 * np.sin(x) + x ** 0.8 + rng.normal(0, 0.5, n)
+    return x, y
+
+
+# ---- the harness -----------------------------------------------------------------------
+
+class RegressTest(test_cli.CliTest):
+    def write_csv(self, name, header, columns, text=None):
+        """Writes columns (each a 1-D array) under `header` with %.17g, or the
+        raw `text` if given; returns the path."""
+        path = self.path(name)
+        if text is None:
+            rows = np.column_stack(columns)
+            text = ",".join(header) + "\n" + "".join(
+                ",".join("%.17g" % v for v in row) + "\n" for row in rows)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def regress(self, *args):
+        """Runs `qkv regress ARGS`, which must succeed; returns (stdout, stderr)
+        and, with --json, the summary (else None). With --json stderr must be
+        empty (it is not a terminal here)."""
+        r = test_cli.run("regress", *args)
+        context = f"qkv regress {' '.join(map(str, args))}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+        self.assertEqual(r.returncode, 0, context)
+        summary = None
+        if "--json" in args:
+            self.assertEqual(r.stderr, "", context)
+            lines = r.stdout.strip().splitlines()
+            self.assertEqual(len(lines), 1, f"--json prints one line\n{context}")
+            summary = json.loads(lines[0])
+            self.assertLessEqual(SUMMARY_KEYS, set(summary), context)
+            self.assertEqual(set(summary["timings_s"]), TIMING_KEYS, context)
+            for key in TIMING_KEYS:
+                self.assertGreaterEqual(summary["timings_s"][key], 0.0, context)
+        else:
+            self.assertEqual(r.stdout, "", context)
+        return r, summary
+
+    def read_predictions(self, path):
+        """The output CSV: (header, (t, columns) float64 array; "nan" read as NaN)."""
+        self.assertTrue(os.path.exists(path), f"qkv wrote no {path}")
+        with open(path) as f:
+            lines = f.read().splitlines()
+        header = lines[0].split(",")
+        rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
+        self.assertEqual(rows.shape[1], len(header), path)
+        return header, rows
+
+
+# ---- the chapter's estimator ----------------------------------------------------------
+
+class ChapterTest(RegressTest):
+    """d2l §11.2's data: the nonparametric Gaussian estimator with h = 1."""
+
+    def setUp(self):
+        super().setUp()
+        self.x, self.y = chapter_data(self.rng)
+        self.train = self.write_csv("train.csv", ["x", "y"], [self.x, self.y])
+        self.out = self.path("pred.csv")
+
+    def test_grid_with_bandwidth_1_equals_the_reference(self):
+        for exact in (True, False):
+            args = ["--train", self.train, "--grid", "0:5:0.1", "--kernel", "gaussian",
+                    "--bandwidth", "1", "--out", self.out, "--json"] + (["--exact"] if exact else [])
+            _, summary = self.regress(*args)
+            header, got = self.read_predictions(self.out)
+            self.assertEqual(header, ["x", "y_pred"])
+            grid = np.arange(0, 5, 0.1)
+            self.assertEqual(got.shape, (50, 2))
+            np.testing.assert_allclose(got[:, 0], grid, rtol=1e-15, atol=1e-15)
+            ref = np_predict(self.x, self.y, grid, 1.0)
+            tol = FAST if summary["fast_path"] else EXACT
+            np.testing.assert_allclose(got[:, 1], ref, **tol)
+            if exact:
+                self.assertFalse(summary["fast_path"])
+            self.assertEqual(summary["kernel"], "gaussian")
+            self.assertEqual(summary["bandwidth"], [1.0])
+            self.assertEqual(summary["bandwidth_rule"], "fixed")
+            self.assertEqual((summary["num_train"], summary["num_queries"]), (50, 50))
+            self.assertEqual(summary["num_undefined"], 0)
+            self.assertNotIn("epochs", summary)
+            # The leave-one-out error, mean over i of (f_{-i}(x_i) - y_i)^2.
+            w = np_weights(self.x, self.x, 1.0)
+            np.fill_diagonal(w, 0)
+            loo = np.mean((w @ self.y / w.sum(axis=1) - self.y) ** 2)
+            self.assertAlmostEqual(summary["loo_error"], loo, delta=1e-12 * loo)
+
+    def test_query_csv_with_extra_columns(self):
+        q = np.array([0.0, 1.25, 2.5, 4.75, -3.0, 40.0])  # the last two far outside the data
+        query = self.write_csv("q.csv", ["label", "x"], [np.arange(6.0), q])
+        self.regress("--train", self.train, "--query", query, "--kernel", "gaussian",
+                     "--bandwidth", "1", "--exact", "--out", self.out)
+        header, got = self.read_predictions(self.out)
+        self.assertEqual(header, ["x", "y_pred"])
+        np.testing.assert_array_equal(got[:, 0], q)
+        np.testing.assert_allclose(got[:, 1], np_predict(self.x, self.y, q, 1.0), **EXACT)
+        # x = 40 is ~35 bandwidths from every key: its nearest keys' values, not 0/0.
+        self.assertTrue(np.isfinite(got[:, 1]).all())
+
+    def test_human_summary_on_stderr(self):
+        r, _ = self.regress("--train", self.train, "--grid", "0:5:0.5", "--kernel", "gaussian",
+                            "--bandwidth", "scott", "--out", self.out)
+        self.assertTrue(r.stderr.startswith("qkv regress: 50 training points, 10 queries"),
+                        r.stderr)
+        for piece in ("bandwidth (scott): ", "LOO error: ", "undefined predictions: 0"):
+            self.assertIn(piece, r.stderr)
+        self.assertNotIn("cv:", r.stderr)  # no progress: stderr is not a terminal
+        r, _ = self.regress("--train", self.train, "--grid", "0:5:0.5", "--kernel", "gaussian",
+                            "--bandwidth", "cv", "--out", self.out, "--verbose")
+        self.assertIn("qkv regress: cv: ", r.stderr)
+
+    def test_other_kernels_equal_the_reference(self):
+        q = np.arange(0, 5, 0.25)
+        for kernel in ("boxcar", "uniform", "epanechnikov", "triangular"):
+            _, summary = self.regress("--train", self.train, "--grid", "0:5:0.25", "--kernel",
+                                      kernel, "--bandwidth", "0.75", "--out", self.out, "--json")
+            _, got = self.read_predictions(self.out)
+            profile = "boxcar" if kernel == "uniform" else kernel
+            np.testing.assert_allclose(got[:, 1], np_predict(self.x, self.y, q, 0.75, profile),
+                                       **EXACT, err_msg=kernel)
+            self.assertEqual(summary["kernel"], profile)
+            self.assertEqual(summary["num_undefined"], 0)
+
+
+# ---- several features, .npy tables ------------------------------------------------------
+
+class FeaturesTest(RegressTest):
+    def setUp(self):
+        super().setUp()
+        n = 60
+        self.a, self.b, self.c = (self.rng.normal(size=n) for _ in range(3))
+        self.y = np.sin(self.a) + self.c ** 2 + 0.1 * self.rng.normal(size=n)
+        self.out = self.path("pred.csv")
+
+    def test_x_cols_names_order_and_per_feature_bandwidths(self):
+        train = self.write_csv("train.csv", ["a", "b", "c", "price"],
+                               [self.a, self.b, self.c, self.y])
+        q = self.rng.normal(size=(7, 2))  # columns c, a
+        query = self.write_csv("q.csv", ["a", "other", "c"], [q[:, 1], np.zeros(7), q[:, 0]])
+        _, summary = self.regress("--train", train, "--x-cols", "c, a", "--y-col", "price",
+                                  "--query", query, "--kernel", "gaussian", "--bandwidth",
+                                  "0.5,2", "--out", self.out, "--json")
+        header, got = self.read_predictions(self.out)
+        self.assertEqual(header, ["c", "a", "price_pred"])
+        np.testing.assert_array_equal(got[:, :2], q)
+        ref = np_predict(np.column_stack([self.c, self.a]), self.y, q, [0.5, 2.0])
+        np.testing.assert_allclose(got[:, 2], ref, **EXACT)
+        self.assertEqual(summary["bandwidth"], [0.5, 2.0])
+        self.assertFalse(summary["fast_path"])
+
+    def test_default_columns_and_one_bandwidth_for_all(self):
+        train = self.write_csv("train.csv", ["a", "b", "y"], [self.a, self.b, self.y])
+        query = self.write_csv("q.csv", ["b", "a"], [self.b[:5], self.a[:5]])
+        _, summary = self.regress("--train", train, "--query", query, "--kernel", "epanechnikov",
+                                  "--bandwidth", "1.5", "--out", self.out, "--json")
+        header, got = self.read_predictions(self.out)
+        self.assertEqual(header, ["a", "b", "y_pred"])
+        x = np.column_stack([self.a, self.b])
+        np.testing.assert_allclose(got[:, 2], np_predict(x, self.y, x[:5], 1.5, "epanechnikov"),
+                                   **EXACT)
+        self.assertEqual(summary["bandwidth"], [1.5, 1.5])
+        # --y-col alone: the x columns are all the others.
+        query = self.write_csv("q2.csv", ["y", "b"], [self.y[:5], self.b[:5]])
+        self.regress("--train", train, "--y-col", "a", "--query", query, "--kernel", "gaussian",
+                     "--bandwidth", "1", "--out", self.out)
+        header, got = self.read_predictions(self.out)
+        self.assertEqual(header, ["b", "y", "a_pred"])
+
+    def test_quoted_header_names_round_trip(self):
+        text = '"size, m2",  "the ""y"""\n' + "".join(
+            f"{a!r},{y!r}\n" for a, y in zip(self.a, self.y))
+        train = self.write_csv("train.csv", None, None, text=text)
+        self.regress("--train", train, "--grid", "-1:1:0.5", "--kernel", "gaussian",
+                     "--bandwidth", "0.5", "--out", self.out)
+        with open(self.out) as f:
+            self.assertEqual(f.readline(), '"size, m2","the ""y""_pred"\n')
+
+    def test_npy_train_and_query(self):
+        x, y = chapter_data(self.rng)
+        train = self.save("train.npy", np.column_stack([x, y]))
+        q = np.linspace(-1, 6, 9)
+        for name, query in (("q1.npy", q), ("q2.npy", q[:, None]),
+                            ("q32.npy", q.astype(np.float32))):
+            self.regress("--train", train, "--query", self.save(name, query), "--kernel",
+                         "gaussian", "--bandwidth", "0.7", "--exact", "--out", self.out)
+            header, got = self.read_predictions(self.out)
+            self.assertEqual(header, ["x0", "y_pred"])
+            q64 = query.astype(np.float64).reshape(-1)
+            np.testing.assert_array_equal(got[:, 0], q64)
+            np.testing.assert_allclose(got[:, 1], np_predict(x, y, q64, 0.7), **EXACT)
+        # float32 training data is read as float64.
+        train32 = self.save("train32.npy", np.column_stack([x, y]).astype(np.float32))
+        self.regress("--train", train32, "--grid", "0:5:1", "--kernel", "gaussian",
+                     "--bandwidth", "0.7", "--exact", "--out", self.out)
+        _, got = self.read_predictions(self.out)
+        x32, y32 = (v.astype(np.float32).astype(np.float64) for v in (x, y))
+        np.testing.assert_allclose(got[:, 1], np_predict(x32, y32, np.arange(5.0), 0.7), **EXACT)
+
+    def test_npy_column_indices_and_csv_query(self):
+        table = np.column_stack([self.a, self.y, self.c])
+        train = self.save("train.npy", table)
+        q = self.rng.normal(size=(4, 2))
+        # A CSV query names the .npy columns x<index>.
+        query = self.write_csv("q.csv", ["x2", "x0"], [q[:, 1], q[:, 0]])
+        self.regress("--train", train, "--x-cols", "0,2", "--y-col", "1", "--query", query,
+                     "--kernel", "gaussian", "--bandwidth", "0.8,1.2", "--out", self.out)
+        header, got = self.read_predictions(self.out)
+        self.assertEqual(header, ["x0", "x2", "y_pred"])
+        ref = np_predict(np.column_stack([self.a, self.c]), self.y, q, [0.8, 1.2])
+        np.testing.assert_allclose(got[:, 2], ref, **EXACT)
+        self.regress("--train", train, "--x-cols", "0,2", "--y-col", "1", "--query",
+                     self.save("q.npy", q), "--kernel", "gaussian", "--bandwidth", "0.8,1.2",
+                     "--out", self.out)
+        _, got = self.read_predictions(self.out)
+        np.testing.assert_allclose(got[:, 2], ref, **EXACT)
+
+
+# ---- bandwidth rules ---------------------------------------------------------------------
+
+class BandwidthTest(RegressTest):
+    def setUp(self):
+        super().setUp()
+        self.x, self.y = chapter_data(self.rng, n=80)
+        self.train = self.write_csv("train.csv", ["x", "y"], [self.x, self.y])
+        self.out = self.path("pred.csv")
+
+    def summary(self, rule, *extra):
+        _, summary = self.regress("--train", self.train, "--grid", "0:5:0.1", "--kernel",
+                                  "gaussian", "--bandwidth", rule, "--out", self.out, "--json",
+                                  *extra)
+        self.assertEqual(summary["bandwidth_rule"], rule)
+        self.assertEqual(len(summary["bandwidth"]), 1)
+        h = summary["bandwidth"][0]
+        # A learned w may be near 0 after a short or slow training: h = 1/|w| large.
+        self.assertTrue(0 < h < (np.inf if rule == "learn" else 10), summary)
+        self.assertTrue(0 < summary["loo_error"] < 10, summary)
+        return summary
+
+    def test_rules_of_thumb(self):
+        silverman, scott = self.summary("silverman"), self.summary("scott")
+        s = self.x.std(ddof=1)
+        # Both scale like the spread times n^(-1/5); neither is far from it.
+        for summary in (silverman, scott):
+            self.assertTrue(0.2 < summary["bandwidth"][0] / (s * 80 ** -0.2) < 1.5, summary)
+
+    def test_cv_is_no_worse_than_scott(self):
+        scott, cv = self.summary("scott"), self.summary("cv")
+        self.assertLessEqual(cv["loo_error"], scott["loo_error"] * (1 + 1e-9))
+        # The reported LOO error is the one at the reported bandwidth.
+        w = np_weights(self.x, self.x, cv["bandwidth"][0])
+        np.fill_diagonal(w, 0)
+        loo = np.mean((w @ self.y / w.sum(axis=1) - self.y) ** 2)
+        self.assertAlmostEqual(cv["loo_error"], loo, delta=1e-9 * loo)
+
+    def test_learn(self):
+        # The chapter's set-up with fixed data and seed (SGD at lr 0.5 on the
+        # summed loss need not descend on every draw of 80 points).
+        self.x, self.y = chapter_data(np.random.default_rng(0), n=50)
+        self.train = self.write_csv("train.csv", ["x", "y"], [self.x, self.y])
+        summary = self.summary("learn", "--seed", "3")
+        epochs = summary["epochs"]
+        self.assertEqual([e["epoch"] for e in epochs], [1, 2, 3, 4, 5])
+        losses = [e["loss"] for e in epochs]
+        self.assertTrue(all(b < a for a, b in zip(losses, losses[1:])), losses)
+        self.assertAlmostEqual(summary["bandwidth"][0], 1 / abs(summary["w"]), delta=1e-12)
+        # The predictions are the Gaussian estimator's at h = 1/|w|.
+        _, got = self.read_predictions(self.out)
+        ref = np_predict(self.x, self.y, np.arange(0, 5, 0.1), summary["bandwidth"][0])
+        np.testing.assert_allclose(got[:, 1], ref, rtol=1e-10, atol=1e-12)
+        # Same seed, same run; --epochs and --lr are honoured.
+        self.assertEqual(self.summary("learn", "--seed", "3")["w"], summary["w"])
+        short = self.summary("learn", "--seed", "3", "--epochs", "2", "--lr", "0.1")
+        self.assertEqual(len(short["epochs"]), 2)
+        self.assertEqual(short["epochs"][0]["w"], epochs[0]["w"])
+
+
+    def test_loo_error_is_not_computed_above_50000_points(self):
+        x = np.linspace(0, 5, 50001)
+        train = self.save("big.npy", np.column_stack([x, np.sin(x)]))
+        _, summary = self.regress("--train", train, "--grid", "0:5:1", "--kernel", "gaussian",
+                                  "--bandwidth", "0.1", "--out", self.out, "--json")
+        self.assertIsNone(summary["loo_error"])
+        r, _ = self.regress("--train", train, "--grid", "0:5:1", "--kernel", "gaussian",
+                            "--bandwidth", "0.1", "--out", self.out)
+        self.assertIn("LOO error: not computed (n > 50000; see --loo)", r.stderr)
+
+
+# ---- weights and undefined predictions -----------------------------------------------------
+
+class WeightsTest(RegressTest):
+    def setUp(self):
+        super().setUp()
+        self.x, self.y = chapter_data(self.rng, n=40)
+        self.train = self.write_csv("train.csv", ["x", "y"], [self.x, self.y])
+        self.out, self.weights = self.path("pred.csv"), self.path("w.npy")
+
+    def test_weights_rows_sum_to_one(self):
+        for rule in ("0.5", "learn"):
+            self.regress("--train", self.train, "--grid", "-1:6:0.5", "--kernel", "gaussian",
+                         "--bandwidth", rule, "--out", self.out, "--weights", self.weights)
+            w = self.load(self.weights, np.float64, (14, 40))
+            np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-12)
+            self.assertTrue((w >= 0).all())
+            _, got = self.read_predictions(self.out)
+            np.testing.assert_allclose(w @ self.y, got[:, 1], rtol=1e-7, atol=1e-7)
+            if rule == "0.5":
+                np.testing.assert_allclose(w, np_weights(self.x, np.arange(-1, 6, 0.5), 0.5),
+                                           rtol=1e-12, atol=1e-300)
+
+    def test_compact_kernel_empty_neighbourhood(self):
+        # Queries at 7 and 9 are more than h = 0.5 from every x in [0, 5).
+        query = self.write_csv("q.csv", ["x"], [np.array([1.0, 7.0, 2.0, 9.0])])
+        for kernel in ("boxcar", "epanechnikov", "triangular"):
+            _, summary = self.regress("--train", self.train, "--query", query, "--kernel", kernel,
+                                      "--bandwidth", "0.5", "--out", self.out, "--weights",
+                                      self.weights, "--json")
+            self.assertEqual(summary["num_undefined"], 2, kernel)
+            with open(self.out) as f:
+                lines = f.read().splitlines()
+            self.assertEqual([line.split(",")[1] for line in lines[1:]][1::2], ["nan", "nan"])
+            _, got = self.read_predictions(self.out)
+            ref = np_predict(self.x, self.y, np.array([1.0, 7.0, 2.0, 9.0]), 0.5, kernel)
+            np.testing.assert_allclose(got[:, 1], ref, **EXACT)  # NaN where ref is NaN
+            w = self.load(self.weights, np.float64, (4, 40))
+            self.assertTrue(np.isnan(w[[1, 3]]).all())
+            np.testing.assert_allclose(w[[0, 2]].sum(axis=1), 1.0, rtol=1e-12)
+        r, _ = self.regress("--train", self.train, "--query", query, "--kernel", "boxcar",
+                            "--bandwidth", "0.5", "--out", self.out)
+        self.assertIn("undefined predictions: 2", r.stderr)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+class ErrorsTest(RegressTest):
+    def setUp(self):
+        super().setUp()
+        self.x, self.y = chapter_data(self.rng, n=20)
+        self.train = self.write_csv("data.csv", ["x", "y"], [self.x, self.y])
+        self.out, self.weights = self.path("pred.csv"), self.path("w.npy")
+        self.outputs = [self.out, self.weights]
+
+    def args(self, train=None, query=("--grid", "0:5:0.5"), bandwidth="1", kernel="gaussian",
+             extra=()):
+        return (["regress", "--train", train or self.train, *query, "--kernel", kernel,
+                 "--bandwidth", bandwidth, "--out", self.out, "--weights", self.weights]
+                + list(extra))
+
+    def fails(self, args, *fragments):
+        return self.expect_error("regress", args, self.outputs, fragments)
+
+    def bad_csv(self, text, *fragments, name="data.csv"):
+        path = self.write_csv(name, None, None, text=text)
+        self.fails(self.args(train=path), *fragments)
+
+    def test_malformed_csv_names_line_and_column(self):
+        self.bad_csv("x,y,price\n" + "1,2,3\n" * 5 + "1,2,abc\n", "data.csv: ",
+                     'line 7, column 3 ("price"): "abc" is not a number')
+        self.bad_csv("x,y,price\n1,2,3\n1,,3\n", 'line 3, column 2 ("y")', "empty")
+        self.bad_csv("x,y,price\n1,2,3\n1,nan,3\n", 'line 3, column 2 ("y")', '"nan"')
+        self.bad_csv("x,y,price\n1,2,3\n1,2,inf\n", 'line 3, column 3 ("price")', '"inf"')
+        self.bad_csv("x,y,price\n" + "1,2,3\n" * 7 + "1,2\n",
+                     "data.csv: line 9 has 2 fields but the header has 3")
+        self.bad_csv("x,y\n1,\"2\n", "line 2, column 2", "never closed")
+        self.bad_csv("x,y\n", "data.csv", "no data rows")
+        self.bad_csv("", "data.csv", "empty")
+        self.bad_csv("x,x\n1,2\n", '"x" appears twice')
+
+    def test_unknown_columns(self):
+        self.fails(self.args(extra=["--y-col", "z"]),
+                   '--y-col "z" is not a column of', "data.csv (columns: x, y)")
+        self.fails(self.args(extra=["--x-cols", "x,w"]), '--x-cols "w" is not a column of')
+        self.fails(self.args(extra=["--x-cols", "x", "--y-col", "x"]), "--y-col", "--x-cols")
+        self.fails(self.args(extra=["--x-cols", "y"]), "defaults to the last column")
+        self.fails(self.args(extra=["--x-cols", "x,,y"]), "--x-cols", "empty item")
+        one = self.write_csv("one.csv", ["y"], [self.y])
+        self.fails(self.args(train=one), "one.csv", "x columns")
+        npy = self.save("t.npy", np.column_stack([self.x, self.y]))
+        self.fails(self.args(train=npy, extra=["--y-col", "y"]), "--y-col", "column indices 0 to 1")
+        self.fails(self.args(train=npy, extra=["--x-cols", "2"]), "--x-cols", "t.npy")
+
+    def test_bad_data_files(self):
+        self.fails(self.args(train=self.path("missing.csv")), "--train", "missing.csv",
+                   "cannot open")
+        table = np.column_stack([self.x, self.y])
+        table[4, 1] = np.nan
+        self.fails(self.args(train=self.save("nan.npy", table)), "nan.npy", "row 4, column 1",
+                   "finite")
+        self.fails(self.args(train=self.save("flat.npy", self.x)), "flat.npy", "shape [20]")
+        self.fails(self.args(train=self.save("int.npy", np.ones((3, 2), np.int64))), "int64")
+        constant = self.write_csv("c.csv", ["x", "y"], [np.ones(20), self.y])
+        self.fails(self.args(train=constant, bandwidth="silverman"), "silverman")
+
+    def test_bad_grid(self):
+        for grid, piece in (("0:5", "start:stop:step"), ("0:5:0", "step must be > 0"),
+                            ("0:5:-1", "step must be > 0"), ("5:0:1", "no points"),
+                            ("0:1e9:1", "at most 1e8"), ("a:5:1", '"a" is not'),
+                            ("0:5:0.1:1", "three numbers"), ("0:nan:1", "not a finite")):
+            self.fails(self.args(query=("--grid", grid)), "--grid", piece)
+        multi = self.write_csv("m.csv", ["a", "b", "y"], [self.x, self.x ** 2, self.y])
+        self.fails(self.args(train=multi), "--grid", "2 x columns (a, b)")
+
+    def test_bad_bandwidth(self):
+        for text in ("abc", "0", "-1", "1,,2", "nan", "inf", "1e999", "", "Scott"):
+            self.fails(self.args(bandwidth=text), "--bandwidth")
+        multi = self.write_csv("m.csv", ["a", "b", "y"], [self.x, self.x ** 2, self.y])
+        query = self.write_csv("q.csv", ["a", "b"], [self.x[:3], self.x[:3]])
+        self.fails(self.args(train=multi, query=("--query", query), bandwidth="1,2,3"),
+                   "--bandwidth has 3 values", "2 x columns (a, b)")
+        self.fails(self.args(bandwidth="1,2"), "--bandwidth has 2 values", "1 x column")
+
+    def test_learn_options(self):
+        for kernel in ("boxcar", "epanechnikov", "triangular"):
+            self.fails(self.args(bandwidth="learn", kernel=kernel), "learn", kernel)
+        for epochs in ("0", "-2"):
+            self.fails(self.args(bandwidth="learn", extra=["--epochs", epochs]),
+                       "--epochs must be >= 1")
+        self.fails(self.args(bandwidth="learn", extra=["--epochs", "x"]), "--epochs")
+        self.fails(self.args(bandwidth="learn", extra=["--lr", "0"]), "--lr")
+        self.fails(self.args(bandwidth="scott", extra=["--epochs", "3"]),
+                   "--epochs is for --bandwidth learn")
+        self.fails(self.args(extra=["--seed", "1", "--lr", "0.1"]), "--lr and --seed")
+
+    def test_queries(self):
+        multi = self.write_csv("m.csv", ["a", "b", "y"], [self.x, self.x ** 2, self.y])
+        wide = self.save("q3.npy", np.zeros((4, 3)))
+        self.fails(self.args(train=multi, query=("--query", wide)), "--query", "q3.npy",
+                   "shape [4, 3]", "2 x columns")
+        self.fails(self.args(train=multi, query=("--query", self.save("q1.npy", np.zeros(4)))),
+                   "shape [4]")
+        self.fails(self.args(query=("--query", self.save("q2.npy", np.zeros((4, 2))))),
+                   "shape [4, 2]", "1 x column")
+        self.fails(self.args(query=("--query", self.save("qn.npy", np.array([0.0, np.nan])))),
+                   "qn.npy", "row 1", "finite")
+        missing = self.write_csv("qm.csv", ["b"], [self.x[:3]])
+        self.fails(self.args(train=multi, query=("--query", missing)),
+                   'has no column "a"', "(columns: b)")
+        self.fails(self.args(query=("--query", self.write_csv("qb.csv", ["x"], None,
+                                                                 text="x\n1\nfoo\n"))),
+                   "qb.csv: line 3, column 1", '"foo" is not a number')
+        self.fails(self.args(query=()), "--query FILE or --grid")
+        self.fails(self.args(query=("--grid", "0:1:0.5", "--query", missing)), "alternatives")
+        self.fails(self.args(query=("--query", self.path("nope.csv"))), "nope.csv", "cannot open")
+
+    def test_options_and_outputs(self):
+        self.fails(self.args(kernel="cosine"), "--kernel")
+        self.fails(["regress", "--train", self.train, "--grid", "0:1:1", "--kernel", "gaussian",
+                    "--bandwidth", "1"], "--out")
+        same = self.args()
+        same[same.index("--weights") + 1] = self.out
+        self.fails(same, "--out and --weights name the same file")
+        nowhere = self.path("no/dir/w.npy")
+        args = self.args()
+        args[args.index("--weights") + 1] = nowhere
+        self.expect_error("regress", args, [self.out, nowhere], [nowhere])
+
+
+def main():
+    argv = list(sys.argv)
+    if len(argv) < 3 or argv[1] != "--qkv":
+        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
+    test_cli.QKV = os.path.abspath(argv[2])
+    if not os.access(test_cli.QKV, os.X_OK):
+        sys.exit(f"test_regress.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
+    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
+
+
+if __name__ == "__main__":
+    main()

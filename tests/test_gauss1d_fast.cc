@@ -1,0 +1,341 @@
+// Tests for the fast 1-D Gaussian Nadaraya–Watson kernel (src/kernels/gauss1d_fast.h):
+// every method ("exact", "window", "taylor") against a float64 softmax-form
+// reference written here, on uniform, duplicate, clustered and constant keys,
+// with queries inside and far outside the data, at rel_tol 1e-6 and 1e-9.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/gauss1d_fast.h"
+#include "test_util.h"
+
+namespace qkv::test {
+namespace {
+
+using kernels::gauss1d_fast;
+
+struct Data {
+  std::vector<double> keys;    // sorted
+  std::vector<double> values;  // (n, m)
+  int64_t m = 1;
+  int64_t n() const { return static_cast<int64_t>(keys.size()); }
+};
+
+// The float64 evaluation in softmax form: weights relative to the nearest
+// key, exp(-((q - x)^2 - (q - xa)^2) / 2h^2) with the exponent formed as
+// (xa - x)(2q - x - xa) / 2h^2 in long double (no cancellation of squares),
+// each weight rounded to double (so a weight below 2^-1074 is 0, as in any
+// float64 evaluation), sums in long double. Also returns the scale of the
+// error bound, sum w|v| / sum w, per output.
+void reference(const Data& d, const std::vector<double>& queries, double h,
+               std::vector<double>& out, std::vector<double>& scale) {
+  const int64_t n = d.n(), m = d.m, t = static_cast<int64_t>(queries.size());
+  out.assign(static_cast<size_t>(t * m), 0.0);
+  scale.assign(out.size(), 0.0);
+  std::vector<long double> num(static_cast<size_t>(m)), mag(static_cast<size_t>(m));
+  for (int64_t i = 0; i < t; ++i) {
+    const long double q = queries[i];
+    int64_t a = 0;
+    for (int64_t j = 1; j < n; ++j) {
+      if (std::abs(q - d.keys[j]) < std::abs(q - d.keys[a])) a = j;
+    }
+    const long double xa = d.keys[a];
+    const long double inv = 1.0L / (2.0L * static_cast<long double>(h) * h);
+    long double den = 0;
+    std::fill(num.begin(), num.end(), 0.0L);
+    std::fill(mag.begin(), mag.end(), 0.0L);
+    for (int64_t j = 0; j < n; ++j) {
+      const long double x = d.keys[j];
+      const long double arg = (xa - x) * ((q - x) + (q - xa)) * inv;
+      const double w = static_cast<double>(std::exp(-arg));
+      den += w;
+      for (int64_t c = 0; c < m; ++c) {
+        const long double v = d.values[j * m + c];
+        num[c] += w * v;
+        mag[c] += w * std::abs(v);
+      }
+    }
+    for (int64_t c = 0; c < m; ++c) {
+      out[i * m + c] = static_cast<double>(num[c] / den);
+      scale[i * m + c] = static_cast<double>(mag[c] / den);
+    }
+  }
+}
+
+// max over outputs of |got - ref| / (sum w|v| / sum w); infinite for a NaN.
+double max_rel_error(const std::vector<double>& got, const std::vector<double>& ref,
+                     const std::vector<double>& scale, int64_t m, std::string* where) {
+  double worst = 0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const double err = std::abs(got[k] - ref[k]);
+    double rel;
+    if (std::isnan(got[k])) {
+      rel = std::numeric_limits<double>::infinity();
+    } else if (scale[k] > 0) {
+      rel = err / scale[k];
+    } else {
+      rel = err == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+    }
+    if (rel > worst) {
+      worst = rel;
+      *where = "i=" + std::to_string(k / m) + " c=" + std::to_string(k % m) + ": got " +
+               format_value(got[k]) + ", ref " + format_value(ref[k]) + ", scale " +
+               format_value(scale[k]);
+    }
+  }
+  return worst;
+}
+
+// Runs the kernel, compares with the reference, checks the bound and the
+// method; returns the method.
+std::string check(const Data& d, const std::vector<double>& queries, double h, double rel_tol,
+                  const std::string& expect_method, const std::string& label) {
+  SCOPED_TRACE(label + " n=" + std::to_string(d.n()) + " t=" + std::to_string(queries.size()) +
+               " m=" + std::to_string(d.m) + " h=" + format_short(h) +
+               " rel_tol=" + format_short(rel_tol));
+  const int64_t t = static_cast<int64_t>(queries.size());
+  std::vector<double> got(static_cast<size_t>(t * d.m), -12345.0);
+  const std::string method = gauss1d_fast(d.keys.data(), d.values.data(), d.n(), d.m,
+                                          queries.data(), t, h, rel_tol, got.data());
+  if (!expect_method.empty()) EXPECT_EQ(method, expect_method);
+  std::vector<double> ref, scale;
+  reference(d, queries, h, ref, scale);
+  std::string where;
+  const double err = max_rel_error(got, ref, scale, d.m, &where);
+  EXPECT_LE(err, rel_tol) << "method " << method << ", worst at " << where;
+  ErrorLog::instance().record("gauss1d " + method + " rel_tol " + format_short(rel_tol), err,
+                              err / rel_tol);
+  return method;
+}
+
+Data uniform_data(Rng& rng, int64_t n, int64_t m, double lo, double hi) {
+  Data d;
+  d.m = m;
+  for (int64_t j = 0; j < n; ++j) d.keys.push_back(rng.uniform(lo, hi));
+  std::sort(d.keys.begin(), d.keys.end());
+  // A smooth signal plus noise, like the chapter's 2 sin x + x^0.8 + N(0, 0.5).
+  for (int64_t j = 0; j < n; ++j) {
+    const double x = (d.keys[j] - lo) / (hi - lo) * 5.0;
+    for (int64_t c = 0; c < m; ++c) {
+      d.values.push_back(2 * std::sin(x + c) + std::pow(x, 0.8) + rng.uniform(-0.5, 0.5));
+    }
+  }
+  return d;
+}
+
+std::vector<double> uniform_queries(Rng& rng, int64_t t, double lo, double hi) {
+  std::vector<double> q(static_cast<size_t>(t));
+  for (double& x : q) x = rng.uniform(lo, hi);
+  return q;
+}
+
+constexpr double kTolerances[] = {1e-6, 1e-9};
+
+// The expected method for uniform keys on [0, 1]: tiny problems are exact,
+// tiny bandwidths sum windows directly, the rest expand in boxes.
+std::string expected_method(int64_t n, int64_t t, double h) {
+  if (n <= 32 || n * t <= (int64_t{1} << 16)) return "exact";
+  return h < 1e-3 ? "window" : "taylor";
+}
+
+TEST(Gauss1dFast, SizesBandwidthsAndColumnsMatchTheFloat64Reference) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  struct Size {
+    int64_t n, t;
+  };
+  const Size sizes[] = {{1, 7}, {2, 50}, {17, 300}, {1000, 300}, {20000, 120}};
+  const double bandwidths[] = {1e-4, 0.05, 10.0, 100.0};  // x spread (keys on [0, 1))
+  for (const Size& size : sizes) {
+    for (int64_t m : {1, 3}) {
+      const Data d = uniform_data(rng, size.n, m, 0.0, 1.0);
+      const double spread = std::max(d.keys.back() - d.keys.front(), 1e-3);
+      // Mostly inside the data, a few past its ends.
+      const std::vector<double> queries = uniform_queries(rng, size.t, -0.1, 1.1);
+      for (double bw : bandwidths) {
+        for (double tol : kTolerances) {
+          check(d, queries, bw * spread, tol, expected_method(size.n, size.t, bw * spread),
+                "uniform");
+        }
+      }
+    }
+  }
+}
+
+TEST(Gauss1dFast, EveryMethodIsExercised) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Data d = uniform_data(rng, 5000, 1, 0.0, 1.0);
+  const std::vector<double> queries = uniform_queries(rng, 400, 0.0, 1.0);
+  EXPECT_EQ(check(d, queries, 1e-5, 1e-7, "", "tiny"), "window");
+  EXPECT_EQ(check(d, queries, 0.02, 1e-7, "", "typical"), "taylor");
+  EXPECT_EQ(check(d, queries, 10.0, 1e-7, "", "huge"), "taylor");
+  const std::vector<double> few(queries.begin(), queries.begin() + 10);
+  EXPECT_EQ(check(d, few, 0.02, 1e-7, "", "few queries"), "exact");
+  // rel_tol below what the fast paths' rounding analysis covers: exact.
+  EXPECT_EQ(check(d, queries, 0.02, 1e-13, "", "tight tolerance"), "exact");
+}
+
+TEST(Gauss1dFast, DuplicateKeys) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t m : {1, 3}) {
+    Data d = uniform_data(rng, 3000, m, 0.0, 1.0);
+    // 3000 keys on 40 distinct values (each about 75 times), and one value
+    // repeated 500 times in a row.
+    for (double& x : d.keys) x = std::floor(x * 40.0) / 40.0;
+    std::fill(d.keys.begin() + 1000, d.keys.begin() + 1500, d.keys[1000]);
+    ASSERT_TRUE(std::is_sorted(d.keys.begin(), d.keys.end()));
+    const std::vector<double> queries = uniform_queries(rng, 200, -0.2, 1.2);
+    for (double h : {1e-5, 1e-3, 0.05, 3.0}) {
+      for (double tol : kTolerances) check(d, queries, h, tol, "", "duplicates");
+    }
+  }
+}
+
+TEST(Gauss1dFast, FarQueriesGiveTheNearestKeysValue) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t m : {1, 3}) {
+    Data d = uniform_data(rng, 2000, m, 0.0, 1.0);
+    d.keys.back() = d.keys[d.keys.size() - 2];  // the largest key twice
+    std::vector<double> queries = uniform_queries(rng, 100, 0.0, 1.0);
+    const double lo = d.keys.front(), hi = d.keys.back();
+    for (double far : {1e6, 1e3, 50.0, 2.0}) {
+      queries.push_back(lo - far);
+      queries.push_back(hi + far);
+    }
+    for (double h : {1e-4, 0.01, 0.3, 10.0, 100.0}) {
+      for (double tol : kTolerances) check(d, queries, h, tol, "", "far");
+    }
+    // Small h: the far queries return their nearest keys' values (the mean
+    // of the two equal largest keys' on the right), never NaN.
+    std::vector<double> got(queries.size() * static_cast<size_t>(m));
+    const std::vector<double> far = {lo - 1e6, hi + 1e6};
+    got.resize(far.size() * static_cast<size_t>(m));
+    gauss1d_fast(d.keys.data(), d.values.data(), d.n(), m, far.data(), 2, 0.01, 1e-7, got.data());
+    const int64_t last = d.n() - 1;
+    for (int64_t c = 0; c < m; ++c) {
+      EXPECT_NEAR(got[c], d.values[c], 1e-12) << "c=" << c;
+      const double mean = 0.5 * (d.values[(last - 1) * m + c] + d.values[last * m + c]);
+      EXPECT_NEAR(got[m + c], mean, 1e-12) << "c=" << c;
+    }
+  }
+}
+
+TEST(Gauss1dFast, ClusteredDataWithOutliers) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t m : {1, 3}) {
+    Data d;
+    d.m = m;
+    // Five tight clusters (width 1e-4) of 1000 keys each and 30 outliers on [0, 10].
+    for (int k = 0; k < 5; ++k) {
+      const double centre = rng.uniform(0.0, 10.0);
+      for (int j = 0; j < 1000; ++j) d.keys.push_back(centre + rng.uniform(-5e-5, 5e-5));
+    }
+    for (int j = 0; j < 30; ++j) d.keys.push_back(rng.uniform(0.0, 10.0));
+    std::sort(d.keys.begin(), d.keys.end());
+    for (size_t j = 0; j < d.keys.size() * static_cast<size_t>(m); ++j) {
+      d.values.push_back(rng.uniform(-2.0, 3.0));
+    }
+    std::vector<double> queries = uniform_queries(rng, 150, -1.0, 11.0);
+    for (int k = 0; k < 50; ++k) {  // right at the clusters and outliers
+      queries.push_back(d.keys[static_cast<size_t>(rng.uniform_int(0, d.n() - 1))] +
+                        rng.uniform(-1e-4, 1e-4));
+    }
+    for (double h : {1e-6, 1e-4, 1e-2, 0.3, 5.0}) {
+      for (double tol : kTolerances) check(d, queries, h, tol, "", "clustered");
+    }
+  }
+}
+
+TEST(Gauss1dFast, AllKeysEqual) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t m : {1, 3}) {
+    Data d = uniform_data(rng, 1500, m, 0.0, 1.0);
+    std::fill(d.keys.begin(), d.keys.end(), 0.75);
+    std::vector<double> queries = uniform_queries(rng, 100, -2.0, 3.0);
+    queries.push_back(0.75 + 1e6);
+    for (double h : {1e-4, 0.1, 10.0}) {
+      for (double tol : kTolerances) check(d, queries, h, tol, "", "equal keys");
+    }
+  }
+}
+
+// Values that vanish near the query but not far away: the kept window's
+// numerator is 0, so the dropped keys' share cannot be bounded from it and
+// the kernel must widen the window until the float64 weights underflow.
+TEST(Gauss1dFast, ZeroValuesNearTheQueryWidenTheWindow) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  Data d = uniform_data(rng, 4000, 1, 0.0, 1.0);
+  for (int64_t j = 0; j < d.n(); ++j) d.values[j] = d.keys[j] < 0.5 ? 0.0 : 1.0 + d.keys[j];
+  std::vector<double> queries = uniform_queries(rng, 100, 0.0, 0.5);
+  for (double x : {0.1, 0.2, 0.3, 0.45}) queries.push_back(x);
+  for (double h : {1e-3, 0.01, 0.05}) {
+    for (double tol : kTolerances) check(d, queries, h, tol, "", "zero values");
+  }
+}
+
+TEST(Gauss1dFast, NonFiniteQueries) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  Data d = uniform_data(rng, 3000, 2, 0.0, 1.0);
+  d.keys[0] = d.keys[1];
+  std::vector<double> queries = uniform_queries(rng, 100, 0.0, 1.0);
+  queries[3] = std::numeric_limits<double>::quiet_NaN();
+  queries[4] = std::numeric_limits<double>::infinity();
+  queries[5] = -std::numeric_limits<double>::infinity();
+  std::vector<double> got(queries.size() * 2);
+  gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 2, queries.data(),
+               static_cast<int64_t>(queries.size()), 0.05, 1e-7, got.data());
+  const int64_t n = d.n();
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_TRUE(std::isnan(got[3 * 2 + c]));
+    EXPECT_DOUBLE_EQ(got[4 * 2 + c], d.values[(n - 1) * 2 + c]);
+    EXPECT_DOUBLE_EQ(got[5 * 2 + c], 0.5 * (d.values[c] + d.values[2 + c]));
+  }
+  for (size_t k = 0; k < got.size(); ++k) {
+    if (k / 2 != 3) EXPECT_TRUE(std::isfinite(got[k])) << "k=" << k;
+  }
+}
+
+TEST(Gauss1dFast, SameBitsForOneAndTwoThreads) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Data d = uniform_data(rng, 20000, 1, 0.0, 1.0);
+  const std::vector<double> queries = uniform_queries(rng, 3000, -0.1, 1.1);
+  for (double h : {1e-5, 0.01, 1.0}) {
+    std::vector<double> one(queries.size()), two(queries.size());
+    {
+      ThreadCount threads(1);
+      gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
+                   static_cast<int64_t>(queries.size()), h, 1e-7, one.data());
+    }
+    {
+      ThreadCount threads(2);
+      gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
+                   static_cast<int64_t>(queries.size()), h, 1e-7, two.data());
+    }
+    EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * sizeof(double))) << "h=" << h;
+  }
+}
+
+}  // namespace
+}  // namespace qkv::test
