@@ -733,6 +733,13 @@ TEST(KernelRegressionEdges, FarQueriesGetTheNearestKeysValue) {
   for (int64_t p : {1, 2}) {
     const int64_t n = 40;
     Tensor<double> x = random_tensor<double>(rng, Shape{n, p}, 0, 5);
+    // Extreme keys at least 1 away from all others: seen from 1e6 away, the
+    // next key's relative weight is below exp(-1e6 / h^2), so the nearest
+    // key's value is the exact answer (random keys could nearly tie).
+    for (int64_t c = 0; c < p; ++c) {
+      x(0, c) = -1.0;
+      x(1, c) = 6.0;
+    }
     const Tensor<double> y = random_tensor<double>(rng, Shape{n, 2}, -1, 1);
     Tensor<double> q(Shape{2, p});
     for (int64_t c = 0; c < p; ++c) {
@@ -776,13 +783,14 @@ TEST(KernelRegressionEdges, FarQueriesGetTheNearestKeysValue) {
   }
   // The same on the fast 1-D path (a problem large enough to take it).
   {
-    const Tensor<double> x = random_tensor<double>(rng, Shape{1200}, 0, 5);
+    Tensor<double> x = random_tensor<double>(rng, Shape{1200}, 0, 5);
+    const int64_t lo = 7, hi = 1100;  // well separated extremes, as above
+    x(lo) = -1.0;
+    x(hi) = 6.0;
     const Tensor<double> y = random_tensor<double>(rng, Shape{1200}, -1, 1);
     Tensor<double> q = random_tensor<double>(rng, Shape{1000}, 0, 5);
     q(0) = 1e6;
     q(1) = -1e6;
-    const int64_t hi = std::max_element(x.values().begin(), x.values().end()) - x.values().begin();
-    const int64_t lo = std::min_element(x.values().begin(), x.values().end()) - x.values().begin();
     for (double h : {0.01, 1.0}) {
       KernelRegression model(x, y);
       model.set_bandwidth(h);
