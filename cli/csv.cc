@@ -288,4 +288,29 @@ Tensor<double> CsvFile::numbers(const std::vector<int>& columns) const {
   return Tensor<double>(Shape{rows, static_cast<int64_t>(columns.size())}, std::move(values));
 }
 
+std::vector<std::vector<std::string>> CsvFile::text(const std::vector<int>& columns) const {
+  const size_t width = columns_.size();
+  for (const int c : columns) {
+    if (c < 0 || static_cast<size_t>(c) >= width) {
+      throw Error(name_ + ": no column " + std::to_string(c) + " (the file has " +
+                  std::to_string(width) + ")");
+    }
+  }
+  Tokenizer tokens(text_, name_, body_, body_line_, &columns_);
+  std::vector<Field> fields;
+  std::vector<std::vector<std::string>> rows;
+  int64_t line = 0;
+  while (tokens.next(fields, line)) {
+    if (fields.size() != width) {
+      throw Error(name_ + ": line " + std::to_string(line) + " has " +
+                  std::to_string(fields.size()) + (fields.size() == 1 ? " field" : " fields") +
+                  " but the header has " + std::to_string(width));
+    }
+    std::vector<std::string>& row = rows.emplace_back();
+    for (const int c : columns) row.emplace_back(fields[c].text);
+  }
+  if (rows.empty()) throw Error(name_ + ": no data rows after the header");
+  return rows;
+}
+
 }  // namespace qkv::cli

@@ -44,6 +44,10 @@ class CsvFile {
   // cell, text, "nan", "inf", or a magnitude beyond the double range is an
   // Error naming line and column; so is a file without data rows.
   Tensor<double> numbers(const std::vector<int>& columns) const;
+  // The text of the given columns of every data row, rows in file order
+  // (quotes removed, "" unescaped). Field counts are checked as by numbers();
+  // a file without data rows is an Error.
+  std::vector<std::vector<std::string>> text(const std::vector<int>& columns) const;
 
  private:
   std::string text_;

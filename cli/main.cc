@@ -10,6 +10,8 @@
 
 namespace qkv::cli {
 Command add_regress_command(CLI::App& parent);  // regress.cc
+Command add_lookup_command(CLI::App& parent);   // lookup.cc
+Command add_heatmap_command(CLI::App& parent);  // heatmap.cc
 }  // namespace qkv::cli
 
 int main(int argc, char** argv) {
@@ -20,9 +22,10 @@ int main(int argc, char** argv) {
                "qkv");
   app.set_version_flag("--version", std::string("qkv ") + qkv::kVersion);
   app.require_subcommand(0, 1);
-  const Command commands[] = {qkv::cli::add_softmax_command(app), qkv::cli::add_attend_command(app),
-                              qkv::cli::add_demo_command(app),
-                              qkv::cli::add_regress_command(app)};
+  const Command commands[] = {
+      qkv::cli::add_softmax_command(app), qkv::cli::add_attend_command(app),
+      qkv::cli::add_demo_command(app),    qkv::cli::add_regress_command(app),
+      qkv::cli::add_lookup_command(app),  qkv::cli::add_heatmap_command(app)};
   const auto selected = [&]() -> const Command* {
     for (const Command& command : commands) {
       if (command.app->parsed()) return &command;

@@ -6,7 +6,7 @@
 #          the peers the tests compare against (PyTorch, NumPy)
 set -euo pipefail
 
-build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev)
+build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
                python3 python3-numpy python3-torch python3-statsmodels)
 

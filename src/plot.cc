@@ -1,0 +1,444 @@
+// Figures through gnuplot: validate the arguments, write a gnuplot script
+// with the data inline (datablocks), pipe it to gnuplot (popen) with its
+// stderr caught in a temporary file, and rename the finished figure into place.
+#include "qkv/plot.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string_view>
+
+#include "check.h"
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A gnuplot single-quoted string: only ' needs escaping, as ''.
+std::string quote(std::string_view text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("''") : std::string(1, c);
+  return out + "'";
+}
+
+// A /bin/sh single-quoted word.
+std::string shell_quote(std::string_view text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// The first executable `gnuplot` in PATH.
+std::string find_gnuplot(std::string_view function) {
+  const char* path = std::getenv("PATH");
+  std::string_view dirs = path ? path : "";
+  while (true) {
+    const size_t colon = dirs.find(':');
+    const std::string_view dir = dirs.substr(0, colon);
+    const std::string candidate = (fs::path(dir.empty() ? "." : dir) / "gnuplot").string();
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+        ::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+    if (colon == std::string_view::npos) break;
+    dirs.remove_prefix(colon + 1);
+  }
+  fail(function, "gnuplot not found: install Debian package gnuplot-nox");
+}
+
+// The gnuplot terminal line for `path`'s extension and a figure of
+// width x height inches; fonts at 9 pt like matplotlib's small figures.
+std::string terminal(std::string_view function, const std::string& path, double width,
+                     double height) {
+  const std::string ext = fs::path(path).extension().string();
+  const auto px = [](double inches) { return std::to_string(std::lround(inches * 100)); };
+  if (ext == ".png") {
+    return "set terminal pngcairo noenhanced font ',9' size " + px(width) + "," + px(height);
+  }
+  if (ext == ".svg") {
+    return "set terminal svg noenhanced font ',9' size " + px(width) + "," + px(height);
+  }
+  if (ext == ".pdf") {
+    return "set terminal pdfcairo noenhanced font ',9' size " + number(width) + "in," +
+           number(height) + "in";
+  }
+  fail(function, "path " + path + " has extension \"" + ext +
+                     "\"; expected .png, .svg or .pdf (the format follows the extension)");
+}
+
+template <class T>
+void check_finite(std::string_view function, std::string_view name, const TensorView<T>& view) {
+  const Shape& s = view.shape();
+  const int64_t n = view.numel();
+  std::array<int64_t, kMaxRank> index{};
+  for (int64_t flat = 0; flat < n; ++flat) {
+    int64_t rest = flat, offset = 0;
+    for (int a = s.rank() - 1; a >= 0; --a) {
+      index[a] = rest % s[a];
+      rest /= s[a];
+      offset += index[a] * view.stride(a);
+    }
+    const double v = static_cast<double>(view.data()[offset]);
+    if (!std::isfinite(v)) {
+      std::string at;
+      for (int a = 0; a < s.rank(); ++a) {
+        if (a) at += ", ";
+        at += std::to_string(index[a]);
+      }
+      fail(function,
+           std::string(name) + "[" + at + "] is " + number(v) + "; the values must be finite");
+    }
+  }
+}
+
+// Removes a file when it goes out of scope unless released.
+class TempFile {
+ public:
+  explicit TempFile(std::string path) : path_(std::move(path)) {}
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+  void release() { path_.clear(); }
+
+ private:
+  std::string path_;
+};
+
+std::string make_temp(std::string_view function, std::string pattern) {
+  const int fd = ::mkstemp(pattern.data());
+  if (fd < 0) {
+    fail(function, "cannot create a temporary file " + pattern + ": " + std::strerror(errno));
+  }
+  ::close(fd);
+  return pattern;
+}
+
+// Writes `script` to gnuplot's stdin. SIGPIPE (gnuplot quitting before it read
+// everything) is blocked in this thread while writing and discarded after, so
+// a failing gnuplot becomes an Error and not a dead process.
+int pipe_to(const std::string& command, const std::string& script) {
+  sigset_t pipe_set, old_set;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
+  int status = -1;
+  if (FILE* pipe = ::popen(command.c_str(), "w")) {
+    std::fwrite(script.data(), 1, script.size(), pipe);
+    std::fflush(pipe);
+    status = ::pclose(pipe);
+  }
+  sigset_t pending;
+  sigpending(&pending);
+  if (sigismember(&pending, SIGPIPE) && !sigismember(&old_set, SIGPIPE)) {
+    const timespec zero{0, 0};
+    sigtimedwait(&pipe_set, nullptr, &zero);
+  }
+  pthread_sigmask(SIG_SETMASK, &old_set, nullptr);
+  return status;
+}
+
+// Runs `body` (the script after the terminal and output lines) through
+// gnuplot into `path`, atomically.
+void render(std::string_view function, const std::string& path, const std::string& terminal_line,
+            const std::string& body) {
+  const std::string gnuplot = find_gnuplot(function);
+  const fs::path dest(path);
+  const fs::path dir = dest.parent_path().empty() ? fs::path(".") : dest.parent_path();
+  std::error_code ec;
+  if (fs::is_directory(dest, ec)) fail(function, "path " + path + " is a directory");
+
+  TempFile staged(
+      make_temp(function, (dir / ("." + dest.filename().string() + ".qkv-XXXXXX")).string()));
+  const fs::path tmp_dir = fs::temp_directory_path(ec);
+  TempFile errors(
+      make_temp(function, ((ec ? fs::path("/tmp") : tmp_dir) / "qkv-gnuplot-XXXXXX").string()));
+
+  const std::string script = terminal_line + "\nset output " + quote(staged.path()) + "\n" + body +
+                             "\nunset output\nexit\n";
+  const std::string command =
+      "exec " + shell_quote(gnuplot) + " >/dev/null 2>" + shell_quote(errors.path());
+  const int status = pipe_to(command, script);
+  if (status != 0) {
+    std::ifstream in(errors.path());
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string message = text.str();
+    while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) {
+      message.pop_back();
+    }
+    const std::string how = status == -1 ? "could not be started"
+                            : WIFEXITED(status)
+                                ? "exited with status " + std::to_string(WEXITSTATUS(status))
+                                : "was killed by a signal";
+    fail(function, "gnuplot (" + gnuplot + ") " + how + " rendering " + path +
+                       (message.empty() ? std::string() : ":\n" + message));
+  }
+  // Figures get the permissions of an ordinary new file, not mkstemp's 0600.
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  ::chmod(staged.path().c_str(), 0666 & ~mask);
+  if (std::rename(staged.path().c_str(), path.c_str()) != 0) {
+    fail(function,
+         "cannot rename the finished figure into place at " + path + ": " + std::strerror(errno));
+  }
+  staged.release();
+}
+
+// Colour stops (position, #rrggbb) approximating matplotlib's maps: Reds and
+// Blues are ColorBrewer's 9-class ramps (white to dark), viridis its published
+// stops every tenth, gray black to white.
+std::string palette(std::string_view function, const std::string& cmap) {
+  std::vector<const char*> stops;
+  if (cmap == "Reds") {
+    stops = {"#fff5f0", "#fee0d2", "#fcbba1", "#fc9272", "#fb6a4a",
+             "#ef3b2c", "#cb181d", "#a50f15", "#67000d"};
+  } else if (cmap == "Blues") {
+    stops = {"#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6",
+             "#4292c6", "#2171b5", "#08519c", "#08306b"};
+  } else if (cmap == "viridis") {
+    stops = {"#440154", "#482878", "#3e4989", "#31688e", "#26828e",
+             "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"};
+  } else if (cmap == "gray") {
+    stops = {"#000000", "#ffffff"};
+  } else {
+    fail(function,
+         "cmap \"" + cmap + "\" is not a colour map; expected Reds, Blues, viridis or gray");
+  }
+  std::string text = "set palette defined (";
+  for (size_t i = 0; i < stops.size(); ++i) {
+    if (i) text += ", ";
+    text += number(static_cast<double>(i) / (stops.size() - 1));
+    text.append(" '").append(stops[i]).append("'");
+  }
+  return text + ")\n";
+}
+
+void check_figsize(std::string_view function, std::string_view name,
+                   const std::array<double, 2>& size) {
+  if (!(size[0] > 0 && size[1] > 0 && size[0] <= 100 && size[1] <= 100)) {
+    fail(function, std::string(name) + " is (" + number(size[0]) + ", " + number(size[1]) +
+                       "); expected inches in (0, 100]");
+  }
+}
+
+template <class T>
+void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions& options) {
+  constexpr std::string_view kFn = "heatmaps";
+  detail::check_rank(kFn, "matrices", m, 4, "(rows, cols, num_queries, num_keys)");
+  const int64_t rows = m.size(0), cols = m.size(1), nq = m.size(2), nk = m.size(3);
+  if (m.numel() == 0) {
+    fail(kFn, "matrices has shape " + m.shape().str() + "; expected every axis >= 1");
+  }
+  if (!options.titles.empty() && static_cast<int64_t>(options.titles.size()) != cols) {
+    fail(kFn, "titles has " + std::to_string(options.titles.size()) +
+                  " entries but matrices has shape " + m.shape().str() + "; expected " +
+                  std::to_string(cols) + " (one per column) or none");
+  }
+  check_figsize(kFn, "figsize", options.figsize);
+  const std::string colours = palette(kFn, options.cmap);
+  terminal(kFn, path, 1, 1);  // checks the extension before any work
+  check_finite(kFn, "matrices", m);
+
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  std::string data;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      data += "$m" + std::to_string(r) + "_" + std::to_string(c) + " << EOD\n";
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const double v = static_cast<double>(m(r, c, i, j));
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+          if (j) data += ' ';
+          data += number(v);
+        }
+        data += "\n";
+      }
+      data += "EOD\n";
+    }
+  }
+  if (lo == hi) {  // a constant map still needs a colour range
+    lo -= 0.5;
+    hi += 0.5;
+  }
+
+  // Layout in inches: room for tick labels and the y label on the left, the x
+  // label below, titles above and the colour bar on the right.
+  const double pw = options.figsize[0], ph = options.figsize[1];
+  const double left = 0.75, bottom = 0.6, top = options.titles.empty() ? 0.15 : 0.35;
+  const double right = options.colorbar ? 0.9 : 0.2, gap = 0.15;
+  const double width = left + cols * pw + (cols - 1) * gap + right;
+  const double height = top + rows * ph + (rows - 1) * gap + bottom;
+  const auto sx = [&](double inches) { return number(inches / width); };
+  const auto sy = [&](double inches) { return number(1.0 - inches / height); };  // from the top
+
+  std::string s = data + colours;
+  s += "set cbrange [" + number(lo) + ":" + number(hi) + "]\nset format cb '%g'\n";
+  s += "set tics out nomirror scale 0.7\nset border lw 0.8\n";
+  s += "set xrange [-0.5:" + number(nk - 0.5) + "]\n";
+  s += "set yrange [" + number(nq - 0.5) + ":-0.5]\n";  // query 0 at the top
+  s += "set multiplot\n";
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const double x0 = left + c * (pw + gap), y0 = top + r * (ph + gap);
+      s += "set lmargin at screen " + sx(x0) + "\nset rmargin at screen " + sx(x0 + pw) + "\n";
+      s += "set tmargin at screen " + sy(y0) + "\nset bmargin at screen " + sy(y0 + ph) + "\n";
+      const bool bottom_row = r == rows - 1, first_col = c == 0;
+      s += bottom_row ? "set format x '%g'\nset xlabel " + quote(options.xlabel) + "\n"
+                      : "set format x ''\nunset xlabel\n";
+      s += first_col ? "set format y '%g'\nset ylabel " + quote(options.ylabel) + "\n"
+                     : "set format y ''\nunset ylabel\n";
+      s += r == 0 && !options.titles.empty() ? "set title " + quote(options.titles[c]) + "\n"
+                                             : "unset title\n";
+      if (options.colorbar && r == rows - 1 && c == cols - 1) {
+        // One bar for the grid, 60% of its height and centred, like d2l's shrink=0.6.
+        const double grid_h = rows * ph + (rows - 1) * gap, bar_h = 0.6 * grid_h;
+        const double bar_top = top + (grid_h - bar_h) / 2;
+        const double bar_x = left + cols * pw + (cols - 1) * gap + 0.15;
+        s += "set colorbox user origin screen " + sx(bar_x) + "," + sy(bar_top + bar_h) +
+             " size screen " + number(0.12 / width) + "," + number(bar_h / height) + "\n";
+        s += "set cbtics out scale 0.7\n";
+      } else {
+        s += "unset colorbox\n";
+      }
+      s += "plot $m" + std::to_string(r) + "_" + std::to_string(c) + " matrix with image notitle\n";
+    }
+  }
+  s += "unset multiplot\n";
+  render(kFn, path, terminal(kFn, path, width, height), s);
+}
+
+template <class T>
+void check_vector(std::string_view function, std::string_view name, const ConstView<T>& v,
+                  std::string_view axis) {
+  detail::check_rank(function, name, v, 1, axis);
+}
+
+template <class T>
+std::string columns_block(const std::string& name, const std::vector<ConstView<T>>& columns) {
+  std::string text = name + " << EOD\n";
+  for (int64_t i = 0; i < columns[0].size(0); ++i) {
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (c) text += ' ';
+      text += number(static_cast<double>(columns[c](i)));
+    }
+    text += "\n";
+  }
+  return text + "EOD\n";
+}
+
+template <class T>
+void regression_impl(ConstView<T> x_test, ConstView<T> truth, ConstView<T> prediction,
+                     ConstView<T> x_train, ConstView<T> y_train, const std::string& path,
+                     const RegressionPlotOptions& o) {
+  constexpr std::string_view kFn = "plot_kernel_regression";
+  check_vector(kFn, "x_test", x_test, "(n)");
+  check_vector(kFn, "truth", truth, "(n)");
+  check_vector(kFn, "prediction", prediction, "(n)");
+  check_vector(kFn, "x_train", x_train, "(m)");
+  check_vector(kFn, "y_train", y_train, "(m)");
+  detail::check_shape(kFn, "truth", truth, x_test.shape());
+  detail::check_shape(kFn, "prediction", prediction, x_test.shape());
+  detail::check_shape(kFn, "y_train", y_train, x_train.shape());
+  if (!(o.xlim[0] < o.xlim[1]) || !(o.ylim[0] < o.ylim[1])) {
+    fail(kFn, "xlim (" + number(o.xlim[0]) + ", " + number(o.xlim[1]) + ") and ylim (" +
+                  number(o.ylim[0]) + ", " + number(o.ylim[1]) + ") must be increasing");
+  }
+  check_figsize(kFn, "figsize", o.figsize);
+  terminal(kFn, path, 1, 1);
+  for (const auto& [name, v] : {std::pair{"x_test", x_test},
+                                {"truth", truth},
+                                {"prediction", prediction},
+                                {"x_train", x_train},
+                                {"y_train", y_train}}) {
+    check_finite(kFn, name, v);
+  }
+  std::string s = columns_block<T>("$lines", {x_test, truth, prediction}) +
+                  columns_block<T>("$train", {x_train, y_train});
+  s += "set xrange [" + number(o.xlim[0]) + ":" + number(o.xlim[1]) + "]\n";
+  s += "set yrange [" + number(o.ylim[0]) + ":" + number(o.ylim[1]) + "]\n";
+  s += "set xlabel " + quote(o.xlabel) + "\nset ylabel " + quote(o.ylabel) + "\n";
+  s += "set tics out nomirror scale 0.7\nset key top left box opaque\n";
+  // matplotlib's first two line colours; the points at alpha 0.5 (gnuplot's
+  // ARGB counts the top byte as transparency).
+  s += "plot $lines using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title " + quote(o.labels[0]) +
+       ", \\\n  $lines using 1:3 with lines lw 1.5 dt 2 lc rgb '#bf00bf' title " +
+       quote(o.labels[1]) +
+       ", \\\n  $train using 1:2 with points pt 7 ps 0.6 lc rgb '#80ff7f0e' notitle\n";
+  render(kFn, path, terminal(kFn, path, o.figsize[0], o.figsize[1]), s);
+}
+
+template <class T>
+void loss_impl(ConstView<T> epochs, ConstView<T> losses, const std::string& path) {
+  constexpr std::string_view kFn = "plot_loss";
+  check_vector(kFn, "epochs", epochs, "(n)");
+  check_vector(kFn, "losses", losses, "(n)");
+  detail::check_shape(kFn, "losses", losses, epochs.shape());
+  if (epochs.size(0) == 0) fail(kFn, "epochs has shape [0]; expected at least one epoch");
+  terminal(kFn, path, 1, 1);
+  check_finite(kFn, "epochs", epochs);
+  check_finite(kFn, "losses", losses);
+  std::string s = columns_block<T>("$loss", {epochs, losses});
+  s += "set xlabel 'epoch'\nset ylabel 'loss'\nset tics out nomirror scale 0.7\n";
+  s += "set offsets graph 0.05, graph 0.05, graph 0.05, graph 0.05\n";
+  s += "plot $loss using 1:2 with linespoints lw 1.5 pt 7 ps 0.5 lc rgb '#1f77b4' title 'train "
+       "loss'\n";
+  render(kFn, path, terminal(kFn, path, 3.5, 2.5), s);
+}
+
+}  // namespace
+
+void heatmaps(ConstView<double> matrices, const std::string& path, const HeatmapOptions& options) {
+  heatmaps_impl(matrices, path, options);
+}
+void heatmaps(ConstView<float> matrices, const std::string& path, const HeatmapOptions& options) {
+  heatmaps_impl(matrices, path, options);
+}
+
+void plot_kernel_regression(ConstView<double> x_test, ConstView<double> truth,
+                            ConstView<double> prediction, ConstView<double> x_train,
+                            ConstView<double> y_train, const std::string& path,
+                            const RegressionPlotOptions& options) {
+  regression_impl(x_test, truth, prediction, x_train, y_train, path, options);
+}
+void plot_kernel_regression(ConstView<float> x_test, ConstView<float> truth,
+                            ConstView<float> prediction, ConstView<float> x_train,
+                            ConstView<float> y_train, const std::string& path,
+                            const RegressionPlotOptions& options) {
+  regression_impl(x_test, truth, prediction, x_train, y_train, path, options);
+}
+
+void plot_loss(ConstView<double> epochs, ConstView<double> losses, const std::string& path) {
+  loss_impl(epochs, losses, path);
+}
+void plot_loss(ConstView<float> epochs, ConstView<float> losses, const std::string& path) {
+  loss_impl(epochs, losses, path);
+}
+
+}  // namespace qkv

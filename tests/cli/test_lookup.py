@@ -1,0 +1,171 @@
+#!/usr/bin/python3
+"""Tests of `qkv lookup`: the key-value database of d2l §11.1 through the
+command line — exact, approximate and average lookups of the chapter's names
+and of a CSV table, the text and --json outputs, and every error path with its
+exit status. The harness (running qkv, temporary directories, expect_error) is
+test_cli.py's.
+
+Usage: test_lookup.py --qkv PATH [unittest arguments, e.g. a TestCase name]
+"""
+
+import json
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+
+NAMES = [("Zhang", "Aston"), ("Lipton", "Zachary"), ("Li", "Mu"), ("Smola", "Alex"),
+         ("Hu", "Rachel"), ("Werness", "Brent")]
+
+
+class LookupTest(test_cli.CliTest):
+    def lookup(self, *args):
+        """Runs `qkv lookup ARGS --json`, which must succeed; returns the result."""
+        r = self.ok("lookup", *args, "--json")
+        lines = r.stdout.strip().splitlines()
+        self.assertEqual(len(lines), 1, f"--json prints one line\n{r.stdout}")
+        return json.loads(lines[0])
+
+    def write_table(self, text, name="table.csv"):
+        path = self.path(name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def records(self, result):
+        return [(r["key"], r["value"]) for r in result["records"]]
+
+    def weights(self, result):
+        return [r["weight"] for r in result["records"]]
+
+
+class ExactTest(LookupTest):
+    def test_li_is_mu_with_one_hot_weights(self):
+        result = self.lookup("--query", "Li", "--mode", "exact")
+        self.assertEqual(self.records(result), NAMES)
+        self.assertEqual(result["match"], {"key": "Li", "value": "Mu"})
+        self.assertEqual(self.weights(result), [0, 0, 1, 0, 0, 0])
+        self.assertEqual((result["top"][0]["key"], result["top"][0]["value"]), ("Li", "Mu"))
+        self.assertIsNone(result["temperature"])
+
+    def test_text_output(self):
+        out = self.ok("lookup", "--query", "Li", "--mode", "exact").stdout
+        self.assertIn("match: Li -> Mu", out)
+        self.assertIn("  1     Li       Mu       1.000000", out)
+
+    def test_missing_key_exits_1(self):
+        for args in (["--query", "Lee"], ["--query", "Li", "--remove", "Li"]):
+            r = test_cli.run("lookup", "--mode", "exact", *args)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            key = args[1]
+            self.assertEqual(r.stderr, f'qkv lookup: error: no record with key "{key}"\n')
+            self.assertEqual(r.stdout, "")
+
+
+class ApproximateTest(LookupTest):
+    def test_li_without_mu_retrieves_lipton(self):
+        result = self.lookup("--query", "Li", "--remove", "Li")
+        self.assertEqual(len(result["records"]), 5)
+        top = result["top"][0]
+        self.assertEqual((top["key"], top["value"]), ("Lipton", "Zachary"))
+        self.assertEqual(result["mode"], "approximate")
+        self.assertEqual(result["temperature"], 0.1)
+        self.assertIsNone(result["match"])
+
+    def test_weights_positive_and_sum_to_one(self):
+        for query in ("Li", "Smola", "nobody"):
+            w = self.weights(self.lookup("--query", query, "--temperature", "0.5"))
+            self.assertTrue(all(x > 0 for x in w), w)
+            self.assertAlmostEqual(sum(w), 1.0, places=12)
+
+    def test_lower_temperature_sharpens(self):
+        maxima = [max(self.weights(self.lookup("--query", "Li", "--remove", "Li",
+                                               "--temperature", t)))
+                  for t in ("5", "1", "0.1", "0.02")]
+        self.assertEqual(maxima, sorted(maxima))
+        self.assertEqual(len(set(maxima)), len(maxima))
+
+    def test_top_k_order(self):
+        result = self.lookup("--query", "Li", "--top", "4")
+        top = result["top"]
+        self.assertEqual([t["rank"] for t in top], [1, 2, 3, 4])
+        self.assertEqual([t["key"] for t in top[:2]], ["Li", "Lipton"])
+        ws = [t["weight"] for t in top]
+        self.assertEqual(ws, sorted(ws, reverse=True))
+        self.assertEqual(len(self.lookup("--query", "Li", "--top", "100")["top"]), 6)
+        self.assertEqual(len(self.lookup("--query", "Li")["top"]), 3)
+
+    def test_text_output(self):
+        out = self.ok("lookup", "--query", "Li", "--remove", "Li").stdout
+        self.assertIn('query "Li", mode approximate, temperature 0.1, 5 records', out)
+        top = out[out.index("top 3"):].splitlines()
+        self.assertTrue(top[2].split()[:3] == ["1", "Lipton", "Zachary"], out)
+
+
+class AverageTest(LookupTest):
+    def test_uniform_weights(self):
+        result = self.lookup("--query", "anything", "--mode", "average", "--remove", "Hu")
+        self.assertEqual(self.weights(result), [0.2] * 5)
+        self.assertEqual([t["key"] for t in result["top"]], ["Zhang", "Lipton", "Li"])
+
+
+class TableTest(LookupTest):
+    def test_custom_csv(self):
+        path = self.write_table('value,key,note\nred,apple,x\nyellow,banana,y\n'
+                                '"purple, dark",grape,z\n')
+        result = self.lookup("--table", path, "--query", "grape", "--mode", "exact")
+        self.assertEqual(self.records(result),
+                         [("apple", "red"), ("banana", "yellow"), ("grape", "purple, dark")])
+        self.assertEqual(result["match"]["value"], "purple, dark")
+        result = self.lookup("--table", path, "--query", "banan", "--top", "1")
+        self.assertEqual(result["top"][0]["value"], "yellow")
+
+    def test_bad_tables_exit_2(self):
+        cases = {
+            "nokey.csv": ("name,value\na,1\n", ["key and value"]),
+            "dup.csv": ("key,value\na,1\nb,2\na,3\n", ["dup.csv", '"a"', "twice"]),
+            "empty.csv": ("key,value\n", ["no data rows"]),
+            "ragged.csv": ("key,value\na,1\nb\n", ["line 3"]),
+            "quote.csv": ('key,value\n"a,1\n', ["never closed"]),
+        }
+        for name, (text, fragments) in cases.items():
+            with self.subTest(name):
+                path = self.write_table(text, name)
+                self.expect_error("lookup", ["lookup", "--table", path, "--query", "a"], [],
+                                  fragments)
+        missing = self.path("missing.csv")
+        self.expect_error("lookup", ["lookup", "--table", missing, "--query", "a"], [],
+                          ["missing.csv"])
+
+
+class UsageTest(LookupTest):
+    def test_bad_options_exit_2(self):
+        cases = [
+            (["--query", "Li", "--temperature", "0"], ["--temperature"]),
+            (["--query", "Li", "--temperature", "-1"], ["--temperature"]),
+            (["--query", "Li", "--temperature", "nan"], ["--temperature"]),
+            (["--query", "Li", "--top", "0"], ["--top"]),
+            (["--query", "Li", "--mode", "fuzzy"], ["--mode"]),
+            (["--query", "Li", "--mode", "exact", "--temperature", "1"], ["--temperature"]),
+            (["--query", "Li", "--remove", "Lee"], ["--remove", '"Lee"']),
+            (["--mode", "exact"], ["--query"]),
+        ]
+        for args, fragments in cases:
+            with self.subTest(args=args):
+                self.expect_error("lookup", ["lookup"] + args, [], fragments)
+
+
+def main():
+    argv = list(sys.argv)
+    if len(argv) < 3 or argv[1] != "--qkv":
+        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
+    test_cli.QKV = os.path.abspath(argv[2])
+    if not os.access(test_cli.QKV, os.X_OK):
+        sys.exit(f"test_lookup.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
+    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
+
+
+if __name__ == "__main__":
+    main()
