@@ -1,19 +1,29 @@
-// `qkv demo`: the worked examples of d2l §11.3 "Attention Scoring Functions"
-// (masked softmax, additive and scaled dot-product attention), run through the
-// library and printed as a short report. Inputs are drawn from <random>.
+// `qkv demo`: the worked examples of d2l §11.1-11.3 run through the library on
+// embedded data: a printed report, the chapter's figures (gnuplot PNGs) and an
+// index.html that shows them all, written into one output folder. Random
+// inputs are drawn from <random>, seeded by --seed.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
+#include <numbers>
+#include <optional>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "qkv/kernel_regression.h"
+#include "qkv/lookup.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/modules.h"
+#include "qkv/plot.h"
 #include "qkv/version.h"
 
 namespace qkv::cli {
@@ -22,6 +32,7 @@ namespace {
 struct DemoArgs {
   uint64_t seed = 0;
   std::optional<int> threads;
+  std::string out = "qkv-demo";
 };
 
 std::string fixed4(double x) {
@@ -59,13 +70,283 @@ Tensor<float> random_tensor(Shape shape, std::mt19937_64& rng, bool normal) {
   return t;
 }
 
+// Everything written to the report goes to stdout as it is printed and is kept
+// for index.html.
+class TeeBuf : public std::streambuf {
+ public:
+  TeeBuf(std::ostream& first, std::ostringstream& second) : first_(first), second_(second) {}
+
+ protected:
+  int overflow(int c) override {
+    if (c == traits_type::eof()) return traits_type::not_eof(c);
+    first_.put(static_cast<char>(c));
+    second_.put(static_cast<char>(c));
+    return first_ ? c : traits_type::eof();
+  }
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    first_.write(s, n);
+    second_.write(s, n);
+    return first_ ? n : 0;
+  }
+  int sync() override {
+    first_.flush();
+    return first_ ? 0 : -1;
+  }
+
+ private:
+  std::ostream& first_;
+  std::ostringstream& second_;
+};
+
+struct Figure {
+  std::string file;
+  std::string caption;
+};
+
+// The figures drawn so far, in order, for index.html.
+class Figures {
+ public:
+  explicit Figures(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  std::string path(const std::string& file) const { return (dir_ / file).string(); }
+  void add(std::ostream& os, const std::string& file, const std::string& caption) {
+    figures_.push_back({file, caption});
+    os << "   figure: " << file << '\n';
+  }
+  const std::vector<Figure>& list() const { return figures_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::vector<Figure> figures_;
+};
+
+std::string html_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+// A static page: every figure with its caption, then the report. On load, a
+// small script checks that every image decoded and says so in #image-check.
+std::string index_html(const std::vector<Figure>& figures, const std::string& report) {
+  std::ostringstream h;
+  h << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+       "<title>qkv demo: d2l 11.1-11.3</title>\n<style>\n"
+       "body { font-family: sans-serif; margin: 2em; max-width: 70em; }\n"
+       "figure { display: inline-block; vertical-align: top; margin: 1em; }\n"
+       "figcaption { max-width: 30em; font-size: 0.9em; }\n"
+       "pre { background: #f4f4f4; padding: 1em; overflow-x: auto; }\n"
+       "</style>\n</head>\n<body>\n<h1>qkv demo: d2l 11.1-11.3</h1>\n"
+       "<p id=\"image-check\">image check did not run</p>\n<h2>Figures</h2>\n";
+  for (const Figure& f : figures) {
+    h << "<figure><img src=\"" << html_escape(f.file) << "\" alt=\"" << html_escape(f.caption)
+      << "\"><figcaption>" << html_escape(f.file) << ": " << html_escape(f.caption)
+      << "</figcaption></figure>\n";
+  }
+  h << "<h2>Report</h2>\n<pre>" << html_escape(report) << "</pre>\n"
+    << "<script>\nwindow.addEventListener('load', function () {\n"
+       "  var images = Array.from(document.images);\n"
+       "  var broken = images.filter(function (i) { return !(i.complete && i.naturalWidth > 0); "
+       "})\n"
+       "                     .map(function (i) { return i.getAttribute('src'); });\n"
+       "  document.getElementById('image-check').textContent = broken.length === 0\n"
+       "      ? 'all ' + images.length + ' images loaded'\n"
+       "      : 'broken images: ' + broken.join(', ');\n"
+       "});\n</script>\n</body>\n</html>\n";
+  return h.str();
+}
+
+// A (rows, cols, Nq, Nk) grid from values laid out in that order.
+template <class T>
+Tensor<T> grid(Shape shape, const std::vector<T>& values) {
+  return Tensor<T>(shape, values);
+}
+
+// §11.3's (2, 1, 10) weights drawn as one (2 x 10) panel, a row per batch
+// element: a panel of a single row comes out blank in gnuplot's image plot.
+HeatmapOptions weights_heat() {
+  HeatmapOptions heat;
+  heat.ylabel = "Batch element";
+  heat.figsize = {4.0, 1.6};
+  return heat;
+}
+
+void section_11_1(std::ostream& os, Figures& figures) {
+  os << "d2l 11.1 Queries, Keys, and Values\n\n";
+  Tensor<double> eye(Shape{1, 1, 10, 10}, 0.0);
+  for (int64_t i = 0; i < 10; ++i) eye(0, 0, i, i) = 1.0;
+  heatmaps(eye.view(), figures.path("identity.png"));
+  os << "1. Attention weights that are the identity: query i looks at key i only.\n";
+  figures.add(os, "identity.png", "11.1: the 10 x 10 identity matrix as attention weights");
+
+  KeyValueDatabase db;
+  os << "\n2. The names database (key = surname, value = first name):";
+  for (const Record& r : db.records()) os << " (" << r.key << ", " << r.value << ")";
+  os << "\n";
+  const LookupResult exact = db.exact("Li");
+  os << "   exact(\"Li\"): weights";
+  for (double w : exact.weights) os << ' ' << fixed4(w);
+  os << " -> " << (exact.match ? db.records()[*exact.match].value : "no match") << '\n';
+
+  const LookupResult average = db.average();
+  os << "   average pooling: weights";
+  for (double w : average.weights) os << ' ' << fixed4(w);
+  os << "\n   top records:";
+  for (size_t i : top_k(average.weights, 3)) {
+    os << " (" << db.records()[i].key << ", " << db.records()[i].value << ")";
+  }
+  os << " -- every record counts the same, whatever the query\n";
+
+  db.remove("Li");
+  const LookupResult approx = db.approximate("Li");
+  os << "   approximate(\"Li\") with (Li, Mu) removed, temperature "
+     << KeyValueDatabase::kDefaultTemperature << ":\n     weights";
+  for (double w : approx.weights) os << ' ' << fixed4(w);
+  os << "\n     top records:";
+  for (size_t i : top_k(approx.weights, 2)) {
+    os << " (" << db.records()[i].key << ", " << db.records()[i].value << ", "
+       << fixed4(approx.weights[i]) << ")";
+  }
+  os << '\n';
+}
+
+double chapter_f(double x) { return 2.0 * std::sin(x) + std::pow(x, 0.8); }
+
+// Leave-one-out squared error of average pooling: the mean of the other n - 1 ys.
+double average_loo_error(const std::vector<double>& y) {
+  double sum = 0;
+  for (double v : y) sum += v;
+  const double n = static_cast<double>(y.size());
+  double err = 0;
+  for (double v : y) {
+    const double d = (sum - v) / (n - 1) - v;
+    err += d * d;
+  }
+  return err / n;
+}
+
+void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
+  os << "\nd2l 11.2 Attention Pooling by Similarity\n\n";
+  constexpr int64_t n = 50;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(0.0, 5.0);
+  std::normal_distribution<double> noise(0.0, 0.5);
+  std::vector<double> xs(n), ys(n), qs(n), truth(n);
+  for (double& x : xs) x = uniform(rng);
+  std::sort(xs.begin(), xs.end());
+  for (int64_t i = 0; i < n; ++i) ys[i] = chapter_f(xs[i]) + noise(rng);
+  for (int64_t i = 0; i < n; ++i) {
+    qs[i] = 0.1 * static_cast<double>(i);
+    truth[i] = chapter_f(qs[i]);
+  }
+  const Tensor<double> x_train(Shape{n}, xs), y_train(Shape{n}, ys), x_test(Shape{n}, qs),
+      y_truth(Shape{n}, truth);
+  os << "The data: n = " << n << " sorted x ~ U(0, 5), y = 2 sin x + x^0.8 + N(0, 0.5);\n"
+     << "queries arange(0, 5, 0.1) (" << n << " of them). First training points:";
+  for (int64_t i = 0; i < 3; ++i) os << " (" << fixed4(xs[i]) << ", " << fixed4(ys[i]) << ")";
+  os << '\n';
+
+  HeatmapOptions heat;
+  heat.xlabel = "Sorted training inputs";
+  heat.ylabel = "Sorted testing inputs";
+  auto draw = [&](const std::string& name, const std::string& what,
+                  const Tensor<double>& prediction, const std::vector<double>& weights) {
+    plot_kernel_regression(x_test.view(), y_truth.view(), prediction.view(), x_train.view(),
+                           y_train.view(), figures.path(name + ".png"));
+    figures.add(os, name + ".png", "11.2 " + what + ": truth, prediction and training points");
+    heatmaps(grid(Shape{1, 1, n, n}, weights).view(), figures.path(name + "-attention.png"), heat);
+    figures.add(os, name + "-attention.png",
+                "11.2 " + what + ": attention weights (50 test x 50 training inputs)" +
+                    (name == "average-pooling" ? ", all 1/50 (one colour)" : ""));
+  };
+
+  // (1) Average pooling.
+  const Tensor<double> avg = average_pooling_regression(y_train.view(), n);
+  os << "\n1. Average pooling: every query gets the mean of y, " << fixed4(avg(0))
+     << "; bandwidth h = inf, LOO error " << fixed4(average_loo_error(ys)) << '\n';
+  draw("average-pooling", "average pooling", avg,
+       std::vector<double>(static_cast<size_t>(n * n), 1.0 / static_cast<double>(n)));
+
+  // (2) Nonparametric Gaussian kernel, h = 1.
+  KernelRegression model(x_train.view(), y_train.view());
+  model.set_bandwidth(1.0);
+  os << "\n2. Nonparametric Gaussian kernel regression: bandwidth h = 1, LOO error "
+     << fixed4(model.loo_error()) << '\n';
+  draw("nonparametric", "Gaussian kernel, h = 1", model.predict(x_test.view()).values,
+       model.weights(x_test.view()).values());
+
+  // (3) The parametric model, w learned by SGD on the leave-one-out loss.
+  ParametricOptions popt;
+  popt.seed = seed;
+  const ParametricResult trained = train_parametric(x_train.view(), y_train.view(), popt);
+  os << "\n3. Parametric Gaussian kernel, w learned by SGD (lr " << popt.lr << ", " << popt.epochs
+     << " epochs) on the leave-one-out loss:\n";
+  for (size_t e = 0; e < trained.losses.size(); ++e) {
+    os << "   epoch " << e + 1 << ", loss " << fixed4(trained.losses[e]) << ", w "
+       << fixed4(trained.ws[e]) << '\n';
+  }
+  const double h_param = 1.0 / std::abs(trained.w);
+  os << "   learned w " << fixed4(trained.w) << ": bandwidth h = 1/|w| = " << fixed4(h_param)
+     << ", LOO error " << fixed4(model.loo_error({h_param})) << '\n';
+  std::vector<double> epochs(trained.losses.size());
+  for (size_t e = 0; e < epochs.size(); ++e) epochs[e] = static_cast<double>(e + 1);
+  const auto num_epochs = static_cast<int64_t>(epochs.size());
+  plot_loss(Tensor<double>(Shape{num_epochs}, epochs).view(),
+            Tensor<double>(Shape{num_epochs}, trained.losses).view(),
+            figures.path("parametric-loss.png"));
+  figures.add(os, "parametric-loss.png", "11.2 parametric model: training loss per epoch");
+  model.set_bandwidth(h_param);
+  draw("parametric", "parametric Gaussian kernel",
+       parametric_predict(x_train.view(), y_train.view(), trained.w, x_test.view()),
+       model.weights(x_test.view()).values());
+
+  // (4) Cross-validated bandwidth, a fit the book does not have.
+  const CvResult cv = cv_bandwidth(model);
+  model.set_bandwidth(cv.bandwidth);
+  os << "\n4. Cross-validated bandwidth (not in the book): leave-one-out cross-validation\n"
+     << "   picks h = " << fixed4(cv.bandwidth[0]) << ", LOO error " << fixed4(cv.loo_error)
+     << '\n';
+  draw("cross-validated", "Gaussian kernel, cross-validated h", model.predict(x_test.view()).values,
+       model.weights(x_test.view()).values());
+}
+
 void run_demo(const DemoArgs& args) {
   apply_threads(args.threads);
-  std::mt19937_64 rng(args.seed);
-  std::ostream& os = std::cout;
-  os << "qkv " << kVersion << " demo: the worked examples of d2l 11.3, Attention Scoring Functions"
-     << " (seed " << args.seed << ")\n\n";
+  std::error_code ec;
+  std::filesystem::create_directories(args.out, ec);
+  if (ec || !std::filesystem::is_directory(args.out)) {
+    throw UsageError("--out " + args.out + ": cannot create the directory" +
+                     (ec ? ": " + ec.message() : std::string()));
+  }
+  const std::filesystem::path dir = std::filesystem::absolute(args.out).lexically_normal();
+  Figures figures(dir);
+  std::ostringstream kept;
+  TeeBuf tee(std::cout, kept);
+  std::ostream os(&tee);
 
+  std::mt19937_64 rng(args.seed);
+  os << "qkv " << kVersion << " demo: the worked examples of d2l 11.1-11.3 (seed " << args.seed
+     << "), figures in " << dir.string() << "\n\n";
+  section_11_1(os, figures);
+  section_11_2(os, figures, args.seed);
+
+  os << "\nd2l 11.3 Attention Scoring Functions\n\n";
   // (1) Masked softmax: a fresh (2, 2, 4) batch for each kind of valid_lens.
   os << "1. Masked softmax of uniform [0, 1) scores of shape (2, 2, 4); positions at or past\n"
         "   a row's valid length get weight 0.\n";
@@ -100,6 +381,12 @@ void run_demo(const DemoArgs& args) {
   print_rows(os, additive_out.view());
   os << "   attention weights (2, 1, 10):\n";
   print_rows(os, additive.attention_weights().view());
+  const std::vector<float>& additive_weights = additive.attention_weights().values();
+  heatmaps(grid(Shape{1, 1, 2, 10}, additive_weights).view(),
+           figures.path("additive-attention.png"), weights_heat());
+  figures.add(
+      os, "additive-attention.png",
+      "11.3 additive attention: weights of the one query over 10 keys, one row per batch element");
   os << "   Every key is the same, so every score in a row is the same and the weights are\n"
         "   uniform over the valid keys: each output is the mean of the first 2 (b=0) or 6\n"
         "   (b=1) value rows, [[2, 3, 4, 5]] and [[10, 11, 12, 13]], as in d2l.\n";
@@ -118,9 +405,20 @@ void run_demo(const DemoArgs& args) {
   print_rows(os, dot.attention_weights().view());
   os << "   Equal keys cannot be told apart by any query: uniform weights again, and the\n"
         "   same output as additive attention.\n";
-  // A report that did not reach its reader (a full disk, a closed pipe) is a failure.
+  const std::vector<float>& dot_weights = dot.attention_weights().values();
+  heatmaps(grid(Shape{1, 1, 2, 10}, dot_weights).view(), figures.path("dot-product-attention.png"),
+           weights_heat());
+  figures.add(os, "dot-product-attention.png",
+              "11.3 scaled dot-product attention: weights of the one query over 10 keys, one row "
+              "per batch element");
+
+  const std::string index = (dir / "index.html").string();
+  os << "\nfigures: " << index << '\n';
   os.flush();
-  if (!os) throw std::runtime_error("cannot write the report to stdout");
+  write_outputs({{"--out", index, index_html(figures.list(), kept.str())}});
+  // A report that did not reach its reader (a full disk, a closed pipe) is a failure.
+  std::cout.flush();
+  if (!os || !std::cout) throw std::runtime_error("cannot write the report to stdout");
 }
 
 }  // namespace
@@ -129,10 +427,14 @@ Command add_demo_command(CLI::App& parent) {
   auto args = std::make_shared<DemoArgs>();
   CLI::App* app = parent.add_subcommand(
       "demo",
-      "Print the worked examples of d2l 11.3: masked softmax, additive and scaled "
-      "dot-product attention");
-  add_seed_option(*app, args->seed, "Seeds the random inputs and the additive parameters");
+      "Run d2l 11.1-11.3 on embedded data: print the worked examples and draw the "
+      "chapter's figures, with an index.html showing them all, into --out");
+  add_seed_option(*app, args->seed,
+                  "Seeds the random data and inputs, the additive parameters and the parametric "
+                  "model's initial w");
   add_threads_option(*app, args->threads);
+  app->add_option("--out", args->out, "Folder for the figures and index.html (created if missing)")
+      ->capture_default_str();
   return {app, [args] { run_demo(*args); }};
 }
 

@@ -266,13 +266,16 @@ void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions
   check_finite(kFn, "matrices", m);
 
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  const int64_t row_copies = nq == 1 ? 2 : 1, col_copies = nk == 1 ? 2 : 1;
   std::string data;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       data += "$m" + std::to_string(r) + "_" + std::to_string(c) + " << EOD\n";
-      for (int64_t i = 0; i < nq; ++i) {
-        for (int64_t j = 0; j < nk; ++j) {
-          const double v = static_cast<double>(m(r, c, i, j));
+      // gnuplot cannot size the pixels of a one-row or one-column image and
+      // draws nothing: such an axis is written twice and drawn at half pitch.
+      for (int64_t i = 0; i < nq * row_copies; ++i) {
+        for (int64_t j = 0; j < nk * col_copies; ++j) {
+          const double v = static_cast<double>(m(r, c, i / row_copies, j / col_copies));
           lo = std::min(lo, v);
           hi = std::max(hi, v);
           if (j) data += ' ';
@@ -283,9 +286,14 @@ void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions
       data += "EOD\n";
     }
   }
-  if (lo == hi) {  // a constant map still needs a colour range
-    lo -= 0.5;
-    hi += 0.5;
+  if (lo == hi) {  // a constant map still needs a colour range: from 0 to the value
+    if (hi > 0) {
+      lo = 0;
+    } else if (lo < 0) {
+      hi = 0;
+    } else {
+      hi = 1;
+    }
   }
 
   // Layout in inches: room for tick labels and the y label on the left, the x
@@ -303,6 +311,11 @@ void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions
   s += "set tics out nomirror scale 0.7\nset border lw 0.8\n";
   s += "set xrange [-0.5:" + number(nk - 0.5) + "]\n";
   s += "set yrange [" + number(nq - 0.5) + ":-0.5]\n";  // query 0 at the top
+  // Whole-number ticks: a lone key or query gets one tick, a few get one each.
+  if (nk == 1) s += "set xtics (0)\n";
+  if (nq == 1) s += "set ytics (0)\n";
+  if (nk > 1 && nk <= 10) s += "set xtics 1\n";
+  if (nq > 1 && nq <= 10) s += "set ytics 1\n";
   s += "set multiplot\n";
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
@@ -327,7 +340,9 @@ void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions
       } else {
         s += "unset colorbox\n";
       }
-      s += "plot $m" + std::to_string(r) + "_" + std::to_string(c) + " matrix with image notitle\n";
+      s += "plot $m" + std::to_string(r) + "_" + std::to_string(c) + " matrix using " +
+           (col_copies == 2 ? "($1*0.5-0.25)" : "1") + ":" +
+           (row_copies == 2 ? "($2*0.5-0.25)" : "2") + ":3 with image notitle\n";
     }
   }
   s += "unset multiplot\n";
@@ -406,6 +421,7 @@ void loss_impl(ConstView<T> epochs, ConstView<T> losses, const std::string& path
   check_finite(kFn, "losses", losses);
   std::string s = columns_block<T>("$loss", {epochs, losses});
   s += "set xlabel 'epoch'\nset ylabel 'loss'\nset tics out nomirror scale 0.7\n";
+  if (epochs.size(0) <= 20) s += "set xtics 1\n";  // whole epochs, not half-epoch ticks
   s += "set offsets graph 0.05, graph 0.05, graph 0.05, graph 0.05\n";
   s += "plot $loss using 1:2 with linespoints lw 1.5 pt 7 ps 0.5 lc rgb '#1f77b4' title 'train "
        "loss'\n";

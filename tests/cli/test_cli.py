@@ -397,12 +397,33 @@ class AttendTest(CliTest):
 
 # ---- qkv demo ------------------------------------------------------------------------
 
+DEMO_FIGURES = ("identity.png", "average-pooling.png", "average-pooling-attention.png",
+                "nonparametric.png", "nonparametric-attention.png", "parametric-loss.png",
+                "parametric.png", "parametric-attention.png", "cross-validated.png",
+                "cross-validated-attention.png", "additive-attention.png",
+                "dot-product-attention.png")
+
+
+def png_size(path):
+    """(width, height) of a PNG file, or None if it does not start like one."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
 class DemoTest(CliTest):
+    def demo(self, *args):
+        return self.ok("demo", "--out", self.path("figures"), *args).stdout
+
     def test_demo_prints_the_chapter_examples(self):
-        r = self.ok("demo")
-        out = r.stdout
+        out = self.demo()
         for text in ("Masked softmax", "Additive attention", "Scaled dot-product attention",
-                     "valid_lens [2, 3]", "valid_lens [[1, 3], [2, 4]]"):
+                     "valid_lens [2, 3]", "valid_lens [[1, 3], [2, 4]]",
+                     "d2l 11.1", "d2l 11.2", "d2l 11.3", "-> Mu",
+                     "top records: (Lipton, Zachary", "Average pooling", "bandwidth h = 1,",
+                     "Cross-validated bandwidth"):
             self.assertIn(text, out)
         rows = [line.split() for line in out.splitlines()]
         first = ["b=0", "q=0", "2.0000", "3.0000", "4.0000", "5.0000"]
@@ -413,9 +434,11 @@ class DemoTest(CliTest):
         uniform_6 = ["b=1", "q=0"] + ["0.1667"] * 6 + ["0.0000"] * 4
         self.assertEqual(rows.count(uniform_2), 2, out)
         self.assertEqual(rows.count(uniform_6), 2, out)
+        self.assertIn("average pooling: weights" + " 0.1667" * 6, out)
+        self.assertIn("exact(\"Li\"): weights 0.0000 0.0000 1.0000 0.0000 0.0000 0.0000", out)
 
     def test_demo_masked_softmax_rows(self):
-        rows = [line.split() for line in self.ok("demo").stdout.splitlines()]
+        rows = [line.split() for line in self.demo().splitlines()]
         softmax_rows = [r for r in rows if len(r) == 6 and r[0].startswith("b=")][:8]
         self.assertEqual(len(softmax_rows), 8)
         weights = np.array([[float(x) for x in r[2:]] for r in softmax_rows]).reshape(2, 2, 2, 4)
@@ -426,19 +449,76 @@ class DemoTest(CliTest):
             self.assertTrue(np.all(row[:length] > 0), row)
             self.assertAlmostEqual(row.sum(), 1.0, delta=5e-4)
 
+    def test_parametric_loss_decreases_and_loo_errors(self):
+        out = self.demo()
+        losses = [float(line.split("loss ")[1].split(",")[0]) for line in out.splitlines()
+                  if line.strip().startswith("epoch ")]
+        self.assertEqual(len(losses), 5, out)
+        self.assertTrue(all(b < a for a, b in zip(losses, losses[1:])), losses)
+        errors = [float(line.split("LOO error ")[1]) for line in out.splitlines()
+                  if "LOO error " in line]
+        self.assertEqual(len(errors), 4, out)  # average, h = 1, parametric, cross-validated
+        self.assertTrue(all(e > 0 for e in errors), errors)
+        # Cross-validation minimises the LOO error: no other fit beats it.
+        self.assertEqual(min(errors), errors[3], errors)
+
+    def test_figures_and_index_html(self):
+        out = self.demo()
+        folder = self.path("figures")
+        for name in DEMO_FIGURES:
+            size = png_size(os.path.join(folder, name))
+            self.assertIsNotNone(size, name)
+            self.assertTrue(size[0] > 50 and size[1] > 50, (name, size))
+            self.assertIn("figure: " + name, out)
+        index = os.path.join(folder, "index.html")
+        with open(index, encoding="utf-8") as f:
+            html = f.read()
+        for name in DEMO_FIGURES:
+            self.assertIn(f'<img src="{name}"', html)
+        self.assertEqual(html.count("<img "), len(DEMO_FIGURES))
+        self.assertIn("[[2, 3, 4, 5]]", html)  # the report is on the page
+        self.assertIn("<pre>", html)
+        self.assertEqual(out.splitlines()[-1], "figures: " + os.path.realpath(index))
+
+    def test_out_folder_is_created_and_defaults_to_qkv_demo(self):
+        nested = self.path("a/b/c")
+        self.ok("demo", "--out", nested)
+        self.assertTrue(os.path.isfile(os.path.join(nested, "index.html")))
+        r = subprocess.run([QKV, "demo"], capture_output=True, text=True, timeout=120,
+                           cwd=self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        default = os.path.join(os.path.realpath(self.dir), "qkv-demo")
+        self.assertTrue(os.path.isfile(os.path.join(default, "identity.png")))
+        self.assertTrue(r.stdout.endswith("figures: " + os.path.join(default, "index.html") + "\n"))
+
+    def test_out_that_is_a_file_exits_2(self):
+        blocker = self.path("file")
+        with open(blocker, "w") as f:
+            f.write("x")
+        r = run("demo", "--out", blocker)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertTrue(r.stderr.startswith("qkv demo: error: "), r.stderr)
+        self.assertIn(blocker, r.stderr)
+
+    def test_missing_gnuplot_names_the_package(self):
+        env = dict(os.environ, PATH=self.path("empty-path"))
+        r = run("demo", "--out", self.path("figures"), env=env)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("gnuplot-nox", r.stderr)
+
     def test_seed_and_threads(self):
-        default = self.ok("demo").stdout
-        self.assertEqual(self.ok("demo", "--seed", "0").stdout, default)
-        self.assertEqual(self.ok("demo", "--seed", "0", "--threads", "2").stdout, default)
-        other = self.ok("demo", "--seed", "42").stdout
+        default = self.demo()
+        self.assertEqual(self.demo("--seed", "0"), default)
+        self.assertEqual(self.demo("--seed", "0", "--threads", "2"), default)
+        other = self.demo("--seed", "42")
         self.assertNotEqual(other, default)
-        self.assertEqual(self.ok("demo", "--seed", "42").stdout, other)
+        self.assertEqual(self.demo("--seed", "42"), other)
 
     def test_a_report_that_cannot_be_written_exits_1(self):
         # Not bad usage but a failure of the system: status 1 (DESIGN.md section 4).
         with open("/dev/full", "w") as full:
-            r = subprocess.run([QKV, "demo"], stdout=full, stderr=subprocess.PIPE, text=True,
-                               timeout=120)
+            r = subprocess.run([QKV, "demo", "--out", self.path("figures")], stdout=full,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertTrue(r.stderr.startswith("qkv demo: error: "), r.stderr)
 
