@@ -103,6 +103,12 @@ bool all_decimal_digits(const std::string& text) {
 
 }  // namespace
 
+std::string format_number(double x, const char* format) {
+  char text[64];
+  std::snprintf(text, sizeof text, format, x);
+  return text;
+}
+
 int report_exception(const CLI::App& app, std::string_view command) {
   const std::string prefix =
       command.empty() ? std::string("qkv: error: ") : "qkv " + std::string(command) + ": error: ";

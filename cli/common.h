@@ -43,6 +43,11 @@ Command add_softmax_command(CLI::App& parent);
 Command add_attend_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);
 
+// x printed with a printf format for one double, e.g. "%.4f"; exact_number
+// uses "%.17g", which reads back as the same double.
+std::string format_number(double x, const char* format);
+inline std::string exact_number(double x) { return format_number(x, "%.17g"); }
+
 // Call from inside a catch block: prints "qkv <command>: error: <message>"
 // (or "qkv: error: ..." when `command` is empty) on stderr and returns the
 // exit status. CLI11's --help and --version arrive here as exceptions too;

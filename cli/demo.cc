@@ -35,26 +35,21 @@ struct DemoArgs {
   std::string out = "qkv-demo";
 };
 
-std::string fixed4(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.4f", x);
-  return text;
-}
-
 // Prints a (B, Nq, N) tensor one row per (b, i), labelled "b=0 q=1", with the
 // numbers right-aligned in columns of one width.
 void print_rows(std::ostream& os, ConstView<float> t) {
   size_t width = 0;
   for (int64_t b = 0; b < t.size(0); ++b) {
     for (int64_t i = 0; i < t.size(1); ++i) {
-      for (int64_t j = 0; j < t.size(2); ++j) width = std::max(width, fixed4(t(b, i, j)).size());
+      for (int64_t j = 0; j < t.size(2); ++j)
+        width = std::max(width, format_number(t(b, i, j), "%.4f").size());
     }
   }
   for (int64_t b = 0; b < t.size(0); ++b) {
     for (int64_t i = 0; i < t.size(1); ++i) {
       os << "     b=" << b << " q=" << i << ' ';
       for (int64_t j = 0; j < t.size(2); ++j) {
-        const std::string x = fixed4(t(b, i, j));
+        const std::string x = format_number(t(b, i, j), "%.4f");
         os << std::string(width + 2 - x.size(), ' ') << x;
       }
       os << '\n';
@@ -201,12 +196,12 @@ void section_11_1(std::ostream& os, Figures& figures) {
   os << "\n";
   const LookupResult exact = db.exact("Li");
   os << "   exact(\"Li\"): weights";
-  for (double w : exact.weights) os << ' ' << fixed4(w);
+  for (double w : exact.weights) os << ' ' << format_number(w, "%.4f");
   os << " -> " << (exact.match ? db.records()[*exact.match].value : "no match") << '\n';
 
   const LookupResult average = db.average();
   os << "   average pooling: weights";
-  for (double w : average.weights) os << ' ' << fixed4(w);
+  for (double w : average.weights) os << ' ' << format_number(w, "%.4f");
   os << "\n   top records:";
   for (size_t i : top_k(average.weights, 3)) {
     os << " (" << db.records()[i].key << ", " << db.records()[i].value << ")";
@@ -217,11 +212,11 @@ void section_11_1(std::ostream& os, Figures& figures) {
   const LookupResult approx = db.approximate("Li");
   os << "   approximate(\"Li\") with (Li, Mu) removed, temperature "
      << KeyValueDatabase::kDefaultTemperature << ":\n     weights";
-  for (double w : approx.weights) os << ' ' << fixed4(w);
+  for (double w : approx.weights) os << ' ' << format_number(w, "%.4f");
   os << "\n     top records:";
   for (size_t i : top_k(approx.weights, 2)) {
     os << " (" << db.records()[i].key << ", " << db.records()[i].value << ", "
-       << fixed4(approx.weights[i]) << ")";
+       << format_number(approx.weights[i], "%.4f") << ")";
   }
   os << '\n';
 }
@@ -259,7 +254,8 @@ void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
       y_truth(Shape{n}, truth);
   os << "The data: n = " << n << " sorted x ~ U(0, 5), y = 2 sin x + x^0.8 + N(0, 0.5);\n"
      << "queries arange(0, 5, 0.1) (" << n << " of them). First training points:";
-  for (int64_t i = 0; i < 3; ++i) os << " (" << fixed4(xs[i]) << ", " << fixed4(ys[i]) << ")";
+  for (int64_t i = 0; i < 3; ++i)
+    os << " (" << format_number(xs[i], "%.4f") << ", " << format_number(ys[i], "%.4f") << ")";
   os << '\n';
 
   HeatmapOptions heat;
@@ -278,8 +274,8 @@ void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
 
   // (1) Average pooling.
   const Tensor<double> avg = average_pooling_regression(y_train.view(), n);
-  os << "\n1. Average pooling: every query gets the mean of y, " << fixed4(avg(0))
-     << "; bandwidth h = inf, LOO error " << fixed4(average_loo_error(ys)) << '\n';
+  os << "\n1. Average pooling: every query gets the mean of y, " << format_number(avg(0), "%.4f")
+     << "; bandwidth h = inf, LOO error " << format_number(average_loo_error(ys), "%.4f") << '\n';
   draw("average-pooling", "average pooling", avg,
        std::vector<double>(static_cast<size_t>(n * n), 1.0 / static_cast<double>(n)));
 
@@ -287,7 +283,7 @@ void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
   KernelRegression model(x_train.view(), y_train.view());
   model.set_bandwidth(1.0);
   os << "\n2. Nonparametric Gaussian kernel regression: bandwidth h = 1, LOO error "
-     << fixed4(model.loo_error()) << '\n';
+     << format_number(model.loo_error(), "%.4f") << '\n';
   draw("nonparametric", "Gaussian kernel, h = 1", model.predict(x_test.view()).values,
        model.weights(x_test.view()).values());
 
@@ -298,12 +294,13 @@ void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
   os << "\n3. Parametric Gaussian kernel, w learned by SGD (lr " << popt.lr << ", " << popt.epochs
      << " epochs) on the leave-one-out loss:\n";
   for (size_t e = 0; e < trained.losses.size(); ++e) {
-    os << "   epoch " << e + 1 << ", loss " << fixed4(trained.losses[e]) << ", w "
-       << fixed4(trained.ws[e]) << '\n';
+    os << "   epoch " << e + 1 << ", loss " << format_number(trained.losses[e], "%.4f") << ", w "
+       << format_number(trained.ws[e], "%.4f") << '\n';
   }
   const double h_param = 1.0 / std::abs(trained.w);
-  os << "   learned w " << fixed4(trained.w) << ": bandwidth h = 1/|w| = " << fixed4(h_param)
-     << ", LOO error " << fixed4(model.loo_error({h_param})) << '\n';
+  os << "   learned w " << format_number(trained.w, "%.4f")
+     << ": bandwidth h = 1/|w| = " << format_number(h_param, "%.4f") << ", LOO error "
+     << format_number(model.loo_error({h_param}), "%.4f") << '\n';
   std::vector<double> epochs(trained.losses.size());
   for (size_t e = 0; e < epochs.size(); ++e) epochs[e] = static_cast<double>(e + 1);
   const auto num_epochs = static_cast<int64_t>(epochs.size());
@@ -320,8 +317,8 @@ void section_11_2(std::ostream& os, Figures& figures, uint64_t seed) {
   const CvResult cv = cv_bandwidth(model);
   model.set_bandwidth(cv.bandwidth);
   os << "\n4. Cross-validated bandwidth (not in the book): leave-one-out cross-validation\n"
-     << "   picks h = " << fixed4(cv.bandwidth[0]) << ", LOO error " << fixed4(cv.loo_error)
-     << '\n';
+     << "   picks h = " << format_number(cv.bandwidth[0], "%.4f") << ", LOO error "
+     << format_number(cv.loo_error, "%.4f") << '\n';
   draw("cross-validated", "Gaussian kernel, cross-validated h", model.predict(x_test.view()).values,
        model.weights(x_test.view()).values());
 }

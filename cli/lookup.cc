@@ -48,24 +48,6 @@ std::string json_string(const std::string& text) {
   return out + "\"";
 }
 
-std::string number(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.17g", x);
-  return text;
-}
-
-std::string compact(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%g", x);
-  return text;
-}
-
-std::string short_number(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.6f", x);
-  return text;
-}
-
 // The table from --table (header with columns "key" and "value"; others are
 // ignored), or the chapter's names.
 std::vector<Record> load_table(const std::string& path) {
@@ -95,7 +77,7 @@ void run_lookup(const LookupArgs& args) {
   }
   const double temperature = args.temperature.value_or(KeyValueDatabase::kDefaultTemperature);
   if (!std::isfinite(temperature) || temperature <= 0) {
-    throw UsageError("--temperature must be a finite number > 0, got " + number(temperature));
+    throw UsageError("--temperature must be a finite number > 0, got " + exact_number(temperature));
   }
   if (args.top < 1) throw UsageError("--top must be >= 1, got " + std::to_string(args.top));
 
@@ -117,10 +99,10 @@ void run_lookup(const LookupArgs& args) {
   const std::vector<size_t> top = top_k(result.weights, args.top);
 
   if (args.json) {
-    std::string json =
-        "{\"query\": " + json_string(args.query) + ", \"mode\": " + json_string(args.mode) +
-        ", \"temperature\": " + (mode == LookupMode::kApproximate ? number(temperature) : "null") +
-        ", \"match\": ";
+    std::string json = "{\"query\": " + json_string(args.query) +
+                       ", \"mode\": " + json_string(args.mode) + ", \"temperature\": " +
+                       (mode == LookupMode::kApproximate ? exact_number(temperature) : "null") +
+                       ", \"match\": ";
     json += result.match ? "{\"key\": " + json_string(records[*result.match].key) +
                                ", \"value\": " + json_string(records[*result.match].value) + "}"
                          : "null";
@@ -128,7 +110,7 @@ void run_lookup(const LookupArgs& args) {
     for (size_t j = 0; j < records.size(); ++j) {
       json += std::string(j == 0 ? "" : ", ") + "{\"key\": " + json_string(records[j].key) +
               ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + number(result.weights[j]) + "}";
+              ", \"weight\": " + exact_number(result.weights[j]) + "}";
     }
     json += "], \"top\": [";
     for (size_t r = 0; r < top.size(); ++r) {
@@ -136,7 +118,7 @@ void run_lookup(const LookupArgs& args) {
       json += std::string(r == 0 ? "" : ", ") + "{\"rank\": " + std::to_string(r + 1) +
               ", \"key\": " + json_string(records[j].key) +
               ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + number(result.weights[j]) + "}";
+              ", \"weight\": " + exact_number(result.weights[j]) + "}";
     }
     std::cout << json << "]}\n";
     return;
@@ -148,7 +130,8 @@ void run_lookup(const LookupArgs& args) {
     value_width = std::max(value_width, r.value.size());
   }
   std::cout << "query \"" << args.query << "\", mode " << args.mode;
-  if (mode == LookupMode::kApproximate) std::cout << ", temperature " << compact(temperature);
+  if (mode == LookupMode::kApproximate)
+    std::cout << ", temperature " << format_number(temperature, "%g");
   std::cout << ", " << records.size() << (records.size() == 1 ? " record" : " records") << '\n';
   if (result.match) {
     std::cout << "match: " << records[*result.match].key << " -> " << records[*result.match].value
@@ -158,8 +141,8 @@ void run_lookup(const LookupArgs& args) {
             << "  weight\n";
   for (size_t j = 0; j < records.size(); ++j) {
     std::cout << "  " << pad(records[j].key, key_width) << "  "
-              << pad(records[j].value, value_width) << "  " << short_number(result.weights[j])
-              << '\n';
+              << pad(records[j].value, value_width) << "  "
+              << format_number(result.weights[j], "%.6f") << '\n';
   }
   std::cout << "\ntop " << top.size() << "\n  rank  " << pad("key", key_width) << "  "
             << pad("value", value_width) << "  weight\n";
@@ -167,7 +150,7 @@ void run_lookup(const LookupArgs& args) {
     const size_t j = top[r];
     std::cout << "  " << pad(std::to_string(r + 1), 4) << "  " << pad(records[j].key, key_width)
               << "  " << pad(records[j].value, value_width) << "  "
-              << short_number(result.weights[j]) << '\n';
+              << format_number(result.weights[j], "%.6f") << '\n';
   }
 }
 

@@ -58,18 +58,6 @@ std::string join(const std::vector<std::string>& items, const std::string& separ
   return text;
 }
 
-std::string number(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.17g", x);
-  return text;
-}
-
-std::string short_number(double x) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.6g", x);
-  return text;
-}
-
 std::string quote(const std::string& text) { return "\"" + text + "\""; }
 
 // The comma-separated items of an option's value, spaces around them removed;
@@ -123,7 +111,7 @@ Grid parse_grid(const std::string& text) {
   const double count = std::ceil((stop - first) / step);  // numpy.arange's length
   if (!(count >= 1)) throw bad("has no points: stop must be above start");
   if (count > kMaxGridPoints) {
-    throw bad("has " + short_number(count) + " points; at most 1e8 are allowed");
+    throw bad("has " + format_number(count, "%.6g") + " points; at most 1e8 are allowed");
   }
   return {first, step, static_cast<int64_t>(count)};
 }
@@ -178,7 +166,7 @@ void check_options(const RegressArgs& args, const Bandwidth& bandwidth) {
     throw UsageError("--epochs must be >= 1, got " + std::to_string(*args.epochs));
   }
   if (args.lr && !(std::isfinite(*args.lr) && *args.lr > 0)) {
-    throw UsageError("--lr must be a finite number > 0, got " + number(*args.lr));
+    throw UsageError("--lr must be a finite number > 0, got " + exact_number(*args.lr));
   }
 }
 
@@ -302,7 +290,7 @@ void check_finite(const Tensor<double>& table, const std::vector<int>& columns,
       const double value = v[i * width + c];
       if (!std::isfinite(value)) {
         throw UsageError(input.describe() + ": row " + std::to_string(i) + ", column " +
-                         std::to_string(c) + " is " + number(value) +
+                         std::to_string(c) + " is " + exact_number(value) +
                          "; the data must be finite numbers");
       }
     }
@@ -428,7 +416,7 @@ std::string json_string(const std::string& text) {
 }
 
 // JSON has no NaN or infinity: those are null.
-std::string json_number(double x) { return std::isfinite(x) ? number(x) : "null"; }
+std::string json_number(double x) { return std::isfinite(x) ? exact_number(x) : "null"; }
 
 std::string predictions_csv(const Training& data, const Tensor<double>& queries,
                             const Tensor<double>& predictions) {
@@ -503,15 +491,16 @@ void run_regress(const RegressArgs& args) {
   const Tensor<double> queries = load_queries(args, data);
   const int64_t t = queries.size(0);
   if (!args.weights.empty() && static_cast<double>(t) * static_cast<double>(n) > kMaxWeights) {
-    throw UsageError("--weights would be a (t, n) = (" + std::to_string(t) + ", " +
-                     std::to_string(n) + ") float64 matrix, " +
-                     short_number(8.0 * static_cast<double>(t) * static_cast<double>(n) / 1e9) +
-                     " GB; at most 5e8 weights can be written");
+    throw UsageError(
+        "--weights would be a (t, n) = (" + std::to_string(t) + ", " + std::to_string(n) +
+        ") float64 matrix, " +
+        format_number(8.0 * static_cast<double>(t) * static_cast<double>(n) / 1e9, "%.6g") +
+        " GB; at most 5e8 weights can be written");
   }
   const double load_s = clock.lap();
   progress.say("read " + std::to_string(n) + " training points, " + std::to_string(p) +
                (p == 1 ? " x column" : " x columns") + ", and " + std::to_string(t) + " queries (" +
-               short_number(load_s) + " s)");
+               format_number(load_s, "%.6g") + " s)");
 
   // ---- bandwidth
   KernelRegression model(features(data.x), data.y.view(), kernel);
@@ -538,15 +527,16 @@ void run_regress(const RegressArgs& args) {
     options.lr = args.lr.value_or(options.lr);
     options.seed = args.seed;
     progress.say("learn: " + std::to_string(options.epochs) + " epochs of SGD, lr " +
-                 short_number(options.lr));
+                 format_number(options.lr, "%.6g"));
     learned = train_parametric(features(data.x), data.y.view(), options);
     for (size_t e = 0; e < learned->losses.size(); ++e) {
       progress.say("learn: epoch " + std::to_string(e + 1) + ", loss " +
-                   short_number(learned->losses[e]) + ", w " + short_number(learned->ws[e]));
+                   format_number(learned->losses[e], "%.6g") + ", w " +
+                   format_number(learned->ws[e], "%.6g"));
     }
     const double h = 1.0 / std::abs(learned->w);
     if (!std::isfinite(h)) {
-      throw std::runtime_error("learn: the learned w is " + number(learned->w) +
+      throw std::runtime_error("learn: the learned w is " + exact_number(learned->w) +
                                ", so the bandwidth 1/|w| is not finite; try another --lr or "
                                "--seed");
     }
@@ -561,12 +551,12 @@ void run_regress(const RegressArgs& args) {
   const std::string loo_text =
       std::isnan(loo)   ? "not computed (n > " + std::to_string(kMaxAutoLooPoints) + "; see --loo)"
       : std::isinf(loo) ? std::string("undefined (no training point has a leave-one-out estimate)")
-                        : short_number(loo);
+                        : format_number(loo, "%.6g");
   const double bandwidth_s = clock.lap();
   std::vector<std::string> shown;
-  for (const double h : model.bandwidth()) shown.push_back(short_number(h));
+  for (const double h : model.bandwidth()) shown.push_back(format_number(h, "%.6g"));
   progress.say("bandwidth (" + bandwidth.rule + ") " + join(shown) + ", LOO error " + loo_text +
-               " (" + short_number(bandwidth_s) + " s)");
+               " (" + format_number(bandwidth_s, "%.6g") + " s)");
 
   // ---- predict
   Tensor<double> predictions;
@@ -585,7 +575,8 @@ void run_regress(const RegressArgs& args) {
   Tensor<double> weights;
   if (!args.weights.empty()) weights = model.weights(q);
   const double predict_s = clock.lap();
-  progress.say("predicted " + std::to_string(t) + " queries (" + short_number(predict_s) + " s)");
+  progress.say("predicted " + std::to_string(t) + " queries (" + format_number(predict_s, "%.6g") +
+               " s)");
 
   // ---- write
   std::vector<OutputFile> files{{"--out", args.out, predictions_csv(data, queries, predictions)}};
@@ -626,10 +617,10 @@ void run_regress(const RegressArgs& args) {
               << kernel_name(kernel) << " kernel\n"
               << "  bandwidth (" << bandwidth.rule << "): " << join(shown) << "\n";
     if (learned) {
-      std::cerr << "  learned w: " << short_number(learned->w) << " after "
+      std::cerr << "  learned w: " << format_number(learned->w, "%.6g") << " after "
                 << learned->losses.size() << " epochs (loss "
-                << short_number(learned->losses.front()) << " at the start of epoch 1, "
-                << short_number(learned->losses.back()) << " at the start of the last)\n";
+                << format_number(learned->losses.front(), "%.6g") << " at the start of epoch 1, "
+                << format_number(learned->losses.back(), "%.6g") << " at the start of the last)\n";
     }
     std::cerr << "  LOO error: " << loo_text << "\n"
               << "  undefined predictions: " << num_undefined << "\n";
