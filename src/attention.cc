@@ -206,6 +206,36 @@ DotProductGrads<T> ref_dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T>
   return kernels::ref::dot_product_attention_backward(q, k, v, config, d_output);
 }
 
+// bf16 inputs: the same checks, float results.
+AttentionResult<float> dot_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                ConstView<bfloat16> v, const ValidLens& valid_lens,
+                                const AttentionOptions& options) {
+  const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
+  const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
+  AttentionResult<float> result;
+  const AttentionOutputs<float> outputs = allocate(dims, options, result);
+  const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
+  kernels::fast::dot_product_attention(qc.view(), kc.view(), vc.view(), config, outputs.output,
+                                       outputs.weights.value_or(TensorView<float>()),
+                                       outputs.lse.value_or(TensorView<float>()));
+  return result;
+}
+
+DotProductGrads<float> dot_backward_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                         ConstView<bfloat16> v, const ValidLens& valid_lens,
+                                         const AttentionOptions& options, ConstView<float> output,
+                                         ConstView<float> lse, ConstView<float> d_output) {
+  const Dims dims = check_inputs(kDotBackward, q, k, v, true, valid_lens);
+  const kernels::AttentionConfig config = dot_config(kDotBackward, dims, valid_lens, options);
+  check_saved(kDotBackward, dims, output, lse, d_output);
+  const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
+  const detail::Contiguous<float> oc(output), lc(lse), gc(d_output);
+  DotProductGrads<float> grads;
+  kernels::fast::dot_product_attention_backward(qc.view(), kc.view(), vc.view(), config, oc.view(),
+                                                lc.view(), gc.view(), grads);
+  return grads;
+}
+
 // ---- additive ---------------------------------------------------------------
 
 template <class T>
@@ -291,6 +321,20 @@ AdditiveGrads<T> ref_additive_backward(ConstView<T> q, ConstView<T> k, ConstView
 }  // namespace
 
 // ---- the public overloads, one per element type -------------------------------
+
+AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                                    ConstView<bfloat16> v, const ValidLens& lens,
+                                                    const AttentionOptions& options) {
+  return dot_bf16(q, k, v, lens, options);
+}
+
+DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v, const ValidLens& lens,
+    const AttentionOptions& options, ConstView<float> output, ConstView<float> lse,
+    ConstView<float> d_output) {
+  return dot_backward_bf16(q, k, v, lens, options, output, lse, d_output);
+}
+
 
 #define QKV_DEFINE(T)                                                                             \
   AttentionResult<T> scaled_dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v, \

@@ -109,5 +109,6 @@ template class Tensor<double>;
 template class Tensor<int32_t>;
 template class Tensor<int64_t>;
 template class Tensor<uint8_t>;
+template class Tensor<bfloat16>;
 
 }  // namespace qkv

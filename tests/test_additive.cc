@@ -3,11 +3,15 @@
 // plain loops of attention_testing.h over many shapes (Dq != Dk, H != Dq, w_v
 // as (H) and (1, H)), masking, dropout, the lse merge identity, the write-into
 // form, strided inputs and parameters, thread-count determinism, gradients
-// (reference and finite differences for all six) and bad input.
+// (reference and finite differences for all six), the fused kernels' pieces
+// (tanh accuracy, tile scores, tile edges, large features, NaN keys seen by
+// one query only) and bad input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iostream>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "attention_testing.h"
+#include "kernels/vecmath.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -847,6 +852,267 @@ void expect_forward_error(const Args& a, const ValidLens& lens, const AttentionO
                            opt);
       },
       fragments, loc);
+}
+
+// ---- the fused kernels' own pieces ------------------------------------------------
+
+// vecmath::tanh_row against std::tanh in long double over a dense sweep: the
+// float rational approximation within 3e-7 relative (plus the smallest
+// subnormal, for subnormal results), double within 4 units in the last place;
+// ±0 keep their sign, ±inf give ±1 (to 3e-7 in float), NaN stays NaN.
+TEST(AdditiveTanh, AccuracyOverADenseSweep) {
+  std::vector<float> xf;
+  std::vector<double> xd;
+  // Every 4096th float from 2^-149 to 3e38 with both signs (covers subnormals,
+  // the small-x regime, the clamp at 7.9 and saturation), plus a fine linear
+  // sweep of [-12, 12].
+  for (uint32_t bits = 1; bits < 0x7f7fffffu; bits += 4096) {
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    xf.push_back(x);
+    xf.push_back(-x);
+  }
+  for (int i = -1200000; i <= 1200000; ++i) xf.push_back(static_cast<float>(i * 1e-5));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float x : {0.0f, -0.0f, inf, -inf, 7.9053111f, -7.9053111f, 9.0f, 1e-30f}) {
+    xf.push_back(x);
+  }
+  for (const float x : xf) xd.push_back(static_cast<double>(x) * (1.0 + 1e-9));
+  std::vector<float> tf(xf.size());
+  std::vector<double> td(xd.size());
+  vecmath::tanh_row(xf.data(), tf.data(), static_cast<int64_t>(xf.size()));
+  vecmath::tanh_row(xd.data(), td.data(), static_cast<int64_t>(xd.size()));
+  double worst_f = 0, worst_d = 0;
+  float worst_fx = 0;
+  for (size_t n = 0; n < xf.size(); ++n) {
+    const long double ref = std::tanh(static_cast<long double>(xf[n]));
+    const double err = static_cast<double>(std::fabs(tf[n] - ref));
+    ASSERT_LE(err, 3e-7 * std::fabs(static_cast<double>(ref)) + 1.5e-45)
+        << "float tanh(" << xf[n] << ") = " << tf[n] << ", expected " << static_cast<double>(ref);
+    if (ref != 0 && err / std::fabs(static_cast<double>(ref)) > worst_f) {
+      worst_f = err / std::fabs(static_cast<double>(ref));
+      worst_fx = xf[n];
+    }
+    const long double ref_d = std::tanh(static_cast<long double>(xd[n]));
+    const double err_d = static_cast<double>(std::fabs(td[n] - ref_d));
+    ASSERT_LE(err_d, 4 * std::numeric_limits<double>::epsilon() * std::fabs(double(ref_d)) + 5e-324)
+        << "double tanh(" << xd[n] << ") = " << td[n] << ", expected " << double(ref_d);
+    if (ref_d != 0) worst_d = std::max(worst_d, err_d / std::fabs(static_cast<double>(ref_d)));
+  }
+  std::cout << "tanh over " << xf.size() << " points: worst relative error float " << worst_f
+            << " (at x = " << worst_fx << "), double " << worst_d << "\n";
+  // Signs of zero, and NaN.
+  const float zeros[2] = {0.0f, -0.0f};
+  float tz[2];
+  vecmath::tanh_row(zeros, tz, 2);
+  EXPECT_FALSE(std::signbit(tz[0]));
+  EXPECT_TRUE(std::signbit(tz[1]));
+  const float nans[3] = {std::numeric_limits<float>::quiet_NaN(), 1.0f,
+                         -std::numeric_limits<float>::quiet_NaN()};
+  float tn[3];
+  vecmath::tanh_row(nans, tn, 3);
+  EXPECT_TRUE(std::isnan(tn[0]));
+  EXPECT_FALSE(std::isnan(tn[1]));
+  EXPECT_TRUE(std::isnan(tn[2]));
+  const double nan_d = std::numeric_limits<double>::quiet_NaN();
+  double tnd = 0;
+  vecmath::tanh_row(&nan_d, &tnd, 1);
+  EXPECT_TRUE(std::isnan(tnd));
+}
+
+// vecmath::additive_scores straight against a long double loop: the float
+// fast path (exp(2 fq) exp(2 fk)) holds the score to 3e-7 sum_h |w_v| plus
+// the sum's rounding; features past ±20 (the tanh path) too. Rows of
+// different lengths and sizes around the 16-key vectors and 4-query groups.
+TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const int64_t hidden : {1, 7, 16, 17, 64}) {
+    for (const int64_t rows : {1, 3, 4, 5, 9}) {
+      for (const double spread : {1.0, 30.0}) {
+        const int64_t keys = rng.uniform_int(1, 70), ldk = (keys + 15) / 16 * 16;
+        SCOPED_TRACE("H=" + std::to_string(hidden) + " rows=" + std::to_string(rows) +
+                     " keys=" + std::to_string(keys) + " feature spread " + std::to_string(spread));
+        std::vector<float> fq(static_cast<size_t>(rows * hidden)), wv(static_cast<size_t>(hidden));
+        std::vector<float> fkt(static_cast<size_t>(hidden * ldk), 0.0f);
+        for (float& x : fq) x = static_cast<float>(rng.uniform(-spread, spread));
+        for (float& x : wv) x = static_cast<float>(rng.uniform(-1.5, 1.5));
+        for (int64_t h = 0; h < hidden; ++h) {
+          for (int64_t j = 0; j < keys; ++j) {
+            fkt[h * ldk + j] = static_cast<float>(rng.uniform(-2.0, 2.0));
+          }
+        }
+        std::vector<int64_t> lens(static_cast<size_t>(rows));
+        for (int64_t& l : lens) l = rng.uniform_int(0, keys);
+        lens[0] = keys;
+        const float sentinel = -12345.0f;
+        std::vector<float> s(static_cast<size_t>(rows * ldk), sentinel);
+        const vecmath::AdditiveFeatures<float> f{fq.data(), hidden, fkt.data(), ldk,
+                                                 wv.data(), hidden};
+        vecmath::additive_scores(f, rows, lens.data(), s.data(), ldk);
+        double wv_abs = 0;
+        for (const float w : wv) wv_abs += std::fabs(w);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < ldk; ++j) {
+            const float got = s[static_cast<size_t>(r * ldk + j)];
+            if (j >= lens[r]) {
+              ASSERT_EQ(got, sentinel) << "wrote past the length: q=" << r << " k=" << j;
+              continue;
+            }
+            long double ref = 0;
+            for (int64_t h = 0; h < hidden; ++h) {
+              ref += static_cast<long double>(wv[h]) *
+                     std::tanh(static_cast<long double>(fq[r * hidden + h]) +
+                               static_cast<long double>(fkt[h * ldk + j]));
+            }
+            ASSERT_NEAR(got, static_cast<double>(ref), 4e-7 * wv_abs + 1e-6)
+                << "q=" << r << " k=" << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Tile edges of the fused kernels, forward and backward against the
+// reference: query counts around the 4-query groups and 64-query blocks, key
+// counts around the 16-key vectors and the backward's key chunks, H = 1 and H
+// around the lane count, per-query lengths that vary inside a group.
+TYPED_TEST(Additive, FusedTileEdges) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t queries[] = {1, 4, 5, 63, 65, 130};
+  const int64_t keys[] = {1, 15, 16, 17, 33, 100, 257};
+  const int64_t hiddens[] = {1, 15, 16, 17, 64};
+  int n = 0;
+  for (const int64_t nq : queries) {
+    for (const int64_t nk : keys) {
+      Case c;
+      c.batch = 2;
+      c.nq = nq;
+      c.nk = nk;
+      c.dq = 3 + n % 4;
+      c.dk = 2 + n % 3;
+      c.dv = 1 + n % 5;
+      c.hidden = hiddens[n % 5];
+      c.lens_form = n % 3 == 0 ? LensForm::kPerBatch : LensForm::kPerQuery;
+      if (n % 4 == 1) {
+        c.dropout = 0.3;
+        c.training = true;
+      }
+      ++n;
+      check_forward<T>(rng, c);
+      check_backward<T>(rng, c);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// Features far outside ±20 (weights scaled up) take the exact tanh path
+// inside the fused kernels; forward and backward still match the reference.
+TYPED_TEST(Additive, LargeFeatures) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const double scale : {12.0, 40.0}) {
+    Case c;
+    c.nq = 37;
+    c.nk = 50;
+    c.dq = 6;
+    c.dk = 5;
+    c.dv = 3;
+    c.hidden = 20;
+    c.lens_form = LensForm::kPerQuery;
+    SCOPED_TRACE(c.str() + ", W_q and W_k scaled by " + std::to_string(scale));
+    Inputs<T> in(rng, c);
+    // Half the hidden units get features of tens; the rest stay of order 1.
+    for (int64_t h = 0; h < c.hidden; h += 2) {
+      for (int64_t d = 0; d < c.dq; ++d) in.w_q(h, d) *= static_cast<T>(scale);
+      for (int64_t d = 0; d < c.dk; ++d) in.w_k(h, d) *= static_cast<T>(scale);
+    }
+    const ValidLens lens = in.valid_lens();
+    const AttentionOptions opt = c.options(0);
+    const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
+    const AttentionResult<T> fast =
+        additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
+    const Tensor<double> qd = cast<double>(in.q), kd = cast<double>(in.k),
+                         vd = cast<double>(in.v), wqd = cast<double>(in.w_q),
+                         wkd = cast<double>(in.w_k), wvd = cast<double>(in.w_v);
+    const AttentionResult<double> ref = ref::additive_attention(qd, kd, vd, wqd, wkd, wvd, lens, opt);
+    expect_close(fast.output, ref.output, kOut<T>, "output", "b q d");
+    expect_close(fast.lse, ref.lse, kLse<T>, "lse", "b q");
+    const AdditiveGrads<T> g = additive_attention_backward(in.q, in.k, in.v, in.w_q, in.w_k,
+                                                           in.w_v, lens, opt, fast.output,
+                                                           fast.lse, d_out);
+    const AdditiveGrads<double> gr = ref::additive_attention_backward(
+        qd, kd, vd, wqd, wkd, wvd, lens, opt, ref.output, ref.lse, cast<double>(d_out));
+    expect_close(g.d_queries, gr.d_queries, kGrad<T>, "d_queries", "b q d");
+    expect_close(g.d_keys, gr.d_keys, kGrad<T>, "d_keys", "b k d");
+    expect_close(g.d_values, gr.d_values, kGrad<T>, "d_values", "b k d");
+    expect_close(g.d_w_q, gr.d_w_q, kGrad<T>, "d_w_q", "h d");
+    expect_close(g.d_w_k, gr.d_w_k, kGrad<T>, "d_w_k", "h d");
+    expect_close(g.d_w_v, gr.d_w_v, kGrad<T>, "d_w_v");
+  }
+}
+
+// With per-query lengths, a NaN key that one query may see does not reach a
+// neighbouring query (same 4-query group, same 16-key vector) that may not:
+// that query's output, lse and d_queries equal those of a run with the key
+// clean.
+TYPED_TEST(Additive, NaNKeySeenByOneQueryOnly) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t nq = 8, nk = 40, dq = 5, dk = 4, dv = 3, hidden = 12;
+  const Tensor<T> q = random_tensor<T>(rng, {1, nq, dq}), k = random_tensor<T>(rng, {1, nk, dk}),
+                  v = random_tensor<T>(rng, {1, nk, dv});
+  const Tensor<T> w_q = random_tensor<T>(rng, {hidden, dq}), w_k = random_tensor<T>(rng, {hidden, dk}),
+                  w_v = random_tensor<T>(rng, {hidden});
+  const Tensor<T> d_out = random_tensor<T>(rng, {1, nq, dv});
+  // Even queries see 37 keys, odd ones 20; key 30 is NaN.
+  Tensor<int64_t> lens(Shape{1, nq});
+  for (int64_t i = 0; i < nq; ++i) lens(0, i) = i % 2 == 0 ? 37 : 20;
+  Tensor<T> k_nan = k;
+  for (int64_t d = 0; d < dk; ++d) k_nan(0, 30, d) = std::numeric_limits<T>::quiet_NaN();
+  AttentionOptions opt;
+  opt.want_lse = true;
+  const ValidLens vl(lens);
+  const AttentionResult<T> clean = additive_attention(q, k, v, w_q, w_k, w_v, vl, opt);
+  const AttentionResult<T> dirty = additive_attention(q, k_nan, v, w_q, w_k, w_v, vl, opt);
+  const AdditiveGrads<T> g_clean = additive_attention_backward(q, k, v, w_q, w_k, w_v, vl, opt,
+                                                               clean.output, clean.lse, d_out);
+  const AdditiveGrads<T> g_dirty = additive_attention_backward(q, k_nan, v, w_q, w_k, w_v, vl, opt,
+                                                               dirty.output, dirty.lse, d_out);
+  // The clean and the dirty run may take different paths through the tile
+  // (a NaN feature sends its 16 keys down the exact tanh path), so compare
+  // within the float tolerances: a leak would give NaN.
+  for (int64_t i = 0; i < nq; ++i) {
+    if (i % 2 == 0) {
+      EXPECT_TRUE(std::isnan(dirty.output(0, i, 0))) << "query " << i << " sees the NaN key";
+      continue;
+    }
+    const Tol lse_tol = kLse<T>, out_tol = kOut<T>, grad_tol = kGrad<T>;
+    const auto close = [](double got, double want, const Tol& tol) {
+      return std::fabs(got - want) <= tol.atol + tol.rtol * std::fabs(want);
+    };
+    EXPECT_TRUE(close(dirty.lse(0, i), clean.lse(0, i), lse_tol))
+        << "lse of query " << i << ": " << dirty.lse(0, i) << " vs " << clean.lse(0, i);
+    for (int64_t d = 0; d < dv; ++d) {
+      EXPECT_TRUE(close(dirty.output(0, i, d), clean.output(0, i, d), out_tol))
+          << "output q=" << i << " d=" << d << ": " << dirty.output(0, i, d) << " vs "
+          << clean.output(0, i, d);
+    }
+    for (int64_t d = 0; d < dq; ++d) {
+      EXPECT_TRUE(close(g_dirty.d_queries(0, i, d), g_clean.d_queries(0, i, d), grad_tol))
+          << "d_queries q=" << i << " d=" << d << ": " << g_dirty.d_queries(0, i, d) << " vs "
+          << g_clean.d_queries(0, i, d);
+    }
+  }
 }
 
 TEST(AdditiveErrors, InputShapes) {

@@ -420,6 +420,77 @@ TEST(KernelRegressionExact, StridedInputsAndThreadCountsGiveTheSameBits) {
   }
 }
 
+// Exact Gaussian evaluation runs on the fused small-dimension attention
+// kernel for p, m <= 8 (kernels/small_dim_attention.h). At n = t = 3000 and
+// bandwidths down to 0.001 x the spread, with data offset far from 0 (where
+// a dot-product form q'.k' - |k'|^2 / 2 would cancel catastrophically and
+// scaling before differencing would lose digits), and queries beyond the
+// data, it matches the reference kernel; p or m = 9 take the other path.
+TEST(KernelRegressionExact, FusedGaussianMatchesReferenceAtSmallBandwidths) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  struct Case {
+    int64_t n, p, m;
+  };
+  for (const Case& c : {Case{3000, 1, 1}, Case{3000, 2, 3}, Case{1500, 3, 8}, Case{400, 8, 2},
+                        Case{300, 9, 1}, Case{300, 2, 9}}) {
+    for (double offset : {0.0, 1000.0}) {
+      const int64_t n = c.n, t = c.n, p = c.p, m = c.m;
+      const double spread = rng.uniform(0.5, 5);
+      // Per-feature bandwidths 0.001, 0.003, 0.01, ... x the spread.
+      std::vector<double> h(static_cast<size_t>(p)), inv_h(h.size());
+      for (int64_t f = 0; f < p; ++f) {
+        h[f] = spread * 0.001 * std::pow(3.0, static_cast<double>(f % 3));
+        inv_h[f] = 1 / h[f];
+      }
+      SCOPED_TRACE("n = t = " + std::to_string(n) + " p " + std::to_string(p) + " m " +
+                   std::to_string(m) + " offset " + std::to_string(offset) + " spread " +
+                   std::to_string(spread));
+      const Tensor<double> x = random_tensor<double>(rng, Shape{n, p}, offset, offset + spread);
+      const Tensor<double> y = random_tensor<double>(rng, Shape{n, m}, -3, 3);
+      // Queries from a tenth of the spread below the data to a tenth above;
+      // a few far away (the nearest key's value).
+      Tensor<double> q = random_tensor<double>(rng, Shape{t, p}, offset - 0.1 * spread,
+                                               offset + 1.1 * spread);
+      for (int64_t i = 0; i < t; i += 97) q(i, 0) = offset + 30 * spread;  // far
+
+      const kernels::NwData d{.x = x.data(),
+                              .y = y.data(),
+                              .n = n,
+                              .p = p,
+                              .m = m,
+                              .inv_h = inv_h.data(),
+                              .kernel = Kernel::kGaussian};
+      Tensor<double> out_ref(Shape{t, m}), out_fast(Shape{t, m});
+      EXPECT_EQ(kernels::ref::nadaraya_watson(d, q.data(), t, out_ref.data(), nullptr), 0);
+      EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out_fast.data(), nullptr), 0);
+      KernelRegression model(x, y);
+      model.set_bandwidth(h);
+      const KernelPrediction pred = model.predict(q, true);
+      EXPECT_EQ(pred.num_undefined, 0);
+      EXPECT_FALSE(pred.used_fast_path);
+      const Tensor<double> out_predict = as_2d(pred.values);
+      // Far queries have scores ~ -(30 spread / h)^2 / 2 ~ -1e8, rounded to
+      // ~1e-8 in any formula, which moves weight between nearly tied keys:
+      // there the bound is that scale times 2^-53 relative, 1e-6 absolute.
+      int64_t far = 0;
+      for (int64_t i = 0; i < t; ++i) {
+        for (int64_t k = 0; k < m; ++k) {
+          const bool is_far = i % 97 == 0;
+          const double tol = is_far ? 1e-6 : kNwFast.atol + kNwFast.rtol * std::abs(out_ref(i, k));
+          far += is_far ? 1 : 0;
+          ASSERT_LE(std::abs(out_fast(i, k) - out_ref(i, k)), tol)
+              << "fast vs ref at q=" << i << " d=" << k << (is_far ? " (far query)" : "");
+          ASSERT_LE(std::abs(out_predict(i, k) - out_ref(i, k)), tol)
+              << "predict(exact) vs ref at q=" << i << " d=" << k;
+        }
+      }
+      EXPECT_GT(far, 0);
+    }
+  }
+}
+
 // The 1-D Gaussian fast algorithm behind predict() for large problems
 // (n * t > 1e6): within kFast1dRelTol of exact evaluation, relative to the
 // weighted mean of |y|. Unsorted keys with duplicates, queries beyond the

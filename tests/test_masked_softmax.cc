@@ -666,6 +666,49 @@ TEST(MaskedSoftmaxGradient, MatchesFiniteDifferences) {
 
 // ---- errors --------------------------------------------------------------------
 
+// Outputs of 8 MiB and more go out through non-temporal stores: rows of an
+// odd length (so most rows start off a vector boundary), 1-D and 2-D lengths
+// with zeros, rows poisoned with NaN, +inf and all -inf, forward and backward
+// against the reference, and bitwise the same with 1, 2 and 3 threads.
+TYPED_TEST(MaskedSoftmax, LargeOutputsStreamPastTheCache) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = sizeof(T) == 4 ? 4 : 2, num_queries = 520, num_keys = 1031;
+  const Shape shape{batch, num_queries, num_keys};
+  ASSERT_GE(shape.numel() * static_cast<int64_t>(sizeof(T)), int64_t{8} << 20);
+  for (const LensForm form : {LensForm::kPerBatch, LensForm::kPerQuery}) {
+    SCOPED_TRACE(case_label(shape, form, false));
+    Tensor<T> x = random_tensor<T>(rng, shape, -8.0, 8.0);
+    const Tensor<int64_t> lens = random_lens(rng, form, batch, num_queries, num_keys);
+    const auto inf = std::numeric_limits<T>::infinity();
+    x(0, 3, 0) = std::numeric_limits<T>::quiet_NaN();
+    x(batch - 1, 100, 7) = inf;
+    for (int64_t j = 0; j < num_keys; ++j) x(0, 5, j) = -inf;
+    if (!check_forward(x, lens)) return;
+    const ValidLens valid_lens = as_valid_lens(lens);
+    const Tensor<T> w = ref::masked_softmax(random_tensor<T>(rng, shape, -5.0, 5.0), valid_lens);
+    const Tensor<T> g = random_tensor<T>(rng, shape);
+    const Tensor<double> wd = cast<double>(w), gd = cast<double>(g);
+    const Tensor<double> back_ref = ref::masked_softmax_backward(wd, gd, valid_lens);
+    Tensor<T> fwd[3], back[3];
+    for (int t = 0; t < 3; ++t) {
+      const ThreadCount threads(t + 1);
+      fwd[t] = masked_softmax(x, valid_lens);
+      back[t] = masked_softmax_backward(w, g, valid_lens);
+    }
+    expect_close(back[0], back_ref, tol_for<T>(kSoftmaxBackward, kSoftmaxBackwardDouble),
+                 "fast backward vs ref<double>");
+    expect_masked_zero(back[0], lens, "fast backward");
+    for (int t = 1; t < 3; ++t) {
+      SCOPED_TRACE("1 vs " + std::to_string(t + 1) + " threads");
+      expect_bitwise_equal(fwd[0], fwd[t], "weights");
+      expect_bitwise_equal(back[0], back[t], "d_scores");
+    }
+  }
+}
+
 TYPED_TEST(MaskedSoftmax, ScoresOfRankOtherThanThreeAreAnError) {
   using T = TypeParam;
   for (const Shape& shape : {Shape{3, 4}, Shape{1, 2, 3, 4}, Shape{5}}) {

@@ -133,6 +133,21 @@ AdditiveGrads<double> additive_attention_backward(ConstView<double> queries, Con
                                                   ConstView<double> output, ConstView<double> lse,
                                                   ConstView<double> d_output);
 
+// Scaled dot-product attention with bfloat16 queries, keys and values
+// (qkv/bfloat16.h): products accumulate in float32 and the softmax runs in
+// float32, so output, weights, lse and the gradients are float32. The
+// backward takes d_output in float32 and rounds it to bf16 for its products
+// with the values. Same shapes, lengths, options and errors as above.
+AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> queries,
+                                                    ConstView<bfloat16> keys,
+                                                    ConstView<bfloat16> values,
+                                                    const ValidLens& valid_lens = {},
+                                                    const AttentionOptions& options = {});
+DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<bfloat16> queries, ConstView<bfloat16> keys, ConstView<bfloat16> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
+    ConstView<float> lse, ConstView<float> d_output);
+
 namespace ref {
 // Reference versions: plain loops, double accumulation, any strides. They
 // always return weights and lse (regardless of want_*), and validate exactly

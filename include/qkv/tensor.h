@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "qkv/bfloat16.h"
+
 namespace qkv {
 
 inline constexpr int kMaxRank = 4;

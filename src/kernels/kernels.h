@@ -82,6 +82,14 @@ void dot_product_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T>
                                     const AttentionConfig& config, ConstView<T> output,
                                     ConstView<T> lse, ConstView<T> d_output,
                                     DotProductGrads<T>& grads);
+// bf16 queries, keys and values; float results (qkv/attention.h).
+void dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                           const AttentionConfig& config, TensorView<float> output,
+                           TensorView<float> weights, TensorView<float> lse);
+void dot_product_attention_backward(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                    ConstView<bfloat16> v, const AttentionConfig& config,
+                                    ConstView<float> output, ConstView<float> lse,
+                                    ConstView<float> d_output, DotProductGrads<float>& grads);
 template <class T>
 void additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                         const AdditiveParams<T>& params, const AttentionConfig& config,

@@ -1,0 +1,493 @@
+// Scaled dot-product attention, fast version: fused, flash-style.
+//
+// Forward, one task per (batch element, block of kQueryBlock queries): for
+// each block of kKeyBlock keys the scores S = scale Q Kᵀ go into a small
+// buffer, an online softmax keeps each row's running max m and sum l
+// (rescaling the output accumulator when m grows), dropout is regenerated
+// from the counter-based generator, and O += P V. No (B, Nq, Nk) buffer is
+// formed unless the caller asks for the weights, which are then written in a
+// second sweep over the key blocks from the final m and l. Key blocks past
+// the longest valid length of the query block are never touched; inside a
+// block, a row's masked columns get weight 0.
+//
+// Backward, one task per (batch element, group of key blocks): the task owns
+// dK and dV of its keys; it sweeps the query blocks, recomputes S and
+// P = exp(S - lse) per tile, forms dP = dO Vᵀ, dS = P (dP - D) with
+// D_i = dO_i . O_i, and accumulates dV += Pᵀ dO, dK += dSᵀ Q and its own
+// partial dQ += dS K. The partial dQs are summed in group order at the end.
+// The number of groups depends only on the shapes, so no two threads write
+// the same element and results are bitwise the same for any thread count; a
+// single batch element still splits into several tasks.
+//
+// Block products: the float forward's S = scale Q Kᵀ (also in the weights
+// sweep) and O += P V use kernels/block_gemm.h, register-blocked Highway
+// micro-kernels (K_jᵀ packed per call, SIMD target chosen at run time),
+// because they measured faster than single-threaded OpenBLAS sgemm at these
+// blocks: ~1.3x per block pair in bench/block_gemm_choice.cc, and the library
+// kernels at 128 x 256 x 64 on AVX-512, one thread, median of per-round
+// ratios: S 1.31-1.33x, O += P V 1.40-1.43x, the pair 1.32-1.34x (forced to
+// AVX2 against OpenBLAS's Haswell kernels: 1.18x, 1.10x, 1.08x). Everything
+// else goes to the BLAS (single-threaded OpenBLAS inside our tasks): double,
+// whose products have no Highway kernel, and the backward, whose transposed
+// products (Pᵀ dO, dSᵀ Q) the two kernels do not cover and which was not
+// measured against them; its S recomputed by sgemm may differ from the
+// forward's in the last bits. bf16 inputs use kernels/gemm_bf16.h
+// (AVX-512 BF16 dot products) with P and dS rounded to bf16 for their
+// products, everything else in float.
+//
+// Rows whose valid scores are not all finite (NaN, ±inf) take an exact
+// single-row path that applies DESIGN.md §3's rules.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/attention_common.h"
+#include "kernels/block_gemm.h"
+#include "kernels/gemm_bf16.h"
+#include "kernels/kernels.h"
+#include "kernels/small_dim_attention.h"
+#include "kernels/softmax_tile.h"
+#include "kernels/vecmath.h"
+#include "parallel.h"
+#include "philox.h"
+
+namespace qkv::kernels::fast {
+namespace {
+
+constexpr int64_t kQueryBlock = 128;
+constexpr int64_t kKeyBlock = 256;
+// Backward tiles: dS and P of kBackQueryBlock x kBackKeyBlock floats each.
+constexpr int64_t kBackQueryBlock = 128;
+constexpr int64_t kBackKeyBlock = 128;
+// The backward cuts each batch element's keys into enough groups that all
+// (batch, group) tasks number at least this, so one long sequence still
+// spreads over the cores; each extra group costs one (Nq, D) partial dQ.
+constexpr int64_t kMinBackwardTasks = 16;
+
+// The element type of Q, K, V decides the block products and the type of
+// the results (Acc): float and double compute in their own type, bf16 in float.
+template <class In>
+struct Flash {
+  using Acc = In;
+  static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
+                   int64_t lda, const In* b, int64_t ldb, Acc beta, Acc* c, int64_t ldc) {
+    detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+  // The forward's S = alpha Q Kᵀ (c overwritten) and O += P V: float on
+  // block_gemm's Highway kernels, double on the BLAS (see the top of the file).
+  static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
+                     const In* b, int64_t ldb, Acc* c, int64_t ldc) {
+    if constexpr (std::is_same_v<In, float>) {
+      block_gemm::scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    } else {
+      gemm(false, true, m, n, k, alpha, a, lda, b, ldb, Acc(0), c, ldc);
+    }
+  }
+  static void accumulate(int64_t m, int64_t n, int64_t k, const In* a, int64_t lda, const In* b,
+                         int64_t ldb, Acc* c, int64_t ldc) {
+    if constexpr (std::is_same_v<In, float>) {
+      block_gemm::accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+    } else {
+      gemm(false, false, m, n, k, Acc(1), a, lda, b, ldb, Acc(1), c, ldc);
+    }
+  }
+  // An Acc matrix as a product operand: no conversion needed.
+  static const In* operand(const Acc* x, int64_t n, std::vector<In>&) {
+    (void)n;
+    return x;
+  }
+  // D_i = dO_i . O_i, with dO_i as the products see it.
+  static Acc delta(const Acc* d_out, const Acc* out, int64_t n) {
+    return vecmath::dot(d_out, out, n);
+  }
+};
+
+template <>
+struct Flash<bfloat16> {
+  using Acc = float;
+  static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                   const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta,
+                   float* c, int64_t ldc) {
+    bf16::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+  static void scores(int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a, int64_t lda,
+                     const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
+    gemm(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+  }
+  static void accumulate(int64_t m, int64_t n, int64_t k, const bfloat16* a, int64_t lda,
+                         const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
+    gemm(false, false, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc);
+  }
+  static const bfloat16* operand(const float* x, int64_t n, std::vector<bfloat16>& buf) {
+    buf.resize(static_cast<size_t>(n));
+    bf16::to_bf16(x, buf.data(), n);
+    return buf.data();
+  }
+  // dP = dO Vᵀ uses dO rounded to bf16, so D must too, or the rows of
+  // dS = P (dP - D) would not sum to 0.
+  static float delta(const float* d_out, const float* out, int64_t n) {
+    float sum = 0;
+    for (int64_t e = 0; e < n; ++e) sum += static_cast<float>(bfloat16(d_out[e])) * out[e];
+    return sum;
+  }
+};
+
+template <class Acc>
+Acc dropout_inverse(const AttentionConfig& config) {
+  return config.dropout < 1.0 ? static_cast<Acc>(1.0 / (1.0 - config.dropout)) : Acc(0);
+}
+
+// x[c] = keep[c] ? x[c] * inv : 0 for c < n.
+template <class Acc>
+void apply_dropout(Acc* x, const uint8_t* keep, Acc inv, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) x[c] = keep[c] ? x[c] * inv : Acc(0);
+}
+
+// One query row the careful way (its valid scores are not all finite): all
+// its scores, the exact masked softmax, dropout, and the weighted sum of the
+// values. Writes out (Dv), the weights row (if wanted) and returns the lse.
+template <class In>
+typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, const In* v_b, int64_t d,
+                                  int64_t dv, int64_t len, int64_t nk, int64_t b, int64_t i,
+                                  const AttentionConfig& config, typename Flash<In>::Acc* out,
+                                  typename Flash<In>::Acc* weights_row) {
+  using Acc = typename Flash<In>::Acc;
+  std::vector<Acc> w(static_cast<size_t>(std::max<int64_t>(len, 1)));
+  Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, d, Acc(0),
+                  w.data(), len);
+  const Acc lse = softmax_row(w.data(), len, len, w.data());
+  if (weights_row) {
+    std::copy_n(w.data(), len, weights_row);
+    std::fill(weights_row + len, weights_row + nk, Acc(0));
+  }
+  if (config.dropout > 0.0 && len > 0) {
+    std::vector<uint8_t> keep(static_cast<size_t>(len));
+    detail::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, keep.data());
+    apply_dropout(w.data(), keep.data(), dropout_inverse<Acc>(config), len);
+  }
+  std::vector<In> buf;
+  Flash<In>::gemm(false, false, 1, dv, len, Acc(1), Flash<In>::operand(w.data(), len, buf), len,
+                  v_b, dv, Acc(0), out, dv);
+  return lse;
+}
+
+// Per-thread buffers of the forward, reused across its tasks.
+template <class In>
+struct ForwardScratch {
+  using Acc = typename Flash<In>::Acc;
+  std::vector<Acc> s, m, l, correction;
+  std::vector<int64_t> len, valid;
+  std::vector<uint8_t> special, keep;
+  std::vector<In> p_operand;
+};
+
+template <class In>
+void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
+                  int64_t b, int64_t i0, int64_t rows, typename Flash<In>::Acc* out,
+                  typename Flash<In>::Acc* weights, typename Flash<In>::Acc* lse,
+                  ForwardScratch<In>& sc) {
+  using Acc = typename Flash<In>::Acc;
+  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+  const int64_t nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
+  const In* q_blk = q.data() + (b * nq + i0) * d;
+  const In* k_b = k.data() + b * nk * d;
+  const In* v_b = v.data() + b * nk * dv;
+  const Acc scale = static_cast<Acc>(config.scale);
+  const bool dropout = config.dropout > 0.0;
+  const Acc inv_keep = dropout_inverse<Acc>(config);
+
+  // Padded: SIMD tails on narrower targets may read a vector past the last row.
+  sc.s.resize(static_cast<size_t>(rows * kKeyBlock + 64));
+  sc.valid.resize(static_cast<size_t>(rows));
+  sc.correction.resize(static_cast<size_t>(rows));
+  sc.m.assign(static_cast<size_t>(rows), -kInf);
+  sc.l.assign(static_cast<size_t>(rows), Acc(0));
+  sc.len.resize(static_cast<size_t>(rows));
+  sc.special.assign(static_cast<size_t>(rows), 0);
+  int64_t n_eff = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    sc.len[r] = (*config.valid_lens)(b, i0 + r, nk);
+    n_eff = std::max(n_eff, sc.len[r]);
+  }
+  std::fill(out, out + rows * dv, Acc(0));
+
+  for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, n_eff - j0);
+    Acc* s = sc.s.data();
+    Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
+    }
+    softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
+                        sc.correction.data(), sc.special.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      if (sc.correction[r] != Acc(1)) vecmath::scale(out + r * dv, sc.correction[r], dv);
+      if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
+        sc.keep.resize(static_cast<size_t>(sc.valid[r]));
+        detail::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r],
+                                 sc.keep.data());
+        apply_dropout(s + r * cols, sc.keep.data(), inv_keep, sc.valid[r]);
+      }
+    }
+    Flash<In>::accumulate(rows, dv, cols, Flash<In>::operand(s, rows * cols, sc.p_operand), cols,
+                          v_b + j0 * dv, dv, out, dv);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    if (sc.special[r]) continue;
+    if (sc.l[r] > Acc(0)) {
+      vecmath::scale(out + r * dv, Acc(1) / sc.l[r], dv);
+      if (lse) lse[r] = sc.m[r] + std::log(sc.l[r]);
+    } else if (lse) {
+      lse[r] = -kInf;  // L = 0: an empty sum
+    }
+  }
+
+  if (weights) {
+    // The weights before dropout, from the final max and sum of each row.
+    for (int64_t r = 0; r < rows; ++r) std::fill(weights + r * nk, weights + (r + 1) * nk, Acc(0));
+    for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
+      const int64_t cols = std::min(kKeyBlock, n_eff - j0);
+      Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, weights + j0, nk);
+      for (int64_t r = 0; r < rows; ++r) {
+        Acc* row = weights + r * nk + j0;
+        const int64_t valid = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
+        if (valid > 0 && !sc.special[r]) {
+          vecmath::exp_shift_sum(row, sc.m[r], row, valid);
+          vecmath::scale(row, Acc(1) / sc.l[r], valid);
+        }
+        std::fill(row + (sc.special[r] ? 0 : valid), row + cols, Acc(0));
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!sc.special[r]) continue;
+    const Acc row_lse = exact_row(q_blk + r * d, k_b, v_b, d, dv, sc.len[r], nk, b, i0 + r, config,
+                                  out + r * dv, weights ? weights + r * nk : nullptr);
+    if (lse) lse[r] = row_lse;
+  }
+}
+
+template <class In>
+void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
+                   TensorView<typename Flash<In>::Acc> output,
+                   TensorView<typename Flash<In>::Acc> weights,
+                   TensorView<typename Flash<In>::Acc> lse) {
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
+  const int64_t blocks = ceil_div(nq, kQueryBlock);
+  detail::parallel_for(batch * blocks, [&](int64_t task) {
+    thread_local ForwardScratch<In> scratch;
+    const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
+    const int64_t rows = std::min(kQueryBlock, nq - i0);
+    forward_task(q, k, v, config, b, i0, rows, output.data() + (b * nq + i0) * dv,
+                 weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
+                 lse.data() ? lse.data() + b * nq + i0 : nullptr, scratch);
+  });
+}
+
+// ---- backward ------------------------------------------------------------------
+
+template <class In>
+struct BackwardScratch {
+  using Acc = typename Flash<In>::Acc;
+  std::vector<Acc> p, dp, dk, dv;
+  std::vector<uint8_t> keep;
+  std::vector<In> p_operand, ds_operand, d_out_operand;
+};
+
+// Everything the backward tasks share.
+template <class In>
+struct BackwardProblem {
+  using Acc = typename Flash<In>::Acc;
+  ConstView<In> q, k, v;
+  const AttentionConfig* config;
+  const Acc* lse;        // (B, Nq)
+  const Acc* d_out;      // (B, Nq, Dv)
+  const Acc* delta;      // (B, Nq): dO_i . O_i
+  int64_t groups;        // key groups per batch element
+  int64_t blocks_per_group;
+  Acc* d_queries_parts;  // (groups, B, Nq, D), or d_queries itself when groups == 1
+  Acc* d_keys;           // (B, Nk, D)
+  Acc* d_values;         // (B, Nk, Dv)
+};
+
+// One key block [j0, j0 + cols) of batch element b against every query block.
+template <class In>
+void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int64_t j0,
+                        int64_t cols, BackwardScratch<In>& sc) {
+  using Acc = typename Flash<In>::Acc;
+  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+  const AttentionConfig& config = *pb.config;
+  const int64_t nq = pb.q.size(1), nk = pb.k.size(1), d = pb.q.size(2), dv = pb.v.size(2);
+  const Acc scale = static_cast<Acc>(config.scale);
+  const bool dropout = config.dropout > 0.0;
+  const Acc inv_keep = dropout_inverse<Acc>(config);
+  const In* k_blk = pb.k.data() + (b * nk + j0) * d;
+  const In* v_blk = pb.v.data() + (b * nk + j0) * dv;
+  Acc* dq_part = pb.d_queries_parts + (g * pb.q.size(0) + b) * nq * d;
+
+  sc.dk.assign(static_cast<size_t>(cols * d), Acc(0));
+  sc.dv.assign(static_cast<size_t>(cols * dv), Acc(0));
+  sc.p.resize(static_cast<size_t>(kBackQueryBlock * cols));
+  sc.dp.resize(static_cast<size_t>(kBackQueryBlock * cols));
+
+  for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
+    const int64_t rows = std::min(kBackQueryBlock, nq - i0);
+    if (longest_len(*config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
+    const In* q_blk = pb.q.data() + (b * nq + i0) * d;
+    const Acc* d_out_blk = pb.d_out + (b * nq + i0) * dv;
+    const In* d_out_op = Flash<In>::operand(d_out_blk, rows * dv, sc.d_out_operand);
+    Acc* p = sc.p.data();
+    Acc* dp = sc.dp.data();
+    Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, d, k_blk, d, Acc(0), p, cols);
+    Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, dv, v_blk, dv, Acc(0), dp, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      const int64_t valid = std::clamp<int64_t>((*config.valid_lens)(b, i, nk) - j0, 0, cols);
+      const Acc row_lse = pb.lse[b * nq + i];
+      Acc* p_row = p + r * cols;
+      Acc* dp_row = dp + r * cols;
+      if (valid == 0 || row_lse == -kInf) {
+        std::fill(p_row, p_row + cols, Acc(0));  // no weight, no gradient
+        std::fill(dp_row, dp_row + cols, Acc(0));
+        continue;
+      }
+      vecmath::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
+      std::fill(p_row + valid, p_row + cols, Acc(0));
+      if (dropout) {
+        sc.keep.resize(static_cast<size_t>(valid));
+        detail::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep.data());
+        apply_dropout(dp_row, sc.keep.data(), inv_keep, valid);
+      }
+      // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
+      vecmath::softmax_grad(p_row, dp_row, pb.delta[b * nq + i], dp_row, valid);
+      std::fill(dp_row + valid, dp_row + cols, Acc(0));
+      if (dropout) apply_dropout(p_row, sc.keep.data(), inv_keep, valid);
+    }
+    const In* p_op = Flash<In>::operand(p, rows * cols, sc.p_operand);
+    const In* ds_op = Flash<In>::operand(dp, rows * cols, sc.ds_operand);
+    Flash<In>::gemm(true, false, cols, dv, rows, Acc(1), p_op, cols, d_out_op, dv, Acc(1),
+                    sc.dv.data(), dv);
+    Flash<In>::gemm(true, false, cols, d, rows, scale, ds_op, cols, q_blk, d, Acc(1), sc.dk.data(),
+                    d);
+    Flash<In>::gemm(false, false, rows, d, cols, scale, ds_op, cols, k_blk, d, Acc(1),
+                    dq_part + i0 * d, d);
+  }
+  std::copy(sc.dk.begin(), sc.dk.end(), pb.d_keys + (b * nk + j0) * d);
+  std::copy(sc.dv.begin(), sc.dv.end(), pb.d_values + (b * nk + j0) * dv);
+}
+
+template <class In>
+void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
+                    const AttentionConfig& config, ConstView<typename Flash<In>::Acc> output,
+                    ConstView<typename Flash<In>::Acc> lse,
+                    ConstView<typename Flash<In>::Acc> d_output,
+                    DotProductGrads<typename Flash<In>::Acc>& grads) {
+  using Acc = typename Flash<In>::Acc;
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
+  const int64_t dv = v.size(2);
+  grads.d_queries = Tensor<Acc>(Shape{batch, nq, d});
+  grads.d_keys = Tensor<Acc>(Shape{batch, nk, d});
+  grads.d_values = Tensor<Acc>(Shape{batch, nk, dv});
+
+  // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
+  Tensor<Acc> delta(Shape{batch, nq});
+  const int64_t rows = batch * nq;
+  detail::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
+    for (int64_t r = task * 1024; r < std::min(rows, (task + 1) * 1024); ++r) {
+      delta.data()[r] = Flash<In>::delta(d_output.data() + r * dv, output.data() + r * dv, dv);
+    }
+  });
+
+  const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
+  const int64_t groups =
+      std::clamp<int64_t>(ceil_div(kMinBackwardTasks, batch), 1, std::max<int64_t>(key_blocks, 1));
+  const int64_t blocks_per_group = ceil_div(key_blocks, groups);
+  Tensor<Acc> parts;
+  if (groups > 1) parts = Tensor<Acc>(Shape{groups, batch, nq, d});
+  const BackwardProblem<In> pb{q, k, v, &config, lse.data(), d_output.data(), delta.data(),
+                               groups, blocks_per_group,
+                               groups > 1 ? parts.data() : grads.d_queries.data(),
+                               grads.d_keys.data(), grads.d_values.data()};
+
+  detail::parallel_for(batch * groups, [&](int64_t task) {
+    thread_local BackwardScratch<In> scratch;
+    const int64_t b = task / groups, g = task % groups;
+    const int64_t seen = longest_len(*config.valid_lens, b, 0, nq, nk);
+    const int64_t first = g * blocks_per_group;
+    const int64_t last = std::min(key_blocks, first + blocks_per_group);
+    for (int64_t kb = first; kb < last; ++kb) {
+      const int64_t j0 = kb * kBackKeyBlock;
+      if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
+      backward_key_block(pb, b, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
+    }
+  });
+
+  if (groups > 1) {
+    // dQ = sum over groups, in group order.
+    const int64_t n = batch * nq * d;
+    const int64_t chunk = 1 << 14;
+    detail::parallel_for(ceil_div(n, chunk), [&](int64_t task) {
+      const int64_t e0 = task * chunk, e1 = std::min(n, e0 + chunk);
+      Acc* dq = grads.d_queries.data();
+      std::copy(parts.data() + e0, parts.data() + e1, dq + e0);
+      for (int64_t g = 1; g < groups; ++g) {
+        const Acc* part = parts.data() + g * n;
+        for (int64_t e = e0; e < e1; ++e) dq[e] += part[e];
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
+// output: (B, Nq, Dv)   weights: (B, Nq, Nk) or null   lse: (B, Nq) or null
+template <class T>
+void dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                           const AttentionConfig& config, TensorView<T> output,
+                           TensorView<T> weights, TensorView<T> lse) {
+  if (false && weights.data() == nullptr && small_dim::applies(q.size(2), v.size(2), config)) {
+    small_dim::forward(q, k, v, static_cast<const T*>(nullptr),
+                       small_dim::ScoreKind::kDotProduct, config, output, lse);
+    return;
+  }
+  flash_forward(q, k, v, config, output, weights, lse);
+}
+
+void dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                           const AttentionConfig& config, TensorView<float> output,
+                           TensorView<float> weights, TensorView<float> lse) {
+  flash_forward(q, k, v, config, output, weights, lse);
+}
+
+template <class T>
+void dot_product_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    const AttentionConfig& config, ConstView<T> output,
+                                    ConstView<T> lse, ConstView<T> d_output,
+                                    DotProductGrads<T>& grads) {
+  flash_backward(q, k, v, config, output, lse, d_output, grads);
+}
+
+void dot_product_attention_backward(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                    ConstView<bfloat16> v, const AttentionConfig& config,
+                                    ConstView<float> output, ConstView<float> lse,
+                                    ConstView<float> d_output, DotProductGrads<float>& grads) {
+  flash_backward(q, k, v, config, output, lse, d_output, grads);
+}
+
+#define QKV_INSTANTIATE(T)                                                                        \
+  template void dot_product_attention<T>(ConstView<T>, ConstView<T>, ConstView<T>,                \
+                                         const AttentionConfig&, TensorView<T>, TensorView<T>,    \
+                                         TensorView<T>);                                          \
+  template void dot_product_attention_backward<T>(                                                \
+      ConstView<T>, ConstView<T>, ConstView<T>, const AttentionConfig&, ConstView<T>,             \
+      ConstView<T>, ConstView<T>, DotProductGrads<T>&);
+QKV_INSTANTIATE(float)
+QKV_INSTANTIATE(double)
+#undef QKV_INSTANTIATE
+
+}  // namespace qkv::kernels::fast

@@ -1,0 +1,40 @@
+// Fused attention for small feature sizes (D <= kMaxDim, Dv <= kMaxValueDim):
+// scores formed in SIMD registers, never stored, softmax in two passes per
+// query (max, then exp-sum and the weighted sum of values). BLAS block
+// products cannot reach a useful rate at D = 1..8, where the exp dominates;
+// this serves scaled dot-product attention with small heads and the exact
+// Gaussian Nadaraya-Watson estimator (kernel_regression.h).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace qkv::kernels::small_dim {
+
+inline constexpr int64_t kMaxDim = 8;
+inline constexpr int64_t kMaxValueDim = 8;
+
+enum class ScoreKind {
+  // score[i, j] = config.scale * (q_i . k_j) + key_bias[j] (key_bias may be null)
+  kDotProduct,
+  // score[i, j] = -config.scale * |q_i - k_j|^2, formed from the differences
+  // (no cancellation: the Gaussian kernel's exponent at any bandwidth)
+  kNegSquaredDistance,
+};
+
+// True when forward() below serves a problem with these sizes and options:
+// D <= kMaxDim, Dv <= kMaxValueDim, no dropout.
+bool applies(int64_t d, int64_t dv, const AttentionConfig& config);
+
+// q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
+// key_bias: (B, Nk) contiguous or null (kDotProduct only)
+// output: (B, Nq, Dv)   lse: (B, Nq) or null data
+// Valid lengths as everywhere (1-D or 2-D; keys past a query's length are
+// never read for it); DESIGN.md §3's rules for empty and non-finite rows.
+// Results do not depend on the thread count.
+template <class T>
+void forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias, ScoreKind kind,
+             const AttentionConfig& config, TensorView<T> output, TensorView<T> lse);
+
+}  // namespace qkv::kernels::small_dim

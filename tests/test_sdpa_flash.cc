@@ -1,0 +1,366 @@
+// The fused (flash-style) scaled dot-product attention at sizes that span many
+// query and key blocks: the online softmax's rescaling, key blocks skipped
+// past the valid lengths, the backward's key groups and their partial dQ sums,
+// bf16 inputs, and thread-count independence. The oracle is qkv::ref (plain
+// loops, double accumulation). The small shapes are in test_sdpa.cc.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention_testing.h"
+#include "qkv/qkv.h"
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace qkv::test {
+namespace {
+
+using ElementTypes = ::testing::Types<float, double>;
+
+template <class T>
+class Flash : public ::testing::Test {};
+TYPED_TEST_SUITE(Flash, ElementTypes, TypeNames);
+
+// How the scores vary along the keys: rising makes every key block raise the
+// running max (the accumulator is rescaled each time), falling never does.
+enum class Trend { kRandom, kRising, kFalling };
+
+struct FlashCase {
+  int64_t batch, nq, nk, dim, dv;
+  LensForm lens_form;
+  Trend trend;
+  double dropout;  // with training on
+  bool want_weights;
+};
+
+std::string describe(const FlashCase& c) {
+  std::ostringstream os;
+  os << "B=" << c.batch << " Nq=" << c.nq << " Nk=" << c.nk << " D=" << c.dim << " Dv=" << c.dv
+     << " lens=" << c.lens_form << " trend=" << static_cast<int>(c.trend)
+     << " dropout=" << c.dropout << " weights=" << c.want_weights;
+  return os.str();
+}
+
+template <class T>
+struct FlashInputs {
+  Tensor<T> q, k, v;
+  OwnedLens lens;
+};
+
+// Queries carry a constant last feature; the keys' last feature follows the
+// trend, so scores drift by up to +-12 across the keys.
+template <class T>
+FlashInputs<T> make_inputs(Rng& rng, const FlashCase& c) {
+  FlashInputs<T> in;
+  in.q = random_tensor<T>(rng, {c.batch, c.nq, c.dim});
+  in.k = random_tensor<T>(rng, {c.batch, c.nk, c.dim});
+  in.v = random_tensor<T>(rng, {c.batch, c.nk, c.dv});
+  if (c.trend != Trend::kRandom) {
+    const double slope = (c.trend == Trend::kRising ? 12.0 : -12.0) * std::sqrt(c.dim);
+    for (int64_t b = 0; b < c.batch; ++b) {
+      for (int64_t i = 0; i < c.nq; ++i) in.q(b, i, c.dim - 1) = T(1);
+      for (int64_t j = 0; j < c.nk; ++j) {
+        in.k(b, j, c.dim - 1) = static_cast<T>(slope * static_cast<double>(j) / c.nk);
+      }
+    }
+  }
+  in.lens = make_lens(rng, c.lens_form, rng.bernoulli(0.5), c.batch, c.nq, c.nk, 0.1);
+  return in;
+}
+
+AttentionOptions options_for(const FlashCase& c, uint64_t seed) {
+  AttentionOptions o;
+  o.dropout = c.dropout;
+  o.training = c.dropout > 0.0;
+  o.seed = seed;
+  o.want_weights = c.want_weights;
+  o.want_lse = true;
+  return o;
+}
+
+std::vector<FlashCase> flash_cases() {
+  std::vector<FlashCase> cases;
+  const LensForm forms[] = {LensForm::kNone, LensForm::kPerBatch, LensForm::kPerQuery};
+  const Trend trends[] = {Trend::kRandom, Trend::kRising, Trend::kFalling};
+  int n = 0;
+  for (const LensForm form : forms) {
+    for (const Trend trend : trends) {
+      FlashCase c{};
+      c.batch = n % 2 == 0 ? 1 : 2;
+      c.nq = n % 3 == 0 ? 300 : 129;
+      c.nk = n % 2 == 0 ? 1100 : 513;
+      c.dim = n % 3 == 1 ? 64 : 16;
+      c.dv = n % 2 == 0 ? 24 : 9;
+      c.lens_form = form;
+      c.trend = trend;
+      c.dropout = n % 4 == 3 ? 0.3 : 0.0;
+      c.want_weights = n % 3 == 2;
+      cases.push_back(c);
+      ++n;
+    }
+  }
+  return cases;
+}
+
+TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const FlashCase& c : flash_cases()) {
+    SCOPED_TRACE(describe(c));
+    const FlashInputs<T> in = make_inputs<T>(rng, c);
+    const AttentionOptions o = options_for(c, rng.next());
+    const ValidLens lens = in.lens.get();
+    const AttentionResult<T> fast = scaled_dot_product_attention(in.q, in.k, in.v, lens, o);
+    const AttentionResult<T> ref = ref::scaled_dot_product_attention(in.q, in.k, in.v, lens, o);
+    expect_exact_masking(fast.output, fast.weights, fast.lse, in.lens, c.nk, "fast");
+    if (!expect_close(fast.output, ref.output, tol_for<T>(kSdpa, kSdpaDouble), "output") ||
+        !expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse")) {
+      return;
+    }
+    if (c.want_weights &&
+        !expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights")) {
+      return;
+    }
+    const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
+    const DotProductGrads<T> g = scaled_dot_product_attention_backward(
+        in.q, in.k, in.v, lens, o, fast.output, fast.lse, d_out);
+    const DotProductGrads<T> r = ref::scaled_dot_product_attention_backward(
+        in.q, in.k, in.v, lens, o, ref.output, ref.lse, d_out);
+    const Tol tol = tol_for<T>(kSdpaBackward, kSdpaBackwardDouble);
+    if (!expect_close(g.d_queries, r.d_queries, tol, "d_queries") ||
+        !expect_close(g.d_keys, r.d_keys, tol, "d_keys") ||
+        !expect_close(g.d_values, r.d_values, tol, "d_values")) {
+      return;
+    }
+  }
+}
+
+// Rows with a NaN, +inf or -inf score among many blocks take the exact row
+// path; every other row is unaffected.
+TYPED_TEST(Flash, NonFiniteRowsInLongSequences) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t nq = 140, nk = 700, dim = 8, dv = 5;
+  Tensor<T> q = random_tensor<T>(rng, {1, nq, dim});
+  Tensor<T> k = random_tensor<T>(rng, {1, nk, dim});
+  const Tensor<T> v = random_tensor<T>(rng, {1, nk, dv});
+  // Key 600 (in the third key block) is +inf in feature 0: queries with
+  // q0 > 0 see +inf there (NaN row), q0 < 0 see -inf (weight 0), q0 = 0 NaN.
+  k(0, 600, 0) = std::numeric_limits<T>::infinity();
+  q(0, 7, 0) = T(0);
+  AttentionOptions o;
+  o.want_lse = true;
+  o.want_weights = true;
+  const AttentionResult<T> fast = scaled_dot_product_attention(q, k, v, {}, o);
+  const AttentionResult<T> ref = ref::scaled_dot_product_attention(q, k, v, {}, o);
+  int nan_rows = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    SCOPED_TRACE("query " + std::to_string(i));
+    const bool expect_nan = !(q(0, i, 0) < T(0));
+    ASSERT_EQ(std::isnan(fast.lse(0, i)), expect_nan);
+    ASSERT_EQ(std::isnan(ref.lse(0, i)), expect_nan);
+    nan_rows += expect_nan;
+    if (!expect_nan) {
+      ASSERT_EQ(fast.weights(0, i, 600), T(0));
+    }
+  }
+  EXPECT_GT(nan_rows, 0);
+  EXPECT_LT(nan_rows, nq);
+  expect_close(fast.output, ref.output, tol_for<T>(kSdpa, kSdpaDouble), "output");
+  expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights");
+  expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse");
+}
+
+template <class Run>
+void expect_same_for_thread_counts(Run&& run) {
+  const int saved = num_threads();
+  set_num_threads(1);
+  const auto one = run();
+  for (const int threads : {2, 3}) {
+    set_num_threads(threads);
+    const auto other = run();
+    SCOPED_TRACE(std::to_string(threads) + " threads vs 1");
+    for (size_t t = 0; t < one.size(); ++t) expect_bitwise_equal(other[t], one[t], "result");
+  }
+  set_num_threads(saved);
+}
+
+// One batch element and one long sequence: the backward splits the keys into
+// groups whose partial dQs are summed in a fixed order.
+TYPED_TEST(Flash, SameBitsForAnyThreadCount) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<T> q = random_tensor<T>(rng, {1, 600, 32});
+  const Tensor<T> k = random_tensor<T>(rng, {1, 900, 32});
+  const Tensor<T> v = random_tensor<T>(rng, {1, 900, 16});
+  const Tensor<T> d_out = random_tensor<T>(rng, {1, 600, 16});
+  const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, false, 1, 600, 900, 0.05);
+  AttentionOptions o;
+  o.want_lse = true;
+  o.training = true;
+  o.dropout = 0.25;
+  o.seed = rng.next();
+  expect_same_for_thread_counts([&] {
+    const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
+    DotProductGrads<T> g =
+        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, r.output, r.lse, d_out);
+    return std::vector<Tensor<T>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
+  });
+}
+
+// ---- bfloat16 ------------------------------------------------------------------
+
+TEST(Bfloat16, RoundsToNearestEven) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int n = 0; n < 200000; ++n) {
+    uint32_t u = static_cast<uint32_t>(rng.next());
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(static_cast<float>(bfloat16(f))));
+      continue;
+    }
+    // The two bf16 neighbours of f by truncation, and which is nearer.
+    const float down = static_cast<float>(bfloat16::from_bits(static_cast<uint16_t>(u >> 16)));
+    const float up =
+        static_cast<float>(bfloat16::from_bits(static_cast<uint16_t>((u >> 16) + 1)));
+    const float got = static_cast<float>(bfloat16(f));
+    // Past the largest finite bf16, IEEE rounding treats inf as 2^128.
+    const double up_value = std::isinf(up) ? std::copysign(0x1p128, f) : up;
+    const double d_down = std::abs(static_cast<double>(f) - down);
+    const double d_up = std::abs(up_value - f);
+    if ((u & 0xffffu) == 0) {
+      ASSERT_EQ(got, f);
+    } else if (d_down < d_up) {
+      ASSERT_EQ(got, down) << f;
+    } else if (d_up < d_down) {
+      ASSERT_EQ(got, up) << f;
+    } else {
+      ASSERT_EQ(got, ((u >> 16) & 1u) == 0 ? down : up) << "tie " << f;
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(static_cast<float>(bfloat16(inf)), inf);
+  EXPECT_EQ(static_cast<float>(bfloat16(-inf)), -inf);
+  EXPECT_EQ(static_cast<float>(bfloat16(std::numeric_limits<float>::max())), inf);
+  EXPECT_TRUE(std::isnan(static_cast<float>(bfloat16(std::nanf("")))));
+  EXPECT_EQ(bfloat16(-0.0f).bits, 0x8000u);
+  EXPECT_EQ(static_cast<float>(bfloat16(1.0f + 0x1p-8f)), 1.0f);            // tie, even down
+  EXPECT_EQ(static_cast<float>(bfloat16(1.0f + 3 * 0x1p-8f)), 1.0f + 0x1p-6f);  // tie, even up
+}
+
+// bf16 inputs widen exactly to float, so the float reference on the widened
+// inputs is the oracle. The kernels round P (forward) and dO, P and dS
+// (backward) to bf16 for their products: relative 2^-9 each. Tolerances:
+// output within 4e-3 * max|v| (twice the bound 2^-9 sum_j P_j |v_j|), lse
+// as float, gradients within 2e-2 * (max |reference gradient|).
+Tensor<bfloat16> to_bf16(const Tensor<float>& x) {
+  Tensor<bfloat16> out(x.shape());
+  for (int64_t i = 0; i < x.numel(); ++i) out.data()[i] = bfloat16(x.data()[i]);
+  return out;
+}
+Tensor<float> widen(const Tensor<bfloat16>& x) {
+  Tensor<float> out(x.shape());
+  for (int64_t i = 0; i < x.numel(); ++i) out.data()[i] = static_cast<float>(x.data()[i]);
+  return out;
+}
+double max_abs(const Tensor<float>& x) {
+  double m = 0;
+  for (const float e : x.values()) m = std::max(m, std::abs(static_cast<double>(e)));
+  return m;
+}
+
+TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const FlashCase cases[] = {
+      {2, 130, 600, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, true},
+      {1, 300, 1100, 16, 24, LensForm::kPerBatch, Trend::kRising, 0.0, false},
+      {2, 129, 513, 64, 9, LensForm::kPerQuery, Trend::kFalling, 0.2, true},
+      {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {1, 1, 1, 1, 1, LensForm::kNone, Trend::kRandom, 0.0, true},
+  };
+  for (const FlashCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const FlashInputs<float> in = make_inputs<float>(rng, c);
+    const Tensor<bfloat16> qb = to_bf16(in.q), kb = to_bf16(in.k), vb = to_bf16(in.v);
+    const Tensor<float> qw = widen(qb), kw = widen(kb), vw = widen(vb);
+    const AttentionOptions o = options_for(c, rng.next());
+    const ValidLens lens = in.lens.get();
+    const AttentionResult<float> fast = scaled_dot_product_attention(qb, kb, vb, lens, o);
+    const AttentionResult<float> ref = ref::scaled_dot_product_attention(qw, kw, vw, lens, o);
+    expect_exact_masking(fast.output, fast.weights, fast.lse, in.lens, c.nk, "bf16");
+    if (!expect_close(fast.output, ref.output, Tol{.atol = 4e-3 * max_abs(vw), .rtol = 0},
+                      "output") ||
+        !expect_close(fast.lse, ref.lse, kSdpaLse, "lse")) {
+      return;
+    }
+    if (c.want_weights && !expect_close(fast.weights, ref.weights, kSoftmax, "weights")) return;
+
+    // Gradients: rounding dS to bf16 errs by 2^-9 sum_j |dS_ij| |k_j|, which
+    // the trend cases' large key feature makes much bigger than the gradient
+    // itself; so gradients are compared on the random cases only.
+    if (c.trend != Trend::kRandom) continue;
+    const Tensor<float> d_out = random_tensor<float>(rng, {c.batch, c.nq, c.dv});
+    const DotProductGrads<float> g =
+        scaled_dot_product_attention_backward(qb, kb, vb, lens, o, fast.output, fast.lse, d_out);
+    const DotProductGrads<float> r =
+        ref::scaled_dot_product_attention_backward(qw, kw, vw, lens, o, ref.output, ref.lse, d_out);
+    const auto grad_tol = [](const Tensor<float>& ref_grad) {
+      return Tol{.atol = 2e-2 * max_abs(ref_grad) + 1e-6, .rtol = 0};
+    };
+    if (!expect_close(g.d_queries, r.d_queries, grad_tol(r.d_queries), "d_queries") ||
+        !expect_close(g.d_keys, r.d_keys, grad_tol(r.d_keys), "d_keys") ||
+        !expect_close(g.d_values, r.d_values, grad_tol(r.d_values), "d_values")) {
+      return;
+    }
+  }
+}
+
+TEST(FlashBf16, SameBitsForAnyThreadCount) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<bfloat16> q = to_bf16(random_tensor<float>(rng, {1, 400, 64}));
+  const Tensor<bfloat16> k = to_bf16(random_tensor<float>(rng, {1, 700, 64}));
+  const Tensor<bfloat16> v = to_bf16(random_tensor<float>(rng, {1, 700, 64}));
+  const Tensor<float> d_out = random_tensor<float>(rng, {1, 400, 64});
+  const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, true, 1, 400, 700, 0.05);
+  AttentionOptions o;
+  o.want_lse = true;
+  expect_same_for_thread_counts([&] {
+    const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
+    DotProductGrads<float> g =
+        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, r.output, r.lse, d_out);
+    return std::vector<Tensor<float>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
+  });
+}
+
+TEST(FlashBf16, RejectsBadShapesLikeFloat) {
+  const Tensor<bfloat16> q(Shape{2, 3, 4}), k(Shape{2, 5, 4}), v(Shape{2, 5, 6});
+  const Tensor<bfloat16> k_bad(Shape{2, 5, 3});
+  expect_error([&] { scaled_dot_product_attention(q, k_bad, v); },
+               {"scaled_dot_product_attention", "feature size", "[2, 5, 3]"});
+  const Tensor<int32_t> too_long(Shape{2}, std::vector<int32_t>{2, 6});
+  expect_error([&] { scaled_dot_product_attention(q, k, v, ValidLens(too_long)); },
+               {"scaled_dot_product_attention", "6"});
+  const Tensor<float> out(Shape{2, 3, 6}), lse(Shape{2, 4});
+  expect_error(
+      [&] { scaled_dot_product_attention_backward(q, k, v, {}, {}, out, lse, out); },
+      {"scaled_dot_product_attention_backward", "lse"});
+}
+
+}  // namespace
+}  // namespace qkv::test
