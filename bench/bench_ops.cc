@@ -13,6 +13,7 @@
 // than threads:1 here (OMP_WAIT_POLICY=passive brought it back to 1x).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -29,11 +30,23 @@ using qkv::ValidLens;
 
 // ---- the two versions ------------------------------------------------------
 
+// Additive attention is timed with the lse on (the backward needs it; it costs
+// one store per query).
+qkv::AttentionOptions additive_options() {
+  qkv::AttentionOptions options;
+  options.want_lse = true;
+  return options;
+}
+
 // The reference: plain loops, double accumulation, single-threaded. It only
 // has the allocating form, so its softmax timing includes the allocation.
 struct Ref {
   static void masked_softmax(ConstView<float> scores, const ValidLens& lens, Tensor<float>& out) {
     out = qkv::ref::masked_softmax(scores, lens);
+  }
+  static void masked_softmax_backward(ConstView<float> w, ConstView<float> d_w,
+                                      const ValidLens& lens, Tensor<float>& out) {
+    out = qkv::ref::masked_softmax_backward(w, d_w, lens);
   }
   static qkv::AttentionResult<float> sdpa(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const ValidLens& lens,
@@ -51,7 +64,14 @@ struct Ref {
                                               ConstView<float> v, ConstView<float> w_q,
                                               ConstView<float> w_k, ConstView<float> w_v,
                                               const ValidLens& lens) {
-    return qkv::ref::additive_attention(q, k, v, w_q, w_k, w_v, lens);
+    return qkv::ref::additive_attention(q, k, v, w_q, w_k, w_v, lens, additive_options());
+  }
+  static qkv::AdditiveGrads<float> additive_backward(
+      ConstView<float> q, ConstView<float> k, ConstView<float> v, ConstView<float> w_q,
+      ConstView<float> w_k, ConstView<float> w_v, const ValidLens& lens, ConstView<float> out,
+      ConstView<float> lse, ConstView<float> d_out) {
+    return qkv::ref::additive_attention_backward(q, k, v, w_q, w_k, w_v, lens, additive_options(),
+                                                 out, lse, d_out);
   }
 };
 
@@ -61,6 +81,12 @@ struct Ref {
 struct Fast {
   static void masked_softmax(ConstView<float> scores, const ValidLens& lens, Tensor<float>& out) {
     qkv::masked_softmax(scores, lens, out.view());
+  }
+  // The backward has only the allocating form, so its timing includes the
+  // allocation of d_scores.
+  static void masked_softmax_backward(ConstView<float> w, ConstView<float> d_w,
+                                      const ValidLens& lens, Tensor<float>& out) {
+    out = qkv::masked_softmax_backward(w, d_w, lens);
   }
   static qkv::AttentionResult<float> sdpa(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const ValidLens& lens,
@@ -78,7 +104,14 @@ struct Fast {
                                               ConstView<float> v, ConstView<float> w_q,
                                               ConstView<float> w_k, ConstView<float> w_v,
                                               const ValidLens& lens) {
-    return qkv::additive_attention(q, k, v, w_q, w_k, w_v, lens);
+    return qkv::additive_attention(q, k, v, w_q, w_k, w_v, lens, additive_options());
+  }
+  static qkv::AdditiveGrads<float> additive_backward(
+      ConstView<float> q, ConstView<float> k, ConstView<float> v, ConstView<float> w_q,
+      ConstView<float> w_k, ConstView<float> w_v, const ValidLens& lens, ConstView<float> out,
+      ConstView<float> lse, ConstView<float> d_out) {
+    return qkv::additive_attention_backward(q, k, v, w_q, w_k, w_v, lens, additive_options(), out,
+                                            lse, d_out);
   }
 };
 
@@ -121,41 +154,82 @@ void set_rates(benchmark::State& state, double flops_per_iter, double bytes_per_
 // ---- masked softmax ----------------------------------------------------------
 
 // scores: (B, Nq, Nk)   valid_lens: absent or (B)   weights: (B, Nq, Nk)
-// Bytes: the valid scores read once and every weight written once. FLOPs: 5
-// per valid element (max, subtract, exp, sum, scale; exp counted as one).
+// range(5) = 1 times the backward instead (weights and d_weights in, d_scores
+// out). Bytes as issue 5 counts them: 8 per element forward (X read, W
+// written, whatever the lengths), 12 backward (W and dW read, dX written).
+// FLOPs: 5 per valid element forward (max, subtract, exp, sum, scale; exp
+// counted as one), 4 backward.
 template <class Version>
 void BM_MaskedSoftmax(benchmark::State& state) {
   const int64_t batch = state.range(0), num_queries = state.range(1), num_keys = state.range(2);
   const bool use_lens = state.range(3) != 0;
-  qkv::set_num_threads(static_cast<int>(state.range(4)));
+  const bool backward = state.range(4) != 0;
+  qkv::set_num_threads(static_cast<int>(state.range(5)));
   const Tensor<float> scores = random_normal({batch, num_queries, num_keys}, 1);
+  const Tensor<float> d_weights = random_normal({batch, num_queries, num_keys}, 3);
   const Tensor<int64_t> lens = random_lens(batch, num_keys, 2);
   const ValidLens valid_lens = use_lens ? ValidLens(lens) : ValidLens();
   Tensor<float> weights(scores.shape());
+  Version::masked_softmax(scores, valid_lens, weights);
+  Tensor<float> d_scores(scores.shape());
 
   for (auto _ : state) {
-    Version::masked_softmax(scores, valid_lens, weights);
-    benchmark::DoNotOptimize(weights.data());
+    if (backward) {
+      Version::masked_softmax_backward(weights, d_weights, valid_lens, d_scores);
+      benchmark::DoNotOptimize(d_scores.data());
+    } else {
+      Version::masked_softmax(scores, valid_lens, weights);
+      benchmark::DoNotOptimize(weights.data());
+    }
     benchmark::ClobberMemory();
   }
 
   const double valid = valid_pairs(lens, use_lens, batch, num_queries, num_keys);
-  set_rates(state, 5.0 * valid, (valid + static_cast<double>(scores.numel())) * sizeof(float));
+  const auto elements = static_cast<double>(scores.numel());
+  set_rates(state, (backward ? 4.0 : 5.0) * valid,
+            (backward ? 3.0 : 2.0) * elements * sizeof(float));
 }
 
-const std::vector<std::string> kSoftmaxArgNames = {"B", "Nq", "Nk", "lens", "threads"};
+const std::vector<std::string> kSoftmaxArgNames = {"B", "Nq", "Nk", "lens", "backward", "threads"};
 
 // One head's attention scores for a batch of 32 sequences of 512 tokens
 // (BERT-base's maximum sequence length), and a quarter of that batch. The
 // reference is linear in the size too (tens of ms here), so it runs on both.
 BENCHMARK_TEMPLATE(BM_MaskedSoftmax, Ref)
     ->ArgNames(kSoftmaxArgNames)
-    ->ArgsProduct({{8, 32}, {512}, {512}, {0, 1}, {1}})
+    ->ArgsProduct({{8, 32}, {512}, {512}, {0, 1}, {0, 1}, {1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_MaskedSoftmax, Fast)
     ->ArgNames(kSoftmaxArgNames)
-    ->ArgsProduct({{8, 32}, {512}, {512}, {0, 1}, {1, 2}})
+    ->ArgsProduct({{8, 32}, {512}, {512}, {0, 1}, {0, 1}, {1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// The ceiling for the memory-bound softmax: this machine's stream copy, a
+// 128 MiB buffer copied into another (256 MiB touched), split into one
+// contiguous half per thread. Bytes: read once plus written once, as STREAM
+// counts copy.
+void BM_MaskedSoftmaxStreamCopy(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int64_t n = int64_t{32} << 20;  // floats
+  std::vector<float> src(static_cast<size_t>(n), 1.0f), dst(static_cast<size_t>(n), 0.0f);
+  for (auto _ : state) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < threads; ++t) {
+      const int64_t begin = n * t / threads, end = n * (t + 1) / threads;
+      std::copy(src.data() + begin, src.data() + end, dst.data() + begin);
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * n *
+                          static_cast<int64_t>(sizeof(float)));
+}
+BENCHMARK(BM_MaskedSoftmaxStreamCopy)
+    ->ArgNames({"threads"})
+    ->Arg(1)
+    ->Arg(2)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
@@ -222,18 +296,23 @@ BENCHMARK_TEMPLATE(BM_Sdpa, Fast)
 
 // q: (B, Nq, H)   k: (B, Nk, H)   v: (B, Nk, H)   w_q, w_k: (H, H)   w_v: (1, H)
 // out: (B, Nq, H). Nq = Nk = N, and query, key, hidden and value sizes all H.
-// FLOPs: the projections W_q q and W_k k (2 H² per query and per key), then per
-// valid (query, key) pair 4 H for w_vᵀ tanh(. + .) (tanh counted as one) and
-// 2 H for the weighted sum of V. Bytes: inputs and parameters read once, output
-// written once.
+// range(4) = 1 adds the backward. FLOPs: the projections W_q q and W_k k (2 H²
+// per query and per key), then per valid (query, key) pair 4 H for w_vᵀ
+// tanh(. + .) (tanh counted as one) and 2 H for the weighted sum of V; the
+// backward adds the projections' gradients (8 H² per query and key) and per
+// pair 4 H for the recomputed scores, 4 H for dP and dV and 8 H through tanh
+// and w_v. Bytes: inputs and parameters read once, output written once (and
+// the gradients too with the backward).
 template <class Version>
 void BM_Additive(benchmark::State& state) {
   const int64_t batch = state.range(0), n = state.range(1), hidden = state.range(2);
   const bool use_lens = state.range(3) != 0;
-  qkv::set_num_threads(static_cast<int>(state.range(4)));
+  const bool backward = state.range(4) != 0;
+  qkv::set_num_threads(static_cast<int>(state.range(5)));
   const Tensor<float> q = random_normal({batch, n, hidden}, 1);
   const Tensor<float> k = random_normal({batch, n, hidden}, 2);
   const Tensor<float> v = random_normal({batch, n, hidden}, 3);
+  const Tensor<float> d_out = random_normal({batch, n, hidden}, 8);
   // Like torch.nn.Linear's initialisation scale, 1/sqrt(fan_in).
   const float init = 1.0f / std::sqrt(static_cast<float>(hidden));
   const Tensor<float> w_q = random_normal({hidden, hidden}, 4, init);
@@ -245,29 +324,42 @@ void BM_Additive(benchmark::State& state) {
   for (auto _ : state) {
     qkv::AttentionResult<float> result = Version::additive(q, k, v, w_q, w_k, w_v, valid_lens);
     benchmark::DoNotOptimize(result.output.data());
+    if (backward) {
+      qkv::AdditiveGrads<float> grads = Version::additive_backward(
+          q, k, v, w_q, w_k, w_v, valid_lens, result.output, result.lse, d_out);
+      benchmark::DoNotOptimize(grads.d_queries.data());
+      benchmark::DoNotOptimize(grads.d_keys.data());
+      benchmark::DoNotOptimize(grads.d_w_v.data());
+    }
     benchmark::ClobberMemory();
   }
 
   const auto h = static_cast<double>(hidden);
   const double pairs = valid_pairs(lens, use_lens, batch, n, n);
-  const double projections = 2.0 * h * h * static_cast<double>(2 * batch * n);
+  const double rows = static_cast<double>(2 * batch * n);  // queries and keys
+  const double forward_flops = 2.0 * h * h * rows + 6.0 * h * pairs;
+  const double backward_flops = 8.0 * h * h * rows + 16.0 * h * pairs;
   const double tensor = static_cast<double>(batch * n * hidden);
-  set_rates(state, projections + 6.0 * h * pairs, (4 * tensor + 2 * h * h + h) * sizeof(float));
+  const double params = 2 * h * h + h;
+  const double forward_bytes = (4 * tensor + params) * sizeof(float);
+  const double backward_bytes = (6 * tensor + 2 * params) * sizeof(float);
+  set_rates(state, forward_flops + (backward ? backward_flops : 0),
+            forward_bytes + (backward ? backward_bytes : 0));
 }
 
-const std::vector<std::string> kAdditiveArgNames = {"B", "N", "H", "lens", "threads"};
+const std::vector<std::string> kAdditiveArgNames = {"B", "N", "H", "lens", "backward", "threads"};
 
-// Bahdanau-style scoring at a realistic sequence length: 4 sequences of 256
-// tokens, query = key = hidden = value size 64; the reference (and the fast
-// version next to it) at N = 64.
+// Bahdanau-style scoring at realistic sequence lengths: 4 sequences of 256 and
+// 512 tokens (issue 5's target shape), query = key = hidden = value size 64;
+// the reference (and the fast version next to it) at N = 64.
 BENCHMARK_TEMPLATE(BM_Additive, Ref)
     ->ArgNames(kAdditiveArgNames)
-    ->ArgsProduct({{4}, {64}, {64}, {0, 1}, {1}})
+    ->ArgsProduct({{4}, {64}, {64}, {0, 1}, {0, 1}, {1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_Additive, Fast)
     ->ArgNames(kAdditiveArgNames)
-    ->ArgsProduct({{4}, {64, 256}, {64}, {0, 1}, {1, 2}})
+    ->ArgsProduct({{4}, {64, 256, 512}, {64}, {0, 1}, {0, 1}, {1, 2}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

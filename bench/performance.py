@@ -1,0 +1,884 @@
+#!/usr/bin/python3
+"""The performance suite's driver: runs everything once and writes docs/performance.md.
+
+In one run, one after another (never two at once): an OMP_WAIT_POLICY check
+on three qkv ops, the roofline (bench/roofline.cc: sgemm and stream
+bandwidth), qkv's ops (bench/bench_perf.cc) and the d2l PyTorch formulations
+(bench/perf_torch.py). Then it draws docs/perf-scaling.png with gnuplot and
+writes docs/performance.md from the measurements of this run alone: this
+script is the single source of that page (edit here, not there).
+
+bench/performance.sh builds the binaries (Release, build/perf) and runs
+
+  /usr/bin/python3 bench/performance.py --build build/perf
+
+The raw results go to build/perf/performance-raw.json; after a change to
+this script, `--replay build/perf/performance-raw.json` rewrites the page and
+the figure from them without measuring again.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+# The OpenMP wait policy for every measured process (qkv and PyTorch alike).
+# libgomp's default lets idle threads spin for a while before sleeping; with
+# another process busy on one of the 2 cores that spinning steals the core a
+# working thread needs (issue 2's note: threads:2 5-17x slower than threads:1).
+# "passive" sleeps at once instead. The run re-measures both on three qkv ops
+# and the page shows the result, so the choice can be checked on every run.
+OMP_WAIT_POLICY = "passive"
+
+# Valid lengths: drawn here, passed to both sides, so qkv and PyTorch mask the
+# same keys. Uniform in [1, K].
+LENS_SEED = 5
+SDPA_BATCH, SDPA_N, DIM = 2, 4096, 64
+SOFTMAX_BATCH, SOFTMAX_N = 32, 512
+SWEEP = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+TORCH_MAX_GIB = 12.0
+# A phase during which other processes kept more than this many cores busy
+# (on average) marks the run as noisy.
+NOISY_CORES = 0.15
+
+# The ops compared in the OMP_WAIT_POLICY check (fast, medium, memory-bound).
+# The two ceilings the targets use, measured again after the ops.
+SQUARE_SGEMM = "BM_Sgemm/m:2048/n:2048/k:2048/trans_b:0/threads:2/split:{}"
+CEILING_FILTER = "^BM_Sgemm/m:2048/n:2048/k:2048/trans_b:0/threads:2/|^BM_StreamCopy.*/threads:2/"
+POLICY_FILTER = ("^(sdpa_fwd/fused/B2_N4096_nomask|additive_fwd/fused/B4_N512|"
+                 "softmax_fwd/fused/B32_N512_lens)/")
+
+
+def log(message):
+    print(f"[performance] {message}", file=sys.stderr, flush=True)
+
+
+# ---- running the benchmarks ------------------------------------------------------------
+
+def measuring_env(policy):
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    env.pop("QKV_NUM_THREADS", None)
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    return env
+
+
+def run_gbench(binary, extra_args, repetitions, min_time, policy, work, tag):
+    """Runs a Google Benchmark binary; returns {name: median run} and its context."""
+    out = os.path.join(work, f"{tag}.json")
+    args = [binary, f"--benchmark_out={out}", "--benchmark_out_format=json",
+            f"--benchmark_repetitions={repetitions}", "--benchmark_report_aggregates_only=true",
+            f"--benchmark_min_time={min_time}"] + extra_args
+    log(" ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in args)
+        + f"   (OMP_WAIT_POLICY={policy or 'unset'})")
+    subprocess.run(args, check=True, env=measuring_env(policy), stdout=sys.stderr)
+    with open(out) as f:
+        data = json.load(f)
+    medians, errors = {}, {}
+    for b in data["benchmarks"]:
+        name = b["run_name"].removesuffix("/real_time")
+        if b.get("error_occurred"):
+            errors[name] = b.get("error_message", "error")
+        elif b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median":
+            medians[name] = b
+    for name, message in errors.items():
+        medians[name] = {"error": message}
+    return medians, data["context"]
+
+
+def run_memory(bench_perf, lens_args, name, policy):
+    """One op's peak memory beyond inputs and outputs, in a fresh bench_perf process."""
+    proc = subprocess.run([bench_perf, f"--perf_memory={name}"] + lens_args, check=True,
+                          env=measuring_env(policy), capture_output=True, text=True)
+    result = json.loads(proc.stdout)
+    log(f"memory {name}: {result}")
+    return {"extra_bytes": result["extra_bytes"]} if "extra_bytes" in result else {}
+
+
+def seconds_of(run):
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[run["time_unit"]]
+    return run["real_time"] * scale
+
+
+def run_torch(sdpa_lens, softmax_lens, repetitions, policy, work):
+    out = os.path.join(work, "torch.json")
+    args = ["/usr/bin/python3", os.path.join(ROOT, "bench", "perf_torch.py"),
+            "--sdpa-lens", ",".join(map(str, sdpa_lens)),
+            "--softmax-lens", ",".join(map(str, softmax_lens)),
+            "--sweep", ",".join(map(str, SWEEP)), "--repeats", str(repetitions),
+            "--threads", "2", "--max-gib", str(TORCH_MAX_GIB), "--out", out]
+    log("/usr/bin/python3 bench/perf_torch.py ...")
+    subprocess.run(args, check=True, env=measuring_env(policy))
+    with open(out) as f:
+        return json.load(f)
+
+
+# ---- how busy the machine was -----------------------------------------------------------
+
+def system_cpu_seconds():
+    """CPU time all processes used so far (busy and stolen by the hypervisor), in seconds."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(x) for x in f.readline().split()[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+class Phase:
+    """Measures one phase: wall time, and the CPU other processes used meanwhile.
+
+    Other processes' use = the whole system's busy CPU time minus this
+    driver's and its (finished) children's, divided by the wall time: the
+    average number of the 2 cores that something else kept busy.
+    """
+
+    def __init__(self, name, phases):
+        self.name, self.phases = name, phases
+
+    def __enter__(self):
+        self.wall = time.monotonic()
+        self.busy, self.steal = system_cpu_seconds()
+        t = os.times()
+        self.own = t.user + t.system + t.children_user + t.children_system
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.monotonic() - self.wall
+        busy, steal = system_cpu_seconds()
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self.own
+        self.phases.append({"name": self.name, "wall": wall,
+                            "other_cores": max(0.0, (busy - self.busy - own) / wall),
+                            "steal_cores": (steal - self.steal) / wall})
+        return False
+
+
+# ---- the machine ---------------------------------------------------------------------------
+
+def machine_info():
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = {}
+    for line in lscpu.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = fields.get("Flags", "").split()
+    with open("/proc/meminfo") as f:
+        mem_total = int(f.readline().split()[1]) * 1024
+    def dpkg_version(package):
+        proc = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package],
+                              capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else "?"
+    return {
+        "model": fields.get("Model name", platform.processor() or "?"),
+        "cores": os.cpu_count(),
+        "hypervisor": fields.get("Hypervisor vendor", ""),
+        "flags": {f: f in flags for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")},
+        "mem_gib": mem_total / GIB,
+        "kernel": platform.release(),
+        "gxx": subprocess.run(["g++", "--version"], capture_output=True,
+                              text=True).stdout.splitlines()[0],
+        "openblas_pkg": dpkg_version("libopenblas0-pthread"),
+        "torch_pkg": dpkg_version("python3-torch"),
+        "benchmark_pkg": dpkg_version("libbenchmark-dev"),
+    }
+
+
+# ---- formatting -----------------------------------------------------------------------------
+
+def fmt_s(seconds):
+    if seconds is None:
+        return "–"
+    if seconds >= 10:
+        return f"{seconds:.1f} s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "–"
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def fmt_x(ratio):
+    return "–" if ratio is None else f"{ratio:.3g}×"
+
+
+def fmt_pct(fraction):
+    return "–" if fraction is None else f"{100 * fraction:.0f} %"
+
+
+def fmt_g(rate):
+    return "–" if rate is None else f"{rate / 1e9:.1f}"
+
+
+def verdict(ok):
+    if ok is None:
+        return "**not measured**"
+    return "met" if ok else "**not met**"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+# ---- the measurements, in one table of cases ------------------------------------------------
+
+class Case:
+    """One op and shape, qkv's figures and PyTorch's, from this run."""
+
+    def __init__(self, qkv_run, torch_run):
+        self.error = None
+        self.seconds = self.flops = self.bytes_rate = self.extra = None
+        if qkv_run is not None and "error" in qkv_run:
+            self.error = qkv_run["error"]
+        elif qkv_run is not None:
+            self.seconds = seconds_of(qkv_run)
+            self.flops = qkv_run.get("FLOP/s") or None
+            self.bytes_rate = qkv_run.get("bytes_per_second")
+            # Whole pages (4 KiB) released during the call can make it slightly negative.
+            self.extra = max(0, qkv_run["extra_bytes"]) if "extra_bytes" in qkv_run else None
+        self.torch_seconds = self.torch_extra = self.torch_skipped = None
+        if torch_run is not None and "skipped" in torch_run:
+            self.torch_skipped = torch_run["skipped"]
+        elif torch_run is not None:
+            self.torch_seconds = torch_run["seconds"]
+            self.torch_extra = max(0, torch_run["extra_bytes"])
+
+    def torch_flops(self):
+        """PyTorch's rate, counting the same flops as qkv's (valid keys only)."""
+        if self.flops is None or self.torch_seconds is None:
+            return None
+        return self.flops * self.seconds / self.torch_seconds
+
+    def speedup(self):
+        """PyTorch time / qkv time."""
+        return ratio(self.torch_seconds, self.seconds)
+
+
+def collect(qkv, torch):
+    cases = {}
+    keys = set()
+    for name in list(qkv) + list(torch["results"]):
+        op, impl, shape = name.split("/")
+        keys.add((op, impl if impl != "d2l_torch" else "fused", shape))
+    for op, impl, shape in keys:
+        cases[(op, impl, shape)] = Case(
+            qkv.get(f"{op}/{impl}/{shape}"),
+            torch["results"].get(f"{op}/d2l_torch/{shape}") if impl == "fused" else None)
+    return cases
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+def roofline_section(roof, roof_end, sgemm_rate, copy_rate):
+    lines = ["## Roofline: this machine's ceilings in this run", "",
+             "OpenBLAS `sgemm` (row-major, float32, C = A·op(B)), median of the repetitions. "
+             "\"OpenBLAS threads\" is one call with `openblas_set_num_threads(t)`; "
+             "\"OpenMP split\" is how qkv uses the BLAS (src/parallel.h): OpenBLAS "
+             "single-threaded, the rows of C cut into one block per OpenMP thread.", "",
+             "| shape m × n × k | 1 thread | 2 threads, OpenBLAS threads | "
+             "2 threads, OpenMP split |", "|---|---|---|---|"]
+    shapes = [((2048, 2048, 2048, 0), "2048 × 2048 × 2048 (square)"),
+              ((2048, 2048, 64, 1), "2048 × 2048 × 64 (scores Q·Kᵀ, d = 64)"),
+              ((2048, 64, 2048, 0), "2048 × 64 × 2048 (weights · V)")]
+    for (m, n, k, t), label in shapes:
+        cells = []
+        for threads, split in ((1, 0), (2, 0), (2, 1)):
+            run = roof.get(f"BM_Sgemm/m:{m}/n:{n}/k:{k}/trans_b:{t}/threads:{threads}/split:{split}")
+            cells.append(f"{run['FLOP/s'] / 1e9:.0f} GFLOP/s" if run and "FLOP/s" in run else "–")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Memory bandwidth, 512 MiB arrays (beyond every cache), each thread one "
+              "contiguous slice; bytes counted as read + written (STREAM's convention):", "",
+              "| kernel | 1 thread | 2 threads |", "|---|---|---|"]
+    for bench, label in (("BM_StreamCopy", "copy, `std::copy` (8 bytes per float)"),
+                         ("BM_StreamCopyNonTemporal", "copy, non-temporal AVX-512 stores"),
+                         ("BM_StreamTriad", "triad a = b + s·c (12 bytes per float)")):
+        cells = []
+        for threads in (1, 2):
+            run = roof.get(f"{bench}/threads:{threads}")
+            cells.append(f"{run['bytes_per_second'] / 1e9:.1f} GB/s"
+                         if run and "bytes_per_second" in run else "–")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    def cell(run, key, scale, unit):
+        return f"{run[key] / scale:.{0 if unit == 'GFLOP/s' else 1}f} {unit}" if run and key in run else "–"
+    lines += ["", "The 2-thread ceilings again, right after the qkv ops (the machine drifts):", "",
+              "| ceiling | before the ops | after the ops |", "|---|---|---|"]
+    for name, label, key, scale, unit in (
+            (SQUARE_SGEMM.format(0), "square sgemm, OpenBLAS threads", "FLOP/s", 1e9, "GFLOP/s"),
+            (SQUARE_SGEMM.format(1), "square sgemm, OpenMP split", "FLOP/s", 1e9, "GFLOP/s"),
+            ("BM_StreamCopy/threads:2", "copy, `std::copy`", "bytes_per_second", 1e9, "GB/s"),
+            ("BM_StreamCopyNonTemporal/threads:2", "copy, non-temporal stores",
+             "bytes_per_second", 1e9, "GB/s")):
+        lines.append(f"| {label} | {cell(roof.get(name), key, scale, unit)} | "
+                     f"{cell(roof_end.get(name), key, scale, unit)} |")
+    lines += ["", f"The ceilings used below: **sgemm rate = {sgemm_rate / 1e9:.0f} GFLOP/s** (the "
+              "highest 2-thread square-2048 figure, either way of threading, before or after) and "
+              f"**copy bandwidth = {copy_rate / 1e9:.1f} GB/s** (the highest 2-thread copy). "
+              "Taking the highest makes every \"% of ceiling\" below the strictest one. The "
+              "bf16 rows are rated against the same float32 sgemm rate.", ""]
+    return lines
+
+
+def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens):
+    softmax_valid = sum(softmax_lens) / (len(softmax_lens) * SOFTMAX_N)
+    c = lambda op, impl, shape: cases.get((op, impl, shape), Case(None, None))
+    fwd = c("sdpa_fwd", "fused", "B2_N4096_nomask")
+    fwd_lens = c("sdpa_fwd", "fused", "B2_N4096_lens")
+    big = c("sdpa_fwd", "fused", "B1_N16384")
+    fb = c("sdpa_fwdbwd", "fused", "B2_N4096_nomask")
+    fb_lens = c("sdpa_fwdbwd", "fused", "B2_N4096_lens")
+    bf16 = c("sdpa_fwd", "bf16", "B2_N4096_nomask")
+    add_f = c("additive_fwd", "fused", "B4_N512")
+    add_fb = c("additive_fwdbwd", "fused", "B4_N512")
+    smax = c("softmax_fwd", "fused", "B32_N512_lens")
+    nw = c("nw_exact", "fused", "N30000")
+
+    def pct_of_sgemm(case):
+        return ratio(case.flops, sgemm_rate)
+
+    def at_least(value, bound):
+        return None if value is None else value >= bound
+
+    def qkv_cell(case, show_rate=True):
+        if case.error:
+            return f"error: {case.error}"
+        if case.seconds is None:
+            return "not measured"
+        parts = [fmt_s(case.seconds)]
+        if show_rate and case.flops:
+            parts.append(f"{fmt_g(case.flops)} GFLOP/s")
+        return ", ".join(parts)
+
+    def torch_cell(case):
+        if case.torch_skipped:
+            return f"not run: {case.torch_skipped}"
+        if case.torch_seconds is None:
+            return "not measured"
+        return f"{fmt_s(case.torch_seconds)}, {fmt_bytes(case.torch_extra)}"
+
+    rows = []
+    # 1. SDPA forward, no mask: efficiency.
+    p = pct_of_sgemm(fwd)
+    rows.append(("SDPA forward, B=2, Q=K=4096, d=64, no mask",
+                 "≥ 60 % of the 2-thread square sgemm rate (≈ 3× PyTorch)",
+                 qkv_cell(fwd), torch_cell(fwd),
+                 f"{fmt_pct(p)} of sgemm; {fmt_x(fwd.speedup())} PyTorch", at_least(p, 0.60)))
+    # 2. SDPA forward, random lengths: vs PyTorch.
+    s = fwd_lens.speedup()
+    valid = sum(sdpa_lens) / (len(sdpa_lens) * SDPA_N)
+    rows.append((f"SDPA forward, same, random 1-D valid lengths {list(sdpa_lens)} "
+                 f"({100 * valid:.0f} % of the keys valid)",
+                 "≥ 10× PyTorch", qkv_cell(fwd_lens), torch_cell(fwd_lens),
+                 f"{fmt_x(s)} PyTorch ({fmt_pct(pct_of_sgemm(fwd_lens))} of sgemm)",
+                 at_least(s, 10)))
+    # 3. Memory at 16384.
+    ok = None if big.extra is None else big.extra < 64 * MIB
+    rows.append(("SDPA forward, B=1, Q=K=16384, d=64",
+                 "peak memory < 64 MiB beyond inputs and output",
+                 qkv_cell(big) + f", extra {fmt_bytes(big.extra)}", torch_cell(big),
+                 f"{fmt_bytes(big.extra)} beyond inputs and output", ok))
+    # 4. Forward + backward: efficiency without mask and speed-up with lengths.
+    p, s = pct_of_sgemm(fb), fb_lens.speedup()
+    ok = None if p is None or s is None else (p >= 0.40 and s >= 8)
+    rows.append(("SDPA forward + backward, B=2, Q=K=4096, d=64",
+                 "≥ 40 % of sgemm (14·B·Q·K·d flops), no mask; ≥ 8× PyTorch autograd with "
+                 "random valid lengths",
+                 f"no mask: {qkv_cell(fb)}; lengths: {qkv_cell(fb_lens)}",
+                 f"no mask: {torch_cell(fb)}; lengths: {torch_cell(fb_lens)}",
+                 f"{fmt_pct(p)} of sgemm ({verdict(at_least(p, 0.40))}); {fmt_x(s)} PyTorch "
+                 f"with lengths ({verdict(at_least(s, 8))})", ok))
+    # 5. bf16 vs float32.
+    s = ratio(fwd.seconds, bf16.seconds)
+    rows.append(("SDPA bf16 forward, same shape (no mask)",
+                 "≥ 1.6× faster than qkv's own float32", qkv_cell(bf16),
+                 "–", f"{fmt_x(s)} qkv float32 ({fmt_s(fwd.seconds)})", at_least(s, 1.6)))
+    # 6. Additive forward.
+    s = add_f.speedup()
+    feature_bytes = 4 * 512 * 512 * 64 * 4
+    no_buffer = None if add_f.extra is None else add_f.extra < feature_bytes
+    ok = None if s is None or no_buffer is None else (s >= 30 and no_buffer)
+    rows.append(("Additive forward, B=4, Q=K=512, q=k=h=64",
+                 "≥ 30× the d2l PyTorch formulation, no (B,Q,K,h) buffer",
+                 qkv_cell(add_f) + f", extra {fmt_bytes(add_f.extra)}", torch_cell(add_f),
+                 f"{fmt_x(s)} PyTorch; extra memory {fmt_bytes(add_f.extra)} vs "
+                 f"{fmt_bytes(feature_bytes)} for one (B,Q,K,h) float32 tensor", ok))
+    # 7. Additive forward + backward.
+    s = add_fb.speedup()
+    rows.append(("Additive forward + backward, same", "≥ 20× PyTorch autograd",
+                 qkv_cell(add_fb) + f", extra {fmt_bytes(add_fb.extra)}", torch_cell(add_fb),
+                 f"{fmt_x(s)} PyTorch", at_least(s, 20)))
+    # 8. Masked softmax bandwidth.
+    frac = ratio(smax.bytes_rate, copy_rate)
+    rows.append((f"Masked softmax forward, (32, 512, 512), 1-D lens ({100 * softmax_valid:.0f} % "
+                 "of the scores valid)",
+                 "≥ 60 % of the stream copy bandwidth (8 bytes per element)",
+                 qkv_cell(smax, show_rate=False) +
+                 (f", {smax.bytes_rate / 1e9:.1f} GB/s" if smax.bytes_rate else ""),
+                 torch_cell(smax),
+                 f"{fmt_pct(frac)} of copy ({copy_rate / 1e9:.1f} GB/s); "
+                 f"{fmt_x(smax.speedup())} PyTorch", at_least(frac, 0.60)))
+    # 9. Nadaraya–Watson.
+    s = nw.speedup()
+    small = None if nw.extra is None else nw.extra < 64 * MIB
+    ok = None if s is None or small is None else (s >= 50 and small)
+    rows.append(("Nadaraya–Watson exact, 1-D, n = t = 30000 (qkv float64, PyTorch float32)",
+                 "≥ 50× the d2l PyTorch formulation, memory O(n + t)",
+                 qkv_cell(nw, show_rate=False) + f", extra {fmt_bytes(nw.extra)}",
+                 torch_cell(nw),
+                 f"{fmt_x(s)} PyTorch; extra memory {fmt_bytes(nw.extra)} (one (t, n) float32 "
+                 f"matrix: {fmt_bytes(30000 * 30000 * 4)})", ok))
+
+    lines = ["## Issue 5's targets", "",
+             "Every row of the targets table, from this run. \"qkv\" is the median time (and "
+             "rate); \"PyTorch d2l\" is the median time and the peak memory beyond inputs and "
+             "outputs. A target with two parts is met only if both are.", "",
+             "| op and shape | target | qkv | PyTorch d2l | measured | met? |",
+             "|---|---|---|---|---|---|"]
+    for label, target, q, t, measured, ok in rows:
+        lines.append(f"| {label} | {target} | {q} | {t} | {measured} | {verdict(ok)} |")
+    met = sum(1 for r in rows if r[5])
+    lines += ["", f"**{met} of {len(rows)} targets met in this run.**", ""]
+    return lines
+
+
+def details_section(cases, sgemm_rate, copy_rate):
+    order = [
+        ("sdpa_fwd", "B2_N4096_nomask", "SDPA forward, B=2, N=4096, no mask"),
+        ("sdpa_fwd", "B2_N4096_lens", "SDPA forward, B=2, N=4096, random lengths"),
+        ("sdpa_fwdbwd", "B2_N4096_nomask", "SDPA fwd + bwd, B=2, N=4096, no mask"),
+        ("sdpa_fwdbwd", "B2_N4096_lens", "SDPA fwd + bwd, B=2, N=4096, random lengths"),
+        ("sdpa_fwd", "B1_N16384", "SDPA forward, B=1, N=16384, no mask"),
+        ("additive_fwd", "B4_N512", "additive forward, B=4, N=512, h=64"),
+        ("additive_fwdbwd", "B4_N512", "additive fwd + bwd, B=4, N=512, h=64"),
+        ("softmax_fwd", "B32_N512_lens", "masked softmax, (32, 512, 512), random lengths"),
+        ("softmax_fwd", "B32_N512_nomask", "masked softmax, (32, 512, 512), no mask"),
+        ("nw_exact", "N30000", "Nadaraya–Watson exact, n = t = 30000"),
+    ]
+    impl_label = {"fused": "qkv", "unfused_blas": "qkv reference-BLAS path",
+                  "bf16": "qkv bf16", "fused_1thread": "qkv, 1 thread"}
+    lines = ["## All measurements", "",
+             "Medians. GFLOP/s count the flops of the valid keys only (formulas under "
+             "Method); PyTorch's rate counts the same flops. \"extra\" is the peak memory beyond "
+             "inputs and outputs. Ratio = PyTorch time / this row's time.", "",
+             "| op and shape | implementation | time | GFLOP/s | % of sgemm | GB/s | "
+             "% of copy | extra memory | ratio to PyTorch |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for op, shape, label in order:
+        base = cases.get((op, "fused", shape))
+        for impl in ("fused", "fused_1thread", "unfused_blas", "bf16"):
+            case = cases.get((op, impl, shape))
+            if case is None:
+                continue
+            if case.error:
+                lines.append(f"| {label} | {impl_label[impl]} | error: {case.error} "
+                             "| | | | | | |")
+                continue
+            speed = ratio(base.torch_seconds, case.seconds) if base else None
+            lines.append(
+                f"| {label} | {impl_label[impl]} | {fmt_s(case.seconds)} | {fmt_g(case.flops)} | "
+                f"{fmt_pct(ratio(case.flops, sgemm_rate))} | "
+                f"{'–' if not case.bytes_rate else f'{case.bytes_rate / 1e9:.1f}'} | "
+                f"{fmt_pct(ratio(case.bytes_rate, copy_rate))} | {fmt_bytes(case.extra)} | "
+                f"{fmt_x(speed)} |")
+        if base is not None and (base.torch_seconds is not None or base.torch_skipped):
+            if base.torch_skipped:
+                lines.append(f"| {label} | PyTorch d2l | not run: {base.torch_skipped} "
+                             "| | | | | | |")
+            else:
+                rate = base.torch_flops()
+                bytes_rate = (base.bytes_rate * base.seconds / base.torch_seconds
+                              if base.bytes_rate else None)
+                lines.append(
+                    f"| {label} | PyTorch d2l | {fmt_s(base.torch_seconds)} | {fmt_g(rate)} | "
+                    f"{fmt_pct(ratio(rate, sgemm_rate))} | "
+                    f"{'–' if bytes_rate is None else f'{bytes_rate / 1e9:.1f}'} | "
+                    f"{fmt_pct(ratio(bytes_rate, copy_rate))} | {fmt_bytes(base.torch_extra)} "
+                    "| 1× |")
+    lines.append("")
+    return lines
+
+
+def sweep_rows(cases):
+    rows = []
+    for n in SWEEP:
+        case = cases.get(("sdpa_fwd", "fused", f"B1_N{n}"), Case(None, None))
+        io = 4 * n * DIM * 4  # Q, K, V and the output, float32
+        rows.append((n, case, io))
+    return rows
+
+
+def sweep_section(cases, sgemm_rate):
+    lines = ["## Scaling: SDPA forward, B = 1, d = 64, no mask", "",
+             "Time should grow as N² at constant efficiency and memory as N. \"peak\" is the "
+             "whole footprint of the call: inputs + output (4·N·d floats) + the extra memory.", "",
+             "![time and peak memory against N, log-log](perf-scaling.png)", "",
+             "| N | qkv time | qkv GFLOP/s | % of sgemm | qkv extra | qkv peak | "
+             "PyTorch time | PyTorch GFLOP/s | PyTorch extra | PyTorch peak | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    stopped = None
+    for n, case, io in sweep_rows(cases):
+        if case.torch_skipped:
+            torch_cells = f"not run: {case.torch_skipped} | | | |"
+            stopped = stopped or (n, case.torch_skipped)
+        elif case.torch_seconds is None:
+            torch_cells = "– | – | – | –"
+        else:
+            torch_cells = (f"{fmt_s(case.torch_seconds)} | {fmt_g(case.torch_flops())} | "
+                           f"{fmt_bytes(case.torch_extra)} | {fmt_bytes(case.torch_extra + io)}")
+        if case.error:
+            lines.append(f"| {n} | error: {case.error} | | | | | {torch_cells} | |")
+            continue
+        lines.append(
+            f"| {n} | {fmt_s(case.seconds)} | {fmt_g(case.flops)} | "
+            f"{fmt_pct(ratio(case.flops, sgemm_rate))} | {fmt_bytes(case.extra)} | "
+            f"{fmt_bytes(None if case.extra is None else case.extra + io)} | {torch_cells} | "
+            f"{fmt_x(case.speedup())} |")
+    lines.append("")
+    if stopped:
+        lines += [f"PyTorch stops at N = {stopped[0]}: {stopped[1]}. perf_torch.py estimates "
+                  "each N's need as 4× the previous N's measured peak (the d2l formulation "
+                  f"holds several N × N float32 matrices) and skips sizes above {TORCH_MAX_GIB:g} "
+                  "GiB, so the run cannot push the machine (shared with other work) into swap "
+                  "or the OOM killer.", ""]
+    else:
+        biggest = max((c.torch_extra + io for _, c, io in sweep_rows(cases)
+                       if c.torch_extra is not None), default=None)
+        if biggest is not None:
+            lines += [f"PyTorch ran at every N: its largest footprint was {fmt_bytes(biggest)}, "
+                      f"within the {TORCH_MAX_GIB:g} GiB perf_torch.py allows (it estimates each "
+                      "N's need as 4× the previous N's measured peak and would skip sizes above "
+                      "that, so the run cannot push the shared machine into the OOM killer).", ""]
+    return lines
+
+
+def draw_figure(cases, path, work):
+    """docs/perf-scaling.png: time and peak memory against N, log-log, with N² and N guides."""
+    data = os.path.join(work, "sweep.dat")
+    with open(data, "w") as f:
+        f.write("# N qkv_s torch_s qkv_peak_MiB torch_peak_MiB\n")
+        for n, case, io in sweep_rows(cases):
+            def num(x):
+                return "NaN" if x is None else repr(x)
+            f.write(f"{n} {num(case.seconds)} {num(case.torch_seconds)} "
+                    f"{num(None if case.extra is None else (case.extra + io) / MIB)} "
+                    f"{num(None if case.torch_extra is None else (case.torch_extra + io) / MIB)}\n")
+    measured = [(n, c, io) for n, c, io in sweep_rows(cases) if c.seconds is not None]
+    if not measured:
+        return False
+    n_ref, c_ref, io_ref = measured[-1]
+    time_ref = f"{c_ref.seconds!r} * (x / {n_ref}.0)**2"
+    mem_ref = f"{(c_ref.extra + io_ref) / MIB!r} * (x / {n_ref}.0)"
+    script = f"""
+set terminal pngcairo size 1300,520 font "DejaVu Sans,11"
+set output "{path}"
+set datafile missing "NaN"
+set multiplot layout 1,2 title "SDPA forward, B = 1, d = 64, float32, 2 threads (one run of bench/performance.sh)"
+set logscale xy
+set xtics (512, 1024, 2048, 4096, 8192, 16384, 32768)
+set xrange [400:40000]
+set grid
+set key top left
+set xlabel "N = Q = K"
+set ylabel "time (s)"
+set format y "10^{{%L}}"
+plot "{data}" using 1:2 with linespoints lw 2 pt 7 title "qkv fused", \\
+     "{data}" using 1:3 with linespoints lw 2 pt 5 title "PyTorch d2l", \\
+     {time_ref} with lines dt 2 lc rgb "gray40" title "∝ N² (through qkv's largest N)"
+set ylabel "peak memory: inputs + output + extra (MiB)"
+set format y "%g"
+plot "{data}" using 1:4 with linespoints lw 2 pt 7 title "qkv fused", \\
+     "{data}" using 1:5 with linespoints lw 2 pt 5 title "PyTorch d2l", \\
+     {mem_ref} with lines dt 2 lc rgb "gray40" title "∝ N (through qkv's largest N)"
+unset multiplot
+"""
+    subprocess.run(["gnuplot"], input=script, text=True, check=True)
+    return True
+
+
+def policy_section(policy_runs):
+    lines = ["## OMP_WAIT_POLICY", "",
+             f"Every measured process ran with `OMP_WAIT_POLICY={OMP_WAIT_POLICY}` (qkv and "
+             "PyTorch alike). libgomp's default lets idle threads spin before sleeping; with "
+             "anything else running on one of the 2 cores that spinning takes the core a "
+             "working thread needs (issue 2 saw 2 threads run 5–17× slower than 1). The run "
+             "re-checks the choice on three qkv ops (medians, this run):", "",
+             "| op | default (unset) | passive | passive / default |", "|---|---|---|---|"]
+    default, passive = policy_runs
+    ratios = []
+    for name in sorted(set(default) | set(passive)):
+        a, b = default.get(name), passive.get(name)
+        if not a or not b or "error" in a or "error" in b:
+            continue
+        ta, tb = seconds_of(a), seconds_of(b)
+        lines.append(f"| {name} | {fmt_s(ta)} | {fmt_s(tb)} | {tb / ta:.3f} |")
+        ratios.append(tb / ta)
+    lines.append("")
+    if ratios:
+        lines += [f"In this run passive took {min(ratios):.2f}–{max(ratios):.2f}× the default's "
+                  "time. On an idle machine the two should be close (waking a sleeping thread "
+                  "costs microseconds per parallel region); if passive is consistently slower "
+                  "there, change OMP_WAIT_POLICY in bench/performance.py.", ""]
+    return lines
+
+
+def method_section(sdpa_lens, softmax_lens, repetitions):
+    return [
+        "## Method", "",
+        f"- **Timing.** Google Benchmark, real time, `--benchmark_repetitions={repetitions}`, "
+        "medians; each repetition runs the op for at least 0.5 s (or once if one call takes "
+        "longer). PyTorch: one warm-up, then the median of "
+        f"{repetitions} runs (`time.perf_counter`). qkv runs with `qkv::set_num_threads(2)` "
+        "unless the row says 1 thread; PyTorch with `torch.set_num_threads(2)`. The qkv side and "
+        "the PyTorch side run one after the other, never at once.",
+        "- **FLOP counts** (over valid keys only; L_b = the valid length, N for no mask): SDPA "
+        "forward 4·d·Σ_b Q·L_b (Q·Kᵀ and W·V, d = dv); forward + backward 14·d·Σ_b Q·L_b "
+        "(backward: recompute Q·Kᵀ, then dV, dW, dQ, dK); additive forward "
+        "B·Q·K·(4h + 2dv) + 2·B·(Q+K)·d·h (feature add, tanh counted as 1, w_v product, W·V; "
+        "the two projections), forward + backward adds B·Q·K·(11h + 4dv) + 4·B·(Q+K)·d·h; "
+        "masked softmax is rated in bytes: 8 per element of (B, Q, K) (one read, one write), "
+        "counted over every element as the target does, although masked scores are not read. "
+        "Nadaraya–Watson is compared by time only.",
+        "- **Masked softmax** uses qkv's write-into form (`masked_softmax(scores, lens, "
+        "weights)` into a buffer allocated once): the op is memory-bound and a fresh result per "
+        "call would add page faults to a figure of a few milliseconds. PyTorch's formulation allocates its "
+        "result (and, with lengths, its masks) on every call, as d2l's code does.",
+        "- **Peak memory beyond inputs and outputs.** Inputs are allocated and touched first; "
+        "then `malloc_trim(0)` (free heap pages back to the kernel, so reused memory is counted "
+        "again), `5` written to `/proc/self/clear_refs` (resets VmHWM to the current RSS), one "
+        "call of the op, and extra = VmHWM − VmRSS at the reset − bytes of every tensor the op "
+        "returned (output; for backward rows also lse and the gradients). qkv: in a fresh "
+        "process per op (`bench_perf --perf_memory=NAME`), because qkv keeps per-thread "
+        "scratch between calls and a warm-up call of the op would make it resident before the "
+        "reset; a generic warm-up first starts the OpenMP threads and gives each an OpenBLAS "
+        "buffer, so what the figure adds beyond the op's own memory is its code pages (a few "
+        "hundred KiB). PyTorch: on every run after a warm-up, median. Transient buffers "
+        "freed before the output is allocated only count where they exceed it; PyTorch's "
+        "module-held `attention_weights` (d2l keeps them) count as extra.",
+        f"- **Valid lengths.** Drawn by bench/performance.py (NumPy `default_rng({LENS_SEED})`, "
+        f"uniform in [1, K]) and passed to both sides: SDPA {list(sdpa_lens)}; masked softmax "
+        f"{list(softmax_lens)}.",
+        "- **qkv reference-BLAS path.** The unfused composition built in bench_perf.cc: the "
+        "(B, Q, K) scores by `cblas_sgemm` (scale as alpha; with lengths only the first L_b "
+        "columns), `qkv::masked_softmax` in place, `cblas_sgemm` with V; OpenBLAS "
+        "single-threaded, rows split over 2 OpenMP threads; the scores buffer allocated per call.",
+        "- **bf16.** Q, K, V converted to bfloat16 once, outside the timing; "
+        "`qkv::scaled_dot_product_attention(ConstView<bfloat16>…)` returns float32.",
+        "- **The d2l formulations** (bench/perf_torch.py) are the book's code as written: "
+        "`masked_softmax` via `sequence_mask` with the −1e6 sentinel (which writes into its "
+        "argument), `DotProductAttention` with `torch.bmm`, `AdditiveAttention` with "
+        "`nn.Linear(bias=False)` and `features = queries.unsqueeze(2) + keys.unsqueeze(1)`, "
+        "Nadaraya–Watson as `softmax(-(X_repeat - x_train)**2 / 2) @ y_train` (h = 1), dropout 0, "
+        "float32; eval mode under `torch.no_grad()` for forwards, `out.backward(d_out)` for "
+        "forward + backward (gradients of queries, keys, values and, for additive, the three "
+        "weight matrices — the same set qkv returns). qkv's Nadaraya–Watson is float64 "
+        "(`KernelRegression::predict(queries, /*exact=*/true)`, Gaussian, h = 1, the chapter's "
+        "data).", ""]
+
+
+def ceilings(roof, roof_end):
+    """The sgemm rate and copy bandwidth the targets use: the highest 2-thread figure of
+    the two roofline runs (before and after the ops), so no % of them is flattered."""
+    runs = (roof, roof_end)
+    sgemm = max(r.get(SQUARE_SGEMM.format(split), {}).get("FLOP/s", 0)
+                for r in runs for split in (0, 1))
+    copy = max(r.get(f"{b}/threads:2", {}).get("bytes_per_second", 0)
+               for r in runs for b in ("BM_StreamCopy", "BM_StreamCopyNonTemporal"))
+    return sgemm, copy
+
+
+def run_section(phases):
+    lines = ["How busy the machine was: for each phase, the average number of the 2 cores that "
+             "other processes kept busy (the system's CPU time from /proc/stat minus this run's "
+             "own), and the CPU time the hypervisor stole.", "",
+             "| phase | wall time | other processes (cores) | stolen (cores) |",
+             "|---|---|---|---|"]
+    for ph in phases:
+        lines.append(f"| {ph['name']} | {fmt_s(ph['wall'])} | {ph['other_cores']:.2f} | "
+                     f"{ph['steal_cores']:.2f} |")
+    lines.append("")
+    return lines
+
+
+def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, policy_runs,
+               sdpa_lens, softmax_lens, repetitions, started, finished, duration, build_seconds,
+               loads, phases, have_figure):
+    sgemm_rate, copy_rate = ceilings(roof, roof_end)
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["flags"].items())
+    total = duration + (build_seconds or 0)
+    busiest = max(phases, key=lambda ph: ph["other_cores"] + ph["steal_cores"])
+    noisy = busiest["other_cores"] + busiest["steal_cores"] > NOISY_CORES
+    lines = [
+        "# Performance", "",
+        "<!-- Generated by bench/performance.py from one run of bench/performance.sh; "
+        "do not edit by hand: change the generator and re-run. -->", "",
+        "qkv's fast kernels against this machine's own ceilings (OpenBLAS `sgemm`, stream "
+        "copy bandwidth) and against the d2l PyTorch formulations of the same ops, all measured "
+        "in one run of one command (issue 5, DESIGN.md §6).", "",
+    ]
+    if noisy:
+        lines += [f"> **Noisy run.** Other processes kept on average "
+                  f"{busiest['other_cores'] + busiest['steal_cores']:.2f} of the 2 cores busy "
+                  f"during \"{busiest['name']}\" (table under Machine and run). Ceilings and ops "
+                  "were measured at different moments of that contention, so the percentages and "
+                  "ratios below are not reliable; re-run `bench/performance.sh` on an idle "
+                  "machine.", ""]
+    lines += [
+        "## How to read this", "",
+        "Each figure is a median from this run alone; nothing is carried over from another run. "
+        "Rates are relative to the same run's ceilings, because this virtual machine drifts "
+        "(±30 % between runs is normal), so a percentage of the sgemm rate or of the copy "
+        "bandwidth is the figure to compare across runs, not a time. FLOP/s count only the "
+        "keys a query may attend to (a kernel that skips masked keys gets no credit for work it "
+        "did not need), and PyTorch's rates count the same flops, so its rate with lengths is "
+        "the useful work per second of the dense formulation. \"Extra memory\" is what the op "
+        "needed at its peak beyond its inputs and outputs. \"Not met\" means not met in this "
+        "run, with the numbers beside it. Check the busy-machine table under Machine and run "
+        "first: the targets are meant for an otherwise idle machine.", "",
+        "## Machine and run", "",
+        f"- CPU: {info['model']}, {info['cores']} cores"
+        f"{' (' + info['hypervisor'] + ' virtual machine)' if info['hypervisor'] else ''}; "
+        f"{flags}; {info['mem_gib']:.0f} GiB RAM; Linux {info['kernel']}.",
+        f"- OpenBLAS: {roof_context.get('openblas_config', '?')} (Debian package "
+        f"{info['openblas_pkg']}); Google Benchmark {info['benchmark_pkg']}; {info['gxx']}.",
+        f"- PyTorch {torch_info.get('torch', '?')} (Debian python3-torch {info['torch_pkg']}), "
+        f"NumPy {torch_info.get('numpy', '?')}, Python {torch_info.get('python', '?')}, "
+        f"{torch_info.get('threads', '?')} threads.",
+        f"- Date: {started:%Y-%m-%d %H:%M} to {finished:%H:%M} (local time). The measurements "
+        f"took {duration / 60:.1f} min"
+        + (f"; with the build, the command took {total / 60:.1f} min" if build_seconds else "")
+        + f". 1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end.",
+        f"- `OMP_WAIT_POLICY={OMP_WAIT_POLICY}` (see below); 2 threads on both sides.", "",
+    ]
+    lines += run_section(phases)
+    lines += ["Command (configures and builds a Release tree in build/perf, then runs the "
+              "driver):", "", "```", "bench/performance.sh", "```", ""]
+    lines += targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens)
+    lines += roofline_section(roof, roof_end, sgemm_rate, copy_rate)
+    lines += details_section(cases, sgemm_rate, copy_rate)
+    lines += sweep_section(cases, sgemm_rate)
+    if not have_figure:
+        lines += ["(No figure: no sweep point was measured.)", ""]
+    lines += policy_section(policy_runs)
+    lines += method_section(sdpa_lens, softmax_lens, repetitions)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--build", default=os.path.join(ROOT, "build", "perf"),
+                        help="build tree with bench/roofline and bench/bench_perf")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.5,
+                        help="seconds per Google Benchmark repetition")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    parser.add_argument("--figure", default=os.path.join(ROOT, "docs", "perf-scaling.png"))
+    parser.add_argument("--build-seconds", type=float, default=None,
+                        help="how long the build took (performance.sh passes it)")
+    parser.add_argument("--raw", default=None,
+                        help="where to keep the raw results (default BUILD/performance-raw.json)")
+    parser.add_argument("--replay", default=None, metavar="RAW_JSON",
+                        help="do not measure: rewrite the page and figure from a saved run")
+    args = parser.parse_args()
+    args.raw = args.raw or os.path.join(args.build, "performance-raw.json")
+
+    if args.replay:
+        with open(args.replay) as f:
+            run = json.load(f)
+    else:
+        run = measure(args)
+        with open(args.raw, "w") as f:
+            json.dump(run, f, indent=1)
+    render(run, args)
+    log(f"wrote {os.path.relpath(args.out, ROOT)} and {os.path.relpath(args.figure, ROOT)}; "
+        f"the measurements took {run['duration'] / 60:.1f} min (raw results: "
+        f"{os.path.relpath(args.replay or args.raw, ROOT)})")
+    return 0
+
+
+def measure(args):
+    """Runs every benchmark once, in sequence; returns everything the page needs."""
+    start_time = time.monotonic()
+    started = datetime.datetime.now()
+    load_start = os.getloadavg()[0]
+    info = machine_info()
+    rng = np.random.default_rng(LENS_SEED)
+    sdpa_lens = [int(x) for x in rng.integers(1, SDPA_N, size=SDPA_BATCH, endpoint=True)]
+    softmax_lens = [int(x) for x in rng.integers(1, SOFTMAX_N, size=SOFTMAX_BATCH, endpoint=True)]
+    roofline = os.path.join(args.build, "bench", "roofline")
+    bench_perf = os.path.join(args.build, "bench", "bench_perf")
+    lens_args = ["--perf_sdpa_lens=" + ",".join(map(str, sdpa_lens)),
+                 "--perf_softmax_lens=" + ",".join(map(str, softmax_lens))]
+
+    phases = []
+    with tempfile.TemporaryDirectory(prefix="qkv_perf_") as work:
+        with Phase("idle check (driver asleep 5 s)", phases):
+            time.sleep(5)
+        with Phase("OMP_WAIT_POLICY check", phases):
+            policy_runs = [
+                run_gbench(bench_perf, lens_args + [f"--benchmark_filter={POLICY_FILTER}"],
+                           args.repetitions, args.min_time, policy, work, f"policy_{policy}")[0]
+                for policy in (None, "passive")]
+        with Phase("roofline", phases):
+            roof, roof_context = run_gbench(roofline, [], args.repetitions, args.min_time,
+                                            OMP_WAIT_POLICY, work, "roofline")
+        with Phase("qkv ops (bench_perf)", phases):
+            qkv, _ = run_gbench(bench_perf, lens_args, args.repetitions, args.min_time,
+                                OMP_WAIT_POLICY, work, "bench_perf")
+        with Phase("qkv peak memory (one process per op)", phases):
+            for name, result in qkv.items():
+                if "error" not in result:
+                    result.update(run_memory(bench_perf, lens_args, name, OMP_WAIT_POLICY))
+        # The ceilings again right after the ops: the machine drifts.
+        with Phase("roofline re-check", phases):
+            roof_end, _ = run_gbench(roofline, [f"--benchmark_filter={CEILING_FILTER}"],
+                                     args.repetitions, args.min_time, OMP_WAIT_POLICY, work,
+                                     "roofline_end")
+        with Phase("PyTorch (perf_torch.py)", phases):
+            torch = run_torch(sdpa_lens, softmax_lens, args.repetitions, OMP_WAIT_POLICY, work)
+
+    return {"info": info, "roof_context": roof_context, "roof": roof, "roof_end": roof_end,
+            "qkv": qkv, "torch": torch, "policy_runs": policy_runs, "sdpa_lens": sdpa_lens,
+            "softmax_lens": softmax_lens, "repetitions": args.repetitions,
+            "started": started.isoformat(), "finished": datetime.datetime.now().isoformat(),
+            "duration": time.monotonic() - start_time, "build_seconds": args.build_seconds,
+            "loads": [load_start, os.getloadavg()[0]], "phases": phases}
+
+
+def render(run, args):
+    """docs/perf-scaling.png and docs/performance.md from one run's results."""
+    cases = collect(run["qkv"], run["torch"])
+    with tempfile.TemporaryDirectory(prefix="qkv_perf_plot_") as work:
+        have_figure = draw_figure(cases, args.figure, work)
+    write_page(args.out, run["info"], run["roof_context"], run["torch"]["info"], cases,
+               run["roof"], run["roof_end"], run["policy_runs"], run["sdpa_lens"],
+               run["softmax_lens"], run["repetitions"],
+               datetime.datetime.fromisoformat(run["started"]),
+               datetime.datetime.fromisoformat(run["finished"]), run["duration"],
+               run["build_seconds"], run["loads"], run["phases"], have_figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
