@@ -75,18 +75,17 @@ struct Ref {
   }
 };
 
-// The fast version, as the public API serves it. Masked softmax writes into a
-// buffer allocated once: the op is memory-bound, and a fresh zero-filled
-// 32 MiB result per call would add a write pass and page faults to the timing.
+// The fast version, as the public API serves it. Masked softmax and its
+// backward write into a buffer allocated once: the op is memory-bound, and a
+// fresh 32 MiB result per call would add page faults to the timing (glibc
+// maps blocks that large anew on every allocation: ~20 ms at (32, 512, 512)).
 struct Fast {
   static void masked_softmax(ConstView<float> scores, const ValidLens& lens, Tensor<float>& out) {
     qkv::masked_softmax(scores, lens, out.view());
   }
-  // The backward has only the allocating form, so its timing includes the
-  // allocation of d_scores.
   static void masked_softmax_backward(ConstView<float> w, ConstView<float> d_w,
                                       const ValidLens& lens, Tensor<float>& out) {
-    out = qkv::masked_softmax_backward(w, d_w, lens);
+    qkv::masked_softmax_backward(w, d_w, lens, out.view());
   }
   static qkv::AttentionResult<float> sdpa(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const ValidLens& lens,

@@ -16,6 +16,23 @@ void check_scores(std::string_view function, const char* name, ConstView<T> scor
   valid_lens.check(function, name, scores.shape(), scores.size(0), scores.size(1), scores.size(2));
 }
 
+// Runs kernel(out) into `out` when its rows have unit stride, else into a
+// dense buffer copied over afterwards (the kernels walk rows with unit stride).
+template <class T, class Kernel>
+void into_rows(TensorView<T> out, Kernel&& kernel) {
+  if (out.stride(2) == 1) {
+    kernel(out);
+    return;
+  }
+  Tensor<T> dense(out.shape());
+  kernel(dense.view());
+  for (int64_t b = 0; b < out.size(0); ++b) {
+    for (int64_t i = 0; i < out.size(1); ++i) {
+      for (int64_t j = 0; j < out.size(2); ++j) out(b, i, j) = dense(b, i, j);
+    }
+  }
+}
+
 template <class T>
 void forward_into(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights) {
   constexpr std::string_view kFn = "masked_softmax";
@@ -29,17 +46,7 @@ void forward_into(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T
     packed = Tensor<T>::copy_of(scores);
     rows = packed.view();
   }
-  if (weights.stride(2) == 1) {
-    kernels::fast::masked_softmax(rows, valid_lens, weights);
-    return;
-  }
-  Tensor<T> dense(scores.shape());
-  kernels::fast::masked_softmax(rows, valid_lens, dense.view());
-  for (int64_t b = 0; b < weights.size(0); ++b) {
-    for (int64_t i = 0; i < weights.size(1); ++i) {
-      for (int64_t j = 0; j < weights.size(2); ++j) weights(b, i, j) = dense(b, i, j);
-    }
-  }
+  into_rows(weights, [&](TensorView<T> out) { kernels::fast::masked_softmax(rows, valid_lens, out); });
 }
 
 template <class T>
@@ -57,12 +64,22 @@ void check_backward(std::string_view function, ConstView<T> weights, ConstView<T
 }
 
 template <class T>
-Tensor<T> backward(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens) {
-  check_backward("masked_softmax_backward", weights, d_weights, valid_lens);
-  Tensor<T> d_scores(weights.shape());
-  if (weights.numel() == 0) return d_scores;
+void backward_into(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens,
+                   TensorView<T> d_scores) {
+  constexpr std::string_view kFn = "masked_softmax_backward";
+  check_backward(kFn, weights, d_weights, valid_lens);
+  detail::check_shape(kFn, "d_scores", d_scores, weights.shape());
+  if (weights.numel() == 0) return;
   const detail::Contiguous<T> w(weights), g(d_weights);
-  kernels::fast::masked_softmax_backward(w.view(), g.view(), valid_lens, d_scores.view());
+  into_rows(d_scores, [&](TensorView<T> out) {
+    kernels::fast::masked_softmax_backward(w.view(), g.view(), valid_lens, out);
+  });
+}
+
+template <class T>
+Tensor<T> backward(ConstView<T> weights, ConstView<T> d_weights, const ValidLens& valid_lens) {
+  Tensor<T> d_scores(weights.shape());
+  backward_into(weights, d_weights, valid_lens, d_scores.view());
   return d_scores;
 }
 
@@ -105,6 +122,14 @@ Tensor<float> masked_softmax_backward(ConstView<float> weights, ConstView<float>
 Tensor<double> masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
                                        const ValidLens& valid_lens) {
   return backward(weights, d_weights, valid_lens);
+}
+void masked_softmax_backward(ConstView<float> weights, ConstView<float> d_weights,
+                             const ValidLens& valid_lens, TensorView<float> d_scores) {
+  backward_into(weights, d_weights, valid_lens, d_scores);
+}
+void masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
+                             const ValidLens& valid_lens, TensorView<double> d_scores) {
+  backward_into(weights, d_weights, valid_lens, d_scores);
 }
 
 namespace ref {

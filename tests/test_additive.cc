@@ -38,7 +38,7 @@ TYPED_TEST_SUITE(Additive, ElementTypes, TypeNames);
 template <class T>
 constexpr Tol kOut = tol_for<T>(kAdditive, kAdditiveDouble);
 template <class T>
-constexpr Tol kWeights = tol_for<T>(kSoftmax, kSoftmaxDouble);
+constexpr Tol kWeights = tol_for<T>(kAdditiveWeights, kSoftmaxDouble);
 // lse of additive scores: the score error of kAdditive plus the log-sum-exp.
 template <class T>
 constexpr Tol kLse = tol_for<T>(kAdditive, kAdditiveDouble);

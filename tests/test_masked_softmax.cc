@@ -634,6 +634,57 @@ TYPED_TEST(MaskedSoftmax, BackwardOfStridedViews) {
                "ref");
 }
 
+// The write-into form of the backward: every element of a NaN-filled buffer
+// written, the same bits as the returning form, in place over either input,
+// and through a strided buffer without touching the gaps.
+TYPED_TEST(MaskedSoftmax, BackwardWritesIntoCallerBuffers) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tol tol = tol_for<T>(kSoftmaxBackward, kSoftmaxBackwardDouble);
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  for (int64_t num_keys : {1, 9, 32, 65, 1000}) {
+    for (LensForm form : kAllLensForms) {
+      const Shape shape{rng.uniform_int(1, 4), rng.uniform_int(1, 5), num_keys};
+      SCOPED_TRACE(case_label(shape, form, false));
+      const Tensor<int64_t> lens = random_lens(rng, form, shape[0], shape[1], num_keys);
+      const ValidLens valid_lens = as_valid_lens(lens);
+      const Tensor<T> w = ref::masked_softmax(random_tensor<T>(rng, shape, -5.0, 5.0), valid_lens);
+      const Tensor<T> g = random_tensor<T>(rng, shape);
+      const Tensor<double> expected =
+          plain_masked_softmax_backward(cast<double>(w).view(), cast<double>(g).view(), lens);
+
+      Tensor<T> out(shape, nan);
+      masked_softmax_backward(w, g, valid_lens, out.view());
+      expect_close(out, expected, tol, "into a buffer");
+      expect_masked_zero(out, lens, "into a buffer");
+      expect_bitwise_equal(out, masked_softmax_backward(w, g, valid_lens), "buffer vs returned");
+
+      Tensor<T> over_w = w;
+      masked_softmax_backward(over_w.view(), g, valid_lens, over_w.view());
+      expect_bitwise_equal(over_w, out, "in place over the weights");
+      Tensor<T> over_g = g;
+      masked_softmax_backward(w, over_g.view(), valid_lens, over_g.view());
+      expect_bitwise_equal(over_g, out, "in place over d_weights");
+
+      const Strided<T> strided_out(Tensor<T>(shape, nan).view(), {.step = 2, .pad = 3});
+      masked_softmax_backward(w, g, valid_lens, strided_out.view());
+      expect_close(strided_out.view(), expected, tol, "into a strided buffer");
+      std::set<int64_t> inside;
+      const TensorView<T> sv = strided_out.view();
+      for_each_index(shape, [&](const std::array<int64_t, kMaxRank>& index) {
+        inside.insert(sv.data() - strided_out.storage().data() + offset_of(sv.strides(), index, 3));
+      });
+      for (size_t n = 0; n < strided_out.storage().size(); ++n) {
+        if (!inside.count(static_cast<int64_t>(n))) {
+          ASSERT_TRUE(std::isnan(strided_out.storage()[n])) << "wrote outside the view at " << n;
+        }
+      }
+    }
+  }
+}
+
 // The gradient of a random linear loss sum(G * softmax(X)) with respect to X,
 // by central differences of the plain loop, against both backwards.
 TEST(MaskedSoftmaxGradient, MatchesFiniteDifferences) {
@@ -788,6 +839,21 @@ TYPED_TEST(MaskedSoftmax, RejectedCallsLeaveTheBufferAlone) {
   Tensor<T> in_place = x;
   expect_error([&] { masked_softmax(in_place.view(), bad, in_place.view()); }, {"masked_softmax"});
   EXPECT_EQ(in_place.values(), x.values());
+}
+
+TYPED_TEST(MaskedSoftmax, BackwardOutputBufferOfTheWrongShapeIsAnError) {
+  using T = TypeParam;
+  const Tensor<T> w(Shape{2, 4, 5}, T(0.2)), g(Shape{2, 4, 5}, T(1));
+  Tensor<T> wide(Shape{2, 4, 6}, T(42));
+  expect_error([&] { masked_softmax_backward(w, g, {}, wide.view()); },
+               {"masked_softmax_backward", "d_scores", "[2, 4, 6]", "[2, 4, 5]"});
+  for (T v : wide.values()) ASSERT_EQ(v, T(42)) << "wrote into a rejected buffer";
+  // Bad lengths are caught before the buffer is touched.
+  const Tensor<int64_t> bad(Shape{2}, std::vector<int64_t>{5, 6});
+  Tensor<T> out(w.shape(), T(42));
+  expect_error([&] { masked_softmax_backward(w, g, bad, out.view()); },
+               {"masked_softmax_backward", "valid_lens", "6"});
+  for (T v : out.values()) ASSERT_EQ(v, T(42)) << "wrote before validating valid_lens";
 }
 
 TYPED_TEST(MaskedSoftmax, BackwardShapeMismatchIsAnError) {

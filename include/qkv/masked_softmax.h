@@ -27,6 +27,13 @@ Tensor<float> masked_softmax_backward(ConstView<float> weights, ConstView<float>
                                       const ValidLens& valid_lens = {});
 Tensor<double> masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
                                        const ValidLens& valid_lens = {});
+// Writes into a caller-provided buffer of the weights' shape, any strides (it
+// may be weights or d_weights themselves: in place). For large shapes this is
+// the memory-speed form: a fresh result means fresh pages to fault in.
+void masked_softmax_backward(ConstView<float> weights, ConstView<float> d_weights,
+                             const ValidLens& valid_lens, TensorView<float> d_scores);
+void masked_softmax_backward(ConstView<double> weights, ConstView<double> d_weights,
+                             const ValidLens& valid_lens, TensorView<double> d_scores);
 
 namespace ref {
 // The reference versions: plain loops, double accumulation, any strides.

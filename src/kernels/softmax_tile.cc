@@ -4,12 +4,12 @@
 #define HWY_TARGET_INCLUDE "kernels/softmax_tile.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Highway's own headers must follow foreach_target.h.
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <cmath>
 #include <limits>
 
+#include "kernels/exp-inl.h"
 #include "kernels/softmax_tile.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -17,38 +17,7 @@ namespace qkv::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// exp(x) for the shifted scores x <= 0 of a softmax (any float works):
-// x = n ln2 + f with |f| <= ln2/2, e^f by a degree-6 Taylor polynomial
-// (truncation < 1.3e-7 relative), 2^n from the exponent bits. Results below
-// 2^-126 (x < -87.3) are 0. About half the instructions of hn::Exp, which
-// handles overflow and denormal results this use never needs; the softmax
-// sum is the forward's second-largest cost after the block products.
-template <class D>
-HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
-  const hn::RebindToSigned<D> di;
-  const auto n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
-  auto f = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
-  f = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), f);
-  auto p = hn::Set(d, 1.0f / 720);
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f / 120));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f / 24));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f / 6));
-  p = hn::MulAdd(p, f, hn::Set(d, 0.5f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
-  const auto ni = hn::ConvertTo(di, n);
-  const auto scale = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(ni, hn::Set(di, 127))));
-  return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.3f)), hn::Mul(p, scale));
-}
-
-template <class D>
-HWY_INLINE hn::Vec<D> ExpShifted(D d, hn::Vec<D> x) {
-  if constexpr (sizeof(hn::TFromD<D>) == 4) {
-    return ExpNonPositive(d, x);
-  } else {
-    return hn::Exp(d, x);
-  }
-}
+using ::qkv::simd::HWY_NAMESPACE::ExpNonPositive;
 
 template <class T>
 void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T* m, T* l,
@@ -91,8 +60,8 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
     j = 0;
     for (; j + 2 * lanes <= n; j += 2 * lanes) {
-      const auto e0 = ExpShifted(d, hn::Sub(hn::LoadU(d, row + j), shift));
-      const auto e1 = ExpShifted(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
+      const auto e0 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j), shift));
+      const auto e1 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
       hn::StoreU(e0, d, row + j);
       hn::StoreU(e1, d, row + j + lanes);
       sum0 = hn::Add(sum0, e0);
@@ -101,7 +70,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     for (; j < n; j += lanes) {
       const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
       const auto e = hn::IfThenElseZero(
-          mask, ExpShifted(d, hn::Sub(hn::MaskedLoad(mask, d, row + j), shift)));
+          mask, ExpNonPositive(d, hn::Sub(hn::MaskedLoad(mask, d, row + j), shift)));
       hn::BlendedStore(e, mask, d, row + j);
       sum0 = hn::Add(sum0, e);
     }

@@ -14,8 +14,8 @@ namespace qkv::kernels {
 // c = exp(m[r] - m_new), and correction[r] = c (1 when nothing was summed
 // before); otherwise (NaN or ±inf among them) special[r] is set, the row
 // zeroed and correction[r] = 1. Rows already special, or with no valid
-// column, are zeroed with correction 1. Float uses an exp accurate to a few
-// ulp that flushes results below 2^-126 to 0; double uses Highway's Exp.
+// column, are zeroed with correction 1. The exp is kernels/exp-inl.h's:
+// a few ulp, with results below 2^-126 (double: e^-708) taken as 0.
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
                          float* l, float* correction, uint8_t* special);
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,

@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/exp-inl.h"
 #include "kernels/vecmath.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -62,6 +63,18 @@ T MaxOf(const T* x, int64_t n_signed, bool* all_finite) {
   return hn::GetLane(hn::MaxOfLanes(d, vmax));
 }
 
+// exp of a shifted score: float rows are a softmax's (x - shift <= ~0), so
+// they take the softmax exp of exp-inl.h; double rows also serve the
+// regression kernels, whose arguments may be positive, so hn::Exp.
+template <class D>
+HWY_INLINE hn::Vec<D> ExpShifted(D d, hn::Vec<D> x) {
+  if constexpr (sizeof(hn::TFromD<D>) == 4) {
+    return ::qkv::simd::HWY_NAMESPACE::ExpNonPositive(d, x);
+  } else {
+    return hn::Exp(d, x);
+  }
+}
+
 template <class T>
 T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   const hn::ScalableTag<T> d;
@@ -71,21 +84,21 @@ T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
   size_t i = 0;
   for (; i + 2 * lanes <= n; i += 2 * lanes) {
-    const auto e0 = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i), vshift));
-    const auto e1 = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i + lanes), vshift));
+    const auto e0 = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    const auto e1 = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i + lanes), vshift));
     hn::StoreU(e0, d, out + i);
     hn::StoreU(e1, d, out + i + lanes);
     sum0 = hn::Add(sum0, e0);
     sum1 = hn::Add(sum1, e1);
   }
   for (; i + lanes <= n; i += lanes) {
-    const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    const auto e = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i), vshift));
     hn::StoreU(e, d, out + i);
     sum0 = hn::Add(sum0, e);
   }
   if (i < n) {
     const auto e = hn::IfThenElseZero(
-        hn::FirstN(d, n - i), hn::Exp(d, hn::Sub(load_tail(d, x + i, n - i, shift), vshift)));
+        hn::FirstN(d, n - i), ExpShifted(d, hn::Sub(load_tail(d, x + i, n - i, shift), vshift)));
     store_tail(d, e, out + i, n - i);
     sum1 = hn::Add(sum1, e);
   }

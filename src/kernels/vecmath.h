@@ -14,6 +14,8 @@ float max_of(const float* x, int64_t n, bool* all_finite);
 double max_of(const double* x, int64_t n, bool* all_finite);
 
 // out[j] = exp(x[j] - shift); returns the sum of out. out may alias x.
+// float: for softmax rows, x[j] - shift <= 0 up to rounding (kernels/exp-inl.h:
+// a few ulp, results below 2^-126 are 0); double: any argument (hn::Exp).
 float exp_shift_sum(const float* x, float shift, float* out, int64_t n);
 double exp_shift_sum(const double* x, double shift, double* out, int64_t n);
 
