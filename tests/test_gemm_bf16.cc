@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
@@ -27,6 +28,8 @@ std::vector<std::string> available_paths();
 void gemm_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
                   int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
                   int64_t ldb, float beta, float* c, int64_t ldc);
+PackedB pack_b_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
+                       const bfloat16* b, int64_t ldb);
 }  // namespace qkv::kernels::bf16::internal
 
 namespace qkv::test {
@@ -420,6 +423,43 @@ TEST_P(Bf16Gemm, ConcurrentCallsMatchSerialCalls) {
   t1.join();
   EXPECT_TRUE(got0 == want0);
   EXPECT_TRUE(got1 == want1);
+}
+
+// B packed once (pack_b) and multiplied with several A: the same bits as the
+// unpacked product, and within the reference's bound. Shapes cover A read in
+// place (row-major, m a multiple of 8, even k and lda) and A packed (odd k,
+// odd lda, ragged m), B stored either way, beta 0, 1 and other.
+TEST_P(Bf16Gemm, PackedBMatchesUnpackedBitForBit) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int trial = 0; trial < 120; ++trial) {
+    const bool tb = trial & 1;
+    const bool a_in_place = trial & 2;
+    const int64_t m = a_in_place ? 8 * rng.uniform_int(1, 9) : rng.uniform_int(1, 70);
+    const int64_t n = rng.uniform_int(1, 70);
+    const int64_t k = a_in_place ? 2 * rng.uniform_int(1, 40) : rng.uniform_int(1, 70);
+    const int64_t extra_ld = a_in_place ? 2 * rng.uniform_int(0, 4) : rng.uniform_int(0, 9);
+    const float alpha = trial % 3 == 0 ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
+    const float beta = (trial / 4) % 3 == 0   ? 0.0f
+                       : (trial / 4) % 3 == 1 ? 1.0f
+                                              : static_cast<float>(rng.uniform(-2, 2));
+    Problem p = make_problem(rng, false, tb, m, n, k, alpha, beta, extra_ld);
+    SCOPED_TRACE(GetParam() + " " + p.str());
+    const bf16::PackedB packed =
+        bf16::internal::pack_b_on_path(GetParam(), tb, n, k, p.b.data.data(), p.b.ld);
+    // Two different A against the one packed B.
+    for (int round = 0; round < 2; ++round) {
+      if (round == 1) p.a = random_matrix(rng, m, k, extra_ld);
+      const std::vector<float> want = run(GetParam(), p);
+      std::vector<float> got = p.c0;
+      bf16::gemm(m, alpha, p.a.data.data(), p.a.ld, packed, beta, got.data(), p.ldc);
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+          << "round " << round;
+    }
+    check(GetParam(), p);
+    if (HasFailure()) return;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, Bf16Gemm, ::testing::ValuesIn(bf16::internal::available_paths()),

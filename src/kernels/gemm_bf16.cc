@@ -4,11 +4,15 @@
 //   amx          AMX tiles: TDPBF16PS does a 16 x 16 x 32 product per instruction
 //   avx512_bf16  VDPBF16PS register tiles: two bf16 products per float lane
 //   widen        bf16 -> float copies, then OpenBLAS sgemm
-// Why AMX first: on this machine (Sapphire Rapids) VDPBF16PS zmm issues one
-// per 2 cycles, 103 GFLOP/s per core, half the 205 GFLOP/s of float FMAs, so
-// it cannot beat sgemm; TDPBF16PS peaks at 3.3 TFLOP/s. Measured with
+// Why AMX first: on Sapphire Rapids VDPBF16PS zmm issues one per 2 cycles,
+// 103 GFLOP/s per core, half the 205 GFLOP/s of float FMAs, so it cannot
+// beat sgemm; TDPBF16PS peaks at 3.3 TFLOP/s. Measured with
 // bench/bench_gemm_bf16.cc at flash attention's block shapes, one thread:
 // amx 3.0-6.3x OpenBLAS sgemm, avx512_bf16 0.5-1.0x (two runs, 2 cores shared).
+// On AMD Zen 4 (no AMX) VDPBF16PS zmm issues one per cycle, twice the float
+// FMA rate: avx512_bf16 ran at 180-200 GFLOP/s per core at the same shapes,
+// about 2x the widening path (2026-11-24). The forward of bf16 attention
+// packs B once per key block (pack_b) and reads A in place where it can.
 // Numerics: every path sums exact bf16 products in float32 (in different
 // orders). Both BF16 instructions treat denormal bf16 inputs (|x| < 2^-126)
 // as 0 and flush denormal float results to 0, whatever MXCSR says; the
@@ -67,23 +71,14 @@ void scale_c(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 
 // ---- widen: the portable path -------------------------------------------------
 
-// op(A), op(B) as stored, widened to float, multiplied by sgemm. The products
-// of two bf16 values are exact in float, so this differs from the native
-// paths only in summation order (and in keeping denormal inputs).
-void gemm_widen(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta,
-                float* c, int64_t ldc) {
-  thread_local std::vector<float> wide_a, wide_b;
-  const auto widen = [](const bfloat16* x, int64_t ld, int64_t rows, int64_t cols,
-                        std::vector<float>& out) {
-    out.resize(static_cast<size_t>(rows * cols));
-    for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out.data() + r * cols, cols);
-  };
-  widen(a, lda, trans_a ? k : m, trans_a ? m : k, wide_a);
-  widen(b, ldb, trans_b ? n : k, trans_b ? k : n, wide_b);
-  detail::init_blas_threads();
-  detail::gemm(trans_a, trans_b, m, n, k, alpha, wide_a.data(), trans_a ? m : k, wide_b.data(),
-               trans_b ? k : n, beta, c, ldc);
+// op(A) and op(B) widened to float and multiplied by sgemm (multiply() below).
+// The products of two bf16 values are exact in float, so this differs from
+// the native paths only in summation order (and in keeping denormal inputs).
+
+// The rows x cols matrix x (leading dimension ld) as contiguous floats.
+void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols, std::vector<float>& out) {
+  out.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out.data() + r * cols, cols);
 }
 
 #if defined(__x86_64__)
@@ -299,30 +294,32 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
-struct Packed {
-  const uint32_t* a = nullptr;  // null when not packed (the AMX path reads A in place)
-  const uint32_t* b = nullptr;
-  int64_t kp = 0;
-};
+// The packed layouts' k: pairs of k, padded to whole 16-word tile rows.
+int64_t packed_kp(int64_t k) { return round_up(k, 2 * kTile) / 2; }
 
-Packed pack_operands(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const bfloat16* a,
-                     int64_t lda, const bfloat16* b, int64_t ldb, bool want_a) {
-  thread_local Scratch scratch_a, scratch_b;
-  Packed p;
-  p.kp = round_up(k, 2 * kTile) / 2;
-  if (want_a) {
-    const Operand op_a{reinterpret_cast<const uint16_t*>(a), lda, m, k, !trans_a};
-    const int64_t m_pad = round_up(m, kTile);
-    uint32_t* pa = scratch_a.words(static_cast<size_t>(m_pad * p.kp));
-    pack(op_a, m_pad, p.kp, /*r_major=*/true, pa);
-    p.a = pa;
-  }
+// op(B) (k x n) into the panel layout with kp words per panel row.
+void pack_b_words(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb, int64_t kp,
+                  uint32_t* dst) {
   const Operand op_b{reinterpret_cast<const uint16_t*>(b), ldb, n, k, trans_b};
-  const int64_t n_pad = round_up(n, kTile);
-  uint32_t* pb = scratch_b.words(static_cast<size_t>(n_pad * p.kp));
-  pack(op_b, n_pad, p.kp, /*r_major=*/false, pb);
-  p.b = pb;
-  return p;
+  pack(op_b, round_up(n, kTile), kp, /*r_major=*/false, dst);
+}
+
+// op(A) (m x k) into the row layout with kp words per row, in thread-local scratch.
+const uint32_t* pack_a_words(bool trans_a, int64_t m, int64_t k, const bfloat16* a, int64_t lda,
+                             int64_t kp) {
+  thread_local Scratch scratch_a;
+  const Operand op_a{reinterpret_cast<const uint16_t*>(a), lda, m, k, !trans_a};
+  const int64_t m_pad = round_up(m, kTile);
+  uint32_t* pa = scratch_a.words(static_cast<size_t>(m_pad * kp));
+  pack(op_a, m_pad, kp, /*r_major=*/true, pa);
+  return pa;
+}
+
+// op(A) as stored is already the row layout (word p of row r = the pair
+// (A[r][2p], A[r][2p + 1])) when A is row-major with even k and lda and
+// 4-byte aligned: no packing, and k / 2 words per row are enough.
+bool a_is_row_layout(bool trans_a, int64_t k, const bfloat16* a, int64_t lda) {
+  return !trans_a && k % 2 == 0 && lda % 2 == 0 && reinterpret_cast<uintptr_t>(a) % 4 == 0;
 }
 
 // c[0 .. cols) = alpha * acc + beta * c, cols <= 16; beta = 0 never reads c.
@@ -337,10 +334,13 @@ QKV_AVX512 void store_row(float* c, __m512 acc, int64_t cols, float alpha, float
 
 // An 8-row x 16*Panels-column tile of C in 8 * Panels zmm accumulators (16
 // for 2 panels: each B vector feeds 8 products, each broadcast A pair 2; the
-// 8-cycle latency needs >= 4 independent chains at one per 2 cycles).
+// 8-cycle latency needs >= 4 independent chains at one per 2 cycles). A: 8
+// rows of words a_stride apart; B: Panels panels b_stride words apart; kp
+// pairs of k summed.
 template <int Panels>
-QKV_AVX512_BF16 void dot_tile(const uint32_t* pa, const uint32_t* pb, int64_t kp, int64_t rows,
-                              int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+QKV_AVX512_BF16 void dot_tile(const uint32_t* pa, int64_t a_stride, const uint32_t* pb,
+                              int64_t b_stride, int64_t kp, int64_t rows, int64_t cols, float alpha,
+                              float beta, float* c, int64_t ldc) {
   constexpr int kRows = 8;
   __m512 acc[kRows][Panels];
   for (int i = 0; i < kRows; ++i) {
@@ -349,9 +349,9 @@ QKV_AVX512_BF16 void dot_tile(const uint32_t* pa, const uint32_t* pb, int64_t kp
   for (int64_t p = 0; p < kp; ++p) {
     __m512bh bv[Panels];
     for (int q = 0; q < Panels; ++q)
-      bv[q] = (__m512bh)_mm512_loadu_si512(pb + q * kp * kTile + p * kTile);
+      bv[q] = (__m512bh)_mm512_loadu_si512(pb + q * b_stride + p * kTile);
     for (int i = 0; i < kRows; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pa[i * kp + p]));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pa[i * a_stride + p]));
       for (int q = 0; q < Panels; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], av, bv[q]);
     }
   }
@@ -362,17 +362,27 @@ QKV_AVX512_BF16 void dot_tile(const uint32_t* pa, const uint32_t* pb, int64_t kp
   }
 }
 
-QKV_AVX512_BF16 void gemm_avx512_bf16(const Packed& p, int64_t m, int64_t n, float alpha,
-                                      float beta, float* c, int64_t ldc) {
+// C = alpha op(A) B + beta C with B packed (kp words per panel row). A is
+// read in place when it has the row layout and whole 8-row tiles (dot_tile
+// reads 8 rows), else packed; only the k / 2 pairs A holds are summed (B's
+// padding rows are zero).
+QKV_AVX512_BF16 void gemm_avx512_bf16(bool trans_a, int64_t m, int64_t n, int64_t k, float alpha,
+                                      const bfloat16* a, int64_t lda, const uint32_t* b,
+                                      int64_t kp, float beta, float* c, int64_t ldc) {
+  const bool in_place = a_is_row_layout(trans_a, k, a, lda) && m % 8 == 0;
+  const uint32_t* pa =
+      in_place ? reinterpret_cast<const uint32_t*>(a) : pack_a_words(trans_a, m, k, a, lda, kp);
+  const int64_t a_stride = in_place ? lda / 2 : kp;
+  const int64_t pairs = in_place ? k / 2 : kp;
   for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    const uint32_t* pa = p.a + r0 * p.kp;
+    const uint32_t* pa_r = pa + r0 * a_stride;
     for (int64_t c0 = 0; c0 < n; c0 += 2 * kTile) {
-      const uint32_t* pb = p.b + (c0 / kTile) * p.kp * kTile;
+      const uint32_t* pb = b + (c0 / kTile) * kp * kTile;
       float* ct = c + r0 * ldc + c0;
       if (n - c0 > kTile) {
-        dot_tile<2>(pa, pb, p.kp, m - r0, n - c0, alpha, beta, ct, ldc);
+        dot_tile<2>(pa_r, a_stride, pb, kp * kTile, pairs, m - r0, n - c0, alpha, beta, ct, ldc);
       } else {
-        dot_tile<1>(pa, pb, p.kp, m - r0, n - c0, alpha, beta, ct, ldc);
+        dot_tile<1>(pa_r, a_stride, pb, kp * kTile, pairs, m - r0, n - c0, alpha, beta, ct, ldc);
       }
     }
   }
@@ -541,27 +551,29 @@ bool available(Path path) { return path == Path::kWiden; }
 
 #endif
 
-void gemm_on(Path path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-             const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
-             int64_t ldc) {
-  assert(m >= 0 && n >= 0 && k >= 0);
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    scale_c(m, n, beta, c, ldc);
-    return;
-  }
+// op(B) ready for a path: the panel words of the native paths, or op(B)
+// widened to float (k x n) for the widening path.
+struct ReadyB {
+  const uint32_t* words = nullptr;
+  int64_t kp = 0;
+  const float* wide = nullptr;
+};
+
+// C = alpha op(A) B + beta C for a B made ready for `path`; m, n, k > 0.
+void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float alpha,
+              const bfloat16* a, int64_t lda, const ReadyB& b, float beta, float* c, int64_t ldc) {
 #if defined(__x86_64__)
   if (path == Path::kAmx) {
     // A as stored already has the A-tile layout when its rows hold whole
     // 64-byte tile rows and whole tiles: no packing (the common case, Q or P
     // with k = 64, 128, 256).
     const bool a_in_place = !trans_a && m % kTile == 0 && k % (2 * kTile) == 0;
-    const Packed p = pack_operands(trans_a, trans_b, m, n, k, a, lda, b, ldb, !a_in_place);
+    const uint32_t* pa = a_in_place ? nullptr : pack_a_words(trans_a, m, k, a, lda, b.kp);
     const AmxProduct g{
-        a_in_place ? reinterpret_cast<const char*>(a) : reinterpret_cast<const char*>(p.a),
-        a_in_place ? lda * 2 : p.kp * 4,
-        p.b,
-        p.kp,
+        a_in_place ? reinterpret_cast<const char*>(a) : reinterpret_cast<const char*>(pa),
+        a_in_place ? lda * 2 : b.kp * 4,
+        b.words,
+        b.kp,
         m,
         n,
         alpha,
@@ -572,12 +584,76 @@ void gemm_on(Path path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_
     return;
   }
   if (path == Path::kAvx512Bf16) {
-    gemm_avx512_bf16(pack_operands(trans_a, trans_b, m, n, k, a, lda, b, ldb, true), m, n, alpha,
-                     beta, c, ldc);
+    gemm_avx512_bf16(trans_a, m, n, k, alpha, a, lda, b.words, b.kp, beta, c, ldc);
     return;
   }
 #endif
-  gemm_widen(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  thread_local std::vector<float> wide_a;
+  widen_rows(a, lda, trans_a ? k : m, trans_a ? m : k, wide_a);
+  detail::init_blas_threads();
+  detail::gemm(trans_a, false, m, n, k, alpha, wide_a.data(), trans_a ? m : k, b.wide, n, beta, c,
+               ldc);
+}
+
+// Puts op(B) into the form `path` multiplies with, in `words` or `wide`.
+ReadyB make_ready(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
+                  std::vector<uint32_t>& words, std::vector<float>& wide) {
+  ReadyB ready;
+  if (path == Path::kWiden) {
+    wide.resize(static_cast<size_t>(k * n));
+    if (trans_b) {  // stored n x k: transpose while widening
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t kk = 0; kk < k; ++kk) wide[kk * n + j] = static_cast<float>(b[j * ldb + kk]);
+      }
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk) to_float(b + kk * ldb, wide.data() + kk * n, n);
+    }
+    ready.wide = wide.data();
+    return ready;
+  }
+  ready.kp = packed_kp(k);
+  words.resize(static_cast<size_t>(round_up(n, kTile) * ready.kp));
+  pack_b_words(trans_b, n, k, b, ldb, ready.kp, words.data());
+  ready.words = words.data();
+  return ready;
+}
+
+void gemm_on(Path path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+             const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
+             int64_t ldc) {
+  assert(m >= 0 && n >= 0 && k >= 0);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    scale_c(m, n, beta, c, ldc);
+    return;
+  }
+  thread_local std::vector<uint32_t> words;
+  thread_local std::vector<float> wide;
+  const ReadyB ready = make_ready(path, trans_b, n, k, b, ldb, words, wide);
+  multiply(path, trans_a, m, n, k, alpha, a, lda, ready, beta, c, ldc);
+}
+
+PackedB pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
+  assert(n >= 0 && k >= 0);
+  PackedB packed;
+  packed.n = n;
+  packed.k = k;
+  packed.path = static_cast<int>(path);
+  if (n > 0 && k > 0) packed.kp = make_ready(path, trans_b, n, k, b, ldb, packed.words, packed.wide).kp;
+  return packed;
+}
+
+void gemm_packed(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedB& b,
+                 float beta, float* c, int64_t ldc) {
+  assert(m >= 0);
+  if (m == 0 || b.n == 0) return;
+  if (b.k == 0) {
+    scale_c(m, b.n, beta, c, ldc);
+    return;
+  }
+  const ReadyB ready{b.words.empty() ? nullptr : b.words.data(), b.kp,
+                     b.wide.empty() ? nullptr : b.wide.data()};
+  multiply(static_cast<Path>(b.path), false, m, b.n, b.k, alpha, a, lda, ready, beta, c, ldc);
 }
 
 }  // namespace
@@ -586,6 +662,15 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
           const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
           int64_t ldc) {
   gemm_on(best_path(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+PackedB pack_b(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
+  return pack_b_on(best_path(), trans_b, n, k, b, ldb);
+}
+
+void gemm(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedB& b, float beta,
+          float* c, int64_t ldc) {
+  gemm_packed(m, alpha, a, lda, b, beta, c, ldc);
 }
 
 void to_bf16(const float* x, bfloat16* out, int64_t n) {
@@ -624,6 +709,15 @@ void gemm_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m
     }
   }
   throw std::invalid_argument("bf16::internal::gemm_on_path: path '" + path +
+                              "' is not available on this machine");
+}
+
+PackedB pack_b_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
+                       const bfloat16* b, int64_t ldb) {
+  for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
+    if (path == path_name(p) && available(p)) return pack_b_on(p, trans_b, n, k, b, ldb);
+  }
+  throw std::invalid_argument("bf16::internal::pack_b_on_path: path '" + path +
                               "' is not available on this machine");
 }
 

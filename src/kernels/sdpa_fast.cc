@@ -26,14 +26,18 @@
 // blocks: ~1.3x per block pair in bench/block_gemm_choice.cc, and the library
 // kernels at 128 x 256 x 64 on AVX-512, one thread, median of per-round
 // ratios: S 1.31-1.33x, O += P V 1.40-1.43x, the pair 1.32-1.34x (forced to
-// AVX2 against OpenBLAS's Haswell kernels: 1.18x, 1.10x, 1.08x). Everything
+// AVX2 against OpenBLAS's Haswell kernels: 1.18x, 1.10x, 1.08x); on an AMD
+// Zen 4 (AVX-512 on 256-bit units) at the 256 x 256 blocks used now: S 1.09x,
+// O += P V 1.15x, the pair 1.11x. Everything
 // else goes to the BLAS (single-threaded OpenBLAS inside our tasks): double,
 // whose products have no Highway kernel, and the backward, whose transposed
 // products (Pᵀ dO, dSᵀ Q) the two kernels do not cover and which was not
 // measured against them; its S recomputed by sgemm may differ from the
 // forward's in the last bits. bf16 inputs use kernels/gemm_bf16.h
-// (AVX-512 BF16 dot products) with P and dS rounded to bf16 for their
-// products, everything else in float.
+// (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16 for
+// their products, everything else in float; the forward packs each key
+// block's K and V for the products once per call, not once per query block,
+// and the softmax writes P straight in bf16 when there is no dropout.
 //
 // Rows whose valid scores are not all finite (NaN, ±inf) take an exact
 // single-row path that applies DESIGN.md §3's rules.
@@ -56,7 +60,11 @@
 namespace qkv::kernels::fast {
 namespace {
 
-constexpr int64_t kQueryBlock = 128;
+// 256 queries per task: each key block's K and V are then read (and, for
+// bf16, their products set up) once per 256 queries; at 128 the float
+// forward at B=2, Q=K=4096, d=64 took 48.7 ms, at 256 45.8 ms (2 threads).
+// The (256 x 256) float score tile is 256 KiB, well inside the 1-2 MiB L2.
+constexpr int64_t kQueryBlock = 256;
 constexpr int64_t kKeyBlock = 256;
 // Backward tiles: dS and P of kBackQueryBlock x kBackKeyBlock floats each.
 constexpr int64_t kBackQueryBlock = 128;
@@ -71,6 +79,17 @@ constexpr int64_t kMinBackwardTasks = 16;
 template <class In>
 struct Flash {
   using Acc = In;
+  // What the forward prepares once per (batch element, key block): nothing here.
+  struct KeyBlock {};
+  static KeyBlock prepare(const In*, const In*, int64_t, int64_t, int64_t) { return {}; }
+  static void scores(const KeyBlock*, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
+                     int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc) {
+    scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+  }
+  static void accumulate(const KeyBlock*, int64_t m, int64_t n, int64_t k, const In* a,
+                         int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc) {
+    accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+  }
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
                    int64_t lda, const In* b, int64_t ldb, Acc beta, Acc* c, int64_t ldc) {
     detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
@@ -107,6 +126,34 @@ struct Flash {
 template <>
 struct Flash<bfloat16> {
   using Acc = float;
+  // K and V of one key block packed for the products once, not once per
+  // query block: packing was ~6 % of the bf16 forward, and with the products
+  // at ~2x the float rate every other pass counts double.
+  struct KeyBlock {
+    bf16::PackedB k, v;  // Kᵀ (d x cols) and V (cols x dv) as B operands
+  };
+  // k_blk: cols x d keys, v_blk: cols x dv values.
+  static KeyBlock prepare(const bfloat16* k_blk, const bfloat16* v_blk, int64_t cols, int64_t d,
+                          int64_t dv) {
+    return {bf16::pack_b(true, cols, d, k_blk, d), bf16::pack_b(false, dv, cols, v_blk, dv)};
+  }
+  static void scores(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, float alpha,
+                     const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float* c,
+                     int64_t ldc) {
+    if (kb && kb->k.n == n) {
+      bf16::gemm(m, alpha, a, lda, kb->k, 0.0f, c, ldc);
+    } else {
+      scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    }
+  }
+  static void accumulate(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, const bfloat16* a,
+                         int64_t lda, const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
+    if (kb && kb->v.k == k) {
+      bf16::gemm(m, 1.0f, a, lda, kb->v, 1.0f, c, ldc);
+    } else {
+      accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+    }
+  }
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
@@ -187,6 +234,7 @@ template <class In>
 void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
                   int64_t b, int64_t i0, int64_t rows, typename Flash<In>::Acc* out,
                   typename Flash<In>::Acc* weights, typename Flash<In>::Acc* lse,
+                  const typename Flash<In>::KeyBlock* key_blocks, int64_t prepared_keys,
                   ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
@@ -216,12 +264,29 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n_eff - j0);
     Acc* s = sc.s.data();
-    Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols);
+    // A prepared block serves only when this task needs the same keys (with
+    // 2-D lengths the last block can be shorter here than for the batch).
+    const auto* prepared =
+        key_blocks && j0 + cols <= prepared_keys && (cols == kKeyBlock || j0 + cols == prepared_keys)
+            ? &key_blocks[j0 / kKeyBlock]
+            : nullptr;
+    Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols);
     for (int64_t r = 0; r < rows; ++r) {
       sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
     }
-    softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
-                        sc.correction.data(), sc.special.data());
+    // bf16 without dropout: the softmax writes P as the bf16 operand itself.
+    In* p_fused = nullptr;
+    if constexpr (std::is_same_v<In, bfloat16>) {
+      if (!dropout) {
+        sc.p_operand.resize(static_cast<size_t>(rows * cols));
+        p_fused = sc.p_operand.data();
+      }
+      softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
+                          sc.correction.data(), sc.special.data(), p_fused);
+    } else {
+      softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
+                          sc.correction.data(), sc.special.data());
+    }
     for (int64_t r = 0; r < rows; ++r) {
       if (sc.correction[r] != Acc(1)) vecmath::scale(out + r * dv, sc.correction[r], dv);
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
@@ -231,8 +296,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
         apply_dropout(s + r * cols, sc.keep.data(), inv_keep, sc.valid[r]);
       }
     }
-    Flash<In>::accumulate(rows, dv, cols, Flash<In>::operand(s, rows * cols, sc.p_operand), cols,
-                          v_b + j0 * dv, dv, out, dv);
+    const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
+    Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -276,15 +341,39 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
                    TensorView<typename Flash<In>::Acc> output,
                    TensorView<typename Flash<In>::Acc> weights,
                    TensorView<typename Flash<In>::Acc> lse) {
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
+  using KeyBlock = typename Flash<In>::KeyBlock;
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
+  const int64_t key_blocks = ceil_div(nk, kKeyBlock);
+  // Key blocks prepared once for all query blocks (bf16: packed K and V), up
+  // to the longest valid length of each batch element: keys no query may see
+  // are never read.
+  std::vector<KeyBlock> prepared;
+  std::vector<int64_t> prepared_keys(static_cast<size_t>(batch), 0);
+  if constexpr (!std::is_empty_v<KeyBlock>) {
+    if (blocks > 1) {
+      prepared.resize(static_cast<size_t>(batch * key_blocks));
+      for (int64_t b = 0; b < batch; ++b) {
+        prepared_keys[b] = longest_len(*config.valid_lens, b, 0, nq, nk);
+      }
+      detail::parallel_for(batch * key_blocks, [&](int64_t task) {
+        const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
+        if (j0 >= prepared_keys[b]) return;
+        const int64_t cols = std::min(kKeyBlock, prepared_keys[b] - j0);
+        prepared[task] = Flash<In>::prepare(k.data() + (b * nk + j0) * d,
+                                            v.data() + (b * nk + j0) * dv, cols, d, dv);
+      });
+    }
+  }
   detail::parallel_for(batch * blocks, [&](int64_t task) {
     thread_local ForwardScratch<In> scratch;
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
     const int64_t rows = std::min(kQueryBlock, nq - i0);
     forward_task(q, k, v, config, b, i0, rows, output.data() + (b * nq + i0) * dv,
                  weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
-                 lse.data() ? lse.data() + b * nq + i0 : nullptr, scratch);
+                 lse.data() ? lse.data() + b * nq + i0 : nullptr,
+                 prepared.empty() ? nullptr : prepared.data() + b * key_blocks, prepared_keys[b],
+                 scratch);
   });
 }
 

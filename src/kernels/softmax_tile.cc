@@ -6,6 +6,7 @@
 // Highway's own headers must follow foreach_target.h.
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -19,18 +20,43 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using ::qkv::simd::HWY_NAMESPACE::ExpNonPositive;
 
+// bf16 bits of n <= Lanes(d) finite floats v, rounded to nearest even, to out.
+template <class D>
+HWY_INLINE void StoreBf16(D d, hn::Vec<D> v, uint16_t* out, size_t n) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = hn::BitCast(di, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(di, 1));
+  // Finite non-negative inputs: the rounded upper half fits in 0..0x7f80.
+  const auto upper = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(di, 0x7fff), lsb)));
+  const auto half = hn::DemoteTo(du16, upper);
+  if (n == hn::Lanes(d)) {
+    hn::StoreU(half, du16, out);
+  } else {
+    hn::BlendedStore(half, hn::FirstN(du16, n), du16, out);
+  }
+}
+
+// Zeroes out[0, n).
+HWY_INLINE void ZeroBf16(uint16_t* out, int64_t n) { std::fill(out, out + n, uint16_t{0}); }
+
 template <class T>
 void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T* m, T* l,
-                       T* correction, uint8_t* special) {
+                       T* correction, uint8_t* special, uint16_t* p16) {
   const hn::ScalableTag<T> d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   constexpr T kInf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* row = s + r * cols;
+    uint16_t* row16 = p16 ? p16 + r * cols : nullptr;
     const int64_t n = valid[r];
     correction[r] = T(1);
     if (n == 0 || special[r]) {
-      std::fill(row, row + cols, T(0));
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
       continue;
     }
     // Pass 1: max, and x * 0 summed, which is NaN iff some x is NaN or ±inf.
@@ -51,7 +77,11 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     }
     if (!(hn::GetLane(hn::SumOfLanes(d, probe)) == T(0))) {
       special[r] = 1;
-      std::fill(row, row + cols, T(0));
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
       continue;
     }
     const T m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
@@ -62,8 +92,16 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     for (; j + 2 * lanes <= n; j += 2 * lanes) {
       const auto e0 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j), shift));
       const auto e1 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
-      hn::StoreU(e0, d, row + j);
-      hn::StoreU(e1, d, row + j + lanes);
+      if constexpr (sizeof(T) == 4) {
+        if (row16) {
+          StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
+          StoreBf16(d, e1, row16 + j + lanes, static_cast<size_t>(lanes));
+        }
+      }
+      if (!row16) {
+        hn::StoreU(e0, d, row + j);
+        hn::StoreU(e1, d, row + j + lanes);
+      }
       sum0 = hn::Add(sum0, e0);
       sum1 = hn::Add(sum1, e1);
     }
@@ -71,10 +109,17 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
       const auto e = hn::IfThenElseZero(
           mask, ExpNonPositive(d, hn::Sub(hn::MaskedLoad(mask, d, row + j), shift)));
-      hn::BlendedStore(e, mask, d, row + j);
+      if constexpr (sizeof(T) == 4) {
+        if (row16) StoreBf16(d, e, row16 + j, static_cast<size_t>(std::min(lanes, n - j)));
+      }
+      if (!row16) hn::BlendedStore(e, mask, d, row + j);
       sum0 = hn::Add(sum0, e);
     }
-    std::fill(row + n, row + cols, T(0));
+    if (row16) {
+      ZeroBf16(row16 + n, cols - n);
+    } else {
+      std::fill(row + n, row + cols, T(0));
+    }
     const T block_sum = hn::GetLane(hn::SumOfLanes(d, hn::Add(sum0, sum1)));
     if (l[r] > T(0) && m_new > m[r]) correction[r] = std::exp(m[r] - m_new);
     l[r] = l[r] * correction[r] + block_sum;
@@ -83,12 +128,13 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
 }
 
 void SoftmaxTileUpdateF(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
-                        float* l, float* correction, uint8_t* special) {
-  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special);
+                        float* l, float* correction, uint8_t* special, uint16_t* p16) {
+  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special, p16);
 }
 void SoftmaxTileUpdateD(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                         double* l, double* correction, uint8_t* special) {
-  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special);
+  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special,
+                    static_cast<uint16_t*>(nullptr));
 }
 
 }  // namespace HWY_NAMESPACE
@@ -101,8 +147,9 @@ HWY_EXPORT(SoftmaxTileUpdateF);
 HWY_EXPORT(SoftmaxTileUpdateD);
 
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
-                         float* l, float* correction, uint8_t* special) {
-  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)(s, rows, cols, valid, m, l, correction, special);
+                         float* l, float* correction, uint8_t* special, bfloat16* p_bf16) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)(s, rows, cols, valid, m, l, correction, special,
+                                           reinterpret_cast<uint16_t*>(p_bf16));
 }
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special) {

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "qkv/bfloat16.h"
+
 namespace qkv::kernels {
 
 // s: rows x cols scores (leading dimension cols); valid[r]: how many leading
@@ -16,8 +18,13 @@ namespace qkv::kernels {
 // zeroed and correction[r] = 1. Rows already special, or with no valid
 // column, are zeroed with correction 1. The exp is kernels/exp-inl.h's:
 // a few ulp, with results below 2^-126 (double: e^-708) taken as 0.
+// p_bf16 (float only, may be null): writes the tile's new values there
+// instead of into s, rounded to bfloat16 (nearest even), rows x cols with
+// leading dimension cols: the P operand of bf16 attention without a separate
+// conversion pass (s is then only read).
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
-                         float* l, float* correction, uint8_t* special);
+                         float* l, float* correction, uint8_t* special,
+                         bfloat16* p_bf16 = nullptr);
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special);
 
