@@ -460,6 +460,40 @@ def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens):
         lines.append(f"| {label} | {target} | {q} | {t} | {measured} | {verdict(ok)} |")
     met = sum(1 for r in rows if r[5])
     lines += ["", f"**{met} of {len(rows)} targets met in this run.**", ""]
+    lines += floors_section([
+        ("SDPA forward with random lengths", fwd_lens, 10),
+        ("SDPA forward + backward with random lengths", fb_lens, 8)], sgemm_rate)
+    return lines
+
+
+def floors_section(ratio_targets, sgemm_rate):
+    """For the speed-up targets: the best speed-up the work allows at the sgemm rate.
+
+    The flops are fixed by the op (valid keys only), so no kernel can take
+    less than flops / sgemm rate; PyTorch's time over that floor bounds the
+    speed-up any implementation could show against it in this run.
+    """
+    lines = ["### The floor under the speed-up targets", "",
+             "A speed-up over PyTorch is bounded by the work itself: the op's flops over the "
+             "valid keys cannot run faster than this machine's sgemm rate, so PyTorch's time "
+             "divided by that floor is the most any implementation could show in this run.", "",
+             "| op | target | flops (valid keys) | floor at the sgemm rate | PyTorch | "
+             "best possible speed-up | qkv's speed-up (% of sgemm) |",
+             "|---|---|---|---|---|---|---|"]
+    for label, case, target in ratio_targets:
+        if case.flops is None or case.seconds is None or case.torch_seconds is None:
+            lines.append(f"| {label} | ≥ {target}× | – | – | – | – | not measured |")
+            continue
+        flops = case.flops * case.seconds
+        floor = flops / sgemm_rate
+        best = case.torch_seconds / floor
+        lines.append(f"| {label} | ≥ {target}× | {flops / 1e9:.2f} GFLOP | {fmt_s(floor)} | "
+                     f"{fmt_s(case.torch_seconds)} | {fmt_x(best)} | {fmt_x(case.speedup())} "
+                     f"({fmt_pct(ratio(case.flops, sgemm_rate))}) |")
+    lines += ["", "Where the best possible speed-up is below the target, the target cannot be "
+              "met on this machine with these lengths (drawn by this script, seed "
+              f"{LENS_SEED}); qkv's percentage of the sgemm rate is the figure that says how "
+              "close it comes.", ""]
     return lines
 
 
