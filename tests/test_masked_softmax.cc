@@ -542,6 +542,22 @@ TYPED_TEST(MaskedSoftmax, WritesIntoCallerBuffers) {
   }
 }
 
+// A strided buffer whose storage was filled with NaN: every element outside
+// the view must still be NaN (nothing written into the gaps).
+template <class T>
+void expect_gaps_untouched(const Strided<T>& strided) {
+  std::set<int64_t> inside;
+  const TensorView<T> sv = strided.view();
+  for_each_index(sv.shape(), [&](const std::array<int64_t, kMaxRank>& index) {
+    inside.insert(sv.data() - strided.storage().data() + offset_of(sv.strides(), index, 3));
+  });
+  for (size_t n = 0; n < strided.storage().size(); ++n) {
+    if (!inside.count(static_cast<int64_t>(n))) {
+      ASSERT_TRUE(std::isnan(strided.storage()[n])) << "wrote outside the view at " << n;
+    }
+  }
+}
+
 // The weights view may be strided like any other view (masked_softmax.h puts
 // no contiguity requirement on it).
 TYPED_TEST(MaskedSoftmax, WritesIntoStridedBuffers) {
@@ -564,16 +580,7 @@ TYPED_TEST(MaskedSoftmax, WritesIntoStridedBuffers) {
       const Strided<T> strided_out(Tensor<T>(shape, nan).view(), {.step = 2, .pad = 3});
       masked_softmax(x, valid_lens, strided_out.view());
       expect_close(strided_out.view(), expected, tol, "into a strided buffer");
-      std::set<int64_t> inside;
-      const TensorView<T> sv = strided_out.view();
-      for_each_index(shape, [&](const std::array<int64_t, kMaxRank>& index) {
-        inside.insert(sv.data() - strided_out.storage().data() + offset_of(sv.strides(), index, 3));
-      });
-      for (size_t n = 0; n < strided_out.storage().size(); ++n) {
-        if (!inside.count(static_cast<int64_t>(n))) {
-          ASSERT_TRUE(std::isnan(strided_out.storage()[n])) << "wrote outside the view at " << n;
-        }
-      }
+      expect_gaps_untouched(strided_out);
 
       // In place through a strided view.
       const Strided<T> strided_in_place(x.view(), {.reversed = true});
@@ -671,16 +678,7 @@ TYPED_TEST(MaskedSoftmax, BackwardWritesIntoCallerBuffers) {
       const Strided<T> strided_out(Tensor<T>(shape, nan).view(), {.step = 2, .pad = 3});
       masked_softmax_backward(w, g, valid_lens, strided_out.view());
       expect_close(strided_out.view(), expected, tol, "into a strided buffer");
-      std::set<int64_t> inside;
-      const TensorView<T> sv = strided_out.view();
-      for_each_index(shape, [&](const std::array<int64_t, kMaxRank>& index) {
-        inside.insert(sv.data() - strided_out.storage().data() + offset_of(sv.strides(), index, 3));
-      });
-      for (size_t n = 0; n < strided_out.storage().size(); ++n) {
-        if (!inside.count(static_cast<int64_t>(n))) {
-          ASSERT_TRUE(std::isnan(strided_out.storage()[n])) << "wrote outside the view at " << n;
-        }
-      }
+      expect_gaps_untouched(strided_out);
     }
   }
 }
