@@ -291,6 +291,11 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
       {2, 129, 513, 64, 9, LensForm::kPerQuery, Trend::kFalling, 0.2, true},
       {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
       {1, 1, 1, 1, 1, LensForm::kNone, Trend::kRandom, 0.0, true},
+      // Several query blocks: K and V packed once per key block and shared,
+      // the last key block shorter for some query blocks than for the batch
+      // (per-query lengths), with and without dropout.
+      {2, 600, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {1, 520, 900, 32, 32, LensForm::kPerBatch, Trend::kRandom, 0.3, true},
   };
   for (const FlashCase& c : cases) {
     SCOPED_TRACE(describe(c));
