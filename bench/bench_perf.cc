@@ -384,7 +384,7 @@ using Op = std::function<void(const Runner&)>;
 std::vector<std::pair<std::string, Op>> g_ops;  // in registration order
 
 // Registers op as a timed benchmark and for --perf_memory. An op that throws
-// (e.g. not implemented yet) becomes an error row, not the end of the run.
+// (out of memory, say) becomes an error row on the page, not the end of the run.
 void add(const std::string& name, Op op) {
   g_ops.emplace_back(name, op);
   benchmark::RegisterBenchmark(name.c_str(), [op](benchmark::State& state) {

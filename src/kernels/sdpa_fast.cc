@@ -84,9 +84,9 @@ constexpr int64_t kMinBackwardTasks = 16;
 template <class In>
 struct Flash {
   using Acc = In;
-  // What the forward prepares once per (batch element, key block): nothing here.
+  // What the forward prepares once per (batch element, key block): nothing
+  // here (flash_forward skips the preparation for an empty KeyBlock).
   struct KeyBlock {};
-  static KeyBlock prepare(const In*, const In*, int64_t, int64_t, int64_t) { return {}; }
   static void scores(const KeyBlock*, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
                      int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc) {
     scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
