@@ -16,6 +16,7 @@
 #include <new>
 
 #include "kernels/block_gemm.h"
+#include "kernels/tail-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::kernels::block_gemm {
@@ -55,19 +56,8 @@ HWY_INLINE float* scratch(size_t n) {
   return buf.get();
 }
 
-// The first n < Lanes(d) elements of x in a vector, zeros after: never reads x[n].
-HWY_INLINE hn::Vec<D> load_tail(D d, const float* x, size_t n) {
-  HWY_ALIGN float buf[hn::MaxLanes(D())] = {};
-  std::copy_n(x, n, buf);
-  return hn::Load(d, buf);
-}
-
-// The first n < Lanes(d) lanes of v to out: never touches out[n].
-HWY_INLINE void store_tail(D d, hn::Vec<D> v, float* out, size_t n) {
-  HWY_ALIGN float buf[hn::MaxLanes(D())];
-  hn::Store(v, d, buf);
-  std::copy_n(buf, n, out);
-}
+using ::qkv::simd::HWY_NAMESPACE::LoadTail;
+using ::qkv::simd::HWY_NAMESPACE::StoreTail;
 
 // C (MR x NV vectors) = alpha A B (kAccumulate: C += A B). A is MR rows of
 // k, lda apart; B is k rows of NV vectors, ldb apart (a packed panel, or V
@@ -98,14 +88,14 @@ HWY_INLINE void micro_tile(const float* HWY_RESTRICT a, int64_t lda, const float
         if (whole) {
           hn::StoreU(hn::Add(hn::LoadU(d, out), acc[r][v]), d, out);
         } else {
-          store_tail(d, hn::Add(load_tail(d, out, last), acc[r][v]), out, last);
+          StoreTail(d, hn::Add(LoadTail(d, out, last), acc[r][v]), out, last);
         }
       } else {
         const auto x = hn::Mul(acc[r][v], hn::Set(d, alpha));
         if (whole) {
           hn::StoreU(x, d, out);
         } else {
-          store_tail(d, x, out, last);
+          StoreTail(d, x, out, last);
         }
       }
     }

@@ -57,7 +57,13 @@ struct ExpConstants<double> {
 
 template <>
 struct ExpConstants<float> {
-  static constexpr float kMinArg = -86.5f;  // k >= -125: the result stays normal
+  // e^-87 = 1.6e-38 is still normal (FLT_MIN = e^-87.34), as on the AVX-512
+  // path. The result stays normal down to it: k = round(x / ln 2) >= -126,
+  // and k = -126 only for x / ln 2 < -125.5, where r = x + 126 ln 2 > 0.33
+  // makes the polynomial > 1 (exponent field >= 1 after adding k). -86.5
+  // (k >= -125) zeroed the weights of e^[-87, -86.5] on every target but
+  // AVX-512.
+  static constexpr float kMinArg = -87.0f;
   static constexpr float kShifter = 0x1.8p23f;
   static constexpr int kMantissaBits = 23;
   static constexpr float kLn2Hi = 0.693145751953125f;  // Highway's split of ln 2

@@ -12,6 +12,7 @@
 
 #include "kernels/exp-inl.h"
 #include "kernels/softmax_tile.h"
+#include "kernels/tail-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::kernels {
@@ -19,6 +20,8 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 using ::qkv::simd::HWY_NAMESPACE::ExpNonPositive;
+using ::qkv::simd::HWY_NAMESPACE::LoadTail;
+using ::qkv::simd::HWY_NAMESPACE::StoreTail;
 
 // bf16 bits of n <= Lanes(d) finite floats v, rounded to nearest even, to out.
 template <class D>
@@ -71,7 +74,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     }
     if (j < n) {
       const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
-      const auto v = hn::MaskedLoad(mask, d, row + j);
+      const auto v = LoadTail(d, row + j, static_cast<size_t>(n - j));
       vmax = hn::Max(vmax, hn::IfThenElse(mask, v, hn::Set(d, -kInf)));
       probe = hn::MulAdd(v, zero, probe);
     }
@@ -106,13 +109,13 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       sum1 = hn::Add(sum1, e1);
     }
     for (; j < n; j += lanes) {
-      const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
+      const size_t count = static_cast<size_t>(std::min(lanes, n - j));
       const auto e = hn::IfThenElseZero(
-          mask, ExpNonPositive(d, hn::Sub(hn::MaskedLoad(mask, d, row + j), shift)));
+          hn::FirstN(d, count), ExpNonPositive(d, hn::Sub(LoadTail(d, row + j, count), shift)));
       if constexpr (sizeof(T) == 4) {
-        if (row16) StoreBf16(d, e, row16 + j, static_cast<size_t>(std::min(lanes, n - j)));
+        if (row16) StoreBf16(d, e, row16 + j, count);
       }
-      if (!row16) hn::BlendedStore(e, mask, d, row + j);
+      if (!row16) StoreTail(d, e, row + j, count);
       sum0 = hn::Add(sum0, e);
     }
     if (row16) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/exp-inl.h"
+#include "kernels/tail-inl.h"
 #include "kernels/vecmath.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -23,20 +24,8 @@ namespace qkv::vecmath {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Loads the last n < Lanes(d) elements into a full vector, padded with `pad`.
-template <class D, class T>
-HWY_INLINE hn::Vec<D> load_tail(D d, const T* x, size_t n, T pad) {
-  HWY_ALIGN T buf[hn::MaxLanes(d)];
-  for (size_t i = 0; i < hn::Lanes(d); ++i) buf[i] = i < n ? x[i] : pad;
-  return hn::Load(d, buf);
-}
-
-template <class D, class T>
-HWY_INLINE void store_tail(D d, hn::Vec<D> v, T* out, size_t n) {
-  HWY_ALIGN T buf[hn::MaxLanes(d)];
-  hn::Store(v, d, buf);
-  for (size_t i = 0; i < n; ++i) out[i] = buf[i];
-}
+using ::qkv::simd::HWY_NAMESPACE::LoadTail;
+using ::qkv::simd::HWY_NAMESPACE::StoreTail;
 
 template <class T>
 T MaxOf(const T* x, int64_t n_signed, bool* all_finite) {
@@ -54,7 +43,7 @@ T MaxOf(const T* x, int64_t n_signed, bool* all_finite) {
     probe = hn::MulAdd(v, zero, probe);
   }
   if (i < n) {
-    const auto v = load_tail(d, x + i, n - i, T(0));
+    const auto v = LoadTail(d, x + i, n - i, T(0));
     vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, n - i), v, hn::Set(d, lowest)));
     probe = hn::MulAdd(v, zero, probe);
   }
@@ -98,8 +87,8 @@ T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   }
   if (i < n) {
     const auto e = hn::IfThenElseZero(
-        hn::FirstN(d, n - i), ExpShifted(d, hn::Sub(load_tail(d, x + i, n - i, shift), vshift)));
-    store_tail(d, e, out + i, n - i);
+        hn::FirstN(d, n - i), ExpShifted(d, hn::Sub(LoadTail(d, x + i, n - i, shift), vshift)));
+    StoreTail(d, e, out + i, n - i);
     sum1 = hn::Add(sum1, e);
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(sum0, sum1)));
@@ -129,7 +118,7 @@ T Dot(const T* a, const T* b, int64_t n_signed) {
     sum0 = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), sum0);
   }
   if (i < n) {
-    sum1 = hn::MulAdd(load_tail(d, a + i, n - i, T(0)), load_tail(d, b + i, n - i, T(0)), sum1);
+    sum1 = hn::MulAdd(LoadTail(d, a + i, n - i, T(0)), LoadTail(d, b + i, n - i, T(0)), sum1);
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(sum0, sum1)));
 }
@@ -151,7 +140,7 @@ void SoftmaxGrad(const T* w, const T* g, T c, T* out, int64_t n_signed) {
 // tanh in float as x P(x^2) / Q(x^2), the [13/6] rational minimax fit Eigen
 // uses (generic_fast_tanh_float): within 2.3e-7 of tanh on |x| <= 7.905 before
 // rounding, 2.7e-7 relative in float with FMA (4.5 units in the last place
-// near 1). Past |x| = 7.905 it is clamped, where tanh is 1 to 2.7e-7, and
+// near 1), 3.7e-7 without (SSE4, scalar: each Horner step rounds twice). Past |x| = 7.905 it is clamped, where tanh is 1 to 2.7e-7, and
 // past 9 it is ±1 exactly (as float tanh rounds there). 19
 // vector operations and one division, against about 40 for hn::Tanh (an
 // expm1 and a division). The fused kernels use it only for tiles with
@@ -162,8 +151,11 @@ HWY_INLINE hn::Vec<D> TanhRational(D d, hn::Vec<D> x) {
   // Past |x| = 9 tanh rounds to ±1 in float; the clamped fit would say 1 - 2.7e-7.
   const auto saturated = hn::Ge(hn::Abs(x), hn::Set(d, 9.0f));
   const auto sign_one = hn::CopySign(hn::Set(d, 1.0f), x);
-  // x86's min and max return their second operand when either is NaN, so a
-  // NaN x survives the clamp (AdditiveTanh.AccuracyOverADenseSweep checks it).
+  // Highway leaves Min/Max of NaN to the target (x86 returns the second
+  // operand, the scalar target the other one, which would clamp NaN to a
+  // number), so NaN is passed through explicitly.
+  const auto nan = hn::IsNaN(x);
+  const auto x_in = x;
   x = hn::Min(limit, hn::Max(hn::Neg(limit), x));
   const auto x2 = hn::Mul(x, x);
   auto p = hn::MulAdd(x2, hn::Set(d, -2.76076847742355e-16f), hn::Set(d, 2.00018790482477e-13f));
@@ -176,7 +168,7 @@ HWY_INLINE hn::Vec<D> TanhRational(D d, hn::Vec<D> x) {
   q = hn::MulAdd(x2, q, hn::Set(d, 2.26843463243900e-03f));
   q = hn::MulAdd(x2, q, hn::Set(d, 4.89352518554385e-03f));
   // x last: x P / Q is within a rounding of x for tiny x, subnormals included.
-  return hn::IfThenElse(saturated, sign_one, hn::Mul(x, hn::Div(p, q)));
+  return hn::IfThenElse(nan, x_in, hn::IfThenElse(saturated, sign_one, hn::Mul(x, hn::Div(p, q))));
 }
 
 // The tanh of the fused kernels: the rational one in float, Highway's
@@ -196,7 +188,7 @@ void TanhRow(const T* x, T* out, int64_t n_signed) {
   const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
   size_t i = 0;
   for (; i + lanes <= n; i += lanes) hn::StoreU(TanhOf(d, hn::LoadU(d, x + i)), d, out + i);
-  if (i < n) store_tail(d, TanhOf(d, load_tail(d, x + i, n - i, T(0))), out + i, n - i);
+  if (i < n) StoreTail(d, TanhOf(d, LoadTail(d, x + i, n - i, T(0))), out + i, n - i);
 }
 
 // ---- fused additive attention ---------------------------------------------------
@@ -339,7 +331,7 @@ void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* l
         if (j + lanes <= len) {
           hn::StoreU(score, d, dst);
         } else if (j < len) {
-          store_tail(d, score, dst, static_cast<size_t>(len - j));
+          StoreTail(d, score, dst, static_cast<size_t>(len - j));
         }
       }
     }
@@ -491,7 +483,7 @@ HWY_INLINE void store_n(D d, hn::Vec<D> v, T* out, size_t count) {
   if (count == hn::Lanes(d)) {
     hn::StoreU(v, d, out);
   } else {
-    store_tail(d, v, out, count);
+    StoreTail(d, v, out, count);
   }
 }
 
@@ -515,7 +507,7 @@ HWY_INLINE void write_row(D d, T* out, size_t n, bool stream, ValueFn&& value) {
     }
   }
   for (; j + lanes <= n; j += lanes) hn::StoreU(value(j), d, out + j);
-  if (j < n) store_tail(d, value(j), out + j, n - j);
+  if (j < n) StoreTail(d, value(j), out + j, n - j);
 }
 
 template <class T>
@@ -535,7 +527,7 @@ T SoftmaxRowOnce(const T* x, int64_t len_signed, int64_t n_signed, T* w, T* scra
     if (j >= len) return hn::Zero(d);
     // Lanes past len exactly +0, wherever the vector boundaries fall.
     return hn::IfThenElseZero(hn::FirstN(d, len - j),
-                              hn::Mul(load_tail(d, scratch + j, len - j, T(0)), inv));
+                              hn::Mul(LoadTail(d, scratch + j, len - j, T(0)), inv));
   });
   return max + std::log(sum);
 }
@@ -554,7 +546,7 @@ void SoftmaxGradRowOnce(const T* w, const T* g, int64_t len_signed, int64_t n_si
     const size_t rest = len - j;
     return hn::IfThenElseZero(
         hn::FirstN(d, rest),
-        hn::Mul(load_tail(d, w + j, rest, T(0)), hn::Sub(load_tail(d, g + j, rest, T(0)), c)));
+        hn::Mul(LoadTail(d, w + j, rest, T(0)), hn::Sub(LoadTail(d, g + j, rest, T(0)), c)));
   });
 }
 
