@@ -20,6 +20,7 @@
 
 #include "kernels/small_dim_attention.h"
 #include "qkv/kernel_regression.h"
+#include "qkv/simd.h"
 #include "qkv/threads.h"
 
 namespace {
@@ -82,6 +83,7 @@ Timing time_kernel(const std::vector<double>& x, const std::vector<double>& y,
 }  // namespace
 
 int main(int argc, char** argv) {
+  qkv::set_simd_target_from_env();  // QKV_SIMD_TARGET caps the kernels' SIMD target
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 30000;
   if (argc > 2 && std::atoi(argv[2]) > 0) qkv::set_num_threads(std::atoi(argv[2]));
   const int reps = argc > 3 ? std::atoi(argv[3]) : 5;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "qkv/kernel_regression.h"
+#include "qkv/simd.h"
 #include "qkv/qkv.h"
 
 namespace {
@@ -469,6 +470,13 @@ bool parse_list_flag(const char* arg, const std::string& flag, std::vector<int64
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
+  try {
+    qkv::set_simd_target_from_env();  // QKV_SIMD_TARGET=avx2: the AVX2 code on any machine
+  } catch (const qkv::Error& e) {
+    std::fprintf(stderr, "bench_perf: %s\n", e.what());
+    return 2;
+  }
+  benchmark::AddCustomContext("simd_target", qkv::simd_target());
   std::string memory_op;
   for (int i = 1; i < argc; ++i) {
     const std::string memory_flag = "--perf_memory=";

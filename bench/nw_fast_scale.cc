@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/gauss1d_fast.h"
+#include "qkv/simd.h"
 #include "qkv/threads.h"
 
 namespace {
@@ -42,6 +43,7 @@ void exact_one(const std::vector<double>& keys, const std::vector<double>& value
 }  // namespace
 
 int main(int argc, char** argv) {
+  qkv::set_simd_target_from_env();  // QKV_SIMD_TARGET caps the kernels' SIMD target
   const double rel_tol = argc > 1 ? std::atof(argv[1]) : 1e-7;
   const int64_t n = argc > 2 ? std::atoll(argv[2]) : 1000000;
   if (argc > 3) qkv::set_num_threads(std::atoi(argv[3]));

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common.h"
+#include "qkv/simd.h"
 #include "qkv/version.h"
 
 namespace qkv::cli {
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
     return qkv::cli::kExitUsage;
   }
   try {
+    qkv::set_simd_target_from_env();  // QKV_SIMD_TARGET=avx2 etc.: docs/cli.md
     command->run();
     return qkv::cli::kExitOk;
   } catch (...) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "check.h"
+#include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
 
 namespace qkv {
@@ -206,14 +207,35 @@ DotProductGrads<T> ref_dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T>
   return kernels::ref::dot_product_attention_backward(q, k, v, config, d_output);
 }
 
-// bf16 inputs: the same checks, float results.
+// bf16 inputs: the same checks, float results. Without the BF16 instructions
+// (or at a SIMD cap below avx512) the float kernel runs on float copies of
+// the inputs (widening is exact): multiplying bf16 blocks there means
+// widening them block by block for every product, slower than float32 inputs
+// (issue 11: 1.09x float32 on an AVX2 machine where AVX-512 BF16 gives 1.7x;
+// docs/performance-avx2.md has the run). The copies cost 2 bytes per input
+// element; the results are float32 attention's on the widened inputs, within
+// the bf16 path's bounds (docs/semantics.md).
+bool bf16_through_float() { return !kernels::bf16::native(); }
+
+Tensor<float> widened(ConstView<bfloat16> x) {
+  const detail::Contiguous<bfloat16> xc(x);
+  Tensor<float> out(x.shape());
+  kernels::bf16::to_float(xc.data(), out.data(), out.numel());
+  return out;
+}
+
 AttentionResult<float> dot_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
                                 ConstView<bfloat16> v, const ValidLens& valid_lens,
                                 const AttentionOptions& options) {
   const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
-  const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
   AttentionResult<float> result;
   const AttentionOutputs<float> outputs = allocate(dims, options, result);
+  if (bf16_through_float()) {
+    const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
+    run_dot<float>(qf, kf, vf, valid_lens, options, dims, outputs);
+    return result;
+  }
+  const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
   kernels::fast::dot_product_attention(qc.view(), kc.view(), vc.view(), config, outputs.output,
                                        outputs.weights.value_or(TensorView<float>()),
@@ -228,6 +250,10 @@ DotProductGrads<float> dot_backward_bf16(ConstView<bfloat16> q, ConstView<bfloat
   const Dims dims = check_inputs(kDotBackward, q, k, v, true, valid_lens);
   const kernels::AttentionConfig config = dot_config(kDotBackward, dims, valid_lens, options);
   check_saved(kDotBackward, dims, output, lse, d_output);
+  if (bf16_through_float()) {
+    const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
+    return dot_backward<float>(qf, kf, vf, valid_lens, options, output, lse, d_output);
+  }
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
   const detail::Contiguous<float> oc(output), lc(lse), gc(d_output);
   DotProductGrads<float> grads;

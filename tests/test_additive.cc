@@ -857,9 +857,9 @@ void expect_forward_error(const Args& a, const ValidLens& lens, const AttentionO
 // ---- the fused kernels' own pieces ------------------------------------------------
 
 // vecmath::tanh_row against std::tanh in long double over a dense sweep: the
-// float rational approximation within 3e-7 relative (plus the smallest
-// subnormal, for subnormal results), double within 4 units in the last place;
-// ±0 keep their sign, ±inf give ±1 (to 3e-7 in float), NaN stays NaN.
+// float rational approximation within 3e-7 relative (4e-7 on targets without
+// FMA; plus the smallest subnormal, for subnormal results), double within 4
+// units in the last place; ±0 keep their sign, ±inf give ±1, NaN stays NaN.
 TEST(AdditiveTanh, AccuracyOverADenseSweep) {
   std::vector<float> xf;
   std::vector<double> xd;
@@ -882,12 +882,17 @@ TEST(AdditiveTanh, AccuracyOverADenseSweep) {
   std::vector<double> td(xd.size());
   vecmath::tanh_row(xf.data(), tf.data(), static_cast<int64_t>(xf.size()));
   vecmath::tanh_row(xd.data(), td.data(), static_cast<int64_t>(xd.size()));
+  // Without fused multiply-adds (targets below AVX2) each Horner step rounds
+  // twice: the worst seen there is 3.7e-7 (at x = -5.78), against 2.7e-7 with
+  // FMA (3.4 M points, one run each).
+  const bool fma = simd_target() == "avx2" || simd_target().rfind("avx512", 0) == 0;
+  const double float_bound = fma ? 3e-7 : 4e-7;
   double worst_f = 0, worst_d = 0;
   float worst_fx = 0;
   for (size_t n = 0; n < xf.size(); ++n) {
     const long double ref = std::tanh(static_cast<long double>(xf[n]));
     const double err = static_cast<double>(std::fabs(tf[n] - ref));
-    ASSERT_LE(err, 3e-7 * std::fabs(static_cast<double>(ref)) + 1.5e-45)
+    ASSERT_LE(err, float_bound * std::fabs(static_cast<double>(ref)) + 1.5e-45)
         << "float tanh(" << xf[n] << ") = " << tf[n] << ", expected " << static_cast<double>(ref);
     if (ref != 0 && err / std::fabs(static_cast<double>(ref)) > worst_f) {
       worst_f = err / std::fabs(static_cast<double>(ref));

@@ -2,9 +2,10 @@
 // (src/kernels/small_dim_attention.h) against a float64 plain loop written
 // here: random shapes around the SIMD widths, both score kinds, with and
 // without key bias, every form of valid lengths, DESIGN.md §3's non-finite
-// rows, masked keys never read, thread-count independence, the exp's error,
-// and every SIMD target compiled in (the AVX-512 exp and the generic one).
-#include <hwy/targets.h>
+// rows, masked keys never read, thread-count independence and the exp's
+// error. CTest runs them once per SIMD target (the AVX-512 exp and the
+// generic one).
+#include "qkv/simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -408,63 +409,43 @@ TYPED_TEST(SmallDimAttention, ExpErrorIsAboutOneUlp) {
   EXPECT_GT(got.out(0, 0, 0), 0.0);  // x = lowest_normal itself still counts
 }
 
-// Every SIMD target compiled in and supported here (AVX-512 takes the
-// table-driven exp, the others the generic one): the random check and the
-// exp's error for each, dispatch forced through Highway's test hook.
-TYPED_TEST(SmallDimAttention, EverySimdTarget) {
+// The random check and the exp over its whole range with -inf and NaN
+// scores, on the SIMD target of this run (CTest runs it once per target:
+// AVX-512 takes the table-driven exp, the others the generic one).
+TYPED_TEST(SmallDimAttention, RandomCasesAndExpRangeOnThisTarget) {
   using T = TypeParam;
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE("SIMD target " + simd_target());
   Rng rng(seed);
-  struct ResetTargets {
-    ~ResetTargets() { hwy::SetSupportedTargetsForTest(0); }
-  } reset;
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  EXPECT_GE(targets.size(), 2u);
-  std::vector<Tensor<double>> exp_outputs;  // per target, to see the dispatch switch
-  for (int64_t target : targets) {
-    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
-    hwy::SetSupportedTargetsForTest(target);
-    for (ScoreKind kind : {ScoreKind::kDotProduct, ScoreKind::kNegSquaredDistance}) {
-      for (LensForm form : kAllLensForms) {
-        ASSERT_TRUE(check_random_case<T>(rng, 2, random_size(rng, 67), random_size(rng, 67) + 40,
-                                         rng.uniform_int(1, 8), rng.uniform_int(1, 8), kind,
-                                         kind == ScoreKind::kDotProduct, form));
-      }
+  for (ScoreKind kind : {ScoreKind::kDotProduct, ScoreKind::kNegSquaredDistance}) {
+    for (LensForm form : kAllLensForms) {
+      ASSERT_TRUE(check_random_case<T>(rng, 2, random_size(rng, 67), random_size(rng, 67) + 40,
+                                       rng.uniform_int(1, 8), rng.uniform_int(1, 8), kind,
+                                       kind == ScoreKind::kDotProduct, form));
     }
-    // The exp over its range, with -inf and NaN scores, on this target.
-    const int64_t nq = 4001;
-    Tensor<T> q(Shape{1, nq, 1}), k(Shape{1, 3, 1}), v(Shape{1, 3, 1}), bias(Shape{1, 3});
-    for (int64_t i = 0; i < nq; ++i) q(0, i, 0) = static_cast<T>(-800.0 * i / (nq - 1));
-    k(0, 0, 0) = 0;
-    k(0, 1, 0) = 1;
-    k(0, 2, 0) = 0;
-    v(0, 0, 0) = 0;
-    v(0, 1, 0) = 1;
-    v(0, 2, 0) = 5;
-    bias(0, 0) = 0;
-    bias(0, 1) = 0;
-    bias(0, 2) = -std::numeric_limits<T>::infinity();
-    const ValidLens lens;
-    const Expected want = plain_attention(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
-    const Got got = run_kernel(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
-    // Relative to e^x / (1 + e^x) itself (down to 1e-300): the exp's error.
-    const Tol rel = tol_for<T>({.atol = 1e-37, .rtol = 0x1p-21}, {.atol = 1e-300, .rtol = 0x1p-50});
-    expect_close(got.out, want.out, rel, "e^x / (1 + e^x)", "b q d");
-    exp_outputs.push_back(got.out);
-    bias(0, 2) = std::numeric_limits<T>::quiet_NaN();
-    const Got nan_row = run_kernel(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
-    for (double o : nan_row.out.values()) ASSERT_TRUE(std::isnan(o));
   }
-  // The targets differ in their exp (and lane counts), so if the forced
-  // dispatch took effect, some two of them differ in some bit.
-  bool any_difference = false;
-  for (size_t t = 1; t < exp_outputs.size(); ++t) {
-    any_difference = any_difference ||
-                     !std::equal(exp_outputs[t].values().begin(), exp_outputs[t].values().end(),
-                                 exp_outputs[0].values().begin());
-  }
-  EXPECT_TRUE(any_difference) << "every target gave the same bits: was the dispatch forced?";
+  const int64_t nq = 4001;
+  Tensor<T> q(Shape{1, nq, 1}), k(Shape{1, 3, 1}), v(Shape{1, 3, 1}), bias(Shape{1, 3});
+  for (int64_t i = 0; i < nq; ++i) q(0, i, 0) = static_cast<T>(-800.0 * i / (nq - 1));
+  k(0, 0, 0) = 0;
+  k(0, 1, 0) = 1;
+  k(0, 2, 0) = 0;
+  v(0, 0, 0) = 0;
+  v(0, 1, 0) = 1;
+  v(0, 2, 0) = 5;
+  bias(0, 0) = 0;
+  bias(0, 1) = 0;
+  bias(0, 2) = -std::numeric_limits<T>::infinity();
+  const ValidLens lens;
+  const Expected want = plain_attention(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
+  const Got got = run_kernel(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
+  // Relative to e^x / (1 + e^x) itself (down to 1e-300): the exp's error.
+  const Tol rel = tol_for<T>({.atol = 1e-37, .rtol = 0x1p-21}, {.atol = 1e-300, .rtol = 0x1p-50});
+  expect_close(got.out, want.out, rel, "e^x / (1 + e^x)", "b q d");
+  bias(0, 2) = std::numeric_limits<T>::quiet_NaN();
+  const Got nan_row = run_kernel(q, k, v, &bias, ScoreKind::kDotProduct, 1.0, lens);
+  for (double o : nan_row.out.values()) ASSERT_TRUE(std::isnan(o));
 }
 
 TEST(SmallDimAttentionApplies, SizesAndDropout) {

@@ -72,6 +72,14 @@ inline std::string seed_note(uint64_t seed) {
          std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ")";
 }
 
+// Whether this build runs under AddressSanitizer (QKV_SANITIZE): sweeps that
+// take seconds in Release take minutes there, and take a sample instead.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // ---- random numbers ------------------------------------------------------------
 
 class Rng {

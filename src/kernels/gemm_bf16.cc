@@ -1,6 +1,7 @@
 // bf16 x bf16 -> float32 matrix products (fast version; the widening path is
 // the portable fallback, and tests/test_gemm_bf16.cc's float64 loop is the
-// spec). Three paths, chosen once at run time, best first:
+// spec). Three paths, chosen at run time (within the SIMD
+// cap of qkv/simd.h), best first:
 //   amx          AMX tiles: TDPBF16PS does a 16 x 16 x 32 product per instruction
 //   avx512_bf16  VDPBF16PS register tiles: two bf16 products per float lane
 //   widen        bf16 -> float copies, then OpenBLAS sgemm
@@ -43,6 +44,7 @@
 #include <unistd.h>
 #endif
 
+#include "kernels/dispatch.h"
 #include "parallel.h"
 
 namespace qkv::kernels::bf16 {
@@ -114,10 +116,13 @@ Support detect_support() {
   return s;
 }
 
-const Support& support() {
-  static const Support s = detect_support();
-  return s;
+// What the CPU offers; and of that, what the SIMD cap (qkv/simd.h) allows:
+// a cap below avx512 leaves only the widening path and the plain conversions.
+const Support& cpu_support() {
+  static const Support cpu = detect_support();
+  return cpu;
 }
+Support support() { return dispatch::avx512_allowed() ? cpu_support() : Support{}; }
 
 #define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define QKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -526,18 +531,17 @@ QKV_AMX void gemm_amx(const AmxProduct& g) {
 }
 
 Path best_path() {
-  static const Path path = support().amx           ? Path::kAmx
-                           : support().avx512_bf16 ? Path::kAvx512Bf16
-                                                   : Path::kWiden;
-  return path;
+  const Support s = support();
+  return s.amx ? Path::kAmx : s.avx512_bf16 ? Path::kAvx512Bf16 : Path::kWiden;
 }
 
+// Whether the CPU runs `path`, whatever the cap: for the tests' per-path hooks.
 bool available(Path path) {
   switch (path) {
     case Path::kAmx:
-      return support().amx;
+      return cpu_support().amx;
     case Path::kAvx512Bf16:
-      return support().avx512_bf16;
+      return cpu_support().avx512_bf16;
     case Path::kWiden:
       return true;
   }
@@ -689,7 +693,8 @@ void to_float(const bfloat16* x, float* out, int64_t n) {
 
 bool native() { return best_path() != Path::kWiden; }
 
-// For tests and benchmarks: every path this machine can run, on demand.
+// For tests and benchmarks: every path this CPU can run, on demand, whatever
+// the SIMD cap.
 namespace internal {
 
 std::vector<std::string> available_paths() {

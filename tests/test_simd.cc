@@ -1,0 +1,151 @@
+// Tests for the SIMD-target switch (qkv/simd.h): the list of targets, the cap
+// reaching every kernel (the Highway dispatch and the hand-written AVX-512
+// bf16 paths), and its errors. The kernel tests themselves run once per
+// target (tests/CMakeLists.txt); this file checks that forcing a target works.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm_bf16.h"
+#include "qkv/masked_softmax.h"
+#include "qkv/simd.h"
+#include "test_util.h"
+
+namespace qkv::test {
+namespace {
+
+// Lifts the cap when a test ends, whatever it set.
+struct LiftCapAtEnd {
+  LiftCapAtEnd() { set_simd_target(""); }
+  ~LiftCapAtEnd() { set_simd_target(""); }
+};
+
+// Vector lanes of float for a target name: sums over a row run in this many
+// partial sums, so targets of different widths round differently.
+int float_lanes(const std::string& target) {
+  if (target.rfind("avx512", 0) == 0) return 16;
+  if (target == "avx2") return 8;
+  if (target == "scalar") return 1;
+  return 4;  // sse4, ssse3
+}
+
+TEST(Simd, TargetsAreDistinctBestFirstAndTheDefault) {
+  LiftCapAtEnd lift;
+  const std::vector<std::string> targets = simd_targets();
+  ASSERT_FALSE(targets.empty());
+  for (size_t i = 0; i < targets.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) EXPECT_NE(targets[i], targets[j]);
+  }
+  EXPECT_EQ(simd_target(), targets.front()) << "without a cap the best target runs";
+#if defined(__x86_64__)
+  // x86-64 builds compile sse4 and avx2 (and avx512) besides scalar, and any
+  // x86-64 CPU of the last fifteen years has SSE4.
+  EXPECT_EQ(targets.back(), "scalar");
+  EXPECT_NE(std::find(targets.begin(), targets.end(), "sse4"), targets.end());
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  EXPECT_EQ(std::find(targets.begin(), targets.end(), "avx2") != targets.end(), avx2);
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  EXPECT_EQ(std::find(targets.begin(), targets.end(), "avx512") != targets.end(), avx512);
+#endif
+  std::string list;
+  for (const std::string& t : targets) list += t + " ";
+  std::printf("SIMD targets here, best first: %s\n", list.c_str());
+}
+
+// Each target, once capped at, is the one the kernels dispatch to, and the
+// bf16 products use their AVX-512 paths only at an AVX-512 target.
+TEST(Simd, CapReachesTheDispatchAndTheBf16Paths) {
+  LiftCapAtEnd lift;
+  const bool native_uncapped = kernels::bf16::native();
+  for (const std::string& target : simd_targets()) {
+    SCOPED_TRACE("target " + target);
+    set_simd_target(target);
+    EXPECT_EQ(simd_target(), target);
+    const bool avx512 = target.rfind("avx512", 0) == 0;
+    EXPECT_EQ(kernels::bf16::native(), avx512 && native_uncapped);
+  }
+  set_simd_target("");
+  EXPECT_EQ(simd_target(), simd_targets().front());
+  EXPECT_EQ(kernels::bf16::native(), native_uncapped);
+}
+
+// End to end through a public op: the softmax's row sums run in as many
+// partial sums as the target has lanes, so targets of different widths give
+// different bits somewhere in 64 rows of 999 scores, while every target stays
+// within the softmax's tolerance of the others.
+TEST(Simd, OpsFollowTheCap) {
+  LiftCapAtEnd lift;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> scores = random_tensor<float>(rng, Shape{1, 64, 999}, -4, 4);
+  std::vector<std::string> names;
+  std::vector<Tensor<float>> weights;
+  for (const std::string& target : simd_targets()) {
+    set_simd_target(target);
+    names.push_back(target);
+    weights.push_back(masked_softmax(scores.view()));
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      SCOPED_TRACE(names[j] + " vs " + names[i]);
+      const std::vector<float>& a = weights[i].values();
+      const std::vector<float>& b = weights[j].values();
+      double worst = 0;
+      for (size_t n = 0; n < a.size(); ++n) worst = std::max(worst, double(std::abs(a[n] - b[n])));
+      EXPECT_LE(worst, 1e-7);
+      if (float_lanes(names[i]) != float_lanes(names[j])) {
+        EXPECT_NE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+            << "the same bits on targets of different widths: did the cap reach the kernel?";
+      }
+    }
+  }
+}
+
+TEST(Simd, UnknownOrUnsupportedTargetsAreErrors) {
+  LiftCapAtEnd lift;
+  const std::vector<std::string> targets = simd_targets();
+  const std::string first = targets.front();
+  for (const char* name : {"avx512", "avx2", "sse4", "ssse3", "scalar", "neon", "AVX2", " avx2",
+                           "avx3", "best"}) {
+    SCOPED_TRACE(name);
+    if (std::find(targets.begin(), targets.end(), name) != targets.end()) {
+      set_simd_target(name);
+      EXPECT_EQ(simd_target(), name);
+    } else {
+      expect_error([&] { set_simd_target(name); },
+                   {"set_simd_target", std::string("\"") + name + "\"", "expected one of: " + first});
+    }
+    set_simd_target("");
+  }
+  EXPECT_EQ(simd_target(), first) << "a rejected name must not change the cap";
+}
+
+TEST(Simd, EnvironmentVariable) {
+  LiftCapAtEnd lift;
+  const char* saved = std::getenv("QKV_SIMD_TARGET");
+  const std::string restore = saved ? saved : "";
+  const std::string last = simd_targets().back();
+  ::setenv("QKV_SIMD_TARGET", last.c_str(), 1);
+  set_simd_target_from_env();
+  EXPECT_EQ(simd_target(), last);
+  ::setenv("QKV_SIMD_TARGET", "", 1);  // empty: no cap
+  set_simd_target_from_env();
+  EXPECT_EQ(simd_target(), simd_targets().front());
+  ::setenv("QKV_SIMD_TARGET", "mmx", 1);
+  expect_error([] { set_simd_target_from_env(); },
+               {"set_simd_target_from_env", "QKV_SIMD_TARGET", "\"mmx\"", "expected one of"});
+  ::unsetenv("QKV_SIMD_TARGET");
+  set_simd_target_from_env();  // unset: nothing happens
+  EXPECT_EQ(simd_target(), simd_targets().front());
+  if (saved) ::setenv("QKV_SIMD_TARGET", restore.c_str(), 1);
+}
+
+}  // namespace
+}  // namespace qkv::test
