@@ -10,6 +10,7 @@
 #include "qkv/npy.h"
 #include "qkv/plot.h"
 #include "qkv/pooling.h"
+#include "qkv/staged_file.h"
 #include "qkv/tensor.h"
 #include "qkv/threads.h"
 #include "qkv/valid_lens.h"
