@@ -157,27 +157,32 @@ Command add_attend_command(CLI::App& parent) {
                   "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k)")
       ->required()
       ->check(CLI::IsMember({"dot", "additive"}));
-  app->add_option("--queries", args->queries, "Queries Q.npy: (B, Nq, D), or (Nq, D)")
+  require_path(app->add_option("--queries", args->queries, "Queries Q.npy: (B, Nq, D), or (Nq, D)"))
       ->type_name("Q.npy")
       ->required();
-  app->add_option("--keys", args->keys, "Keys K.npy: (B, Nk, Dk), or (Nk, Dk)")
+  require_path(app->add_option("--keys", args->keys, "Keys K.npy: (B, Nk, Dk), or (Nk, Dk)"))
       ->type_name("K.npy")
       ->required();
-  app->add_option("--values", args->values, "Values V.npy: (B, Nk, Dv), or (Nk, Dv)")
+  require_path(app->add_option("--values", args->values, "Values V.npy: (B, Nk, Dv), or (Nk, Dv)"))
       ->type_name("V.npy")
       ->required();
-  app->add_option(
-         "--valid-lens", args->valid_lens,
-         "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D inputs; for 2-D inputs "
-         "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
-         "every key is valid")
+  require_path(
+      app->add_option(
+          "--valid-lens", args->valid_lens,
+          "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D inputs; for 2-D inputs "
+          "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
+          "every key is valid"))
       ->type_name("L.npy");
-  app->add_option("--scale", args->scale, "dot only: multiplies Q K^T (default 1/sqrt(D))")
+  require_number(
+      app->add_option("--scale", args->scale, "dot only: multiplies Q K^T (default 1/sqrt(D))"))
       ->type_name("S");
-  app->add_option("--wq", args->w_q, "additive only: W_q (H, D), like nn.Linear's weight")
+  require_path(
+      app->add_option("--wq", args->w_q, "additive only: W_q (H, D), like nn.Linear's weight"))
       ->type_name("Wq.npy");
-  app->add_option("--wk", args->w_k, "additive only: W_k (H, Dk)")->type_name("Wk.npy");
-  app->add_option("--wv", args->w_v, "additive only: w_v (H) or (1, H)")->type_name("wv.npy");
+  require_path(app->add_option("--wk", args->w_k, "additive only: W_k (H, Dk)"))
+      ->type_name("Wk.npy");
+  require_path(app->add_option("--wv", args->w_v, "additive only: w_v (H) or (1, H)"))
+      ->type_name("wv.npy");
   app->add_option("--dropout", args->dropout,
                   "Dropout probability on the weights, applied only with --train")
       ->type_name("P")
@@ -193,14 +198,16 @@ Command add_attend_command(CLI::App& parent) {
           ""));
   app->add_flag("--train", args->train, "Training mode: apply --dropout");
   add_seed_option(*app, args->seed, "Selects the dropout mask");
-  app->add_option("--out", args->out, "Output O.npy: (B, Nq, Dv), or (Nq, Dv)")
+  require_path(app->add_option("--out", args->out, "Output O.npy: (B, Nq, Dv), or (Nq, Dv)"))
       ->type_name("O.npy")
       ->required();
-  app->add_option("--weights", args->weights,
-                  "Also write the attention weights (before dropout): (B, Nq, Nk), or (Nq, Nk)")
+  require_path(app->add_option(
+                   "--weights", args->weights,
+                   "Also write the attention weights (before dropout): (B, Nq, Nk), or (Nq, Nk)"))
       ->type_name("W.npy");
-  app->add_option("--lse", args->lse,
-                  "Also write the log-sum-exp of each query's valid scores: (B, Nq), or (Nq)")
+  require_path(
+      app->add_option("--lse", args->lse,
+                      "Also write the log-sum-exp of each query's valid scores: (B, Nq), or (Nq)"))
       ->type_name("LSE.npy");
   add_threads_option(*app, args->threads);
   return {app, [args] { run_attend(*args); }};

@@ -1,107 +1,111 @@
-// Shared by the qkv subcommands: input loading, atomic multi-file output, the
-// common options, and the exception-to-exit-status mapping (DESIGN.md §4).
+// Shared by the qkv subcommands: input opening and loading, atomic multi-file
+// output, the common options, JSON strings, signal cleanup of temporary
+// files, and the exception-to-exit-status mapping (DESIGN.md §4).
 #include "common.h"
 
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
+#include <new>
 
 #include "qkv/error.h"
 #include "qkv/npy.h"
+#include "qkv/staged_file.h"
 #include "qkv/threads.h"
 
 namespace qkv::cli {
 namespace {
 
-namespace fs = std::filesystem;
-
 std::string errno_text(int error) { return std::strerror(error); }
-
-// read_npy reports malformed files; a file that cannot be opened at all is
-// the user's mistake too, so it is caught here and reported as usage.
-NpyArray read_input(const Input& input) {
-  std::error_code ec;
-  if (fs::is_directory(input.path, ec)) {
-    throw UsageError(input.describe() + ": is a directory, not a .npy file");
-  }
-  if (std::FILE* f = std::fopen(input.path.c_str(), "rb")) {
-    std::fclose(f);
-  } else {
-    throw UsageError(input.describe() + ": cannot open: " + errno_text(errno));
-  }
-  try {
-    return read_npy(input.path);
-  } catch (const qkv::Error& e) {
-    throw qkv::Error(input.option + ": " + e.what());  // say which input is malformed
-  }
-}
 
 const char* npy_dtype_name(const NpyArray& array) {
   static constexpr const char* kNames[] = {"float32", "float64", "int32", "int64"};
   return kNames[array.index()];
 }
 
-// The permission bits a newly created file gets (0666 minus the umask), so
-// outputs do not inherit mkstemp's 0600.
-mode_t new_file_mode() {
-  const mode_t mask = ::umask(0);
-  ::umask(mask);
-  return 0666 & ~mask;
-}
-
-// Writes `file` to a fresh temporary file beside its destination; returns the
-// temporary's path. The temporary is removed again if anything fails.
-std::string stage(const OutputFile& file) {
-  const fs::path dest(file.path);
-  const fs::path dir = dest.has_parent_path() ? dest.parent_path() : fs::path(".");
-  std::string temp = (dir / ("." + dest.filename().string() + ".qkv-XXXXXX")).string();
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0) {
-    throw UsageError(file.option + " " + file.path + ": cannot create a file in " + dir.string() +
-                     ": " + errno_text(errno));
-  }
-  const auto fail_with = [&](const std::string& what) {
-    const int error = errno;
-    ::close(fd);
-    ::unlink(temp.c_str());
-    throw std::runtime_error(file.option + " " + file.path + ": " + what + ": " +
-                             errno_text(error));
-  };
-  const char* data = file.bytes.data();
-  size_t left = file.bytes.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd, data, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail_with("cannot write");
-    }
-    data += n;
-    left -= static_cast<size_t>(n);
-  }
-  if (::fchmod(fd, new_file_mode()) != 0) fail_with("cannot set permissions");
-  // Flushed before the rename, so a crash cannot leave a renamed but empty file.
-  if (::fsync(fd) != 0) fail_with("cannot flush");
-  if (::close(fd) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    throw std::runtime_error(file.option + " " + file.path +
-                             ": cannot close: " + errno_text(error));
-  }
-  return temp;
-}
-
 bool all_decimal_digits(const std::string& text) {
   return !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
 }
 
+// "" for a thread count in [1, kMaxThreads], else what is wrong with it.
+std::string thread_count_problem(const std::string& text) {
+  const std::string range = "an integer from 1 to " + std::to_string(kMaxThreads) +
+                            " (qkv's thread limit), got \"" + text + "\"";
+  if (!all_decimal_digits(text)) return "must be " + range;
+  const long long n = std::strtoll(text.c_str(), nullptr, 10);  // saturates: still > the cap
+  return n >= 1 && n <= kMaxThreads ? std::string() : "must be " + range;
+}
+
+// The number syntax of require_number: what std::from_chars reads as a whole,
+// with an optional leading '+'.
+bool is_number(std::string_view text) {
+  if (!text.empty() && text[0] == '+') text.remove_prefix(1);
+  if (text.empty()) return false;
+  double value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  // Out of range still is a number (1e999); the command judges its value.
+  return ptr == end && (ec == std::errc() || ec == std::errc::result_out_of_range);
+}
+
+bool is_integer(std::string_view text) {
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) text.remove_prefix(1);
+  return !text.empty() && text.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
 }  // namespace
+
+OpenInput::OpenInput(const Input& input) : input_(input) {
+  if (input.path.empty())
+    throw UsageError(input.option + " \"\": the path is empty; expected a file");
+  fd_ = ::open(input.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw UsageError(input.describe() + ": cannot open: " + errno_text(errno));
+  struct stat st;
+  if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    throw UsageError(input.describe() + ": is a directory, not a file");
+  }
+}
+
+OpenInput::~OpenInput() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string OpenInput::read_prefix(size_t n) {
+  std::string bytes(n, '\0');
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::read(fd_, bytes.data() + done, n - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw UsageError(input_.describe() + ": cannot read: " + errno_text(errno));
+    if (got == 0) break;
+    done += static_cast<size_t>(got);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
+bool is_npy_prefix(std::string_view prefix) {
+  return prefix.size() >= kNpyMagicLength && prefix.substr(0, kNpyMagicLength) == "\x93NUMPY";
+}
+
+NpyArray read_npy_input(const Input& input, OpenInput& file, std::string_view consumed) {
+  try {
+    return read_npy(file.fd(), input.path, consumed);
+  } catch (const qkv::Error& e) {
+    throw qkv::Error(input.option + ": " + e.what());  // say which input is malformed
+  }
+}
 
 std::string format_number(double x, const char* format) {
   char text[64];
@@ -126,6 +130,11 @@ int report_exception(const CLI::App& app, std::string_view command) {
   } catch (const UsageError& e) {
     std::cerr << prefix << e.what() << '\n';
     return kExitUsage;
+  } catch (const std::bad_alloc&) {
+    std::cerr << prefix
+              << "out of memory: an allocation failed (std::bad_alloc); the inputs and results "
+                 "need more memory than this process may use (see ulimit -v)\n";
+    return kExitFailure;
   } catch (const std::exception& e) {
     std::cerr << prefix << e.what() << '\n';
     return kExitFailure;
@@ -138,15 +147,10 @@ int report_exception(const CLI::App& app, std::string_view command) {
 void add_threads_option(CLI::App& command, std::optional<int>& threads) {
   command
       .add_option("--threads", threads,
-                  "Threads to use, N >= 1 (default: QKV_NUM_THREADS or all cores)")
+                  "Threads to use, 1 <= N <= " + std::to_string(kMaxThreads) +
+                      " (default: QKV_NUM_THREADS or all cores)")
       ->type_name("N")
-      ->check(CLI::Validator(
-          [](std::string& text) {
-            const long long n = std::strtoll(text.c_str(), nullptr, 10);
-            return all_decimal_digits(text) && n >= 1 ? std::string()
-                                                      : "must be an integer >= 1, got " + text;
-          },
-          ""));
+      ->check(CLI::Validator([](std::string& text) { return thread_count_problem(text); }, ""));
 }
 
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description) {
@@ -163,19 +167,107 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
 }
 
 void apply_threads(const std::optional<int>& threads) {
-  if (threads) set_num_threads(*threads);
+  if (threads) {
+    set_num_threads(*threads);
+    return;
+  }
+  if (const char* env = std::getenv("QKV_NUM_THREADS")) {
+    const std::string problem = thread_count_problem(env);
+    if (!problem.empty()) throw UsageError("QKV_NUM_THREADS " + problem);
+  }
 }
 
-FloatTensor load_float(const Input& input) {
-  NpyArray array = read_input(input);
+CLI::Option* require_number(CLI::Option* option) {
+  return option->check(CLI::Validator(
+      [](std::string& text) {
+        return is_number(text) ? std::string() : "must be a number, got \"" + text + "\"";
+      },
+      ""));
+}
+
+CLI::Option* require_integer(CLI::Option* option) {
+  return option->check(CLI::Validator(
+      [](std::string& text) {
+        return is_integer(text) ? std::string() : "must be a whole number, got \"" + text + "\"";
+      },
+      ""));
+}
+
+CLI::Option* require_path(CLI::Option* option) {
+  return option->check(CLI::Validator(
+      [](std::string& text) {
+        return text.empty() ? std::string("the path is empty; expected a file name")
+                            : std::string();
+      },
+      ""));
+}
+
+std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (size_t i = 0; i < text.size();) {
+    const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+    const unsigned char b = byte(i);
+    if (b == '"' || b == '\\') {
+      out += '\\';
+      out += static_cast<char>(b);
+      ++i;
+      continue;
+    }
+    if (b < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", b);
+      out += escape;
+      ++i;
+      continue;
+    }
+    // A UTF-8 sequence is copied whole; anything else (a stray continuation
+    // byte, a cut-off sequence, an overlong form, a surrogate, a code point
+    // past U+10FFFF) becomes U+FFFD, one per byte.
+    size_t n = b < 0x80                 ? 1
+               : b >= 0xc2 && b <= 0xdf ? 2
+               : b >= 0xe0 && b <= 0xef ? 3
+               : b >= 0xf0 && b <= 0xf4 ? 4
+                                        : 0;
+    if (n > 1) {
+      if (i + n > text.size()) n = 0;
+      for (size_t k = 1; n != 0 && k < n; ++k) {
+        if ((byte(i + k) & 0xc0) != 0x80) n = 0;
+      }
+      if (n != 0) {
+        const unsigned char b1 = byte(i + 1);
+        if ((b == 0xe0 && b1 < 0xa0) || (b == 0xed && b1 >= 0xa0) || (b == 0xf0 && b1 < 0x90) ||
+            (b == 0xf4 && b1 >= 0x90)) {
+          n = 0;
+        }
+      }
+    }
+    if (n == 0) {
+      out += "\xef\xbf\xbd";  // U+FFFD REPLACEMENT CHARACTER
+      ++i;
+    } else {
+      out.append(text.substr(i, n));
+      i += n;
+    }
+  }
+  return out + "\"";
+}
+
+FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed) {
+  NpyArray array = read_npy_input(input, file, consumed);
   if (auto* f = std::get_if<Tensor<float>>(&array)) return std::move(*f);
   if (auto* d = std::get_if<Tensor<double>>(&array)) return std::move(*d);
   throw UsageError(input.describe() + " holds " + npy_dtype_name(array) +
                    "; expected float32 or float64");
 }
 
+FloatTensor load_float(const Input& input) {
+  OpenInput file(input);
+  return load_float(input, file, {});
+}
+
 Tensor<int64_t> load_valid_lens(const Input& input) {
-  NpyArray array = read_input(input);
+  OpenInput file(input);
+  NpyArray array = read_npy_input(input, file);
   if (auto* i64 = std::get_if<Tensor<int64_t>>(&array)) return std::move(*i64);
   if (auto* i32 = std::get_if<Tensor<int32_t>>(&array)) {
     const std::vector<int32_t>& v = i32->values();
@@ -220,42 +312,38 @@ Tensor<int64_t> batch_valid_lens(const Tensor<int64_t>& lens, const Input& lens_
 }
 
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs) {
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    std::error_code ec;
-    if (fs::is_directory(outputs[i].second, ec)) {
-      throw UsageError(outputs[i].first + " " + outputs[i].second + ": is a directory");
-    }
-    for (size_t j = 0; j < i; ++j) {
-      const fs::path a = fs::absolute(outputs[i].second).lexically_normal();
-      const fs::path b = fs::absolute(outputs[j].second).lexically_normal();
-      if (a == b) {
-        throw UsageError(outputs[j].first + " and " + outputs[i].first + " name the same file " +
-                         outputs[i].second);
-      }
-    }
-  }
+  qkv::check_output_paths("", outputs);
 }
 
 void write_outputs(const std::vector<OutputFile>& files) {
-  std::vector<std::pair<std::string, std::string>> paths;
-  for (const OutputFile& file : files) paths.emplace_back(file.option, file.path);
-  check_output_paths(paths);
-  std::vector<std::string> temps;
-  size_t renamed = 0;
-  try {
-    for (const OutputFile& file : files) temps.push_back(stage(file));
-    // Each rename stays within one directory, so once everything is staged
-    // only a failing file system can stop the renames part way.
-    for (; renamed < files.size(); ++renamed) {
-      if (std::rename(temps[renamed].c_str(), files[renamed].path.c_str()) != 0) {
-        throw std::runtime_error(
-            files[renamed].option + " " + files[renamed].path +
-            ": cannot rename the finished file into place: " + errno_text(errno));
-      }
-    }
-  } catch (...) {
-    for (size_t i = renamed; i < temps.size(); ++i) ::unlink(temps[i].c_str());
-    throw;
+  std::vector<OutputBytes> outputs;
+  for (const OutputFile& file : files) outputs.push_back({file.option, file.path, file.bytes});
+  write_files("", outputs);
+}
+
+namespace {
+
+// Runs in whatever thread the signal hits, so only async-signal-safe calls:
+// unlink (inside remove_staged_files), signal, raise. The re-raised signal
+// is blocked until the handler returns, then kills the process as it would
+// have without the handler, so the parent sees the same status.
+void remove_temporaries_and_die(int signal_number) {
+  remove_staged_files();
+  ::signal(signal_number, SIG_DFL);
+  ::raise(signal_number);
+}
+
+}  // namespace
+
+void remove_temporaries_on_signals() {
+  for (const int signal_number : {SIGHUP, SIGINT, SIGTERM, SIGPIPE}) {
+    struct sigaction old {};
+    // A signal the caller ignores (nohup, a background job's SIGINT) stays ignored.
+    if (::sigaction(signal_number, nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+    struct sigaction action {};
+    action.sa_handler = remove_temporaries_and_die;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(signal_number, &action, nullptr);
   }
 }
 

@@ -1,6 +1,7 @@
-// Shared by the qkv subcommands: loading .npy inputs, writing every output
-// file atomically, the options several commands take, and the one place that
-// turns an exception into a message and an exit status.
+// Shared by the qkv subcommands: opening inputs (each once), loading .npy
+// inputs, writing every output file atomically (qkv::write_files), the
+// options several commands take, JSON strings, and the one place that turns an
+// exception into a message and an exit status.
 #pragma once
 
 #include <cstdint>
@@ -12,11 +13,13 @@
 #include <variant>
 #include <vector>
 
+#include "qkv/npy.h"
 #include "qkv/tensor.h"
 
 namespace CLI {
 class App;
-}
+class Option;
+}  // namespace CLI
 
 namespace qkv::cli {
 
@@ -54,11 +57,32 @@ inline std::string exact_number(double x) { return format_number(x, "%.17g"); }
 // they print through `app` and return 0.
 int report_exception(const CLI::App& app, std::string_view command);
 
-// --threads N (N >= 1) and --seed N (a non-negative decimal integer).
+// --threads N (1 <= N <= qkv::kMaxThreads) and --seed N (a non-negative
+// decimal integer).
 void add_threads_option(CLI::App& command, std::optional<int>& threads);
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description);
-// qkv::set_num_threads(N) if --threads was given.
+// qkv::set_num_threads(N) if --threads was given; otherwise a QKV_NUM_THREADS
+// that is set must hold a thread count as --threads would (the library would
+// ignore it silently), else UsageError.
 void apply_threads(const std::optional<int>& threads);
+
+// Numeric options are checked as text before CLI11 converts them: it takes
+// an empty string for "not given" (so `--scale ""` would silently mean the
+// default) and would read "1.5" as 1 for an integer. require_number accepts a
+// decimal or exponent number (std::from_chars syntax, optionally with '+',
+// also nan and inf for the command to judge); require_integer a whole number,
+// optionally signed. Each returns its option for chaining.
+CLI::Option* require_number(CLI::Option* option);
+CLI::Option* require_integer(CLI::Option* option);
+// File options refuse an empty path while the command line is parsed, before
+// any work: commands take an empty value for "not given", which would
+// otherwise make `--weights ""` silently write nothing.
+CLI::Option* require_path(CLI::Option* option);
+
+// `text` as a JSON string: quotes, backslashes and control characters
+// escaped (\n, \u001b, ...), and bytes that are not UTF-8 replaced by
+// U+FFFD, so the output is always valid JSON whatever the input bytes were.
+std::string json_string(std::string_view text);
 
 // A float tensor as read from a .npy file, in the file's type.
 using FloatTensor = std::variant<Tensor<float>, Tensor<double>>;
@@ -70,9 +94,38 @@ struct Input {
   std::string describe() const { return option + " " + path; }
 };
 
+// An input file opened once for reading (pipes and FIFOs can only be read
+// once); closed when it goes out of scope. An empty path, a file that cannot
+// be opened and a directory are UsageErrors naming the option and the path.
+class OpenInput {
+ public:
+  explicit OpenInput(const Input& input);
+  ~OpenInput();
+  OpenInput(const OpenInput&) = delete;
+  OpenInput& operator=(const OpenInput&) = delete;
+  int fd() const { return fd_; }
+  // Reads up to n bytes from the start (fewer at the end of the file), to
+  // tell formats apart; the readers are handed them as already consumed.
+  std::string read_prefix(size_t n);
+
+ private:
+  Input input_;
+  int fd_ = -1;
+};
+
+// Whether `prefix` starts like a .npy file (the magic string "\x93NUMPY").
+bool is_npy_prefix(std::string_view prefix);
+inline constexpr size_t kNpyMagicLength = 6;
+
+// Reads a .npy input through `file` (whose first bytes, `consumed`, may have
+// been read already); a malformed file is an Error naming the option.
+NpyArray read_npy_input(const Input& input, OpenInput& file, std::string_view consumed = {});
+
 // Reads a float32 or float64 .npy file; any other dtype, a missing file or a
 // malformed one is an error naming the option and the path.
 FloatTensor load_float(const Input& input);
+// The same for an input already open (and perhaps sniffed, see read_prefix).
+FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed);
 // Reads int32 or int64 valid lengths as int64; float lengths are an error.
 Tensor<int64_t> load_valid_lens(const Input& input);
 
@@ -95,15 +148,23 @@ struct OutputFile {
   std::string bytes;
 };
 
-// Fails with UsageError if two output options name the same file or one names
-// a directory. Commands call it before computing; write_outputs again.
+// Checks every output path before any work (qkv::check_output_paths): an
+// empty path, a directory, a missing or unwritable directory, or two options
+// naming the same file is a qkv::Error (status 2). Commands call it before
+// computing; write_outputs again.
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs);
 
-// Writes all the files or none: each is staged to a temporary file in its
-// destination's directory, and only when every one is staged are they renamed
-// into place. On failure the temporary files are removed and no destination
-// is touched. (A rename within a directory fails only if the file system
-// does; the files renamed before such a failure stay.)
+// Writes all the files or none (qkv::write_files): each is staged to a
+// temporary file beside its destination and flushed, and only when every one
+// is are they renamed into place; devices and FIFOs are written through,
+// symlinks' targets replaced. On failure the temporary files are removed and
+// no destination is touched. (A rename within a directory fails only if the
+// file system does; the files renamed before such a failure stay.)
 void write_outputs(const std::vector<OutputFile>& files);
+
+// Installs handlers for SIGHUP, SIGINT, SIGTERM and SIGPIPE (those not
+// ignored) that remove the temporary files of outputs being written
+// (qkv::remove_staged_files) and then die of the signal as before.
+void remove_temporaries_on_signals();
 
 }  // namespace qkv::cli

@@ -3,6 +3,9 @@
 // million rows allocates only the output.
 #include "csv.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -11,8 +14,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <fstream>
-#include <sstream>
 #include <system_error>
 
 #include "qkv/error.h"
@@ -168,6 +169,19 @@ class Tokenizer {
   std::deque<std::string> unescaped_;  // quoted fields with "" escapes (stable addresses)
 };
 
+// A NUL byte in text[from, to) is an error naming its line and byte offset;
+// `line` is the line number at `from`, and is advanced to the one at `to`.
+void check_no_nul(std::string_view text, size_t from, size_t to, int64_t& line,
+                  const std::string& name) {
+  const void* nul = std::memchr(text.data() + from, '\0', to - from);
+  const size_t end = nul ? static_cast<size_t>(static_cast<const char*>(nul) - text.data()) : to;
+  for (size_t p = from; p < end; ++p) line += text[p] == '\n';
+  if (nul) {
+    throw Error(name + ": line " + std::to_string(line) + ": a NUL byte at byte offset " +
+                std::to_string(end) + "; a CSV file is text (is this a binary file?)");
+  }
+}
+
 }  // namespace
 
 std::optional<double> parse_number(std::string_view text) {
@@ -210,6 +224,8 @@ std::string csv_field(std::string_view text) {
 
 CsvFile::CsvFile(std::string text, std::string name)
     : text_(std::move(text)), name_(std::move(name)) {
+  int64_t lines = 1;
+  check_no_nul(text_, 0, text_.size(), lines, name_);
   size_t start = 0;
   if (text_.compare(0, 3, "\xEF\xBB\xBF") == 0) start = 3;  // UTF-8 byte order mark
   Tokenizer tokens(text_, name_, start, 1, nullptr);
@@ -236,12 +252,37 @@ CsvFile::CsvFile(std::string text, std::string name)
 }
 
 CsvFile CsvFile::read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open: " + std::strerror(errno));
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  if (in.bad()) throw Error(path + ": cannot read: " + std::strerror(errno));
-  return CsvFile(std::move(bytes).str(), path);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
+  try {
+    CsvFile csv = read(fd, path);
+    ::close(fd);
+    return csv;
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+}
+
+CsvFile CsvFile::read(int fd, std::string name, std::string_view consumed) {
+  std::string text(consumed);
+  int64_t line = 1;
+  check_no_nul(text, 0, text.size(), line, name);
+  constexpr size_t kChunk = size_t{1} << 16;
+  for (;;) {
+    const size_t old = text.size();
+    text.resize(old + kChunk);
+    const ssize_t got = ::read(fd, text.data() + old, kChunk);
+    if (got < 0 && errno == EINTR) {
+      text.resize(old);
+      continue;
+    }
+    if (got < 0) throw Error(name + ": cannot read: " + std::strerror(errno));
+    text.resize(old + static_cast<size_t>(got));
+    if (got == 0) break;
+    check_no_nul(text, old, text.size(), line, name);
+  }
+  return CsvFile(std::move(text), std::move(name));
 }
 
 std::optional<int> CsvFile::find(std::string_view column) const {

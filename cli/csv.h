@@ -21,7 +21,8 @@ namespace qkv::cli {
 // be quoted ("a, b" with "" for a quote inside, newlines allowed), which is
 // how a header name holding a comma is written. Line ends are \n or \r\n; a
 // UTF-8 byte order mark at the start is skipped; blank lines are skipped.
-// Header names must be non-empty and distinct.
+// Header names must be non-empty and distinct. A NUL byte anywhere is an
+// error: a file holding one is not text (a binary file, /dev/zero).
 //
 // Every problem is a qkv::Error whose message starts with the file's name and
 // says where: "data.csv: line 7, column 3 ("price"): "abc" is not a number".
@@ -31,6 +32,12 @@ class CsvFile {
   CsvFile(std::string text, std::string name);
   // Reads and parses the file at `path`; a file that cannot be read is an Error.
   static CsvFile read(const std::string& path);
+  // Reads and parses the rest of an open file (a regular file, pipe or
+  // device), whose first bytes `consumed` the caller already read. Each chunk
+  // is checked for NUL bytes as it arrives, so a binary stream such as
+  // /dev/zero fails after its first chunk instead of being read until memory
+  // runs out.
+  static CsvFile read(int fd, std::string name, std::string_view consumed = {});
 
   const std::string& name() const { return name_; }
   const std::vector<std::string>& columns() const { return columns_; }

@@ -430,7 +430,8 @@ Command add_demo_command(CLI::App& parent) {
                   "Seeds the random data and inputs, the additive parameters and the parametric "
                   "model's initial w");
   add_threads_option(*app, args->threads);
-  app->add_option("--out", args->out, "Folder for the figures and index.html (created if missing)")
+  require_path(app->add_option("--out", args->out,
+                               "Folder for the figures and index.html (created if missing)"))
       ->capture_default_str();
   return {app, [args] { run_demo(*args); }};
 }

@@ -70,9 +70,9 @@ Command add_heatmap_command(CLI::App& parent) {
   auto args = std::make_shared<HeatmapArgs>();
   CLI::App* app = parent.add_subcommand(
       "heatmap", "Draw attention weights as heatmaps (d2l's show_heatmaps) with gnuplot");
-  app->add_option("--weights", args->weights,
-                  "Weights W.npy, float32 or float64: (Nq, Nk) one panel, (B, Nq, Nk) B panels "
-                  "in a row, or (rows, cols, Nq, Nk)")
+  require_path(app->add_option("--weights", args->weights,
+                               "Weights W.npy, float32 or float64: (Nq, Nk) one panel, (B, Nq, "
+                               "Nk) B panels in a row, or (rows, cols, Nq, Nk)"))
       ->type_name("W.npy")
       ->required();
   app->add_option("--xlabel", args->xlabel, "Label under the bottom row")->capture_default_str();
@@ -83,8 +83,9 @@ Command add_heatmap_command(CLI::App& parent) {
   app->add_option("--cmap", args->cmap, "Colour map")
       ->capture_default_str()
       ->check(CLI::IsMember({"Reds", "Blues", "viridis", "gray"}));
-  app->add_option("--out", args->out,
-                  "Output figure; the format follows the extension: .png, .svg or .pdf")
+  require_path(
+      app->add_option("--out", args->out,
+                      "Output figure; the format follows the extension: .png, .svg or .pdf"))
       ->type_name("FIG.png|svg|pdf")
       ->required();
   return {app, [args] { run_heatmap(*args); }};

@@ -30,29 +30,12 @@ struct LookupArgs {
   bool json = false;
 };
 
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (byte < 0x20) {
-      char escape[8];
-      std::snprintf(escape, sizeof escape, "\\u%04x", byte);
-      out += escape;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
 // The table from --table (header with columns "key" and "value"; others are
 // ignored), or the chapter's names.
 std::vector<Record> load_table(const std::string& path) {
   if (path.empty()) return KeyValueDatabase::chapter_records();
-  const CsvFile csv = CsvFile::read(path);
+  OpenInput file({"--table", path});
+  const CsvFile csv = CsvFile::read(file.fd(), path);
   const std::optional<int> key = csv.find("key"), value = csv.find("value");
   if (!key || !value) {
     throw UsageError("--table " + path + ": the header must name the columns key and value");
@@ -163,17 +146,18 @@ Command add_lookup_command(CLI::App& parent) {
       "Query the key-value database of d2l 11.1 (default: the chapter's six names) by exact "
       "match, approximate match (attention over key similarity) or average pooling");
   app->add_option("--query", args->query, "The query string")->required();
-  app->add_option("--table", args->table,
-                  "CSV of records with header columns key and value (default: the chapter's "
-                  "six names)")
+  require_path(app->add_option("--table", args->table,
+                               "CSV of records with header columns key and value (default: the "
+                               "chapter's six names)"))
       ->type_name("FILE.csv");
   app->add_option("--mode", args->mode, "exact, approximate (default) or average")
       ->check(CLI::IsMember({"exact", "approximate", "average"}))
       ->type_name("MODE");
-  app->add_option("--temperature", args->temperature,
-                  "Softmax temperature of approximate match, > 0 (default 0.1)")
+  require_number(app->add_option("--temperature", args->temperature,
+                                 "Softmax temperature of approximate match, > 0 (default 0.1)"))
       ->type_name("T");
-  app->add_option("--top", args->top, "How many records to rank, K >= 1 (default 3)")
+  require_integer(
+      app->add_option("--top", args->top, "How many records to rank, K >= 1 (default 3)"))
       ->type_name("K");
   app->add_option("--remove", args->remove, "Remove the records with these keys first")
       ->type_name("KEY");

@@ -1,7 +1,12 @@
 // The qkv command: parses the command line with CLI11 and runs one
-// subcommand (softmax, attend, demo); each lives in its own file. Errors and
-// exit statuses follow DESIGN.md §4 (common.cc maps exceptions to them).
+// subcommand (softmax, attend, demo, regress, lookup, heatmap); each lives in
+// its own file. Errors and exit statuses follow DESIGN.md §4 (common.cc maps
+// exceptions to them).
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
 
@@ -15,7 +20,29 @@ Command add_lookup_command(CLI::App& parent);   // lookup.cc
 Command add_heatmap_command(CLI::App& parent);  // heatmap.cc
 }  // namespace qkv::cli
 
+namespace {
+
+// Debian's OpenBLAS (the pthread build) starts a pool of nproc - 1 threads
+// when it is loaded, before main, and each reserves a 128 MiB buffer. qkv
+// never uses them (every BLAS call runs single-threaded inside qkv's own
+// OpenMP tasks, src/parallel.h), and under an address-space limit below that
+// buffer (ulimit -v) a pool thread retries its allocation forever: it burns a
+// core for the whole run and exit() then waits for it forever. OpenBLAS sizes
+// the pool from OPENBLAS_NUM_THREADS when it loads, so the command sets it to 1
+// and runs itself again, once, before anything else. Without /proc (no
+// /proc/self/exe) it goes on with the pool.
+void restart_without_blas_pool(char** argv) {
+  const char* set = std::getenv("OPENBLAS_NUM_THREADS");
+  if (set != nullptr && std::strcmp(set, "1") == 0) return;
+  if (::setenv("OPENBLAS_NUM_THREADS", "1", 1) != 0) return;
+  ::execv("/proc/self/exe", argv);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  restart_without_blas_pool(argv);
+  qkv::cli::remove_temporaries_on_signals();
   using qkv::cli::Command;
   CLI::App app(std::string("qkv ") + qkv::kVersion +
                    ": attention pooling (masked softmax, scaled dot-product and additive "

@@ -4,14 +4,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <stdexcept>
@@ -172,19 +168,6 @@ void check_options(const RegressArgs& args, const Bandwidth& bandwidth) {
 
 // ---- input ------------------------------------------------------------------------
 
-// True if the file starts like a .npy file; an unreadable file is an error.
-bool is_npy_file(const Input& input) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(input.path, ec)) {
-    throw UsageError(input.describe() + ": is a directory, not a data file");
-  }
-  std::ifstream in(input.path, std::ios::binary);
-  if (!in) throw UsageError(input.describe() + ": cannot open: " + std::strerror(errno));
-  char magic[6] = {};
-  in.read(magic, sizeof magic);
-  return in.gcount() == 6 && std::memcmp(magic, "\x93NUMPY", 6) == 0;
-}
-
 Tensor<double> as_double(FloatTensor tensor) {
   if (auto* d = std::get_if<Tensor<double>>(&tensor)) return std::move(*d);
   const Tensor<float>& f = std::get<Tensor<float>>(tensor);
@@ -228,8 +211,10 @@ void check_selection(const std::vector<std::string>& x_names, const std::string&
   }
 }
 
-Training load_csv_training(const RegressArgs& args) {
-  const CsvFile csv = CsvFile::read(args.train);
+// The training data from a CSV file whose first bytes (`prefix`) were read to
+// tell it from .npy.
+Training load_csv_training(const RegressArgs& args, OpenInput& file, std::string_view prefix) {
+  const CsvFile csv = CsvFile::read(file.fd(), args.train, prefix);
   const std::vector<std::string>& columns = csv.columns();
   const auto column = [&](const std::string& option, const std::string& name) {
     const std::optional<int> c = csv.find(name);
@@ -297,9 +282,9 @@ void check_finite(const Tensor<double>& table, const std::vector<int>& columns,
   }
 }
 
-Training load_npy_training(const RegressArgs& args) {
-  const Input input{"--train", args.train};
-  const Tensor<double> table = as_double(load_float(input));
+Training load_npy_training(const RegressArgs& args, const Input& input, OpenInput& file,
+                           std::string_view prefix) {
+  const Tensor<double> table = as_double(load_float(input, file, prefix));
   if (table.rank() != 2 || table.size(1) < 2) {
     throw UsageError(input.describe() + " has shape " + table.shape().str() +
                      "; expected a 2-D table (n, k), k >= 2: x columns and a y column (by "
@@ -361,8 +346,11 @@ Tensor<double> load_queries(const RegressArgs& args, const Training& data) {
     return q;
   }
   const Input input{"--query", args.query};
-  if (!is_npy_file(input)) {
-    const CsvFile csv = CsvFile::read(args.query);
+  // Opened once and told apart by its first bytes: a FIFO can be read only once.
+  OpenInput file(input);
+  const std::string prefix = file.read_prefix(kNpyMagicLength);
+  if (!is_npy_prefix(prefix)) {
+    const CsvFile csv = CsvFile::read(file.fd(), args.query, prefix);
     std::vector<int> selected;
     for (const std::string& name : data.x_names) {
       const std::optional<int> c = csv.find(name);
@@ -374,7 +362,7 @@ Tensor<double> load_queries(const RegressArgs& args, const Training& data) {
     }
     return csv.numbers(selected);
   }
-  Tensor<double> q = as_double(load_float(input));
+  Tensor<double> q = as_double(load_float(input, file, prefix));
   const Shape& shape = q.shape();
   const bool fits = (shape.rank() == 1 && p == 1) || (shape.rank() == 2 && shape[1] == p);
   if (!fits) {
@@ -397,23 +385,6 @@ ConstView<double> features(const Tensor<double>& t) {
 }
 
 // ---- output -----------------------------------------------------------------------
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escape[8];
-      std::snprintf(escape, sizeof escape, "\\u%04x", c);
-      out += escape;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 // JSON has no NaN or infinity: those are null.
 std::string json_number(double x) { return std::isfinite(x) ? exact_number(x) : "null"; }
@@ -478,8 +449,12 @@ void run_regress(const RegressArgs& args) {
   Stopwatch clock;
 
   // ---- load
-  const Training data =
-      is_npy_file({"--train", args.train}) ? load_npy_training(args) : load_csv_training(args);
+  const Input train_input{"--train", args.train};
+  OpenInput train_file(train_input);  // once, and told apart by its first bytes
+  const std::string train_prefix = train_file.read_prefix(kNpyMagicLength);
+  const Training data = is_npy_prefix(train_prefix)
+                            ? load_npy_training(args, train_input, train_file, train_prefix)
+                            : load_csv_training(args, train_file, train_prefix);
   const int64_t n = data.x.size(0), p = data.x.size(1);
   if (!bandwidth.values.empty() && bandwidth.values.size() != 1 &&
       static_cast<int64_t>(bandwidth.values.size()) != p) {
@@ -636,8 +611,9 @@ Command add_regress_command(CLI::App& parent) {
       "Nadaraya-Watson kernel regression (attention pooling by similarity) on a CSV or .npy "
       "table");
   args->app = app;
-  app->add_option("--train", args->train,
-                  "Training data: a CSV file with a header row, or a 2-D .npy table (n, k)")
+  require_path(
+      app->add_option("--train", args->train,
+                      "Training data: a CSV file with a header row, or a 2-D .npy table (n, k)"))
       ->type_name("DATA")
       ->required();
   app->add_option("--x-cols", args->x_cols,
@@ -647,9 +623,9 @@ Command add_regress_command(CLI::App& parent) {
   app->add_option("--y-col", args->y_col,
                   "The y column: a name (CSV) or an index (.npy); default: the last column")
       ->type_name("y");
-  app->add_option("--query", args->query,
-                  "Where to predict: a CSV file holding the x columns (by name), or .npy (t) "
-                  "or (t, p)")
+  require_path(app->add_option("--query", args->query,
+                               "Where to predict: a CSV file holding the x columns (by name), or "
+                               ".npy (t) or (t, p)"))
       ->type_name("FILE");
   app->add_option("--grid", args->grid,
                   "Where to predict, one x column only: numpy.arange(start, stop, step)")
@@ -664,18 +640,22 @@ Command add_regress_command(CLI::App& parent) {
                       " (learn: the chapter's parametric model, h = 1/|w|, Gaussian only)")
       ->type_name("H|silverman|scott|cv|learn")
       ->required();
-  app->add_option("--epochs", args->epochs, "learn only: SGD epochs, >= 1 (default 5)")
+  require_integer(
+      app->add_option("--epochs", args->epochs, "learn only: SGD epochs, >= 1 (default 5)"))
       ->type_name("N");
-  app->add_option("--lr", args->lr, "learn only: SGD learning rate, > 0 (default 0.5)")
+  require_number(
+      app->add_option("--lr", args->lr, "learn only: SGD learning rate, > 0 (default 0.5)"))
       ->type_name("LR");
   add_seed_option(*app, args->seed, "learn only: draws the initial w ~ U(0, 1)");
   app->add_flag("--exact", args->exact,
                 "Evaluate every kernel exactly (no fast 1-D Gaussian approximation)");
-  app->add_option("--out", args->out, "Output PRED.csv: the query columns, then <y-col>_pred")
+  require_path(
+      app->add_option("--out", args->out, "Output PRED.csv: the query columns, then <y-col>_pred"))
       ->type_name("PRED.csv")
       ->required();
-  app->add_option("--weights", args->weights,
-                  "Also write the attention weights (t, n), float64, rows summing to 1")
+  require_path(app->add_option("--weights", args->weights,
+                               "Also write the attention weights (t, n), float64, rows summing "
+                               "to 1"))
       ->type_name("W.npy");
   app->add_flag("--loo", args->loo,
                 "Compute the leave-one-out error also for more than 50000 training points "

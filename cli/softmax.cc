@@ -58,16 +58,19 @@ Command add_softmax_command(CLI::App& parent) {
       "softmax",
       "Masked softmax over the last axis: positions at or past each row's valid length get "
       "weight 0");
-  app->add_option("--scores", args->scores, "Scores X.npy: (B, Nq, Nk), or (Nq, Nk) for one batch")
+  require_path(app->add_option("--scores", args->scores,
+                               "Scores X.npy: (B, Nq, Nk), or (Nq, Nk) for one batch"))
       ->type_name("X.npy")
       ->required();
-  app->add_option(
-         "--valid-lens", args->valid_lens,
-         "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D scores; for 2-D scores "
-         "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
-         "every key is valid")
+  require_path(
+      app->add_option(
+          "--valid-lens", args->valid_lens,
+          "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D scores; for 2-D scores "
+          "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
+          "every key is valid"))
       ->type_name("L.npy");
-  app->add_option("--out", args->out, "Weights W.npy: the scores' shape and float type")
+  require_path(
+      app->add_option("--out", args->out, "Weights W.npy: the scores' shape and float type"))
       ->type_name("W.npy")
       ->required();
   add_threads_option(*app, args->threads);

@@ -1,13 +1,15 @@
 // NumPy .npy reading and writing: format versions 1.0/2.0/3.0, dtypes <f4 <f8
 // <i4 <i8, C order. The header dict is parsed as a small Python literal, and
 // every malformed or unsupported file is a qkv::Error naming the file and the
-// byte offset; writes go through a temporary file renamed into place.
+// byte offset; pipes and devices are checked as their bytes arrive; writes go
+// through a StagedFile (a temporary file renamed into place).
 #include "qkv/npy.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "qkv/error.h"
+#include "qkv/staged_file.h"
 
 namespace qkv {
 namespace {
@@ -343,14 +346,19 @@ struct Preamble {
 
 // Reads the magic, version and header length from the first bytes of a file
 // of `file_size` bytes (`p` holds at least min(file_size, 12) of them).
-Preamble parse_preamble(const unsigned char* p, size_t file_size, const Where& where) {
-  size_t n = std::min(file_size, kMagicLen);
+// Checks the first min(size, 6) bytes at `p` against the magic string.
+void check_magic(const unsigned char* p, size_t size, const Where& where) {
+  size_t n = std::min(size, kMagicLen);
   if (std::memcmp(p, kMagic, n) != 0) {
     size_t i = 0;
     while (i < n && p[i] == static_cast<unsigned char>(kMagic[i])) ++i;
     where.fail("not a .npy file: bad magic" + at(i) + " (expected \\x93NUMPY, found " +
                quoted(std::string_view(reinterpret_cast<const char*>(p), n), kMagicLen) + ")");
   }
+}
+
+Preamble parse_preamble(const unsigned char* p, size_t file_size, const Where& where) {
+  check_magic(p, file_size, where);
   if (file_size < kMagicLen + 2) {
     where.fail("file too short: " + std::to_string(file_size) +
                " bytes end inside the .npy preamble");
@@ -575,6 +583,128 @@ size_t read_fully(int fd, void* buf, size_t n, off_t offset, const Where& where)
   return done;
 }
 
+// A pipe or device has no size up front. The preamble and header are checked
+// as they arrive, and the data is read only as far as the header says plus
+// one byte (to find any excess): a stream that is not a .npy file, such as
+// /dev/zero, fails after its first bytes, and one that never ends is not read
+// to the end of memory. Buffers grow as bytes arrive, not from the header's
+// claims, so a short stream claiming a huge shape allocates little.
+// `consumed` holds the stream's first bytes, already read by the caller.
+template <class T>
+Tensor<T> read_stream_data(int fd, const Header& h, std::string_view consumed, const Where& where) {
+  const size_t total = h.nbytes;
+  if (consumed.size() > total) check_data_length(h, consumed.size(), where);
+  std::vector<T> values;
+  const auto room = [&] { return values.size() * sizeof(T); };
+  const auto grow_to = [&](size_t bytes) {
+    values.resize((std::min(bytes, total) + sizeof(T) - 1) / sizeof(T));
+  };
+  constexpr size_t kFirstChunk = size_t{1} << 20;
+  grow_to(std::max(consumed.size(), kFirstChunk));
+  if (!consumed.empty()) std::memcpy(values.data(), consumed.data(), consumed.size());
+  size_t have = consumed.size();
+  while (have < total) {
+    if (have == room()) grow_to(2 * room());
+    const size_t got =
+        read_fully(fd, reinterpret_cast<char*>(values.data()) + have, room() - have, -1, where);
+    have += got;
+    if (have < room()) break;  // the stream ended
+  }
+  if (have < total) check_data_length(h, have, where);
+  char extra;
+  if (read_fully(fd, &extra, 1, -1, where) > 0) {
+    where.fail("header lies about size: it says shape " + shape_str(h.shape) + " of " +
+               dtype_name(h.dtype) + " (" + std::to_string(total) +
+               " bytes) but more bytes follow" + at(h.data_offset + total));
+  }
+  return Tensor<T>(Shape(h.shape.begin(), h.shape.end()), std::move(values));
+}
+
+NpyArray read_stream(int fd, std::string_view consumed, const Where& where) {
+  std::string head(consumed);
+  // Reads until `head` holds n bytes or the stream ends.
+  const auto fill = [&](size_t n) {
+    constexpr size_t kStep = size_t{1} << 20;
+    while (head.size() < n) {
+      const size_t old = head.size(), want = std::min(n - old, kStep);
+      head.resize(old + want);
+      const size_t got = read_fully(fd, head.data() + old, want, -1, where);
+      head.resize(old + got);
+      if (got < want) return;
+    }
+  };
+  const auto bytes = [&] { return reinterpret_cast<const unsigned char*>(head.data()); };
+  fill(kMagicLen);
+  check_magic(bytes(), head.size(), where);
+  constexpr size_t kLongestPreamble = kMagicLen + 2 + 4;
+  fill(kLongestPreamble);
+  // A stream too short for a preamble: the whole-file parser says what is wrong.
+  if (head.size() < kLongestPreamble) return parse(head.data(), head.size(), where);
+  const Preamble pre = parse_preamble(bytes(), std::numeric_limits<size_t>::max(), where);
+  fill(pre.header_start + pre.header_len);
+  if (head.size() < pre.header_start + pre.header_len) {
+    where.fail("file too short: header of " + std::to_string(pre.header_len) + " bytes" +
+               at(pre.header_start) + " ends after " +
+               std::to_string(head.size() - std::min(head.size(), pre.header_start)));
+  }
+  const Header h = parse_header_dict(bytes() + pre.header_start, pre, where);
+  const std::string_view data = std::string_view(head).substr(h.data_offset);
+  switch (h.dtype) {
+    case Dtype::kF4:
+      return read_stream_data<float>(fd, h, data, where);
+    case Dtype::kF8:
+      return read_stream_data<double>(fd, h, data, where);
+    case Dtype::kI4:
+      return read_stream_data<int32_t>(fd, h, data, where);
+    case Dtype::kI8:
+      return read_stream_data<int64_t>(fd, h, data, where);
+  }
+  return {};
+}
+
+// A regular file: the header is checked against the file size before
+// anything is allocated, then the data is read straight into the tensor.
+NpyArray read_regular(int fd, size_t file_size, const Where& where) {
+  unsigned char head[12] = {};
+  size_t got = read_fully(fd, head, std::min(file_size, sizeof head), 0, where);
+  if (got < std::min(file_size, sizeof head)) file_size = got;  // it shrank under us
+  Preamble pre = parse_preamble(head, file_size, where);
+
+  std::string header(pre.header_len, '\0');
+  got = read_fully(fd, header.data(), header.size(), static_cast<off_t>(pre.header_start), where);
+  if (got < header.size()) {
+    where.fail("file too short: header of " + std::to_string(pre.header_len) + " bytes" +
+               at(pre.header_start) + " ends after " + std::to_string(got));
+  }
+  Header h = parse_header_dict(reinterpret_cast<const unsigned char*>(header.data()), pre, where);
+  check_data_length(h, file_size - h.data_offset, where);
+
+  NpyArray array = make_array(h);
+  void* data = std::visit([](auto& t) -> void* { return t.data(); }, array);
+  auto data_offset = static_cast<off_t>(h.data_offset);
+  got = read_fully(fd, data, h.nbytes, data_offset, where);
+  if (got < h.nbytes) check_data_length(h, got, where);
+  // The file may also have grown since fstat.
+  char extra[4096];
+  size_t more = 0;
+  while ((got = read_fully(fd, extra, sizeof extra,
+                           data_offset + static_cast<off_t>(h.nbytes + more), where)) > 0) {
+    more += got;
+  }
+  if (more > 0) check_data_length(h, h.nbytes + more, where);
+  return array;
+}
+
+NpyArray read_fd(int fd, std::string_view consumed, const Where& where) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) where.fail("cannot stat: " + errno_text(errno));
+  if (S_ISDIR(st.st_mode)) where.fail("cannot read: " + errno_text(EISDIR));
+  // A regular file is read by offset from its start, so what the caller
+  // consumed is simply read again.
+  if (S_ISREG(st.st_mode)) return read_regular(fd, static_cast<size_t>(st.st_size), where);
+  return read_stream(fd, consumed, where);
+}
+
 // ---- writing
 
 template <class T>
@@ -669,64 +799,15 @@ std::string to_bytes(ConstView<T> array) {
   return out;
 }
 
-// The permissions np.save would leave: an existing file keeps its own (open
-// with O_TRUNC does), a new one gets 0666 minus the umask. mkstemp's 0600
-// would otherwise make our outputs unreadable to others.
-mode_t output_mode(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) return st.st_mode & 07777;
-  mode_t mask = 022;
-  // Reading the umask via umask() would briefly change it for every thread;
-  // Linux reports it in /proc/self/status instead.
-  if (FILE* f = std::fopen("/proc/self/status", "r")) {
-    char line[256];
-    while (std::fgets(line, sizeof line, f)) {
-      unsigned value;
-      if (std::sscanf(line, "Umask: %o", &value) == 1) {
-        mask = static_cast<mode_t>(value);
-        break;
-      }
-    }
-    std::fclose(f);
-  }
-  return 0666 & ~mask;
-}
-
 template <class T>
 void write_file(const std::string& path, ConstView<T> array) {
   check_view(array, "write_npy");
-  std::string header = header_bytes(dtype_of<T>(), array.shape());
-
-  std::string tmp = path + ".tmp.XXXXXX";
-  Fd fd(::mkstemp(tmp.data()));
-  if (fd.get() < 0) {
-    fail("write_npy", path + ": cannot create a temporary file beside it: " + errno_text(errno));
-  }
-  auto failed = [&](const std::string& what) {
-    fail("write_npy", path + ": " + what + " " + tmp + ": " + errno_text(errno));
-  };
-  try {
-    auto write_all = [&](const void* p, size_t n) {
-      const char* c = static_cast<const char*>(p);
-      while (n > 0) {
-        ssize_t put = ::write(fd.get(), c, n);
-        if (put < 0 && errno == EINTR) continue;
-        if (put < 0) failed("cannot write");
-        c += put;
-        n -= static_cast<size_t>(put);
-      }
-    };
-    if (::fchmod(fd.get(), output_mode(path)) != 0) failed("cannot set the permissions of");
-    write_all(header.data(), header.size());
-    emit_data<T>(array, write_all);
-    if (fd.close() != 0) failed("cannot write");
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) failed("cannot rename into place");
-  } catch (...) {
-    // Whatever went wrong (including bad_alloc), no partial file stays behind.
-    fd.close();
-    ::unlink(tmp.c_str());
-    throw;
-  }
+  StagedFile file("write_npy", "", path);
+  file.write(header_bytes(dtype_of<T>(), array.shape()));
+  emit_data<T>(array, [&](const void* p, size_t n) {
+    file.write(std::string_view(static_cast<const char*>(p), n));
+  });
+  file.commit();
 }
 
 }  // namespace
@@ -744,54 +825,11 @@ NpyArray read_npy(const std::string& path) {
   int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw < 0) where.fail("cannot open: " + errno_text(errno));
   Fd fd(raw);
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) where.fail("cannot stat: " + errno_text(errno));
-  if (S_ISDIR(st.st_mode)) where.fail("cannot read: " + errno_text(EISDIR));
+  return read_fd(fd.get(), {}, where);
+}
 
-  if (!S_ISREG(st.st_mode)) {
-    // A pipe or device has no size up front: read it all, then parse.
-    std::string bytes;
-    char buf[65536];
-    for (;;) {
-      size_t got = read_fully(fd.get(), buf, sizeof buf, -1, where);
-      bytes.append(buf, got);
-      if (got < sizeof buf) break;
-    }
-    return parse(bytes.data(), bytes.size(), where);
-  }
-
-  // A regular file: check the header against the file size before
-  // allocating, then read the data straight into the tensor.
-  auto file_size = static_cast<size_t>(st.st_size);
-  unsigned char head[12] = {};
-  size_t got = read_fully(fd.get(), head, std::min(file_size, sizeof head), 0, where);
-  if (got < std::min(file_size, sizeof head)) file_size = got;  // it shrank under us
-  Preamble pre = parse_preamble(head, file_size, where);
-
-  std::string header(pre.header_len, '\0');
-  got = read_fully(fd.get(), header.data(), header.size(), static_cast<off_t>(pre.header_start),
-                   where);
-  if (got < header.size()) {
-    where.fail("file too short: header of " + std::to_string(pre.header_len) + " bytes" +
-               at(pre.header_start) + " ends after " + std::to_string(got));
-  }
-  Header h = parse_header_dict(reinterpret_cast<const unsigned char*>(header.data()), pre, where);
-  check_data_length(h, file_size - h.data_offset, where);
-
-  NpyArray array = make_array(h);
-  void* data = std::visit([](auto& t) -> void* { return t.data(); }, array);
-  auto data_offset = static_cast<off_t>(h.data_offset);
-  got = read_fully(fd.get(), data, h.nbytes, data_offset, where);
-  if (got < h.nbytes) check_data_length(h, got, where);
-  // The file may also have grown since fstat.
-  char extra[4096];
-  size_t more = 0;
-  while ((got = read_fully(fd.get(), extra, sizeof extra,
-                           data_offset + static_cast<off_t>(h.nbytes + more), where)) > 0) {
-    more += got;
-  }
-  if (more > 0) check_data_length(h, h.nbytes + more, where);
-  return array;
+NpyArray read_npy(int fd, const std::string& name, std::string_view consumed) {
+  return read_fd(fd, consumed, Where{"read_npy", name});
 }
 
 std::string npy_bytes(ConstView<float> array) { return to_bytes(array); }

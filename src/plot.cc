@@ -1,47 +1,94 @@
 // Figures through gnuplot: validate the arguments, write a gnuplot script
-// with the data inline (datablocks), pipe it to gnuplot (popen) with its
-// stderr caught in a temporary file, and rename the finished figure into place.
+// with the data inline (datablocks), run gnuplot (posix_spawn) with the script
+// on its stdin, the staged figure as its stdout and its stderr caught in an
+// unnamed temporary file, check that the figure is complete, and rename it
+// into place (a StagedFile). No path appears in the script or a shell command.
 #include "qkv/plot.h"
 
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
-#include <sstream>
 #include <string_view>
 
 #include "check.h"
 #include "qkv/error.h"
+#include "qkv/staged_file.h"
+
+extern char** environ;
 
 namespace qkv {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A gnuplot single-quoted string: only ' needs escaping, as ''.
+// A gnuplot single-quoted string: only ' needs escaping, as ''. Nothing else
+// is special inside one (no backslash escapes, no `command` substitution),
+// except a line end, which ends the command: check_label keeps those out.
 std::string quote(std::string_view text) {
   std::string out = "'";
   for (char c : text) out += c == '\'' ? std::string("''") : std::string(1, c);
   return out + "'";
 }
 
-// A /bin/sh single-quoted word.
-std::string shell_quote(std::string_view text) {
-  std::string out = "'";
-  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
+// The length of the UTF-8 sequence at text[i], or 0 if it is not valid UTF-8
+// (overlong forms, surrogates and code points above U+10FFFF included).
+size_t utf8_length(std::string_view text, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char b = byte(i);
+  if (b < 0x80) return 1;
+  const size_t n = b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : b >= 0xc2 ? 2 : 0;
+  if (n == 0 || b > 0xf4 || i + n > text.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((byte(i + k) & 0xc0) != 0x80) return 0;
+  }
+  const unsigned char b1 = byte(i + 1);
+  if ((b == 0xe0 && b1 < 0xa0) || (b == 0xed && b1 >= 0xa0) || (b == 0xf0 && b1 < 0x90) ||
+      (b == 0xf4 && b1 >= 0x90)) {
+    return 0;
+  }
+  return n;
+}
+
+// A label or title must be one line of UTF-8 text. A line end inside it would
+// end the gnuplot command and run the rest of the label as the next one
+// (`system "..."` runs a shell command), so every control character is
+// refused, not escaped; invalid UTF-8 would make the SVG terminal write XML
+// no reader accepts.
+void check_label(std::string_view function, std::string_view name, std::string_view text) {
+  for (size_t i = 0; i < text.size();) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    const size_t n = utf8_length(text, i);
+    if (b < 0x20 || b == 0x7f || n == 0) {
+      std::string shown;
+      for (const char c : text.substr(0, 60)) {
+        const auto u = static_cast<unsigned char>(c);
+        char escape[8];
+        std::snprintf(escape, sizeof escape, "\\x%02x", u);
+        shown += u < 0x20 || u == 0x7f || u >= 0x80 ? std::string(escape) : std::string(1, c);
+      }
+      char at[16];
+      std::snprintf(at, sizeof at, "\\x%02x", b);
+      fail(function,
+           std::string(name) + " \"" + shown + (text.size() > 60 ? "...\"" : "\"") + " holds " +
+               (n == 0 && b >= 0x80 ? "a byte that is not UTF-8 (" : "a control character (") + at +
+               " at byte " + std::to_string(i) + "); a label must be one line of UTF-8 text");
+    }
+    i += n;
+  }
 }
 
 std::string number(double v) {
@@ -114,44 +161,82 @@ void check_finite(std::string_view function, std::string_view name, const Tensor
   }
 }
 
-// Removes a file when it goes out of scope unless released.
-class TempFile {
- public:
-  explicit TempFile(std::string path) : path_(std::move(path)) {}
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-  ~TempFile() {
-    if (!path_.empty()) ::unlink(path_.c_str());
+// An unnamed temporary file for gnuplot's stderr: nothing to remove, even if
+// the process is killed.
+int unnamed_temp(std::string_view function) {
+  std::error_code ec;
+  const fs::path dir = fs::temp_directory_path(ec);
+  const std::string where = ec ? std::string("/tmp") : dir.string();
+  int fd = ::open(where.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) {  // a file system without O_TMPFILE: a named file, unlinked at once
+    std::string pattern = where + "/qkv-gnuplot-XXXXXX";
+    fd = ::mkostemp(pattern.data(), O_CLOEXEC);
+    if (fd >= 0) ::unlink(pattern.c_str());
   }
-  const std::string& path() const { return path_; }
-  void release() { path_.clear(); }
-
- private:
-  std::string path_;
-};
-
-std::string make_temp(std::string_view function, std::string pattern) {
-  const int fd = ::mkstemp(pattern.data());
   if (fd < 0) {
-    fail(function, "cannot create a temporary file " + pattern + ": " + std::strerror(errno));
+    fail_io(function, "cannot create a temporary file in " + where + ": " + std::strerror(errno));
   }
-  ::close(fd);
-  return pattern;
+  return fd;
 }
 
-// Writes `script` to gnuplot's stdin. SIGPIPE (gnuplot quitting before it read
-// everything) is blocked in this thread while writing and discarded after, so
-// a failing gnuplot becomes an Error and not a dead process.
-int pipe_to(const std::string& command, const std::string& script) {
+// The whole content of an open file, from its start.
+std::string read_back(int fd) {
+  std::string text;
+  char buffer[4096];
+  off_t offset = 0;
+  ssize_t got;
+  while ((got = ::pread(fd, buffer, sizeof buffer, offset)) > 0) {
+    text.append(buffer, static_cast<size_t>(got));
+    offset += got;
+  }
+  return text;
+}
+
+// Runs `gnuplot` with `script` on its stdin, `out` as its stdout and `err` as
+// its stderr; returns its wait status, or -1 if it could not be started.
+// SIGPIPE (gnuplot quitting before it read everything) is blocked in this
+// thread while writing and discarded after, so a failing gnuplot becomes an
+// error and not a dead process; gnuplot itself starts with the caller's mask.
+int run_gnuplot(const std::string& gnuplot, const std::string& script, int out, int err) {
   sigset_t pipe_set, old_set;
   sigemptyset(&pipe_set);
   sigaddset(&pipe_set, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
   int status = -1;
-  if (FILE* pipe = ::popen(command.c_str(), "w")) {
-    std::fwrite(script.data(), 1, script.size(), pipe);
-    std::fflush(pipe);
-    status = ::pclose(pipe);
+  int in[2];
+  if (::pipe2(in, O_CLOEXEC) == 0) {
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, out, STDOUT_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, err, STDERR_FILENO);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setsigmask(&attr, &old_set);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+    std::string program = gnuplot;
+    char* argv[] = {program.data(), nullptr};
+    pid_t pid = -1;
+    const int spawned = ::posix_spawn(&pid, gnuplot.c_str(), &actions, &attr, argv, environ);
+    posix_spawnattr_destroy(&attr);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(in[0]);
+    if (spawned == 0) {
+      const char* data = script.data();
+      size_t left = script.size();
+      while (left > 0) {
+        const ssize_t n = ::write(in[1], data, left);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) break;  // EPIPE: gnuplot quit early; its status says why
+        data += n;
+        left -= static_cast<size_t>(n);
+      }
+    }
+    ::close(in[1]);
+    if (spawned == 0) {
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
   }
   sigset_t pending;
   sigpending(&pending);
@@ -163,51 +248,57 @@ int pipe_to(const std::string& command, const std::string& script) {
   return status;
 }
 
-// Runs `body` (the script after the terminal and output lines) through
-// gnuplot into `path`, atomically.
+// gnuplot exits 0 even when its writes failed (a full disk leaves an empty or
+// cut-off figure), so the figure must end as its format ends: PNG with the
+// IEND chunk, PDF with %%EOF, SVG with </svg>.
+void check_complete(std::string_view function, const std::string& path, StagedFile& staged) {
+  const std::string ext = fs::path(path).extension().string();
+  std::string tail = staged.tail(64);
+  std::string_view end;
+  bool complete = false;
+  if (ext == ".png") {
+    end = "the IEND chunk";
+    static const std::string kIend("\0\0\0\0IEND\xae\x42\x60\x82", 12);
+    complete = tail.size() >= kIend.size() &&
+               tail.compare(tail.size() - kIend.size(), kIend.size(), kIend) == 0;
+  } else {
+    end = ext == ".pdf" ? "%%EOF" : "</svg>";
+    while (!tail.empty() && std::isspace(static_cast<unsigned char>(tail.back()))) tail.pop_back();
+    complete =
+        tail.size() >= end.size() && tail.compare(tail.size() - end.size(), end.size(), end) == 0;
+  }
+  if (!complete) {
+    fail_io(function, "path " + path + ": the figure gnuplot wrote is incomplete (" +
+                          std::to_string(staged.size()) + " bytes, not ending with " +
+                          std::string(end) +
+                          "); the disk may be full or a file size limit reached");
+  }
+}
+
+// Runs `body` (the script after the terminal line) through gnuplot into
+// `path`, atomically: gnuplot draws into a StagedFile as its stdout.
 void render(std::string_view function, const std::string& path, const std::string& terminal_line,
             const std::string& body) {
   const std::string gnuplot = find_gnuplot(function);
-  const fs::path dest(path);
-  const fs::path dir = dest.parent_path().empty() ? fs::path(".") : dest.parent_path();
-  std::error_code ec;
-  if (fs::is_directory(dest, ec)) fail(function, "path " + path + " is a directory");
-
-  TempFile staged(
-      make_temp(function, (dir / ("." + dest.filename().string() + ".qkv-XXXXXX")).string()));
-  const fs::path tmp_dir = fs::temp_directory_path(ec);
-  TempFile errors(
-      make_temp(function, ((ec ? fs::path("/tmp") : tmp_dir) / "qkv-gnuplot-XXXXXX").string()));
-
-  const std::string script = terminal_line + "\nset output " + quote(staged.path()) + "\n" + body +
-                             "\nunset output\nexit\n";
-  const std::string command =
-      "exec " + shell_quote(gnuplot) + " >/dev/null 2>" + shell_quote(errors.path());
-  const int status = pipe_to(command, script);
+  StagedFile staged(function, "path", path);
+  const int errors = unnamed_temp(function);
+  const std::string script = terminal_line + "\n" + body + "\nexit\n";
+  const int status = run_gnuplot(gnuplot, script, staged.fd(), errors);
+  std::string message = read_back(errors);
+  ::close(errors);
   if (status != 0) {
-    std::ifstream in(errors.path());
-    std::stringstream text;
-    text << in.rdbuf();
-    std::string message = text.str();
     while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) {
       message.pop_back();
     }
     const std::string how = status == -1 ? "could not be started"
                             : WIFEXITED(status)
                                 ? "exited with status " + std::to_string(WEXITSTATUS(status))
-                                : "was killed by a signal";
-    fail(function, "gnuplot (" + gnuplot + ") " + how + " rendering " + path +
-                       (message.empty() ? std::string() : ":\n" + message));
+                                : "was killed by signal " + std::to_string(WTERMSIG(status));
+    fail_io(function, "gnuplot (" + gnuplot + ") " + how + " rendering " + path +
+                          (message.empty() ? std::string() : ":\n" + message));
   }
-  // Figures get the permissions of an ordinary new file, not mkstemp's 0600.
-  const mode_t mask = ::umask(0);
-  ::umask(mask);
-  ::chmod(staged.path().c_str(), 0666 & ~mask);
-  if (std::rename(staged.path().c_str(), path.c_str()) != 0) {
-    fail(function,
-         "cannot rename the finished figure into place at " + path + ": " + std::strerror(errno));
-  }
-  staged.release();
+  check_complete(function, path, staged);
+  staged.commit();
 }
 
 // Colour stops (position, #rrggbb) approximating matplotlib's maps: Reds and
@@ -262,7 +353,13 @@ void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions
   }
   check_figsize(kFn, "figsize", options.figsize);
   const std::string colours = palette(kFn, options.cmap);
+  check_label(kFn, "xlabel", options.xlabel);
+  check_label(kFn, "ylabel", options.ylabel);
+  for (size_t c = 0; c < options.titles.size(); ++c) {
+    check_label(kFn, "titles[" + std::to_string(c) + "]", options.titles[c]);
+  }
   terminal(kFn, path, 1, 1);  // checks the extension before any work
+  check_output_path(kFn, "path", path);
   check_finite(kFn, "matrices", m);
 
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
@@ -386,7 +483,12 @@ void regression_impl(ConstView<T> x_test, ConstView<T> truth, ConstView<T> predi
                   number(o.ylim[0]) + ", " + number(o.ylim[1]) + ") must be increasing");
   }
   check_figsize(kFn, "figsize", o.figsize);
+  check_label(kFn, "xlabel", o.xlabel);
+  check_label(kFn, "ylabel", o.ylabel);
+  check_label(kFn, "labels[0]", o.labels[0]);
+  check_label(kFn, "labels[1]", o.labels[1]);
   terminal(kFn, path, 1, 1);
+  check_output_path(kFn, "path", path);
   for (const auto& [name, v] : {std::pair{"x_test", x_test},
                                 {"truth", truth},
                                 {"prediction", prediction},
@@ -417,6 +519,7 @@ void loss_impl(ConstView<T> epochs, ConstView<T> losses, const std::string& path
   detail::check_shape(kFn, "losses", losses, epochs.shape());
   if (epochs.size(0) == 0) fail(kFn, "epochs has shape [0]; expected at least one epoch");
   terminal(kFn, path, 1, 1);
+  check_output_path(kFn, "path", path);
   check_finite(kFn, "epochs", epochs);
   check_finite(kFn, "losses", losses);
   std::string s = columns_block<T>("$loss", {epochs, losses});

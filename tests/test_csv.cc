@@ -1,9 +1,15 @@
 // The qkv command's CSV reader (cli/csv.h): what it accepts, the numbers it
-// reads, and that every malformed file is a qkv::Error naming line and column.
+// reads, that every malformed file is a qkv::Error naming line and column, and
+// that a stream holding a NUL byte is refused without being read to its end.
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "csv.h"
@@ -128,6 +134,56 @@ TEST(Csv, ReadMissingFile) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(Csv, ANulByteIsNotText) {
+  expect_error(std::string("x,y\n1,2\n3,\0\n", 13), {0, 1},
+               {"line 3", "NUL byte at byte offset 10", "a CSV file is text"});
+  expect_error(std::string("\0x,y\n", 6), {0}, {"line 1", "NUL byte at byte offset 0"});
+}
+
+TEST(Csv, AStreamWithNulBytesFailsAtItsFirstChunk) {
+  // Like /dev/zero, but bounded: a reader that read the whole stream before
+  // looking at it would take all 64 MiB.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  std::atomic<size_t> written{0};
+  std::thread writer([&] {
+    sigset_t pipe_set;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, nullptr);  // EPIPE once the reader is gone
+    const std::string zeros(65536, '\0');
+    for (int i = 0; i < 1024; ++i) {
+      const ssize_t n = ::write(fds[1], zeros.data(), zeros.size());
+      if (n <= 0) break;
+      written += static_cast<size_t>(n);
+    }
+    ::close(fds[1]);
+  });
+  try {
+    CsvFile::read(fds[0], "zeros.csv", "key,");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("zeros.csv: line 1: a NUL byte at byte offset 4"),
+              std::string::npos)
+        << e.what();
+  }
+  ::close(fds[0]);
+  writer.join();
+  EXPECT_LT(written.load(), size_t{1} << 20) << "the reader kept reading after a NUL byte";
+}
+
+TEST(Csv, ReadsAStreamWhoseFirstBytesWereConsumed) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string rest = "y\n1,2\n3,4\n";
+  ASSERT_EQ(::write(fds[1], rest.data(), rest.size()), static_cast<ssize_t>(rest.size()));
+  ::close(fds[1]);
+  const CsvFile csv = CsvFile::read(fds[0], "p.csv", "x,");
+  ::close(fds[0]);
+  EXPECT_EQ(csv.columns(), (std::vector<std::string>{"x", "y"}));
+  EXPECT_EQ(csv.numbers({0, 1}).values(), (std::vector<double>{1, 2, 3, 4}));
 }
 
 TEST(Csv, ParseNumber) {

@@ -91,6 +91,54 @@ TEST(Threads, NegativeCountIsAnError) {
   set_num_threads(0);
 }
 
+TEST(Threads, CountsAboveTheLimitAreAnError) {
+  set_num_threads(2);
+  expect_error([] { set_num_threads(kMaxThreads + 1); },
+               {"set_num_threads", std::to_string(kMaxThreads + 1), std::to_string(kMaxThreads)});
+  expect_error([] { set_num_threads(100000); }, {"set_num_threads", "100000"});
+  EXPECT_EQ(num_threads(), 2) << "a rejected call changed the thread count";
+  set_num_threads(0);
+}
+
+TEST(Threads, EnvironmentAboveTheLimitIsIgnored) {
+  const char* old = std::getenv("QKV_NUM_THREADS");
+  const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;
+  ASSERT_EQ(unsetenv("QKV_NUM_THREADS"), 0);
+  set_num_threads(0);
+  const int default_count = num_threads();
+  EXPECT_LE(default_count, kMaxThreads);
+  for (const char* value : {"1025", "100000", "0", "-3", "2x"}) {
+    ASSERT_EQ(setenv("QKV_NUM_THREADS", value, 1), 0);
+    EXPECT_EQ(num_threads(), default_count) << "QKV_NUM_THREADS=" << value;
+  }
+  ASSERT_EQ(setenv("QKV_NUM_THREADS", std::to_string(kMaxThreads).c_str(), 1), 0);
+  EXPECT_EQ(num_threads(), kMaxThreads);
+  if (saved) {
+    setenv("QKV_NUM_THREADS", saved->c_str(), 1);
+  } else {
+    unsetenv("QKV_NUM_THREADS");
+  }
+}
+
+TEST(Threads, TheLimitItselfRunsAndGivesTheSameBits) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  // Enough rows that all 1024 threads take part.
+  const Tensor<float> x = random_tensor<float>(rng, Shape{4, 2048, 37}, -8.0, 8.0);
+  Tensor<float> one, many;
+  {
+    ThreadCount count(1);
+    one = masked_softmax(x, ValidLens{});
+  }
+  {
+    ThreadCount count(kMaxThreads);
+    ASSERT_EQ(num_threads(), kMaxThreads);
+    many = masked_softmax(x, ValidLens{});
+  }
+  expect_bitwise_equal(many, one, "masked_softmax: 1024 threads vs 1");
+}
+
 TEST(Threads, DefaultComesFromTheEnvironment) {
   const char* old = std::getenv("QKV_NUM_THREADS");
   const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;

@@ -1,15 +1,23 @@
 // Tests of the .npy reader and writer: round trips of every dtype and rank,
 // files exchanged with real NumPy (/usr/bin/python3, a required test
-// dependency), one test per rejected input, and atomic writes.
+// dependency), one test per rejected input, pipes read only as far as the
+// header says, and atomic writes (symlinks' targets replaced, FIFOs and
+// devices written through, a full disk an IoError that keeps the old file).
+#include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <thread>
 #include <variant>
 
 #include "test_util.h"
@@ -745,6 +753,111 @@ TEST(NpyRead, FromAPipe) {
   expect_bitwise_equal(held<double>(read_npy(fifo)), t, "from a pipe");
 }
 
+// Feeds a FIFO from a thread: `head` then `fill_size` zero bytes, counting
+// what the reader takes. The reader's close ends the writing (EPIPE, with
+// SIGPIPE blocked in the writer's thread).
+class FifoWriter {
+ public:
+  FifoWriter(std::string path, std::string head, size_t fill_size)
+      : thread_([this, path, head = std::move(head), fill_size] {
+          sigset_t pipe_set;
+          sigemptyset(&pipe_set);
+          sigaddset(&pipe_set, SIGPIPE);
+          pthread_sigmask(SIG_BLOCK, &pipe_set, nullptr);
+          const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+          if (fd < 0) return;
+          const std::string zeros(65536, '\0');
+          size_t left = fill_size;
+          if (put(fd, head)) {
+            while (left > 0 &&
+                   put(fd, std::string_view(zeros).substr(0, std::min(left, zeros.size())))) {
+              left -= std::min(left, zeros.size());
+            }
+          }
+          ::close(fd);
+        }) {}
+  ~FifoWriter() { join(); }
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  size_t written() const { return written_; }
+
+ private:
+  bool put(int fd, std::string_view bytes) {
+    while (!bytes.empty()) {
+      const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      written_ += static_cast<size_t>(n);
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+    return true;
+  }
+
+  std::atomic<size_t> written_{0};
+  std::thread thread_;
+};
+
+TEST(NpyRead, AStreamThatIsNotNpyFailsAfterItsFirstBytes) {
+  // Like /dev/zero, but bounded: a reader that read the whole stream before
+  // looking at it would take all 64 MiB.
+  TempDir dir;
+  const std::string fifo = dir / "zeros.npy";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  FifoWriter writer(fifo, "", size_t{64} << 20);
+  expect_error([&] { read_npy(fifo); }, {"read_npy: " + fifo, "not a .npy file: bad magic"});
+  writer.join();
+  EXPECT_LT(writer.written(), size_t{1} << 20) << "the reader kept reading after the magic";
+}
+
+TEST(NpyRead, AStreamIsReadOnlyAsFarAsItsHeaderSays) {
+  TempDir dir;
+  const std::string fifo = dir / "long.npy";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const Tensor<float> t = pattern_tensor<float>({3, 4});
+  FifoWriter writer(fifo, npy_bytes(t.view()), size_t{64} << 20);
+  expect_error([&] { read_npy(fifo); },
+               {"read_npy: " + fifo, "header lies about size", "[3, 4]", "more bytes follow"});
+  writer.join();
+  EXPECT_LT(writer.written(), size_t{1} << 20) << "the reader kept reading past the data";
+}
+
+TEST(NpyRead, AShortStreamClaimingAHugeShapeIsTruncated) {
+  // 2^40 float64 claimed, 64 bytes sent: an error, not a 8 TiB allocation.
+  TempDir dir;
+  const std::string fifo = dir / "huge.npy";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const Tensor<double> t = pattern_tensor<double>({1, 1});
+  std::string bytes = npy_bytes(t.view());
+  const size_t shape = bytes.find("(1, 1)");
+  ASSERT_NE(shape, std::string::npos);
+  bytes.replace(shape, 6, "(1099511627776,)");
+  bytes.erase(bytes.find('\n') - 10, 10);  // keep the header length as written
+  FifoWriter writer(fifo, bytes, 56);
+  expect_error([&] { read_npy(fifo); }, {"read_npy: " + fifo, "truncated data"});
+}
+
+TEST(NpyRead, FromADescriptorWhoseFirstBytesWereRead) {
+  // How a caller that told .npy from CSV by the magic hands the rest over.
+  TempDir dir;
+  const Tensor<int32_t> t = pattern_tensor<int32_t>({2, 3, 4});
+  const std::string bytes = npy_bytes(t.view());
+  write_bytes(dir / "t.npy", bytes);
+  const std::string fifo = dir / "t.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  FifoWriter writer(fifo, bytes, 0);
+  for (const std::string& path : {dir / "t.npy", fifo}) {
+    SCOPED_TRACE(path);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    char magic[6];
+    ASSERT_EQ(::read(fd, magic, sizeof magic), 6);
+    expect_bitwise_equal(held<int32_t>(read_npy(fd, path, std::string_view(magic, 6))), t,
+                         "after the magic");
+    ::close(fd);
+  }
+}
+
 // ---- atomic writes -------------------------------------------------------------
 
 TEST(NpyWrite, IntoAMissingDirectoryThrowsAndLeavesNothing) {
@@ -787,29 +900,6 @@ TEST(NpyWrite, PermissionsAreThoseNumpyWouldLeave) {
   EXPECT_EQ(st.st_mode & 0777, 0604u);
 }
 
-// Caps the size of files this process may write, so writes fail with EFBIG
-// partway through (works as root, unlike read-only directories).
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t bytes) {
-    old_handler_ = ::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of death
-    ::getrlimit(RLIMIT_FSIZE, &old_);
-    struct rlimit lower = old_;
-    lower.rlim_cur = bytes;
-    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &lower), 0) << std::strerror(errno);
-  }
-  ~FileSizeLimit() {
-    ::setrlimit(RLIMIT_FSIZE, &old_);
-    ::signal(SIGXFSZ, old_handler_);
-  }
-  FileSizeLimit(const FileSizeLimit&) = delete;
-  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
-
- private:
-  struct rlimit old_ = {};
-  sighandler_t old_handler_ = SIG_DFL;
-};
-
 TEST(NpyWrite, AFailedWriteLeavesTheOldFileAndNoTemporaryFile) {
   TempDir dir;
   const std::string path = dir / "keep.npy";
@@ -818,27 +908,84 @@ TEST(NpyWrite, AFailedWriteLeavesTheOldFileAndNoTemporaryFile) {
   const std::string before = read_bytes(path);
 
   const Tensor<double> big = pattern_tensor<double>({100, 100});  // 80 kB > the limit
-  std::string message;
   {
+    // A full disk is a failure of the system, not of the arguments: IoError.
     FileSizeLimit limit(4096);
-    message = expect_error([&] { write_npy(path, big.view()); }, {"write_npy: " + path});
+    expect_io_error([&] { write_npy(path, big.view()); }, {"write_npy: " + path, "File too large"});
   }
-  EXPECT_NE(message.find("File too large"), std::string::npos) << message;
   EXPECT_EQ(read_bytes(path), before);
   EXPECT_EQ(dir.entries(), std::set<std::string>{"keep.npy"});
 }
 
-TEST(NpyWrite, ARenameFailureRemovesTheTemporaryFile) {
-  // The destination is a non-empty directory: the data is written, the
-  // rename fails, and the temporary file must go.
+TEST(NpyWrite, ADirectoryIsRefusedBeforeAnythingIsWritten) {
   TempDir dir;
   const std::string path = dir / "taken";
   fs::create_directory(path);
   write_bytes(path + "/inside", "x");
   expect_error([&] { write_npy(path, pattern_tensor<int64_t>({3}).view()); },
-               {"write_npy: " + path, "cannot rename"});
+               {"write_npy: " + path, "is a directory"});
   EXPECT_EQ(dir.entries(), std::set<std::string>{"taken"});
   EXPECT_EQ(read_bytes(path + "/inside"), "x");
+}
+
+TEST(NpyWrite, ThroughSymlinksTheTargetIsReplacedAndTheLinksStay) {
+  TempDir dir;
+  fs::create_directory(dir / "real");
+  write_bytes(dir / "real/t.npy", "old");
+  fs::create_symlink("real/t.npy", dir / "link.npy");        // relative, into a folder
+  fs::create_symlink(dir / "link.npy", dir / "chain.npy");   // a link to the link
+  fs::create_symlink("real/new.npy", dir / "dangling.npy");  // its target does not exist yet
+  const Tensor<float> t = pattern_tensor<float>({3, 2});
+  for (const char* link : {"link.npy", "chain.npy", "dangling.npy"}) {
+    SCOPED_TRACE(link);
+    const fs::path before = fs::read_symlink(dir / link);
+    write_npy(dir / link, t.view());
+    EXPECT_TRUE(fs::is_symlink(dir / link));
+    EXPECT_EQ(fs::read_symlink(dir / link), before);
+  }
+  EXPECT_EQ(read_bytes(dir / "real/t.npy"), npy_bytes(t.view()));
+  EXPECT_EQ(read_bytes(dir / "real/new.npy"), npy_bytes(t.view()));
+  EXPECT_EQ(dir.entries(),
+            (std::set<std::string>{"chain.npy", "dangling.npy", "link.npy", "real"}));
+  std::set<std::string> real;
+  for (const auto& e : fs::directory_iterator(dir / "real")) real.insert(e.path().filename());
+  EXPECT_EQ(real, (std::set<std::string>{"new.npy", "t.npy"}));
+}
+
+TEST(NpyWrite, AFifoIsWrittenThroughAndStaysAFifo) {
+  TempDir dir;
+  const std::string fifo = dir / "out.npy";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::string got;
+  std::thread reader([&] { got = read_bytes(fifo); });
+  const Tensor<double> t = pattern_tensor<double>({4, 5});
+  write_npy(fifo, t.view());
+  reader.join();
+  EXPECT_EQ(got, npy_bytes(t.view()));
+  struct stat st;
+  ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the FIFO was replaced";
+  EXPECT_EQ(dir.entries(), std::set<std::string>{"out.npy"});
+}
+
+// A character device to write to: as root a private copy of /dev/null (so a
+// regression cannot replace the system's), else /dev/null itself, which a
+// user cannot replace anyway.
+std::string null_device(const TempDir& dir) {
+  if (::geteuid() != 0) return "/dev/null";
+  const std::string path = dir / "null";
+  EXPECT_EQ(::mknod(path.c_str(), S_IFCHR | 0666, makedev(1, 3)), 0) << std::strerror(errno);
+  return path;
+}
+
+TEST(NpyWrite, ACharacterDeviceIsWrittenThroughNotReplaced) {
+  TempDir dir;
+  const std::string device = null_device(dir);
+  write_npy(device, pattern_tensor<float>({100}).view());
+  struct stat st;
+  ASSERT_EQ(::stat(device.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << device << " is no longer a device";
+  for (const std::string& name : dir.entries()) EXPECT_EQ(name, "null");
 }
 
 TEST(NpyWrite, InvalidViewsAreRejectedBeforeAnythingIsWritten) {

@@ -1,12 +1,18 @@
 // Tests of the gnuplot figures (qkv/plot.h): every figure in every format is a
 // valid file (PNG signature and IHDR size, SVG parsed as XML by Debian's
 // /usr/bin/python3, PDF header and trailer), the identity heatmap's pixels,
-// and the error paths: shapes, extension, titles, missing or failing gnuplot.
+// and the error paths: shapes, extension, titles, missing or failing gnuplot,
+// labels and paths that try to run gnuplot commands, a full disk, and
+// destinations that are symlinks, FIFOs or devices.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <thread>
 
 #include "test_util.h"
 
@@ -324,8 +330,9 @@ TEST_F(PlotTest, FailingGnuplotKeepsOldFile) {
   std::ofstream(out) << "old";
   {
     ScopedPath p((dir_ / "bin").string());
-    test::expect_error([&] { heatmaps(identity(1, 1, 2).view(), out.string()); },
-                       {"heatmaps", "gnuplot", "exited with status 1", "line 3: boom"});
+    // A failing gnuplot is not bad input but a failure underneath: IoError.
+    test::expect_io_error([&] { heatmaps(identity(1, 1, 2).view(), out.string()); },
+                          {"heatmaps", "gnuplot", "exited with status 1", "line 3: boom"});
   }
   EXPECT_EQ(read_all(out), "old");
   EXPECT_EQ(std::distance(fs::directory_iterator(dir_ / "out"), fs::directory_iterator()), 1);
@@ -334,6 +341,152 @@ TEST_F(PlotTest, FailingGnuplotKeepsOldFile) {
 TEST_F(PlotTest, MissingDirectory) {
   test::expect_error([&] { heatmaps(identity(1, 1, 2).view(), path("no/such/fig.png")); },
                      {"heatmaps", "no/such/"});
+}
+
+// ---- hostile labels and paths, a full disk, special destinations ----
+
+// A gnuplot command hidden after a line end, as an adversary would write it.
+std::string injection(const fs::path& marker) {
+  return "x\nsystem \"touch " + marker.string() + "\"\ny";
+}
+
+struct RegressionData {
+  Tensor<double> x{Shape{5}, {0, 1, 2, 3, 4}};
+  Tensor<double> y{Shape{5}, {1, 2, 0, 3, 2}};
+  void plot(const std::string& path, const RegressionPlotOptions& o = {}) const {
+    plot_kernel_regression(x.view(), y.view(), y.view(), x.view(), y.view(), path, o);
+  }
+};
+
+TEST_F(PlotTest, LabelsCannotRunGnuplotCommands) {
+  const fs::path marker = dir_ / "pwned";
+  const std::string out = path("fig.svg");
+  for (const std::string& text :
+       {injection(marker), std::string("a\rb"), std::string("a\x1b[1mb"), std::string("caf\xe9")}) {
+    SCOPED_TRACE(text);
+    const std::string problem = text.back() == '\xe9' ? "not UTF-8" : "control character";
+    HeatmapOptions h;
+    h.xlabel = text;
+    test::expect_error([&] { heatmaps(identity(1, 1, 2).view(), out, h); },
+                       {"heatmaps: xlabel", problem});
+    h = {};
+    h.ylabel = text;
+    test::expect_error([&] { heatmaps(identity(1, 1, 2).view(), out, h); },
+                       {"heatmaps: ylabel", problem});
+    h = {};
+    h.titles = {"fine", text};
+    test::expect_error([&] { heatmaps(identity(1, 2, 2).view(), out, h); },
+                       {"heatmaps: titles[1]", problem});
+    const RegressionData data;
+    for (int field = 0; field < 4; ++field) {
+      RegressionPlotOptions o;
+      std::string* label[] = {&o.xlabel, &o.ylabel, &o.labels[0], &o.labels[1]};
+      const char* names[] = {"xlabel", "ylabel", "labels[0]", "labels[1]"};
+      *label[field] = text;
+      test::expect_error([&] { data.plot(out, o); },
+                         {std::string("plot_kernel_regression: ") + names[field], problem});
+    }
+  }
+  EXPECT_FALSE(fs::exists(marker)) << "a gnuplot command ran";
+  EXPECT_TRUE(fs::is_empty(dir_));
+}
+
+TEST_F(PlotTest, QuotesBackquotesAndBackslashesInLabelsAreText) {
+  const fs::path marker = dir_ / "pwned";
+  HeatmapOptions h;
+  h.xlabel = "it's `touch " + marker.string() + "` \"q\" \\";
+  h.titles = {"na\xc3\xafve"};
+  heatmaps(identity(1, 1, 3).view(), path("fig.svg"), h);
+  expect_valid(path("fig.svg"));
+  const std::string svg = read_all(path("fig.svg"));
+  EXPECT_NE(svg.find("`touch " + marker.string() + "`"), std::string::npos);
+  EXPECT_NE(svg.find("na\xc3\xafve"), std::string::npos);
+  EXPECT_FALSE(fs::exists(marker)) << "a gnuplot command ran";
+}
+
+// Changes the working directory for one scope.
+class ScopedCwd {
+ public:
+  explicit ScopedCwd(const fs::path& dir) : old_(fs::current_path()) { fs::current_path(dir); }
+  ~ScopedCwd() { fs::current_path(old_); }
+
+ private:
+  fs::path old_;
+};
+
+TEST_F(PlotTest, APathWithLineEndsIsOnlyAName) {
+  // The path never enters the script: gnuplot draws to its stdout.
+  ScopedCwd cwd(dir_);
+  for (const char* ext : kFormats) {
+    const std::string name = std::string("fig\nsystem \"touch pwned\"\n.") + ext;
+    heatmaps(identity(1, 1, 3).view(), name);
+    expect_valid(path(name));
+  }
+  const RegressionData data;
+  data.plot("fit\nsystem \"touch pwned\"\n.png");
+  expect_valid(path("fit\nsystem \"touch pwned\"\n.png"));
+  EXPECT_FALSE(fs::exists(dir_ / "pwned")) << "a gnuplot command ran";
+}
+
+TEST_F(PlotTest, AFullDiskKeepsTheOldFigure) {
+  // gnuplot exits 0 when its writes fail; the figure's end must be checked.
+  const Tensor<double> w = identity(1, 2, 30);
+  const RegressionData data;
+  const Tensor<double> epochs(Shape{3}, {1, 2, 3}), losses(Shape{3}, {3, 2, 1});
+  const std::function<void(const std::string&)> draw[] = {
+      [&](const std::string& p) { heatmaps(w.view(), p); },
+      [&](const std::string& p) { data.plot(p); },
+      [&](const std::string& p) { plot_loss(epochs.view(), losses.view(), p); }};
+  const char* functions[] = {"heatmaps", "plot_kernel_regression", "plot_loss"};
+  for (int f = 0; f < 3; ++f) {
+    for (const char* ext : kFormats) {
+      SCOPED_TRACE(std::string(functions[f]) + " " + ext);
+      const std::string fresh = path(std::string("fresh.") + ext);
+      draw[f](fresh);
+      const auto size = static_cast<rlim_t>(fs::file_size(fresh));
+      fs::remove(fresh);
+      const std::string out = path(std::string("fig.") + ext);
+      std::ofstream(out) << "the old figure";
+      for (const rlim_t limit : {size - 8, size / 3}) {
+        test::FileSizeLimit cap(limit);
+        test::expect_io_error([&] { draw[f](out); }, {functions[f], out});
+      }
+      EXPECT_EQ(read_all(out), "the old figure");
+      EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 1)
+          << "a temporary file was left";
+      fs::remove(out);
+    }
+  }
+}
+
+TEST_F(PlotTest, SymlinkFifoAndDeviceDestinations) {
+  fs::create_directory(dir_ / "real");
+  fs::create_symlink("real/fig.png", dir_ / "link.png");
+  heatmaps(identity(1, 1, 3).view(), path("link.png"));
+  EXPECT_TRUE(fs::is_symlink(dir_ / "link.png"));
+  EXPECT_EQ(fs::read_symlink(dir_ / "link.png"), "real/fig.png");
+  expect_valid(path("real/fig.png"));
+
+  const std::string fifo = path("pipe.png");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::string got;
+  std::thread reader([&] { got = read_all(fifo); });
+  heatmaps(identity(1, 1, 3).view(), fifo);
+  reader.join();
+  EXPECT_TRUE(fs::is_fifo(fifo)) << "the FIFO was replaced";
+  ASSERT_GE(got.size(), 12u);
+  EXPECT_EQ(got.substr(0, 4), "\x89PNG");
+  EXPECT_EQ(got.substr(got.size() - 8, 4), "IEND");
+
+  if (::geteuid() == 0) {  // a private /dev/null: mknod needs root
+    const std::string device = path("null.svg");
+    ASSERT_EQ(::mknod(device.c_str(), S_IFCHR | 0666, makedev(1, 3)), 0) << std::strerror(errno);
+    heatmaps(identity(1, 1, 3).view(), device);
+    EXPECT_TRUE(fs::is_character_file(device)) << "the device was replaced";
+  }
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
+  }
 }
 
 }  // namespace

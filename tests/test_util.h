@@ -1,9 +1,12 @@
 // Helpers shared by qkv's GoogleTest suites: per-test seeds, random tensors and
 // valid lengths, strided (non-contiguous) copies, element-wise comparison that
-// names the coordinates of a failure, error checks and finite differences.
+// names the coordinates of a failure, a file-size limit that fails writes like
+// a full disk, error checks and finite differences.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <array>
@@ -481,6 +484,31 @@ bool expect_bitwise_equal(const A& a, const B& b, std::string_view name, std::st
   return static_cast<bool>(result);
 }
 
+// ---- files -------------------------------------------------------------------
+
+// Caps the size of files this process may write, so writes fail with EFBIG
+// partway through (works as root, unlike read-only directories).
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    old_handler_ = ::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of death
+    ::getrlimit(RLIMIT_FSIZE, &old_);
+    struct rlimit lower = old_;
+    lower.rlim_cur = bytes;
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &lower), 0) << std::strerror(errno);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    ::signal(SIGXFSZ, old_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  struct rlimit old_ = {};
+  sighandler_t old_handler_ = SIG_DFL;
+};
+
 // ---- errors --------------------------------------------------------------------
 
 static_assert(std::is_base_of_v<std::invalid_argument, Error>,
@@ -516,6 +544,34 @@ std::string expect_error(F&& f, std::initializer_list<std::string_view> fragment
     return "";
   }
   ADD_FAILURE_AT(file, line) << "expected qkv::Error, nothing was thrown";
+  return "";
+}
+
+// Expects f() to throw qkv::IoError (a failure of the system, not of the
+// arguments) whose message contains every fragment; returns the message.
+template <class F>
+std::string expect_io_error(F&& f, std::initializer_list<std::string_view> fragments,
+                            std::source_location loc = std::source_location::current()) {
+  const char* file = loc.file_name();
+  const int line = static_cast<int>(loc.line());
+  try {
+    f();
+  } catch (const IoError& e) {
+    const std::string message = e.what();
+    for (std::string_view fragment : fragments) {
+      if (message.find(fragment) == std::string::npos) {
+        ADD_FAILURE_AT(file, line) << "error message lacks \"" << fragment << "\":\n  " << message;
+      }
+    }
+    return message;
+  } catch (const std::exception& e) {
+    ADD_FAILURE_AT(file, line) << "threw an exception that is not qkv::IoError: " << e.what();
+    return "";
+  } catch (...) {
+    ADD_FAILURE_AT(file, line) << "threw something that is not an exception";
+    return "";
+  }
+  ADD_FAILURE_AT(file, line) << "expected qkv::IoError, nothing was thrown";
   return "";
 }
 

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <variant>
 
 #include "qkv/tensor.h"
@@ -18,8 +19,16 @@ using NpyArray = std::variant<Tensor<float>, Tensor<double>, Tensor<int32_t>, Te
 
 // Parses a whole .npy file held in memory. `name` goes into error messages.
 NpyArray parse_npy(const void* bytes, size_t size, const std::string& name = "<memory>");
-// Reads a .npy file.
+// Reads a .npy file: a regular file, or a pipe or device, whose preamble and
+// header are checked as they arrive (so /dev/zero fails after 6 bytes, and
+// no more than the header's data and one byte past it are ever read).
 NpyArray read_npy(const std::string& path);
+// The same from a file descriptor open for reading (not closed here); `name`
+// goes into error messages. `consumed` holds the bytes the caller already read
+// from its start (e.g. to tell .npy from CSV by the magic string): for a pipe
+// they are taken as the file's first bytes; a regular file is read by offset
+// from its start anyway.
+NpyArray read_npy(int fd, const std::string& name, std::string_view consumed = {});
 
 // The bytes of a .npy file (version 1.0, or 2.0 if the header needs it).
 std::string npy_bytes(ConstView<float> array);
@@ -27,8 +36,11 @@ std::string npy_bytes(ConstView<double> array);
 std::string npy_bytes(ConstView<int32_t> array);
 std::string npy_bytes(ConstView<int64_t> array);
 
-// Writes a .npy file atomically: to a temporary file beside `path`, renamed
-// over it only once complete, so a failure never leaves a partial file.
+// Writes a .npy file atomically, as a StagedFile (qkv/staged_file.h): to a
+// temporary file beside `path`, renamed over it only once complete and on
+// disk, so a failure never leaves a partial file; a symlink's target is
+// replaced, a device or FIFO written through. A bad path is an Error, a
+// failing disk an IoError.
 void write_npy(const std::string& path, ConstView<float> array);
 void write_npy(const std::string& path, ConstView<double> array);
 void write_npy(const std::string& path, ConstView<int32_t> array);

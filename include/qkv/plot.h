@@ -1,8 +1,12 @@
-// Figures of the chapter, rendered by gnuplot (Debian gnuplot-nox) through a
-// pipe: qkv writes the data and the script, gnuplot draws axes, ticks, fonts
-// and colour bars. The format follows the path's extension: .png (pngcairo),
-// .svg (svg) or .pdf (pdfcairo). Each figure is written to a temporary name
-// beside `path` and renamed into place only when gnuplot succeeded.
+// Figures of the chapter, rendered by gnuplot (Debian gnuplot-nox), run
+// without a shell: qkv writes the data and the script to its stdin, gnuplot
+// draws axes, ticks, fonts and colour bars to its stdout. The format follows
+// the path's extension: .png (pngcairo), .svg (svg) or .pdf (pdfcairo). Each
+// figure is a StagedFile (qkv/staged_file.h): written to a temporary file
+// beside `path` and renamed into place only when gnuplot succeeded and the
+// figure is complete (PNG ends with IEND, PDF with %%EOF, SVG with </svg>;
+// gnuplot reports no failed write); a symlink's target is replaced, a device
+// or FIFO written through.
 #pragma once
 
 #include <array>
@@ -15,7 +19,10 @@ namespace qkv {
 
 // gnuplot is looked up on PATH. Missing, it is an Error naming the package to
 // install ("gnuplot not found: install Debian package gnuplot-nox"); if it
-// fails, the Error holds what it wrote on stderr.
+// fails or writes an incomplete figure (a full disk), an IoError, holding what
+// it wrote on stderr. Labels, titles and legend entries must be one line of
+// UTF-8 text: a control character (a line end would end the gnuplot command
+// and run the rest as the next) or bytes that are not UTF-8 are an Error.
 
 struct HeatmapOptions {
   std::string xlabel = "Keys";              // under the bottom row only

@@ -11,6 +11,7 @@
 #include "qkv/plot.h"
 #include "qkv/pooling.h"
 #include "qkv/simd.h"
+#include "qkv/staged_file.h"
 #include "qkv/tensor.h"
 #include "qkv/threads.h"
 #include "qkv/valid_lens.h"

@@ -1,0 +1,104 @@
+// Output files written the one way every qkv writer writes them (write_npy,
+// the figures of plot.h, the qkv command): staged in a temporary file beside
+// the destination, checked, flushed to disk and renamed over it, so a failure
+// never leaves a partial file and never clobbers the old one.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace qkv {
+
+// Where an output goes, decided from what `path` names when the file is staged:
+// - nothing yet, or a regular file: the temporary file `.<name>.qkv-XXXXXX`
+//   is created in the destination's directory and renamed over it. A symlink
+//   is followed (through chains of links, relative targets taken from the
+//   link's directory): its target is replaced, the link stays a link.
+// - a character device or FIFO (/dev/null, /dev/stdout on a pipe, a named
+//   pipe): staged in the system's temporary directory, then copied into it;
+//   it is never replaced, renamed or truncated.
+// - a directory or an empty path: an Error.
+//
+// Messages name the output as "<function>: <name> <path>: ..." (without
+// "<function>: " when function is empty, without "<name> " when name is
+// empty). Problems with the path itself (empty, a directory, a missing or
+// unwritable directory, a loop of symlinks) throw Error; failures of the
+// system while writing (a full disk, EFBIG, an I/O error) throw IoError.
+
+// Checks, before any work is done, that `path` can be written as an output;
+// throws Error if not. The writers check again when they stage.
+void check_output_path(std::string_view function, std::string_view name, const std::string& path);
+// The same for several outputs, (name, path) each, and an Error if two of them
+// lead to the same regular file (through "..", "." or symlinks).
+void check_output_paths(std::string_view function,
+                        const std::vector<std::pair<std::string, std::string>>& outputs);
+
+// One output being written. While it exists, its temporary file is listed for
+// remove_staged_files(). If a call fails, or it is destroyed before commit(),
+// it removes the temporary file and leaves the destination as it was.
+class StagedFile {
+ public:
+  StagedFile(std::string_view function, std::string_view name, std::string path);
+  ~StagedFile();
+  StagedFile(StagedFile&& other) noexcept;
+  StagedFile& operator=(StagedFile&&) = delete;
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+
+  // The temporary file, open for reading and writing, for writers that need a
+  // descriptor (gnuplot draws into it as its standard output).
+  int fd() const { return fd_; }
+  // Appends bytes to the temporary file.
+  void write(std::string_view bytes);
+  // The last `n` bytes of the temporary file (fewer if it is shorter), and its
+  // size, for checks that the content is complete.
+  std::string tail(size_t n);
+  long long size();
+  // Flushes the temporary file to disk (fsync) and closes it; commit() does it
+  // if not done.
+  void finish();
+  // Puts the content into place: renames the temporary file over the
+  // destination, or copies it into a device or FIFO.
+  void commit();
+
+  const std::string& path() const { return path_; }
+
+ private:
+  // Removes the temporary file and throws IoError "<where>: <what>: <error>".
+  [[noreturn]] void fail_io(const std::string& what, int error);
+  std::string where() const;
+  void discard() noexcept;
+
+  std::string function_, name_, path_;
+  std::string target_;  // what path_ leads to: a symlink's target, or path_
+  std::string temp_;    // the temporary file; empty once committed or discarded
+  int fd_ = -1;
+  int slot_ = -1;               // in the table remove_staged_files() reads, or -1
+  bool write_through_ = false;  // a device or FIFO: copied into, not replaced
+  bool finished_ = false;
+};
+
+// One output of write_files: its name for messages (e.g. "--out"), its path
+// and its complete content.
+struct OutputBytes {
+  std::string name;
+  std::string path;
+  std::string_view bytes;
+};
+
+// Writes all the files or none: each is staged and flushed, and only when
+// every one is are they committed, in order. On failure the temporary files
+// are removed and no destination is touched. (Committing is a rename within a
+// directory, which fails only if the file system does; files committed before
+// such a failure stay.) The paths are checked by check_output_paths first.
+void write_files(std::string_view function, const std::vector<OutputBytes>& files);
+
+// Removes the temporary files of every StagedFile alive in the process, with
+// unlink(2) only: async-signal-safe, for a handler of SIGINT or SIGTERM that
+// then re-raises the signal (the qkv command installs one). A process killed
+// by a signal it cannot catch (SIGKILL) leaves the temporary file behind.
+void remove_staged_files() noexcept;
+
+}  // namespace qkv

@@ -1,0 +1,383 @@
+// Output files (qkv/staged_file.h): a temporary file beside the destination,
+// flushed and renamed over it; symlinks followed to their target; devices and
+// FIFOs written through; and the table of live temporary files that
+// remove_staged_files() unlinks from a signal handler.
+#include "qkv/staged_file.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- the temporary files alive in this process, for signal handlers
+
+// A slot holds one temporary file's path. A signal handler may run at any
+// moment, in any thread, so the table is fixed storage and lock-free atomics:
+// the handler reads a slot's state and unlinks its path, nothing else. The
+// path is listed before the file is created (mkstemp fills in the name in
+// the slot itself) and unlisted only after it is renamed or removed, so no
+// moment exists where the file is there but not listed. A handler that reads
+// a half-written name unlinks nothing.
+// 64 slots: the qkv command stages at most 3 files at once and a figure 1;
+// a file staged when every slot is taken is still removed on failure, only
+// not by remove_staged_files().
+constexpr int kSlots = 64;
+enum SlotState : int { kFree = 0, kClaimed = 1, kListed = 2 };
+std::atomic<int> slot_state[kSlots];
+char slot_path[kSlots][PATH_MAX];
+static_assert(std::atomic<int>::is_always_lock_free, "signal handlers need lock-free atomics");
+
+// Claims a slot and copies `pattern` into it; -1 if none is free or the
+// pattern is too long. The path at slot_path[slot] is then listed.
+int list_temp(const std::string& pattern) {
+  if (pattern.size() >= PATH_MAX) return -1;
+  for (int slot = 0; slot < kSlots; ++slot) {
+    int expected = kFree;
+    if (slot_state[slot].compare_exchange_strong(expected, kClaimed)) {
+      std::memcpy(slot_path[slot], pattern.c_str(), pattern.size() + 1);
+      slot_state[slot].store(kListed);
+      return slot;
+    }
+  }
+  return -1;
+}
+
+void unlist_temp(int slot) {
+  if (slot >= 0) slot_state[slot].store(kFree);
+}
+
+// ---- paths
+
+bool is_path_problem(int error) {
+  switch (error) {
+    case EACCES:
+    case EPERM:
+    case ENOENT:
+    case ENOTDIR:
+    case EROFS:
+    case EISDIR:
+    case ENAMETOOLONG:
+    case ELOOP:
+    case ENXIO:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// "<name> <path>", or the path alone; an empty path shows as "".
+std::string label(std::string_view name, const std::string& path) {
+  const std::string shown = path.empty() ? std::string("\"\"") : path;
+  return name.empty() ? shown : std::string(name) + " " + shown;
+}
+
+// The file `path` ends at once symlinks in its last component are followed
+// (a link to a link to a file gives the file), relative targets taken from the
+// link's directory; it need not exist yet (a dangling link gives its target).
+std::string follow_links(std::string_view function, const std::string& where, std::string path) {
+  for (int hops = 0;; ++hops) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return path;
+    // The kernel's own limit on a chain of links (MAXSYMLINKS).
+    if (hops == 40) fail(function, where + ": too many levels of symbolic links");
+    std::string target(PATH_MAX, '\0');
+    const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+    if (n < 0) {
+      fail(function,
+           where + ": cannot read the symbolic link " + path + ": " + std::strerror(errno));
+    }
+    target.resize(static_cast<size_t>(n));
+    const fs::path t(target);
+    path = t.is_absolute() ? target : (fs::path(path).parent_path() / t).string();
+  }
+}
+
+fs::path directory_of(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+// 0666 minus the umask, what open(2) gives a new file, rather than mkstemp's
+// 0600. Reading the umask with umask(2) would change it for a moment in every
+// thread; Linux reports it in /proc/self/status instead.
+mode_t new_file_mode() {
+  mode_t mask = 022;
+  if (std::FILE* f = std::fopen("/proc/self/status", "re")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f)) {
+      unsigned value;
+      if (std::sscanf(line, "Umask: %o", &value) == 1) {
+        mask = static_cast<mode_t>(value);
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  return 0666 & ~mask;
+}
+
+// The key two outputs share if they lead to the same regular file: the real
+// path of the directory and the final name. Empty for devices and FIFOs,
+// which may well be named twice (--out /dev/null --weights /dev/null).
+std::string same_file_key(std::string_view function, const std::string& where,
+                          const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return {};
+  const std::string target = follow_links(function, where, path);
+  char real[PATH_MAX];
+  if (::realpath(directory_of(target).c_str(), real) == nullptr) return target;
+  return (fs::path(real) / fs::path(target).filename()).string();
+}
+
+size_t write_all(int fd, const char* data, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return done;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+}  // namespace
+
+void check_output_path(std::string_view function, std::string_view name, const std::string& path) {
+  const std::string where = label(name, path);
+  if (path.empty()) fail(function, where + ": the path is empty; expected a file name");
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) fail(function, where + ": is a directory");
+    if (!S_ISREG(st.st_mode)) return;  // a device or FIFO, written through
+  }
+  const std::string target = follow_links(function, where, path);
+  if (!fs::path(target).has_filename()) {
+    fail(function, where + ": names a directory; expected a file name");
+  }
+  const std::string dir = directory_of(target).string();
+  struct stat dir_st;
+  int error = 0;
+  if (::stat(dir.c_str(), &dir_st) != 0) {
+    error = errno;
+  } else if (!S_ISDIR(dir_st.st_mode)) {
+    error = ENOTDIR;
+  } else if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    error = errno;
+  }
+  if (error != 0) {
+    fail(function, where + ": cannot create a file in " + dir + ": " + std::strerror(error));
+  }
+}
+
+void check_output_paths(std::string_view function,
+                        const std::vector<std::pair<std::string, std::string>>& outputs) {
+  std::vector<std::string> keys;
+  for (const auto& [name, path] : outputs) {
+    check_output_path(function, name, path);
+    keys.push_back(same_file_key(function, label(name, path), path));
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (!keys[i].empty() && keys[i] == keys[j]) {
+        fail(function, outputs[j].first + " and " + outputs[i].first + " name the same file " +
+                           outputs[i].second);
+      }
+    }
+  }
+}
+
+StagedFile::StagedFile(std::string_view function, std::string_view name, std::string path)
+    : function_(function), name_(name), path_(std::move(path)) {
+  check_output_path(function_, name_, path_);
+  struct stat st;
+  std::string pattern;
+  mode_t mode = 0;
+  if (::stat(path_.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    // A device or FIFO has no directory to stage in beside it (/dev), and is
+    // never replaced: the content waits in the temporary directory.
+    write_through_ = true;
+    target_ = path_;
+    std::error_code ec;
+    const fs::path tmp = fs::temp_directory_path(ec);
+    pattern = ((ec ? fs::path("/tmp") : tmp) / "qkv-output-XXXXXX").string();
+  } else {
+    target_ = follow_links(function_, where(), path_);
+    // An existing file keeps its permissions, as open(2) with O_TRUNC would.
+    mode = ::stat(target_.c_str(), &st) == 0 ? st.st_mode & 07777 : new_file_mode();
+    // Long names are cut so the temporary name stays within NAME_MAX.
+    const std::string base = fs::path(target_).filename().string().substr(0, 200);
+    pattern = (directory_of(target_) / ("." + base + ".qkv-XXXXXX")).string();
+  }
+  const int slot = list_temp(pattern);
+  char* name_buffer = slot >= 0 ? slot_path[slot] : pattern.data();
+  fd_ = ::mkostemp(name_buffer, O_CLOEXEC);
+  if (fd_ < 0) {
+    const int error = errno;
+    unlist_temp(slot);
+    const std::string what = where() + ": cannot create a file in " +
+                             fs::path(pattern).parent_path().string() + ": " + std::strerror(error);
+    if (is_path_problem(error)) fail(function_, what);
+    qkv::fail_io(function_, what);
+  }
+  temp_ = name_buffer;
+  slot_ = slot;
+  if (!write_through_ && ::fchmod(fd_, mode) != 0) {
+    fail_io("cannot set the permissions of " + temp_, errno);
+  }
+}
+
+StagedFile::StagedFile(StagedFile&& other) noexcept
+    : function_(std::move(other.function_)),
+      name_(std::move(other.name_)),
+      path_(std::move(other.path_)),
+      target_(std::move(other.target_)),
+      temp_(std::move(other.temp_)),
+      fd_(other.fd_),
+      slot_(other.slot_),
+      write_through_(other.write_through_),
+      finished_(other.finished_) {
+  other.temp_.clear();
+  other.fd_ = -1;
+  other.slot_ = -1;
+}
+
+StagedFile::~StagedFile() { discard(); }
+
+void StagedFile::discard() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!temp_.empty()) ::unlink(temp_.c_str());
+  temp_.clear();
+  unlist_temp(slot_);
+  slot_ = -1;
+}
+
+std::string StagedFile::where() const { return label(name_, path_); }
+
+void StagedFile::fail_io(const std::string& what, int error) {
+  const std::string message = where() + ": " + what + ": " + std::strerror(error);
+  discard();  // a staged file that failed is of no more use
+  qkv::fail_io(function_, message);
+}
+
+void StagedFile::write(std::string_view bytes) {
+  if (write_all(fd_, bytes.data(), bytes.size()) < bytes.size()) fail_io("cannot write", errno);
+}
+
+long long StagedFile::size() {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) fail_io("cannot read back", errno);
+  return st.st_size;
+}
+
+std::string StagedFile::tail(size_t n) {
+  const auto file_size = static_cast<size_t>(size());
+  n = std::min(n, file_size);
+  std::string bytes(n, '\0');
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got =
+        ::pread(fd_, bytes.data() + done, n - done, static_cast<off_t>(file_size - n + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail_io("cannot read back", errno);
+    if (got == 0) break;
+    done += static_cast<size_t>(got);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
+void StagedFile::finish() {
+  if (finished_ || write_through_) return;  // a write-through copy is read back in commit()
+  // On disk before the rename, so a crash cannot leave a renamed but empty file.
+  if (::fsync(fd_) != 0) fail_io("cannot flush to disk", errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) fail_io("cannot write", errno);
+  finished_ = true;
+}
+
+void StagedFile::commit() {
+  finish();
+  if (write_through_) {
+    const int out = ::open(target_.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
+    if (out < 0) {
+      const int error = errno;
+      const std::string what = where() + ": cannot open for writing: " + std::strerror(error);
+      discard();
+      if (is_path_problem(error)) fail(function_, what);
+      qkv::fail_io(function_, what);
+    }
+    char buffer[65536];
+    off_t offset = 0;
+    for (;;) {
+      const ssize_t got = ::pread(fd_, buffer, sizeof buffer, offset);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) {
+        const int error = errno;
+        ::close(out);
+        fail_io("cannot read back", error);
+      }
+      if (got == 0) break;
+      if (write_all(out, buffer, static_cast<size_t>(got)) < static_cast<size_t>(got)) {
+        const int error = errno;
+        ::close(out);
+        fail_io("cannot write", error);
+      }
+      offset += got;
+    }
+    if (::close(out) != 0) fail_io("cannot write", errno);
+    discard();
+    return;
+  }
+  if (std::rename(temp_.c_str(), target_.c_str()) != 0) {
+    fail_io("cannot rename the finished file into place", errno);
+  }
+  temp_.clear();
+  unlist_temp(slot_);
+  slot_ = -1;
+  // The rename itself on disk too; a directory that cannot be synced (some
+  // network file systems) loses only that guarantee, not the file.
+  const int dir = ::open(directory_of(target_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+void write_files(std::string_view function, const std::vector<OutputBytes>& files) {
+  std::vector<std::pair<std::string, std::string>> outputs;
+  for (const OutputBytes& file : files) outputs.emplace_back(file.name, file.path);
+  check_output_paths(function, outputs);
+  std::vector<StagedFile> staged;
+  staged.reserve(files.size());
+  for (const OutputBytes& file : files) {
+    staged.emplace_back(function, file.name, file.path);
+    staged.back().write(file.bytes);
+    staged.back().finish();
+  }
+  for (StagedFile& file : staged) file.commit();
+}
+
+void remove_staged_files() noexcept {
+  for (int slot = 0; slot < kSlots; ++slot) {
+    if (slot_state[slot].load() == kListed) ::unlink(slot_path[slot]);
+  }
+}
+
+}  // namespace qkv
