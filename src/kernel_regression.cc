@@ -22,6 +22,10 @@ namespace qkv {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// The smallest normal double: a bandwidth below it is subnormal (or 0), its
+// 1/h overflows past 1/h = 4.5e307 and 1/h^2 long before; it cannot be
+// represented sensibly, so it is an error.
+constexpr double kMinBandwidth = std::numeric_limits<double>::min();
 
 // Work (n * t kernel evaluations) from which predict() hands 1-D Gaussian
 // problems to the fast algorithm: below it, exact evaluation takes a few
@@ -111,6 +115,16 @@ Tensor<double> checked_queries(std::string_view fn, const ConstView<double>& que
   return as_matrix(queries);
 }
 
+// Why a bandwidth value is not one, or empty: finite, > 0 and normal.
+std::string bandwidth_problem(double h) {
+  if (!(h > 0.0) || !std::isfinite(h)) return "expected a finite value > 0";
+  if (h < kMinBandwidth) {
+    return "expected a value >= 2.2250738585072014e-308, the smallest normal double (a "
+           "subnormal bandwidth cannot be represented sensibly: 1/h^2 overflows)";
+  }
+  return {};
+}
+
 void check_bandwidth(std::string_view fn, const std::vector<double>& h, int64_t p) {
   if (static_cast<int64_t>(h.size()) != p) {
     fail(fn, "bandwidth has " + std::to_string(h.size()) + " values but x has " +
@@ -118,11 +132,26 @@ void check_bandwidth(std::string_view fn, const std::vector<double>& h, int64_t 
                  "; expected one per feature");
   }
   for (size_t c = 0; c < h.size(); ++c) {
-    if (!(h[c] > 0.0) || !std::isfinite(h[c])) {
-      fail(fn,
-           "bandwidth[" + std::to_string(c) + "] = " + num(h[c]) + "; expected a finite value > 0");
-    }
+    const std::string problem = bandwidth_problem(h[c]);
+    if (!problem.empty())
+      fail(fn, "bandwidth[" + std::to_string(c) + "] = " + num(h[c]) + "; " + problem);
   }
+}
+
+// max |v| over a contiguous array.
+double max_abs(const double* v, int64_t n) {
+  double m = 0.0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::abs(v[i]));
+  return m;
+}
+
+// A copy of v times 2^-exponent (exact).
+Tensor<double> scaled_copy(const Tensor<double>& v, int exponent) {
+  Tensor<double> out = v;
+  if (exponent != 0) {
+    for (double& e : out.values()) e = std::ldexp(e, -exponent);
+  }
+  return out;
 }
 
 std::vector<double> inverse(const std::vector<double>& h) {
@@ -137,6 +166,17 @@ void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& 
                      const Tensor<double>& q, double h, Tensor<double>& out) {
   kernels::gauss1d_fast(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
                         q.data(), q.size(0), h, kFastPathRelTol, out.data());
+}
+
+// The power of two by which predictions divide y first (and multiply the
+// results after, both exact): a weighted sum of n values of y must not
+// overflow (max |y| n beyond 2^1000), and weights times tiny y should not
+// lose digits in the subnormal range (max |y| below 2^-500). Data in
+// between, all ordinary data, are used as given.
+int prediction_y_exponent(const Tensor<double>& y) {
+  const double m = max_abs(y.data(), y.numel());
+  if (!(m > 0.0)) return 0;
+  return (m * static_cast<double>(y.size(0)) > 0x1p1000 || m < 0x1p-500) ? std::ilogb(m) : 0;
 }
 
 // Drops the column axis when y was 1-D.
@@ -438,11 +478,9 @@ int64_t KernelRegression::num_features() const { return p_; }
 int64_t KernelRegression::num_outputs() const { return m_; }
 
 void KernelRegression::set_bandwidth(double h) {
-  const std::vector<double> hs(static_cast<size_t>(p_), h);
-  if (!(h > 0.0) || !std::isfinite(h)) {
-    fail("KernelRegression::set_bandwidth", "h = " + num(h) + "; expected a finite value > 0");
-  }
-  bandwidth_ = hs;
+  const std::string problem = bandwidth_problem(h);
+  if (!problem.empty()) fail("KernelRegression::set_bandwidth", "h = " + num(h) + "; " + problem);
+  bandwidth_.assign(static_cast<size_t>(p_), h);
 }
 
 void KernelRegression::set_bandwidth(const std::vector<double>& h) {
@@ -458,19 +496,25 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   Tensor<double> out(Shape{t, m_});
   const bool fast_1d = kernel_ == Kernel::kGaussian && p_ == 1 && !exact &&
                        static_cast<double>(n_) * static_cast<double>(t) > kFastPathMinWork;
+  const int y_exp = prediction_y_exponent(y_);
   if (fast_1d) {
-    predict_gauss1d(sorted_x_, sorted_y_, q, bandwidth_[0], out);
+    predict_gauss1d(sorted_x_, y_exp == 0 ? sorted_y_ : scaled_copy(sorted_y_, y_exp), q,
+                    bandwidth_[0], out);
     result.used_fast_path = true;
   } else {
+    const Tensor<double> y_scaled = y_exp == 0 ? Tensor<double>() : scaled_copy(y_, y_exp);
     const std::vector<double> inv_h = inverse(bandwidth_);
     const kernels::NwData d{.x = x_.data(),
-                            .y = y_.data(),
+                            .y = y_exp == 0 ? y_.data() : y_scaled.data(),
                             .n = n_,
                             .p = p_,
                             .m = m_,
                             .inv_h = inv_h.data(),
                             .kernel = kernel_};
     result.num_undefined = kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr);
+  }
+  if (y_exp != 0) {
+    for (double& v : out.values()) v = std::ldexp(v, y_exp);
   }
   result.values = shaped_output(std::move(out), y_was_1d_);
   return result;
@@ -672,8 +716,10 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
   const int64_t p = xm.size(1), m = ym.size(1);
   const Tensor<double> q = checked_queries(kFn, queries, p, x.shape());
   const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
+  const int y_exp = prediction_y_exponent(ym);
+  const Tensor<double> y_scaled = scaled_copy(ym, y_exp);
   const kernels::NwData d{.x = xm.data(),
-                          .y = ym.data(),
+                          .y = y_scaled.data(),
                           .n = xm.size(0),
                           .p = p,
                           .m = m,
@@ -681,6 +727,9 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
                           .kernel = Kernel::kGaussian};
   Tensor<double> out(Shape{q.size(0), m});
   kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out.data(), nullptr);
+  if (y_exp != 0) {
+    for (double& v : out.values()) v = std::ldexp(v, y_exp);
+  }
   return shaped_output(std::move(out), y.rank() == 1);
 }
 

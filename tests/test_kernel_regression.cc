@@ -990,6 +990,353 @@ TEST(KernelRegressionEdges, DuplicateKeys) {
   }
 }
 
+// ---- extreme coordinates and bandwidths ------------------------------------------------
+
+constexpr double kMinNormal = std::numeric_limits<double>::min();
+constexpr double kMaxDouble = std::numeric_limits<double>::max();
+
+// The Gaussian estimator in long double (15-bit exponent, 64-bit mantissa),
+// from exact score differences: relative to a key a, (D_j - D_a) / 2 =
+// sum_c (x_ac - x_jc) ((q_c - x_jc) + (q_c - x_ac)) / (2 h_c^2), every
+// factor of finite doubles finite in long double (below 1e1233), so a query
+// at 1e308 still tells keys 0 and 5 apart (its float64 distances to them
+// tie). a is the nearest key (a scan keeping the key with the smaller D),
+// weights exp(-(D_j - D_a) / 2) / sum, sums in long double. Per row also
+// sum_j w_j |y_j| / sum_j w_j (the error scale), D_a, the gap from D_a to
+// the next larger D and the keys tied at D_a. skip_diagonal: leave-one-out.
+struct LdGaussian {
+  Tensor<double> out, scale, weights;  // (t, m), (t, m), (t, n)
+  std::vector<long double> d_min, gap;
+  std::vector<std::vector<int64_t>> nearest;
+};
+
+LdGaussian ld_gaussian(const Tensor<double>& x, const Tensor<double>& y, const Tensor<double>& q,
+                       const std::vector<double>& h, bool skip_diagonal = false) {
+  const int64_t n = x.size(0), p = x.size(1), m = y.size(1), t = q.size(0);
+  const long double inf = std::numeric_limits<long double>::infinity();
+  LdGaussian r;
+  r.out = Tensor<double>(Shape{t, m});
+  r.scale = Tensor<double>(Shape{t, m});
+  r.weights = Tensor<double>(Shape{t, n});
+  std::vector<long double> e(static_cast<size_t>(n)), w(static_cast<size_t>(n));
+  for (int64_t i = 0; i < t; ++i) {
+    const auto half_gap = [&](int64_t j, int64_t a) {
+      long double sum = 0;
+      for (int64_t c = 0; c < p; ++c) {
+        const long double qc = q(i, c), xj = x(j, c), xa = x(a, c), hc = h[c];
+        sum += (xa - xj) * ((qc - xj) + (qc - xa)) / (2 * hc * hc);
+      }
+      return sum;
+    };
+    int64_t a = -1;
+    for (int64_t j = 0; j < n; ++j) {
+      if (skip_diagonal && j == i) continue;
+      if (a < 0 || half_gap(j, a) < 0) a = j;
+    }
+    long double d_a = 0, gap = inf, sum = 0;
+    for (int64_t c = 0; c < p; ++c) {
+      const long double u = (static_cast<long double>(q(i, c)) - x(a, c)) / h[c];
+      d_a += u * u;
+    }
+    std::vector<int64_t> nearest;
+    for (int64_t j = 0; j < n; ++j) {
+      e[j] = skip_diagonal && j == i ? inf : half_gap(j, a);
+      if (e[j] == 0) nearest.push_back(j);
+      if (e[j] > 0 && e[j] < inf) gap = std::min(gap, 2 * e[j]);
+      w[j] = std::exp(-e[j]);
+      sum += w[j];
+    }
+    for (int64_t k = 0; k < m; ++k) {
+      long double num = 0, mag = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        num += w[j] * y(j, k);
+        mag += w[j] * std::abs(static_cast<long double>(y(j, k)));
+      }
+      // (a mean of |y| ~ 1e308 can exceed DBL_MAX only by the rounding of
+      // the division; clamp the scale, not the value)
+      r.out(i, k) = static_cast<double>(num / sum);
+      r.scale(i, k) = static_cast<double>(std::min<long double>(mag / sum, kMaxDouble));
+    }
+    for (int64_t j = 0; j < n; ++j) r.weights(i, j) = static_cast<double>(w[j] / sum);
+    r.d_min.push_back(d_a);
+    r.gap.push_back(gap);
+    r.nearest.push_back(nearest);
+  }
+  return r;
+}
+
+// How a row of the long double evaluation is checked, and with what slack
+// relative to sum w|y| / sum w. Rows with D_min > 2^31 (log-sum-exp below
+// kernels' -2^29 for n < 2^40) are evaluated from exact differences by the
+// code: a few ulps of each exponent, 1e-12 covers them and the sums. Nearer
+// rows use float64 scores, whose rounding of ~4 2^-53 D moves a weight by
+// that much relative: 1e-12 + 1e-15 D_min.
+enum class RowCheck {
+  kNearest,    // one nearest key, every other's weight exp(-1000) = 0: its y exactly
+  kTolerance,  // within the slack of the long double value
+};
+
+RowCheck row_check(const LdGaussian& ref, int64_t i, double* slack) {
+  const long double d = ref.d_min[i], gap = ref.gap[i];
+  const bool far = d > 0x1p31L;
+  *slack = far ? 1e-12 : 1e-12 + 1e-15 * static_cast<double>(d);
+  const long double rounding = far ? 0.0L : 1e-14L * d;
+  if (ref.nearest[i].size() == 1 && gap > 2000.0L + rounding) return RowCheck::kNearest;
+  return RowCheck::kTolerance;
+}
+
+// got (t, m) and, if given, weights (t, n) against the long double
+// evaluation, row by row as row_check says; every row finite and inside
+// y's range (a convex combination). fast_tol: the 1-D fast path's bound,
+// relative to sum w|y| / sum w, on top. Messages give q=i d=k.
+void expect_matches_ld(const LdGaussian& ref, const Tensor<double>& y, const Tensor<double>& got,
+                       const Tensor<double>* weights, const std::string& what,
+                       double fast_tol = 0.0) {
+  SCOPED_TRACE(what);
+  const int64_t t = got.size(0), m = got.size(1), n = y.size(0);
+  ASSERT_EQ(ref.out.size(0), t);
+  for (int64_t i = 0; i < t; ++i) {
+    double slack = 0;
+    const RowCheck check = row_check(ref, i, &slack);
+    for (int64_t k = 0; k < m; ++k) {
+      double lo = kInf, hi = -kInf;
+      for (int64_t j = 0; j < n; ++j) {
+        lo = std::min(lo, y(j, k));
+        hi = std::max(hi, y(j, k));
+      }
+      const double g = got(i, k);
+      ASSERT_TRUE(std::isfinite(g)) << "q=" << i << " d=" << k << ": got " << g;
+      const double margin = (1e-15 + fast_tol) * std::max(std::abs(lo), std::abs(hi));
+      ASSERT_TRUE(g >= lo - margin && g <= hi + margin)
+          << "q=" << i << " d=" << k << ": got " << format_value(g) << " outside y's range [" << lo
+          << ", " << hi << "]";
+      if (check == RowCheck::kNearest && fast_tol > 0) {
+        ASSERT_LE(std::abs(g - y(ref.nearest[i][0], k)),
+                  fast_tol * std::abs(y(ref.nearest[i][0], k)))
+            << "q=" << i << " d=" << k << ": not the nearest key's y (key " << ref.nearest[i][0]
+            << ")";
+      } else if (check == RowCheck::kNearest) {
+        ASSERT_EQ(g, y(ref.nearest[i][0], k))
+            << "q=" << i << " d=" << k << ": not the nearest key's y (key " << ref.nearest[i][0]
+            << ", D_min " << static_cast<double>(ref.d_min[i]) << ")";
+      } else {
+        ASSERT_LE(std::abs(g - ref.out(i, k)), (slack + fast_tol) * ref.scale(i, k))
+            << "q=" << i << " d=" << k << ": got " << format_value(g) << ", ref "
+            << format_value(ref.out(i, k)) << ", D_min " << static_cast<double>(ref.d_min[i]);
+      }
+    }
+    if (weights == nullptr) continue;
+    long double sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double wg = (*weights)(i, j);
+      sum += wg;
+      ASSERT_TRUE(wg >= 0.0 && wg <= 1.0) << "q=" << i << " k=" << j << ": weight " << wg;
+      if (check == RowCheck::kNearest) {
+        ASSERT_EQ(wg, j == ref.nearest[i][0] ? 1.0 : 0.0) << "q=" << i << " k=" << j;
+      } else {
+        ASSERT_LE(std::abs(wg - ref.weights(i, j)), slack)
+            << "q=" << i << " k=" << j << ": weight " << wg << ", ref " << ref.weights(i, j);
+      }
+    }
+    ASSERT_NEAR(static_cast<double>(sum), 1.0, 1e-13) << "q=" << i << ": weights sum";
+  }
+}
+
+// Every exact Gaussian path on one problem: the reference kernel and the
+// fast one (with weights: row-wise; without: the fused small-dimension
+// kernel where it applies), the public predict (exact and default) and
+// weights(), all held to the long double evaluation.
+void expect_all_paths_match_ld(const Tensor<double>& x, const Tensor<double>& y,
+                               const Tensor<double>& q, const std::vector<double>& h,
+                               const std::string& what) {
+  const int64_t n = x.size(0), p = x.size(1), m = y.size(1), t = q.size(0);
+  const LdGaussian ref = ld_gaussian(x, y, q, h);
+  std::vector<double> inv_h(h.size());
+  for (size_t c = 0; c < h.size(); ++c) inv_h[c] = 1 / h[c];
+  const kernels::NwData d{.x = x.data(),
+                          .y = y.data(),
+                          .n = n,
+                          .p = p,
+                          .m = m,
+                          .inv_h = inv_h.data(),
+                          .kernel = Kernel::kGaussian};
+  Tensor<double> out(Shape{t, m}), w(Shape{t, n});
+  EXPECT_EQ(kernels::ref::nadaraya_watson(d, q.data(), t, out.data(), w.data()), 0) << what;
+  expect_matches_ld(ref, y, out, &w, what + ", ref kernel");
+  EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), w.data()), 0) << what;
+  expect_matches_ld(ref, y, out, &w, what + ", fast kernel with weights");
+  EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr), 0) << what;
+  expect_matches_ld(ref, y, out, nullptr, what + ", fast kernel");
+  KernelRegression model(x, y);
+  model.set_bandwidth(h);
+  for (bool exact : {true, false}) {
+    const KernelPrediction pred = model.predict(q, exact);
+    EXPECT_EQ(pred.num_undefined, 0) << what;
+    expect_matches_ld(ref, y, as_2d(pred.values), nullptr,
+                      what + (exact ? ", predict(exact)" : ", predict"));
+  }
+  const Tensor<double> weights = model.weights(q);
+  expect_matches_ld(ref, y, as_2d(model.predict(q, true).values), &weights, what + ", weights()");
+}
+
+// A number of magnitude 10^U(lo, hi) with a random sign.
+double log_uniform(Rng& rng, double lo, double hi) {
+  const double v = std::pow(10.0, rng.uniform(lo, hi));
+  return rng.bernoulli(0.5) ? v : -v;
+}
+
+// Data and bandwidths scaled by 2^e for e from -1000 to 1020: the same
+// problem (u of order 1, weights spread over several keys) from 1e-301 to
+// coordinates of 1.7e308, where q - x overflows. Per-feature bandwidths.
+TEST(KernelRegressionExtremes, ScaledProblemsFromTinyToTheOverflowLimit) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  struct Shape3 {
+    int64_t n, p, m;
+  };
+  for (const Shape3& s : {Shape3{40, 1, 1}, Shape3{33, 2, 3}, Shape3{25, 9, 1}}) {
+    for (int e : {-1000, -500, 0, 500, 1000, 1020}) {
+      const double scale = std::ldexp(1.0, e);
+      Tensor<double> x = random_tensor<double>(rng, Shape{s.n, s.p}, -7, 7);
+      Tensor<double> q = random_tensor<double>(rng, Shape{23, s.p}, -15, 15);
+      for (double& v : x.values()) v *= scale;
+      for (double& v : q.values()) v *= scale;
+      for (int64_t c = 0; c < s.p; ++c) q(0, c) = x(3, c);  // a query on a key
+      const Tensor<double> y = random_tensor<double>(rng, Shape{s.n, s.m}, -3, 3);
+      std::vector<double> h = random_bandwidth(rng, s.p, 0.3, 3);
+      for (double& v : h) v *= scale;
+      expect_all_paths_match_ld(x, y, q, h,
+                                "n " + std::to_string(s.n) + " p " + std::to_string(s.p) + " m " +
+                                    std::to_string(s.m) + " scale 2^" + std::to_string(e));
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Ordinary data with bandwidths from the smallest normal double to 1e300:
+// tiny ones leave each query its nearest key (or the mean of exact ties),
+// huge ones the mean of y; queries on keys, beyond the data, and at
+// +-1e308 and +-DBL_MAX.
+TEST(KernelRegressionExtremes, BandwidthsFromTheSmallestNormalTo1e300) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t p : {1, 2}) {
+    const int64_t n = 37, t = 29;
+    const Tensor<double> x = random_tensor<double>(rng, Shape{n, p}, -5, 5);
+    const Tensor<double> y = random_tensor<double>(rng, Shape{n, 2}, -3, 3);
+    Tensor<double> q = random_tensor<double>(rng, Shape{t, p}, -8, 8);
+    const double far[] = {1e308, -1e308, kMaxDouble, -kMaxDouble, 1e160, -1e154};
+    for (int64_t i = 0; i < 6; ++i) q(i, 0) = far[i];
+    for (int64_t c = 0; c < p; ++c) {
+      q(6, c) = x(0, c);  // on a key
+      q(7, c) = x(1, c) + 1e-300;
+    }
+    for (double h : {kMinNormal, 1e-300, 1e-200, 1e-154, 1e-100, 1e-10, 0.37, 1e10, 1e100, 1e154,
+                     1e200, 1e300}) {
+      expect_all_paths_match_ld(x, y, q, std::vector<double>(static_cast<size_t>(p), h),
+                                "p " + std::to_string(p) + " h " + format_value(h));
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Keys spread over the whole double range (magnitudes 1e-300 to 1e308,
+// both signs, the extremes +-DBL_MAX), queries likewise and at +-1e308:
+// every prediction finite, far queries their nearest key's y.
+TEST(KernelRegressionExtremes, KeysOverTheWholeDoubleRange) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t p : {1, 3}) {
+    const int64_t n = 48, t = 31;
+    Tensor<double> x(Shape{n, p}), q(Shape{t, p});
+    for (double& v : x.values()) v = log_uniform(rng, -300, 308);
+    for (double& v : q.values()) v = log_uniform(rng, -300, 308);
+    x(0, 0) = kMaxDouble;
+    x(1, 0) = -kMaxDouble;
+    q(0, 0) = 1e308;
+    q(1, 0) = -1e308;
+    q(2, 0) = 0.0;
+    const Tensor<double> y = random_tensor<double>(rng, Shape{n, 1}, -3, 3);
+    for (double h : {kMinNormal, 1.0, 1e300}) {
+      expect_all_paths_match_ld(x, y, q, std::vector<double>(static_cast<size_t>(p), h),
+                                "p " + std::to_string(p) + " h " + format_value(h));
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// y near the largest double: a weighted sum of n such values overflows in
+// float64, the weighted mean does not; predictions scale y first.
+TEST(KernelRegressionExtremes, ValuesNearTheLargestDouble) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 50;
+  const Tensor<double> x = random_tensor<double>(rng, Shape{n, 1}, 0, 5);
+  Tensor<double> y = random_tensor<double>(rng, Shape{n, 1}, 0.5, 1);
+  for (double& v : y.values()) v *= 1.7e308;
+  const Tensor<double> q = random_tensor<double>(rng, Shape{20, 1}, -1, 6);
+  for (double h : {0.3, 100.0}) {
+    SCOPED_TRACE("h " + format_value(h));
+    const LdGaussian ref = ld_gaussian(x, y, q, {h});
+    KernelRegression model(x, y);
+    model.set_bandwidth(h);
+    expect_matches_ld(ref, y, as_2d(model.predict(q, true).values), nullptr, "predict");
+    expect_matches_ld(ref, y, parametric_predict(x, y, 1 / h, q), nullptr, "parametric_predict");
+  }
+}
+
+// The leave-one-out error on the extreme problems above against the long
+// double evaluation, within the rows' tolerances; +inf exactly when the true
+// mean square exceeds DBL_MAX.
+TEST(KernelRegressionExtremes, LeaveOneOutErrorOnExtremeData) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 30;
+  for (int trial = 0; trial < 6; ++trial) {
+    Tensor<double> x(Shape{n, 1});
+    std::vector<double> h{1.0};
+    if (trial < 2) {  // the whole double range
+      for (double& v : x.values()) v = log_uniform(rng, -300, 308);
+      h[0] = trial == 0 ? kMinNormal : 1e300;
+    } else {  // a cluster scaled to 2^1020 (differences overflow) or 2^-1000
+      const double scale = std::ldexp(1.0, trial % 2 == 0 ? 1020 : -1000);
+      x = random_tensor<double>(rng, Shape{n, 1}, -7, 7);
+      for (double& v : x.values()) v *= scale;
+      h[0] = rng.uniform(0.3, 3) * scale;
+    }
+    // y ordinary, or near 1e160 (squared errors beyond DBL_MAX).
+    const double y_scale = trial >= 4 ? 1e160 : 1.0;
+    Tensor<double> y = random_tensor<double>(rng, Shape{n, 1}, -3, 3);
+    for (double& v : y.values()) v *= y_scale;
+    SCOPED_TRACE("trial " + std::to_string(trial) + " h " + format_value(h[0]));
+    const LdGaussian ref = ld_gaussian(x, y, x, h, true);
+    long double sum = 0, tol = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const long double r = static_cast<long double>(ref.out(i, 0)) - y(i, 0);
+      sum += r * r;
+      double slack = 0;
+      const long double row_tol =
+          row_check(ref, i, &slack) == RowCheck::kTolerance ? slack * ref.scale(i, 0) : 0.0L;
+      tol += 2 * std::abs(r) * row_tol + row_tol * row_tol;
+    }
+    const long double mean = sum / n;
+    const double got = KernelRegression(x, y).loo_error(h);
+    ASSERT_FALSE(std::isnan(got));
+    if (mean > kMaxDouble * (1 + 1e-12L)) {
+      EXPECT_EQ(got, kInf) << "the mean square is " << static_cast<double>(std::log10(mean))
+                           << " decades, beyond DBL_MAX";
+    } else {
+      EXPECT_LE(std::abs(got - mean), tol / n + 1e-12L * mean)
+          << "got " << format_value(got) << ", ref " << static_cast<double>(mean);
+    }
+  }
+}
+
 // ---- errors ---------------------------------------------------------------------------
 
 TEST(KernelRegressionErrors, ConstructorAndQueries) {
@@ -1134,6 +1481,36 @@ TEST(KernelRegressionErrors, FreeFunctions) {
   Tensor<double> badq = x;
   badq(9) = -kInf;
   expect_error([&] { parametric_predict(x, y, 1.0, badq); }, {"parametric_predict", "queries[9]"});
+}
+
+// Bandwidths below the smallest normal double are refused wherever they
+// enter (1/h overflows past 4.5e307, 1/h^2 long before); the smallest
+// normal one works and gives each query its nearest key's value.
+TEST(KernelRegressionErrors, SubnormalBandwidths) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<double> x = random_tensor<double>(rng, Shape{10, 2}, -1, 1);
+  const Tensor<double> y = random_tensor<double>(rng, Shape{10}, -1, 1);
+  KernelRegression model(x, y);
+  for (double h : {1e-320, 5e-324, 0x1p-1023, 1e-310}) {
+    expect_error([&] { model.set_bandwidth(h); },
+                 {"KernelRegression::set_bandwidth", "h = ", "smallest normal double"});
+  }
+  expect_error(
+      [&] {
+        model.set_bandwidth(std::vector<double>{1.0, 1e-310});
+      },
+      {"KernelRegression::set_bandwidth", "bandwidth[1] = ", "smallest normal double"});
+  expect_error(
+      [&] {
+        model.loo_error({1e-320, 1.0});
+      },
+      {"KernelRegression::loo_error", "bandwidth[0] = ", "smallest normal double"});
+  EXPECT_EQ(model.bandwidth(), std::vector<double>({1.0, 1.0}));  // unchanged by failures
+  model.set_bandwidth(std::numeric_limits<double>::min());
+  const KernelPrediction pred = model.predict(x);
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(pred.values(i), y(i)) << "q=" << i;
 }
 
 }  // namespace

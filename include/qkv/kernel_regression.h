@@ -46,15 +46,22 @@ class KernelRegression {
   int64_t num_outputs() const;   // m (1 for 1-D y)
   Kernel kernel() const { return kernel_; }
 
-  // Bandwidth h > 0, finite: one value for every feature, or one per feature.
-  // Initially 1.0 for every feature.
+  // Bandwidth h: finite and at least the smallest normal double,
+  // 2.2250738585072014e-308 (a subnormal h is an Error: 1/h^2 overflows),
+  // one value for every feature, or one per feature. Initially 1.0.
   void set_bandwidth(double h);
   void set_bandwidth(const std::vector<double>& h);
   const std::vector<double>& bandwidth() const { return bandwidth_; }
 
   // Predictions at the queries with the current bandwidth. The Gaussian
   // kernel is evaluated as a softmax of -sum_c u_c^2 / 2, so a query far from
-  // every key gets its nearest keys' values, never 0/0. For 1-D x with the
+  // every key gets its nearest keys' values, never 0/0, for any finite data
+  // and bandwidth: a query more than ~32768 bandwidths from every key (or
+  // whose scores overflow, up to |q - x| / h ~ 1e616) is evaluated from
+  // exact differences of the scores, so the truly nearest key wins even
+  // where float64 distances tie (a query at 1e308, keys 0 and 5). y of any
+  // magnitude: weighted sums are formed on y scaled by a power of two when
+  // they could overflow (max |y| n beyond 2^1000). For 1-D x with the
   // Gaussian kernel and no `exact`, an O((n + t) log n) algorithm with max
   // relative error <= 1e-7 (docs/regression.md) serves large problems
   // (n * t > 1e6); used_fast_path says when it did.
