@@ -1268,6 +1268,51 @@ TEST(KernelRegressionExtremes, KeysOverTheWholeDoubleRange) {
   }
 }
 
+// The 1-D fast path (n t > 1e6) on the same kinds of data: keys over the
+// whole double range, a cluster at 2^1020, ordinary data with the extreme
+// bandwidths; within its bound of the long double evaluation.
+TEST(KernelRegressionExtremes, Fast1dPathOnExtremeData) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 1200, t = 1000;
+  struct Case {
+    std::string name;
+    Tensor<double> x, q;
+    double h;
+  };
+  std::vector<Case> cases;
+  Tensor<double> wide_x(Shape{n, 1}), wide_q(Shape{t, 1});
+  for (double& v : wide_x.values()) v = log_uniform(rng, -300, 308);
+  for (double& v : wide_q.values()) v = log_uniform(rng, -300, 308);
+  wide_x(0, 0) = kMaxDouble;
+  wide_q(0, 0) = 1e308;
+  wide_q(1, 0) = -1e308;
+  for (double h : {kMinNormal, 1.0, 1e300}) cases.push_back({"whole range", wide_x, wide_q, h});
+  Tensor<double> big_x = random_tensor<double>(rng, Shape{n, 1}, -7, 7);
+  Tensor<double> big_q = random_tensor<double>(rng, Shape{t, 1}, -15, 15);
+  for (double& v : big_x.values()) v = std::ldexp(v, 1020);
+  for (double& v : big_q.values()) v = std::ldexp(v, 1020);
+  cases.push_back({"cluster at 2^1020", big_x, big_q, std::ldexp(rng.uniform(0.3, 3), 1020)});
+  const Tensor<double> x = random_tensor<double>(rng, Shape{n, 1}, 0, 5);
+  Tensor<double> q = random_tensor<double>(rng, Shape{t, 1}, -1, 6);
+  q(0, 0) = 1e308;
+  q(1, 0) = -kMaxDouble;
+  for (double h : {kMinNormal, 1e-300, 1e-160, 1e160, 1e300})
+    cases.push_back({"ordinary", x, q, h});
+  for (const Case& c : cases) {
+    const std::string what = c.name + ", h " + format_value(c.h);
+    const Tensor<double> y = random_tensor<double>(rng, Shape{n, 1}, -3, 3);
+    KernelRegression model(c.x, y);
+    model.set_bandwidth(c.h);
+    const KernelPrediction pred = model.predict(c.q);
+    EXPECT_TRUE(pred.used_fast_path) << what;
+    expect_matches_ld(ld_gaussian(c.x, y, c.q, {c.h}), y, as_2d(pred.values), nullptr, what,
+                      kFast1dRelTol);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // y near the largest double: a weighted sum of n such values overflows in
 // float64, the weighted mean does not; predictions scale y first.
 TEST(KernelRegressionExtremes, ValuesNearTheLargestDouble) {
