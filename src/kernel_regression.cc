@@ -154,6 +154,14 @@ Tensor<double> scaled_copy(const Tensor<double>& v, int exponent) {
   return out;
 }
 
+// The power of two that brings a magnitude m > 0 to [1, 2) when it lies
+// outside [2^-limit, 2^limit], else 0: scaling by powers of two is exact, so
+// data of ordinary size are used as given, bit for bit.
+int scale_exponent(double m, int limit) {
+  if (!(m > 0.0)) return 0;
+  return (m > std::ldexp(1.0, limit) || m < std::ldexp(1.0, -limit)) ? std::ilogb(m) : 0;
+}
+
 std::vector<double> inverse(const std::vector<double>& h) {
   std::vector<double> inv(h.size());
   for (size_t c = 0; c < h.size(); ++c) inv[c] = 1.0 / h[c];
@@ -213,15 +221,21 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
   std::vector<double> col(static_cast<size_t>(n));
   for (int64_t c = 0; c < p; ++c) {
     for (int64_t i = 0; i < n; ++i) col[i] = xm(i, c);
+    const auto [lo_it, hi_it] = std::minmax_element(col.begin(), col.end());
+    const double lo = *lo_it, hi = *hi_it;
+    if (lo == hi) {  // (the rounded mean may leave s a hair above 0)
+      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() +
+                   ") is constant (standard deviation 0); a rule of thumb needs spread");
+    }
+    // Features beyond 2^+-400 in magnitude are scaled to [1, 2) first (by a
+    // power of two, exactly), so the squares of the deviations neither
+    // overflow (x up to 1.8e308) nor underflow (a subnormal spread).
+    const int k = scale_exponent(std::max(std::abs(lo), std::abs(hi)), 400);
+    for (double& v : col) v = std::ldexp(v, -k);
     const double mean = std::accumulate(col.begin(), col.end(), 0.0) / static_cast<double>(n);
     double ss = 0.0;
     for (double v : col) ss += (v - mean) * (v - mean);
     const double s = std::sqrt(ss / static_cast<double>(n - 1));
-    const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
-    if (*lo == *hi) {  // (the rounded mean may leave s a hair above 0)
-      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() +
-                   ") is constant (standard deviation 0); a rule of thumb needs spread");
-    }
     const double dn = static_cast<double>(n);
     if (rule == Rule::kScott) {
       h[c] = 1.059 * s * std::pow(dn, -1.0 / (static_cast<double>(p) + 4.0));
@@ -231,6 +245,18 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
       const double spread = iqr > 0.0 ? std::min(s, iqr / 1.349) : s;
       h[c] = 0.9 * spread * std::pow(dn, -0.2);
     }
+    h[c] = std::ldexp(h[c], k);
+    if (!(h[c] >= kMinBandwidth) || !std::isfinite(h[c])) {
+      const bool tiny = !(h[c] >= kMinBandwidth);
+      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() + ") spans " +
+                   num(lo) + " to " + num(hi) + ", so its " +
+                   (rule == Rule::kScott ? "Scott" : "Silverman") + " bandwidth, " + num(h[c]) +
+                   (tiny ? ", is below the smallest normal double (2.2250738585072014e-308): "
+                           "a bandwidth for so small a spread cannot be represented sensibly "
+                           "(1/h^2 overflows)"
+                         : ", exceeds the largest double") +
+                   "; rescale x");
+    }
   }
   return h;
 }
@@ -238,11 +264,31 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
 // ---- cross-validation ------------------------------------------------------------
 
 // The leave-one-out objective on log h: mean squared error over the defined
-// points (+inf if none) and, for the Gaussian, its gradient.
+// points (+inf if none) and, for the Gaussian, its gradient. It works on
+// scaled copies: y times 2^-y_exponent() (brought to [1, 2) when its largest
+// |y| lies outside 2^+-400: squared errors of y ~ 1e160 would overflow, of
+// y ~ 1e-160 underflow), so value() and the gradient are those of the data
+// as given times 4^-y_exponent(), and, with scale_x (cross-validation),
+// feature c times 2^-x_exponent(c) on the same rule, theta then being log h
+// in those units (the gradient's squared differences stay finite). Scaling
+// by powers of two is exact: data of ordinary size are used bit for bit.
 class LooObjective {
  public:
-  LooObjective(const Tensor<double>& x, const Tensor<double>& y, Kernel kernel)
-      : x_(x), y_(y), kernel_(kernel), p_(x.size(1)) {}
+  LooObjective(const Tensor<double>& x, const Tensor<double>& y, Kernel kernel, bool scale_x)
+      : kernel_(kernel), p_(x.size(1)), x_exp_(static_cast<size_t>(p_), 0) {
+    y_exp_ = scale_exponent(max_abs(y.data(), y.numel()), 400);
+    y_ = scaled_copy(y, y_exp_);
+    x_ = x;
+    for (int64_t c = 0; scale_x && c < p_; ++c) {
+      double m = 0.0;
+      for (int64_t i = 0; i < x.size(0); ++i) m = std::max(m, std::abs(x(i, c)));
+      x_exp_[c] = scale_exponent(m, 400);
+      for (int64_t i = 0; i < x.size(0); ++i) x_(i, c) = std::ldexp(x(i, c), -x_exp_[c]);
+    }
+  }
+
+  int y_exponent() const { return y_exp_; }
+  int x_exponent(size_t c) const { return x_exp_[c]; }
 
   double operator()(const std::vector<double>& theta, std::vector<double>* grad) const {
     std::vector<double> inv_h(theta.size());
@@ -266,10 +312,11 @@ class LooObjective {
   }
 
  private:
-  const Tensor<double>& x_;
-  const Tensor<double>& y_;
   Kernel kernel_;
   int64_t p_;
+  Tensor<double> x_, y_;
+  std::vector<int> x_exp_;
+  int y_exp_ = 0;
 };
 
 // The best point seen so far; every search below only ever moves to it, so
@@ -287,7 +334,8 @@ struct Best {
 
 // Quasi-Newton (BFGS on the inverse Hessian) on log h with an Armijo
 // backtracking line search; steps capped at 2 in log h (a factor e^2).
-int bfgs(const LooObjective& f, Best& best) {
+template <class Objective>
+int bfgs(const Objective& f, Best& best) {
   const size_t p = best.theta.size();
   std::vector<double> theta = best.theta, g, g_new, theta_new(p), s(p), yv(p), d(p), hy(p);
   double fx = f(theta, &g);
@@ -384,7 +432,8 @@ int bfgs(const LooObjective& f, Best& best) {
 
 // Golden-section search of theta[c] on [lo, hi] (coordinate descent step for
 // the compact kernels, whose objective is only piecewise smooth in h).
-void golden_section(const LooObjective& f, Best& best, size_t c, double lo, double hi) {
+template <class Objective>
+void golden_section(const Objective& f, Best& best, size_t c, double lo, double hi) {
   const double kInvPhi = 0.6180339887498949;
   std::vector<double> t = best.theta;
   auto eval = [&](double v) {
@@ -544,7 +593,9 @@ double KernelRegression::loo_error(const std::vector<double>& bandwidth) const {
   check_bandwidth("KernelRegression::loo_error", bandwidth, p_);
   std::vector<double> theta(bandwidth.size());
   for (size_t c = 0; c < theta.size(); ++c) theta[c] = std::log(bandwidth[c]);
-  return LooObjective(x_, y_, kernel_)(theta, nullptr);
+  const LooObjective f(x_, y_, kernel_, false);
+  // Back to y's own scale: +inf when the mean square exceeds DBL_MAX.
+  return std::ldexp(f(theta, nullptr), 2 * f.y_exponent());
 }
 
 // ---- bandwidth selection -------------------------------------------------------------
@@ -574,18 +625,43 @@ CvResult cv_bandwidth(const KernelRegression& model) {
                   "; leave-one-out cross-validation needs at least 2 points");
   }
   const std::vector<double> h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott);
-  const LooObjective f(model.x_, model.y_, model.kernel_);
+  const LooObjective scaled(model.x_, model.y_, model.kernel_, true);
   const size_t p = h0.size();
+  // theta is log h in the objective's units of x; bandwidths outside the
+  // normal doubles in x's own units are never candidates (+inf).
+  const double ln2 = std::log(2.0);
+  const double log_h_min = std::log(kMinBandwidth);
+  const double log_h_max = std::log(std::numeric_limits<double>::max());
+  const auto f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
+    for (size_t c = 0; c < p; ++c) {
+      const double log_h = theta[c] + scaled.x_exponent(c) * ln2;
+      if (!(log_h >= log_h_min + 1e-9 && log_h <= log_h_max - 1e-9)) {
+        if (grad) grad->assign(p, 0.0);
+        return kInf;
+      }
+    }
+    return scaled(theta, grad);
+  };
   std::vector<double> theta0(p);
-  for (size_t c = 0; c < p; ++c) theta0[c] = std::log(h0[c]);
+  for (size_t c = 0; c < p; ++c) theta0[c] = std::log(std::ldexp(h0[c], -scaled.x_exponent(c)));
   Best best;
   best.offer(theta0, f(theta0, nullptr));
-  const double kQuarterLn2 = 0.25 * std::log(2.0);
+  const double kQuarterLn2 = 0.25 * ln2;
   std::vector<double> t(p);
   for (int k = -24; k <= 24; ++k) {
     if (k == 0) continue;
     for (size_t c = 0; c < p; ++c) t[c] = theta0[c] + k * kQuarterLn2;
     best.offer(t, f(t, nullptr));
+  }
+  if (best.theta.empty()) {
+    // Only compact kernels get here (the scaled Gaussian objective is finite
+    // at every normal bandwidth): no point has a neighbour within reach.
+    fail(kFn, "the leave-one-out error is undefined at all 49 bandwidths tried (Scott's " +
+                  num(h0[0]) + (p > 1 ? " (feature 0)" : "") +
+                  " times 2^(k/4), |k| <= 24): with the " +
+                  std::string(kernel_name(model.kernel_)) +
+                  " kernel no training point has another within reach (x has shape " +
+                  model.x_.shape().str() + ")");
   }
   CvResult result;
   if (model.kernel_ == Kernel::kGaussian) {
@@ -627,7 +703,9 @@ CvResult cv_bandwidth(const KernelRegression& model) {
     }
   }
   result.bandwidth.resize(p);
-  for (size_t c = 0; c < p; ++c) result.bandwidth[c] = std::exp(best.theta[c]);
+  for (size_t c = 0; c < p; ++c) {
+    result.bandwidth[c] = std::ldexp(std::exp(best.theta[c]), scaled.x_exponent(c));
+  }
   result.loo_error = model.loo_error(result.bandwidth);
   return result;
 }
@@ -695,6 +773,18 @@ ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
     double grad = 0.0;
     const double loss = kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1),
                                                  ym.size(1), w, &grad);
+    if (!std::isfinite(loss) || !std::isfinite(grad)) {
+      // The loss sums squared errors of y, its gradient those times squared
+      // differences of x: in float64 they overflow for |y| or |x_i - x_j|
+      // beyond ~1e154. SGD's steps depend on the loss's scale, so rescaling
+      // inside would train another model: the caller has to rescale.
+      fail(kFn, "the loss at epoch " + std::to_string(epoch + 1) + " is " + num(loss) +
+                    " and its gradient " + num(grad) + " (w = " + num(w) +
+                    "): not finite in float64, where squared errors of y (max |y| = " +
+                    num(max_abs(ym.data(), ym.numel())) + ") and squared differences of x (" +
+                    "max |x| = " + num(max_abs(xm.data(), xm.numel())) +
+                    ") overflow beyond ~1e154; rescale y or x");
+    }
     result.losses.push_back(loss);
     result.ws.push_back(w);
     w -= options.lr * grad;

@@ -1382,6 +1382,231 @@ TEST(KernelRegressionExtremes, LeaveOneOutErrorOnExtremeData) {
   }
 }
 
+// ---- degenerate data: huge and tiny y and x, subnormal spreads ---------------------------
+
+// The leave-one-out error (mean over defined points of the squared error)
+// in long double, whose range holds squares of y up to 1.8e308: any kernel,
+// 1-D x, the Gaussian in softmax form. +inf if no point is defined.
+long double ld_loo(const Tensor<double>& x, const Tensor<double>& y, double h, Kernel kernel) {
+  const int64_t n = x.size(0);
+  long double sum = 0;
+  int64_t defined = 0;
+  std::vector<long double> w(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    long double best = std::numeric_limits<long double>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      const long double u = (static_cast<long double>(x(i)) - x(j)) / h;
+      if (kernel == Kernel::kGaussian) {
+        w[j] = u * u / 2;  // the score's negative, for now
+        if (j != i) best = std::min(best, w[j]);
+      } else {
+        const long double a = std::abs(u);
+        w[j] = a > 1                             ? 0.0L
+               : kernel == Kernel::kBoxcar       ? 1.0L
+               : kernel == Kernel::kEpanechnikov ? 1 - u * u
+                                                 : 1 - a;
+      }
+    }
+    long double total = 0, num = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j == i) continue;
+      const long double wj = kernel == Kernel::kGaussian ? std::exp(best - w[j]) : w[j];
+      total += wj;
+      num += wj * y(j);
+    }
+    if (total == 0) continue;
+    const long double r = num / total - y(i);
+    sum += r * r;
+    ++defined;
+  }
+  return defined == 0 ? std::numeric_limits<long double>::infinity() : sum / defined;
+}
+
+// y scaled by 2^k, exactly: 2^531 puts y near 1e160, whose squared errors
+// overflow float64 (the crash of issue 1: every candidate bandwidth gave
+// +inf and cv_bandwidth read an empty best point), 2^-531 near 1e-160,
+// whose squared errors underflow to subnormals; 2^+-450 are scaled
+// internally too, with finite squares. Every kernel. The leave-one-out
+// error is scaled by 4^k, so the search must find the bandwidth it finds
+// at unit scale (compact kernels: bit for bit, the search only compares
+// values; Gaussian: BFGS's first step is the raw gradient, so to the
+// search's precision), and report the error at it, computed here in long
+// double: +inf where that exceeds DBL_MAX.
+TEST(KernelRegressionBandwidth, CrossValidationWithHugeOrTinyY) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Chapter c = chapter_data(rng, 50);
+  for (Kernel kernel : kAllKernels) {
+    const CvResult unit = cv_bandwidth(KernelRegression(c.x, c.y, kernel));
+    for (int k : {531, 450, -450, -531}) {
+      SCOPED_TRACE(name_of(kernel) + ", y times 2^" + std::to_string(k));
+      Tensor<double> y = c.y;
+      for (double& v : y.values()) v = std::ldexp(v, k);
+      const KernelRegression model(c.x, y, kernel);
+      CvResult cv;
+      ASSERT_NO_THROW(cv = cv_bandwidth(model));
+      ASSERT_EQ(cv.bandwidth.size(), 1u);
+      const double h = cv.bandwidth[0];
+      ASSERT_TRUE(h >= kMinNormal && std::isfinite(h)) << "bandwidth " << h;
+      if (kernel == Kernel::kGaussian) {
+        EXPECT_NEAR(h, unit.bandwidth[0], 1e-6 * unit.bandwidth[0]);
+      } else {
+        EXPECT_EQ(h, unit.bandwidth[0]);
+      }
+      const long double loo = ld_loo(c.x, y, h, kernel);
+      const long double scott = ld_loo(c.x, y, scott_bandwidth(c.x)[0], kernel);
+      EXPECT_LE(loo, scott * (1 + 1e-12L)) << "worse than Scott's rule";
+      if (loo > kMaxDouble) {
+        EXPECT_EQ(cv.loo_error, kInf);
+        EXPECT_EQ(model.loo_error(cv.bandwidth), kInf);
+      } else {
+        EXPECT_NEAR(cv.loo_error, static_cast<double>(loo),
+                    1e-10 * static_cast<double>(loo) + 0x1p-1070)
+            << "reported LOO error";
+      }
+    }
+  }
+}
+
+// x with a subnormal spread (the issue's 0, 1e-320, 2e-320, and random
+// multiples of 2^-1074): no normal bandwidth can follow its scale, so every
+// rule that derives one from the spread says so (function, feature, shape,
+// why); a fixed or learned bandwidth still predicts (the weights are equal:
+// the mean of y) and the leave-one-out error is the long double one.
+TEST(KernelRegressionBandwidth, SubnormalSpreadIsAnErrorForEveryRule) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  Tensor<double> random_x(Shape{20});
+  for (double& v : random_x.values()) {
+    v = std::ldexp(static_cast<double>(rng.uniform_int(0, 1 << 14)), -1074);
+  }
+  random_x(0) = 0.0;
+  random_x(1) = 0x1p-1060;  // not constant
+  for (const Tensor<double>& x : {Tensor<double>(Shape{3}, {0.0, 1e-320, 2e-320}), random_x}) {
+    const int64_t n = x.size(0);
+    SCOPED_TRACE("n " + std::to_string(n));
+    const Tensor<double> y = random_tensor<double>(rng, Shape{n}, -3, 3);
+    expect_error([&] { silverman_bandwidth(x); },
+                 {"silverman_bandwidth", "feature 0", "[" + std::to_string(n) + "]",
+                  "smallest normal double"});
+    expect_error([&] { scott_bandwidth(x); },
+                 {"scott_bandwidth", "feature 0", "smallest normal double"});
+    for (Kernel kernel : kAllKernels) {
+      SCOPED_TRACE(name_of(kernel));
+      const KernelRegression model(x, y, kernel);
+      expect_error([&] { cv_bandwidth(model); },
+                   {"cv_bandwidth", "feature 0", "Scott", "smallest normal double"});
+    }
+    long double mean = 0;
+    for (double v : y.values()) mean += v;
+    mean /= n;
+    KernelRegression model(x, y);
+    const Tensor<double> q(Shape{3}, {0.0, 1e-320, 1.0});
+    model.set_bandwidth(1.0);
+    for (int64_t i = 0; i < 3; ++i) {
+      EXPECT_NEAR(model.predict(q).values(i), static_cast<double>(mean), 1e-15) << "q=" << i;
+    }
+    EXPECT_NEAR(model.loo_error(), static_cast<double>(ld_loo(x, y, 1.0, Kernel::kGaussian)),
+                1e-13);
+    ParametricOptions options;
+    options.initial_w = rng.uniform(0.25, 1);
+    const ParametricResult learned = train_parametric(x, y, options);
+    EXPECT_TRUE(std::isfinite(learned.w));
+    const Tensor<double> pp = parametric_predict(x, y, learned.w, q);
+    for (int64_t i = 0; i < 3; ++i) EXPECT_NEAR(pp(i), static_cast<double>(mean), 1e-15);
+  }
+}
+
+// The rules of thumb where the squares of the deviations overflow (x up to
+// 7.9e307) or underflow (x ~ 1e-301), against the formulas in long double.
+TEST(KernelRegressionBandwidth, RulesOfThumbAtTheEdgesOfTheDoubleRange) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int e : {1020, 600, -600, -1000}) {
+    const int64_t n = rng.uniform_int(5, 60);
+    SCOPED_TRACE("x times 2^" + std::to_string(e) + ", n " + std::to_string(n));
+    Tensor<double> x = random_tensor<double>(rng, Shape{n, 2}, -7, 7);
+    for (double& v : x.values()) v = std::ldexp(v, e);
+    const std::vector<double> sil = silverman_bandwidth(x), sc = scott_bandwidth(x);
+    for (int64_t c = 0; c < 2; ++c) {
+      std::vector<long double> col(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) col[i] = x(i, c);
+      long double mean = 0, ss = 0;
+      for (long double v : col) mean += v;
+      mean /= n;
+      for (long double v : col) ss += (v - mean) * (v - mean);
+      const long double s = std::sqrt(ss / (n - 1));
+      std::sort(col.begin(), col.end());
+      auto pct = [&](long double f) {
+        const long double pos = f * (n - 1);
+        const int64_t lo = static_cast<int64_t>(pos);
+        const int64_t hi = std::min<int64_t>(lo + 1, n - 1);
+        return col[lo] + (pos - lo) * (col[hi] - col[lo]);
+      };
+      const long double iqr = pct(0.75L) - pct(0.25L);
+      const long double want_sil = 0.9L * std::min(s, iqr / 1.349L) * std::pow(n, -0.2L);
+      const long double want_sc = 1.059L * s * std::pow(n, -1.0L / 6);
+      EXPECT_NEAR(sil[c], static_cast<double>(want_sil), 1e-13 * static_cast<double>(want_sil))
+          << "silverman, feature " << c;
+      EXPECT_NEAR(sc[c], static_cast<double>(want_sc), 1e-13 * static_cast<double>(want_sc))
+          << "scott, feature " << c;
+    }
+  }
+}
+
+// Cross-validation on x scaled by 2^+-1000 (differences up to 1e302, whose
+// squares in the gradient overflow; or 1e-301, whose squares underflow):
+// no worse than Scott's in long double, and the Gaussian bandwidth scales
+// with x. The compact kernels' objective is piecewise, with plateaus and
+// kinks closer than the search's steps: rounding may settle it on another
+// piece, so there the long double error is held to the unit-scale answer's
+// within 1e-3 (as against a fine grid, CrossValidationBeatsRulesOfThumb...).
+TEST(KernelRegressionBandwidth, CrossValidationOfHugeAndTinyX) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Chapter c = chapter_data(rng, 60);
+  for (Kernel kernel : {Kernel::kGaussian, Kernel::kEpanechnikov}) {
+    const double unit = cv_bandwidth(KernelRegression(c.x, c.y, kernel)).bandwidth[0];
+    for (int e : {1000, -1000}) {
+      SCOPED_TRACE(name_of(kernel) + ", x times 2^" + std::to_string(e));
+      Tensor<double> x = c.x;
+      for (double& v : x.values()) v = std::ldexp(v, e);
+      const CvResult cv = cv_bandwidth(KernelRegression(x, c.y, kernel));
+      const double h = cv.bandwidth[0];
+      const long double loo = ld_loo(x, c.y, h, kernel);
+      if (kernel == Kernel::kGaussian) {
+        EXPECT_NEAR(std::ldexp(h, -e), unit, 1e-6 * unit);
+      } else {
+        EXPECT_LE(loo, ld_loo(x, c.y, std::ldexp(unit, e), kernel) * (1 + 1e-3L))
+            << "h " << h << ", unit-scale h " << unit << " times 2^" << e;
+      }
+      EXPECT_LE(loo, ld_loo(x, c.y, scott_bandwidth(x)[0], kernel) * (1 + 1e-12L));
+      EXPECT_NEAR(cv.loo_error, static_cast<double>(loo), 1e-10 * static_cast<double>(loo));
+    }
+  }
+}
+
+// The chapter's SGD on y ~ 1e160: its loss (a sum of squared errors)
+// overflows float64; rescaling inside would change the SGD steps, so it is
+// an error that says why, not "w diverged".
+TEST(KernelRegressionChapter, ParametricTrainingWithAnOverflowingLossIsAnError) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Chapter c = chapter_data(rng, 50);
+  Tensor<double> y = c.y;
+  for (double& v : y.values()) v *= 1e160;
+  ParametricOptions options;
+  options.initial_w = rng.uniform(0.25, 1);
+  expect_error(
+      [&] { train_parametric(c.x, y, options); },
+      {"train_parametric", "loss at epoch 1 is inf", "not finite", "max |y| = ", "rescale y"});
+}
+
 // ---- errors ---------------------------------------------------------------------------
 
 TEST(KernelRegressionErrors, ConstructorAndQueries) {
