@@ -412,9 +412,10 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
   if (!exact && !careful) {
     // Boxes are worth building only if they hold several keys each: count
     // them first (cheap), then build the moments when count * P <= 2 n.
-    // (Careful calls have h below 2^-1020 of the largest coordinate or
-    // coordinates beyond 2^1020: their windows hold few keys, or they are
-    // not worth a Taylor path of their own.)
+    // Careful calls (h below 2^-1020 of the largest coordinate) skip the
+    // boxes: their moments' t = (x - c) / h and Horner sums are formed
+    // plainly; they sum windows, exact but slow only if many keys lie within
+    // a few such bandwidths (keys packed near 0 far below the largest).
     int64_t count = 0;
     for (int64_t j = 0; j < n;) {
       const double end = keys[j] + kBoxWidth * h;

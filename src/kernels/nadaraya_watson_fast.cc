@@ -186,7 +186,7 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
                              TensorView<double>(lse.data(), Shape{1, t}));
   std::vector<int64_t> redo;
   for (int64_t i = 0; i < t; ++i) {
-    if (!(lse[i] >= kFarRowLse) || lse[i] == kInf) redo.push_back(i);
+    if (!(std::isfinite(lse[i]) && lse[i] >= kFarRowLse)) redo.push_back(i);
   }
   const int64_t count = static_cast<int64_t>(redo.size());
   const int64_t per_task = rows_per_task(d.n);
