@@ -61,8 +61,13 @@ inline constexpr double kFarRowLse = -0x1p29;
 // 0 and 5 gets the nearer one's value, where float64 distances tie. Key j,
 // feature c is x[j * key_stride + c * feature_stride]; key `skip` (none if
 // < 0) gets weight 0. Returns sum_j w[j] (0 when no key is left).
+// prune (only where no difference q_c - x_jc overflows): a float64 pass
+// over the squared distances first, so that only keys within rounding of
+// the nearest plus 1500 (weight exp(-750) and below are 0) take the exact
+// passes; a row then costs about a plain row plus its near-ties.
 double gaussian_row_far(const NwData& d, const double* x, int64_t key_stride,
-                        int64_t feature_stride, const double* q, int64_t skip, double* w);
+                        int64_t feature_stride, const double* q, int64_t skip, bool prune,
+                        double* w);
 
 // The leave-one-out sums: f_{-i}(x_i) from the other n - 1 points.
 struct LooSums {

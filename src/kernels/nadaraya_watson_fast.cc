@@ -62,7 +62,7 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
                   double* w) {
   const int64_t n = d.n;
   if (d.kernel == Kernel::kGaussian) {
-    if (far) return gaussian_row_far(d, xt, 1, n, qi, skip, w);
+    if (far) return gaussian_row_far(d, xt, 1, n, qi, skip, false, w);
     std::fill(w, w + n, 0.0);
     for (int64_t c = 0; c < d.p; ++c) {
       const double qc = qi[c], ih = d.inv_h[c];
@@ -76,12 +76,12 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
     double best = kInf;
     for (int64_t j = 0; j < n; ++j) best = std::min(best, w[j]);
     if (best == kInf) {  // every D_j overflowed, or no key is left
-      return gaussian_row_far(d, xt, 1, n, qi, skip, w);
+      return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
     }
     for (int64_t j = 0; j < n; ++j) w[j] = std::max(-0.5 * (w[j] - best), kScoreFloor);
     const double sum = vecmath::exp_shift_sum(w, 0.0, w, n);
     if (!(-0.5 * best + std::log(sum) >= kFarRowLse)) {
-      return gaussian_row_far(d, xt, 1, n, qi, skip, w);
+      return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
     }
     return sum;
   }
@@ -195,7 +195,7 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
     std::vector<double> w(static_cast<size_t>(d.n));
     for (int64_t r = task * per_task; r < std::min(count, (task + 1) * per_task); ++r) {
       const int64_t i = redo[r];
-      const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, w.data());
+      const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, true, w.data());
       double* o = out + i * d.m;
       if (sum == 0.0) {  // n = 0
         ++empty[task];
