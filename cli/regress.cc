@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -128,6 +131,13 @@ Bandwidth parse_bandwidth(const std::string& text) {
     if (!h || !std::isfinite(*h) || *h <= 0) {
       throw UsageError("--bandwidth " + quote(text) + ": " + quote(item) +
                        " is not a bandwidth; expected " + kBandwidthHelp);
+    }
+    if (*h < std::numeric_limits<double>::min()) {
+      throw UsageError("--bandwidth " + quote(text) + ": " + quote(item) + " is " +
+                       exact_number(*h) +
+                       ", a subnormal number below the smallest normal double "
+                       "(2.2250738585072014e-308); a bandwidth that small cannot be represented "
+                       "sensibly (1/h^2 overflows)");
     }
     b.values.push_back(*h);
   }
@@ -410,6 +420,30 @@ std::string predictions_csv(const Training& data, const Tensor<double>& queries,
   return out;
 }
 
+// The leave-one-out error when it is +inf because it exceeds the largest
+// double (y beyond ~1e154: its squared errors overflow), in decimal; empty
+// when it is +inf because no point has a leave-one-out estimate. The
+// library's value cannot say which: the error is computed again (n^2 work,
+// only in this case) with y divided by 2^k, exactly, and multiplied back
+// through its logarithm.
+std::string overflowed_loo_text(const Training& data, Kernel kernel,
+                                const std::vector<double>& bandwidth) {
+  double y_max = 0.0;
+  for (const double v : data.y.values()) y_max = std::max(y_max, std::abs(v));
+  if (!(y_max > 0.0)) return {};
+  const int k = std::ilogb(y_max);
+  Tensor<double> y = data.y;
+  for (double& v : y.values()) v = std::ldexp(v, -k);
+  KernelRegression scaled(features(data.x), y.view(), kernel);
+  scaled.set_bandwidth(bandwidth);
+  const double loo = scaled.loo_error();
+  if (!std::isfinite(loo) || !(loo > 0.0)) return {};
+  const double log10_loo = std::log10(loo) + 2.0 * k * std::log10(2.0);
+  const double exponent = std::floor(log10_loo);
+  return format_number(std::pow(10.0, log10_loo - exponent), "%.6g") + "e+" +
+         format_number(exponent, "%.0f") + " (beyond the largest double, 1.8e308: null in --json)";
+}
+
 // Wall-clock seconds since construction or the last lap.
 class Stopwatch {
  public:
@@ -510,10 +544,12 @@ void run_regress(const RegressArgs& args) {
                    format_number(learned->ws[e], "%.6g"));
     }
     const double h = 1.0 / std::abs(learned->w);
-    if (!std::isfinite(h)) {
-      throw std::runtime_error("learn: the learned w is " + exact_number(learned->w) +
-                               ", so the bandwidth 1/|w| is not finite; try another --lr or "
-                               "--seed");
+    if (!std::isfinite(h) || h < std::numeric_limits<double>::min()) {
+      throw std::runtime_error(
+          "learn: the learned w is " + exact_number(learned->w) +
+          ", so the bandwidth 1/|w| = " + exact_number(h) +
+          (std::isfinite(h) ? " is below the smallest normal double" : " is not finite") +
+          "; try another --lr or --seed");
     }
     model.set_bandwidth(h);
   }
@@ -523,10 +559,15 @@ void run_regress(const RegressArgs& args) {
     progress.say("computing the leave-one-out error");
     loo = model.loo_error();
   }
-  const std::string loo_text =
-      std::isnan(loo)   ? "not computed (n > " + std::to_string(kMaxAutoLooPoints) + "; see --loo)"
-      : std::isinf(loo) ? std::string("undefined (no training point has a leave-one-out estimate)")
-                        : format_number(loo, "%.6g");
+  std::string loo_text;
+  if (std::isnan(loo)) {
+    loo_text = "not computed (n > " + std::to_string(kMaxAutoLooPoints) + "; see --loo)";
+  } else if (std::isinf(loo)) {
+    loo_text = overflowed_loo_text(data, kernel, model.bandwidth());
+    if (loo_text.empty()) loo_text = "undefined (no training point has a leave-one-out estimate)";
+  } else {
+    loo_text = format_number(loo, "%.6g");
+  }
   const double bandwidth_s = clock.lap();
   std::vector<std::string> shown;
   for (const double h : model.bandwidth()) shown.push_back(format_number(h, "%.6g"));

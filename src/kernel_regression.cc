@@ -22,6 +22,10 @@ namespace qkv {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// The smallest normal double: a bandwidth below it is subnormal (or 0), its
+// 1/h overflows past 1/h = 4.5e307 and 1/h^2 long before; it cannot be
+// represented sensibly, so it is an error.
+constexpr double kMinBandwidth = std::numeric_limits<double>::min();
 
 // Work (n * t kernel evaluations) from which predict() hands 1-D Gaussian
 // problems to the fast algorithm: below it, exact evaluation takes a few
@@ -111,6 +115,16 @@ Tensor<double> checked_queries(std::string_view fn, const ConstView<double>& que
   return as_matrix(queries);
 }
 
+// Why a bandwidth value is not one, or empty: finite, > 0 and normal.
+std::string bandwidth_problem(double h) {
+  if (!(h > 0.0) || !std::isfinite(h)) return "expected a finite value > 0";
+  if (h < kMinBandwidth) {
+    return "expected a value >= 2.2250738585072014e-308, the smallest normal double (a "
+           "subnormal bandwidth cannot be represented sensibly: 1/h^2 overflows)";
+  }
+  return {};
+}
+
 void check_bandwidth(std::string_view fn, const std::vector<double>& h, int64_t p) {
   if (static_cast<int64_t>(h.size()) != p) {
     fail(fn, "bandwidth has " + std::to_string(h.size()) + " values but x has " +
@@ -118,11 +132,34 @@ void check_bandwidth(std::string_view fn, const std::vector<double>& h, int64_t 
                  "; expected one per feature");
   }
   for (size_t c = 0; c < h.size(); ++c) {
-    if (!(h[c] > 0.0) || !std::isfinite(h[c])) {
-      fail(fn,
-           "bandwidth[" + std::to_string(c) + "] = " + num(h[c]) + "; expected a finite value > 0");
-    }
+    const std::string problem = bandwidth_problem(h[c]);
+    if (!problem.empty())
+      fail(fn, "bandwidth[" + std::to_string(c) + "] = " + num(h[c]) + "; " + problem);
   }
+}
+
+// max |v| over a contiguous array.
+double max_abs(const double* v, int64_t n) {
+  double m = 0.0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::abs(v[i]));
+  return m;
+}
+
+// A copy of v times 2^-exponent (exact).
+Tensor<double> scaled_copy(const Tensor<double>& v, int exponent) {
+  Tensor<double> out = v;
+  if (exponent != 0) {
+    for (double& e : out.values()) e = std::ldexp(e, -exponent);
+  }
+  return out;
+}
+
+// The power of two that brings a magnitude m > 0 to [1, 2) when it lies
+// outside [2^-limit, 2^limit], else 0: scaling by powers of two is exact, so
+// data of ordinary size are used as given, bit for bit.
+int scale_exponent(double m, int limit) {
+  if (!(m > 0.0)) return 0;
+  return (m > std::ldexp(1.0, limit) || m < std::ldexp(1.0, -limit)) ? std::ilogb(m) : 0;
 }
 
 std::vector<double> inverse(const std::vector<double>& h) {
@@ -137,6 +174,17 @@ void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& 
                      const Tensor<double>& q, double h, Tensor<double>& out) {
   kernels::gauss1d_fast(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
                         q.data(), q.size(0), h, kFastPathRelTol, out.data());
+}
+
+// The power of two by which predictions divide y first (and multiply the
+// results after, both exact): a weighted sum of n values of y must not
+// overflow (max |y| n beyond 2^1000), and weights times tiny y should not
+// lose digits in the subnormal range (max |y| below 2^-500). Data in
+// between, all ordinary data, are used as given.
+int prediction_y_exponent(const Tensor<double>& y) {
+  const double m = max_abs(y.data(), y.numel());
+  if (!(m > 0.0)) return 0;
+  return (m * static_cast<double>(y.size(0)) > 0x1p1000 || m < 0x1p-500) ? std::ilogb(m) : 0;
 }
 
 // Drops the column axis when y was 1-D.
@@ -173,15 +221,21 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
   std::vector<double> col(static_cast<size_t>(n));
   for (int64_t c = 0; c < p; ++c) {
     for (int64_t i = 0; i < n; ++i) col[i] = xm(i, c);
+    const auto [lo_it, hi_it] = std::minmax_element(col.begin(), col.end());
+    const double lo = *lo_it, hi = *hi_it;
+    if (lo == hi) {  // (the rounded mean may leave s a hair above 0)
+      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() +
+                   ") is constant (standard deviation 0); a rule of thumb needs spread");
+    }
+    // Features beyond 2^+-400 in magnitude are scaled to [1, 2) first (by a
+    // power of two, exactly), so the squares of the deviations neither
+    // overflow (x up to 1.8e308) nor underflow (a subnormal spread).
+    const int k = scale_exponent(std::max(std::abs(lo), std::abs(hi)), 400);
+    for (double& v : col) v = std::ldexp(v, -k);
     const double mean = std::accumulate(col.begin(), col.end(), 0.0) / static_cast<double>(n);
     double ss = 0.0;
     for (double v : col) ss += (v - mean) * (v - mean);
     const double s = std::sqrt(ss / static_cast<double>(n - 1));
-    const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
-    if (*lo == *hi) {  // (the rounded mean may leave s a hair above 0)
-      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() +
-                   ") is constant (standard deviation 0); a rule of thumb needs spread");
-    }
     const double dn = static_cast<double>(n);
     if (rule == Rule::kScott) {
       h[c] = 1.059 * s * std::pow(dn, -1.0 / (static_cast<double>(p) + 4.0));
@@ -191,6 +245,18 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
       const double spread = iqr > 0.0 ? std::min(s, iqr / 1.349) : s;
       h[c] = 0.9 * spread * std::pow(dn, -0.2);
     }
+    h[c] = std::ldexp(h[c], k);
+    if (!(h[c] >= kMinBandwidth) || !std::isfinite(h[c])) {
+      const bool tiny = !(h[c] >= kMinBandwidth);
+      fail(fn, "feature " + std::to_string(c) + " of x (shape " + x.shape().str() + ") spans " +
+                   num(lo) + " to " + num(hi) + ", so its " +
+                   (rule == Rule::kScott ? "Scott" : "Silverman") + " bandwidth, " + num(h[c]) +
+                   (tiny ? ", is below the smallest normal double (2.2250738585072014e-308): "
+                           "a bandwidth for so small a spread cannot be represented sensibly "
+                           "(1/h^2 overflows)"
+                         : ", exceeds the largest double") +
+                   "; rescale x");
+    }
   }
   return h;
 }
@@ -198,11 +264,31 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
 // ---- cross-validation ------------------------------------------------------------
 
 // The leave-one-out objective on log h: mean squared error over the defined
-// points (+inf if none) and, for the Gaussian, its gradient.
+// points (+inf if none) and, for the Gaussian, its gradient. It works on
+// scaled copies: y times 2^-y_exponent() (brought to [1, 2) when its largest
+// |y| lies outside 2^+-400: squared errors of y ~ 1e160 would overflow, of
+// y ~ 1e-160 underflow), so value() and the gradient are those of the data
+// as given times 4^-y_exponent(), and, with scale_x (cross-validation),
+// feature c times 2^-x_exponent(c) on the same rule, theta then being log h
+// in those units (the gradient's squared differences stay finite). Scaling
+// by powers of two is exact: data of ordinary size are used bit for bit.
 class LooObjective {
  public:
-  LooObjective(const Tensor<double>& x, const Tensor<double>& y, Kernel kernel)
-      : x_(x), y_(y), kernel_(kernel), p_(x.size(1)) {}
+  LooObjective(const Tensor<double>& x, const Tensor<double>& y, Kernel kernel, bool scale_x)
+      : kernel_(kernel), p_(x.size(1)), x_exp_(static_cast<size_t>(p_), 0) {
+    y_exp_ = scale_exponent(max_abs(y.data(), y.numel()), 400);
+    y_ = scaled_copy(y, y_exp_);
+    x_ = x;
+    for (int64_t c = 0; scale_x && c < p_; ++c) {
+      double m = 0.0;
+      for (int64_t i = 0; i < x.size(0); ++i) m = std::max(m, std::abs(x(i, c)));
+      x_exp_[c] = scale_exponent(m, 400);
+      for (int64_t i = 0; i < x.size(0); ++i) x_(i, c) = std::ldexp(x(i, c), -x_exp_[c]);
+    }
+  }
+
+  int y_exponent() const { return y_exp_; }
+  int x_exponent(size_t c) const { return x_exp_[c]; }
 
   double operator()(const std::vector<double>& theta, std::vector<double>* grad) const {
     std::vector<double> inv_h(theta.size());
@@ -226,10 +312,11 @@ class LooObjective {
   }
 
  private:
-  const Tensor<double>& x_;
-  const Tensor<double>& y_;
   Kernel kernel_;
   int64_t p_;
+  Tensor<double> x_, y_;
+  std::vector<int> x_exp_;
+  int y_exp_ = 0;
 };
 
 // The best point seen so far; every search below only ever moves to it, so
@@ -247,7 +334,8 @@ struct Best {
 
 // Quasi-Newton (BFGS on the inverse Hessian) on log h with an Armijo
 // backtracking line search; steps capped at 2 in log h (a factor e^2).
-int bfgs(const LooObjective& f, Best& best) {
+template <class Objective>
+int bfgs(const Objective& f, Best& best) {
   const size_t p = best.theta.size();
   std::vector<double> theta = best.theta, g, g_new, theta_new(p), s(p), yv(p), d(p), hy(p);
   double fx = f(theta, &g);
@@ -344,7 +432,8 @@ int bfgs(const LooObjective& f, Best& best) {
 
 // Golden-section search of theta[c] on [lo, hi] (coordinate descent step for
 // the compact kernels, whose objective is only piecewise smooth in h).
-void golden_section(const LooObjective& f, Best& best, size_t c, double lo, double hi) {
+template <class Objective>
+void golden_section(const Objective& f, Best& best, size_t c, double lo, double hi) {
   const double kInvPhi = 0.6180339887498949;
   std::vector<double> t = best.theta;
   auto eval = [&](double v) {
@@ -438,11 +527,9 @@ int64_t KernelRegression::num_features() const { return p_; }
 int64_t KernelRegression::num_outputs() const { return m_; }
 
 void KernelRegression::set_bandwidth(double h) {
-  const std::vector<double> hs(static_cast<size_t>(p_), h);
-  if (!(h > 0.0) || !std::isfinite(h)) {
-    fail("KernelRegression::set_bandwidth", "h = " + num(h) + "; expected a finite value > 0");
-  }
-  bandwidth_ = hs;
+  const std::string problem = bandwidth_problem(h);
+  if (!problem.empty()) fail("KernelRegression::set_bandwidth", "h = " + num(h) + "; " + problem);
+  bandwidth_.assign(static_cast<size_t>(p_), h);
 }
 
 void KernelRegression::set_bandwidth(const std::vector<double>& h) {
@@ -458,19 +545,25 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   Tensor<double> out(Shape{t, m_});
   const bool fast_1d = kernel_ == Kernel::kGaussian && p_ == 1 && !exact &&
                        static_cast<double>(n_) * static_cast<double>(t) > kFastPathMinWork;
+  const int y_exp = prediction_y_exponent(y_);
   if (fast_1d) {
-    predict_gauss1d(sorted_x_, sorted_y_, q, bandwidth_[0], out);
+    predict_gauss1d(sorted_x_, y_exp == 0 ? sorted_y_ : scaled_copy(sorted_y_, y_exp), q,
+                    bandwidth_[0], out);
     result.used_fast_path = true;
   } else {
+    const Tensor<double> y_scaled = y_exp == 0 ? Tensor<double>() : scaled_copy(y_, y_exp);
     const std::vector<double> inv_h = inverse(bandwidth_);
     const kernels::NwData d{.x = x_.data(),
-                            .y = y_.data(),
+                            .y = y_exp == 0 ? y_.data() : y_scaled.data(),
                             .n = n_,
                             .p = p_,
                             .m = m_,
                             .inv_h = inv_h.data(),
                             .kernel = kernel_};
     result.num_undefined = kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr);
+  }
+  if (y_exp != 0) {
+    for (double& v : out.values()) v = std::ldexp(v, y_exp);
   }
   result.values = shaped_output(std::move(out), y_was_1d_);
   return result;
@@ -500,7 +593,9 @@ double KernelRegression::loo_error(const std::vector<double>& bandwidth) const {
   check_bandwidth("KernelRegression::loo_error", bandwidth, p_);
   std::vector<double> theta(bandwidth.size());
   for (size_t c = 0; c < theta.size(); ++c) theta[c] = std::log(bandwidth[c]);
-  return LooObjective(x_, y_, kernel_)(theta, nullptr);
+  const LooObjective f(x_, y_, kernel_, false);
+  // Back to y's own scale: +inf when the mean square exceeds DBL_MAX.
+  return std::ldexp(f(theta, nullptr), 2 * f.y_exponent());
 }
 
 // ---- bandwidth selection -------------------------------------------------------------
@@ -530,18 +625,43 @@ CvResult cv_bandwidth(const KernelRegression& model) {
                   "; leave-one-out cross-validation needs at least 2 points");
   }
   const std::vector<double> h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott);
-  const LooObjective f(model.x_, model.y_, model.kernel_);
+  const LooObjective scaled(model.x_, model.y_, model.kernel_, true);
   const size_t p = h0.size();
+  // theta is log h in the objective's units of x; bandwidths outside the
+  // normal doubles in x's own units are never candidates (+inf).
+  const double ln2 = std::log(2.0);
+  const double log_h_min = std::log(kMinBandwidth);
+  const double log_h_max = std::log(std::numeric_limits<double>::max());
+  const auto f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
+    for (size_t c = 0; c < p; ++c) {
+      const double log_h = theta[c] + scaled.x_exponent(c) * ln2;
+      if (!(log_h >= log_h_min + 1e-9 && log_h <= log_h_max - 1e-9)) {
+        if (grad) grad->assign(p, 0.0);
+        return kInf;
+      }
+    }
+    return scaled(theta, grad);
+  };
   std::vector<double> theta0(p);
-  for (size_t c = 0; c < p; ++c) theta0[c] = std::log(h0[c]);
+  for (size_t c = 0; c < p; ++c) theta0[c] = std::log(std::ldexp(h0[c], -scaled.x_exponent(c)));
   Best best;
   best.offer(theta0, f(theta0, nullptr));
-  const double kQuarterLn2 = 0.25 * std::log(2.0);
+  const double kQuarterLn2 = 0.25 * ln2;
   std::vector<double> t(p);
   for (int k = -24; k <= 24; ++k) {
     if (k == 0) continue;
     for (size_t c = 0; c < p; ++c) t[c] = theta0[c] + k * kQuarterLn2;
     best.offer(t, f(t, nullptr));
+  }
+  if (best.theta.empty()) {
+    // Only compact kernels get here (the scaled Gaussian objective is finite
+    // at every normal bandwidth): no point has a neighbour within reach.
+    fail(kFn, "the leave-one-out error is undefined at all 49 bandwidths tried (Scott's " +
+                  num(h0[0]) + (p > 1 ? " (feature 0)" : "") +
+                  " times 2^(k/4), |k| <= 24): with the " +
+                  std::string(kernel_name(model.kernel_)) +
+                  " kernel no training point has another within reach (x has shape " +
+                  model.x_.shape().str() + ")");
   }
   CvResult result;
   if (model.kernel_ == Kernel::kGaussian) {
@@ -583,7 +703,9 @@ CvResult cv_bandwidth(const KernelRegression& model) {
     }
   }
   result.bandwidth.resize(p);
-  for (size_t c = 0; c < p; ++c) result.bandwidth[c] = std::exp(best.theta[c]);
+  for (size_t c = 0; c < p; ++c) {
+    result.bandwidth[c] = std::ldexp(std::exp(best.theta[c]), scaled.x_exponent(c));
+  }
   result.loo_error = model.loo_error(result.bandwidth);
   return result;
 }
@@ -651,6 +773,18 @@ ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
     double grad = 0.0;
     const double loss = kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1),
                                                  ym.size(1), w, &grad);
+    if (!std::isfinite(loss) || !std::isfinite(grad)) {
+      // The loss sums squared errors of y, its gradient those times squared
+      // differences of x: in float64 they overflow for |y| or |x_i - x_j|
+      // beyond ~1e154. SGD's steps depend on the loss's scale, so rescaling
+      // inside would train another model: the caller has to rescale.
+      fail(kFn, "the loss at epoch " + std::to_string(epoch + 1) + " is " + num(loss) +
+                    " and its gradient " + num(grad) + " (w = " + num(w) +
+                    "): not finite in float64, where squared errors of y (max |y| = " +
+                    num(max_abs(ym.data(), ym.numel())) + ") and squared differences of x (" +
+                    "max |x| = " + num(max_abs(xm.data(), xm.numel())) +
+                    ") overflow beyond ~1e154; rescale y or x");
+    }
     result.losses.push_back(loss);
     result.ws.push_back(w);
     w -= options.lr * grad;
@@ -672,8 +806,10 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
   const int64_t p = xm.size(1), m = ym.size(1);
   const Tensor<double> q = checked_queries(kFn, queries, p, x.shape());
   const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
+  const int y_exp = prediction_y_exponent(ym);
+  const Tensor<double> y_scaled = scaled_copy(ym, y_exp);
   const kernels::NwData d{.x = xm.data(),
-                          .y = ym.data(),
+                          .y = y_scaled.data(),
                           .n = xm.size(0),
                           .p = p,
                           .m = m,
@@ -681,6 +817,9 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
                           .kernel = Kernel::kGaussian};
   Tensor<double> out(Shape{q.size(0), m});
   kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out.data(), nullptr);
+  if (y_exp != 0) {
+    for (double& v : out.values()) v = std::ldexp(v, y_exp);
+  }
   return shaped_output(std::move(out), y.rank() == 1);
 }
 

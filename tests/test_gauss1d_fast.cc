@@ -40,9 +40,13 @@ void reference(const Data& d, const std::vector<double>& queries, double h,
   std::vector<long double> num(static_cast<size_t>(m)), mag(static_cast<size_t>(m));
   for (int64_t i = 0; i < t; ++i) {
     const long double q = queries[i];
+    // The nearest key by the sign of (xa - x)(2q - x - xa) = (q - x)^2 -
+    // (q - xa)^2: |q - x| itself can round alike for keys 1e-133 and
+    // -1e229 seen from 6e260, even in long double.
     int64_t a = 0;
     for (int64_t j = 1; j < n; ++j) {
-      if (std::abs(q - d.keys[j]) < std::abs(q - d.keys[a])) a = j;
+      const long double x = d.keys[j], xa = d.keys[a];
+      if ((xa - x) * ((q - x) + (q - xa)) < 0) a = j;
     }
     const long double xa = d.keys[a];
     const long double inv = 1.0L / (2.0L * static_cast<long double>(h) * h);
@@ -312,6 +316,124 @@ TEST(Gauss1dFast, NonFiniteQueries) {
   }
   for (size_t k = 0; k < got.size(); ++k) {
     if (k / 2 != 3) EXPECT_TRUE(std::isfinite(got[k])) << "k=" << k;
+  }
+}
+
+// A number of magnitude 10^U(lo, hi) with a random sign.
+double log_uniform(Rng& rng, double lo, double hi) {
+  const double v = std::pow(10.0, rng.uniform(lo, hi));
+  return rng.bernoulli(0.5) ? v : -v;
+}
+
+// For the queries at +-1e308 and +-DBL_MAX: when every key other than the
+// nearest (and its duplicates) has a relative exponent above 2000 in long
+// double, its weight is 0 in float64 and the output is exactly the nearest
+// key's value (the mean over its duplicates, within rounding).
+void expect_far_queries_get_the_nearest_keys_value(const Data& d, double h, double rel_tol) {
+  const double far[] = {1e308, -1e308, std::numeric_limits<double>::max(),
+                        -std::numeric_limits<double>::max()};
+  const int64_t n = d.n(), m = d.m;
+  std::vector<double> got(4 * static_cast<size_t>(m));
+  gauss1d_fast(d.keys.data(), d.values.data(), n, m, far, 4, h, rel_tol, got.data());
+  for (int i = 0; i < 4; ++i) {
+    const long double q = far[i];
+    int64_t a = 0;  // the nearest key, as in reference()
+    for (int64_t j = 1; j < n; ++j) {
+      const long double x = d.keys[j], xa = d.keys[a];
+      if ((xa - x) * ((q - x) + (q - xa)) < 0) a = j;
+    }
+    const long double xa = d.keys[a];
+    long double next = std::numeric_limits<long double>::infinity();
+    std::vector<int64_t> tied;
+    for (int64_t j = 0; j < n; ++j) {
+      const long double x = d.keys[j];
+      if (x == xa) {
+        tied.push_back(j);
+      } else {
+        next = std::min(next, (xa - x) * ((q - x) + (q - xa)) / (2.0L * h * h));
+      }
+    }
+    if (!(next > 2000)) continue;
+    for (int64_t c = 0; c < m; ++c) {
+      long double mean = 0;
+      for (int64_t j : tied) mean += d.values[j * m + c];
+      mean /= static_cast<long double>(tied.size());
+      EXPECT_NEAR(got[i * m + c], static_cast<double>(mean),
+                  1e-15 * std::abs(static_cast<double>(mean)))
+          << "q=" << far[i] << " c=" << c << " h=" << h << ": nearest key " << d.keys[a];
+    }
+  }
+}
+
+// Issue 9: keys spread over the whole double range (magnitudes 1e-300 to
+// 1e308, both signs, +-DBL_MAX), queries likewise and at +-1e308, and
+// bandwidths from the smallest normal double to 1e300 gave NaN. Every
+// method, within rel_tol of the long double reference; far queries their
+// nearest key's value.
+TEST(Gauss1dFast, KeysOverTheWholeDoubleRange) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t n : {20, 1500}) {
+    for (int64_t m : {1, 2}) {
+      Data d;
+      d.m = m;
+      for (int64_t j = 0; j < n; ++j) d.keys.push_back(log_uniform(rng, -300, 308));
+      d.keys[0] = std::numeric_limits<double>::max();
+      d.keys[1] = -std::numeric_limits<double>::max();
+      std::sort(d.keys.begin(), d.keys.end());
+      for (int64_t j = 0; j < n * m; ++j) d.values.push_back(rng.uniform(-2.0, 3.0));
+      std::vector<double> queries;
+      for (int i = 0; i < 400; ++i) queries.push_back(log_uniform(rng, -300, 308));
+      for (double q : {1e308, -1e308, std::numeric_limits<double>::max(), 0.0, d.keys[5],
+                       d.keys[static_cast<size_t>(n / 2)]}) {
+        queries.push_back(q);
+      }
+      for (double h : {std::numeric_limits<double>::min(), 1e-150, 1.0, 1e150, 1e300}) {
+        for (double tol : {1e-7, 1e-9}) {
+          check(d, queries, h, tol, n <= 32 ? "exact" : "", "whole range");
+          expect_far_queries_get_the_nearest_keys_value(d, h, tol);
+        }
+      }
+    }
+  }
+}
+
+// One problem at scales 2^-1000 .. 2^1020 (the last with queries up to
+// 1.7e308, where q - x overflows): within rel_tol, and the Taylor boxes
+// still serve it (h is 200 key spacings).
+TEST(Gauss1dFast, ScaledProblemsKeepTheirMethod) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int e : {-1000, -500, 500, 1000, 1020}) {
+    const double scale = std::ldexp(1.0, e);
+    Data d = uniform_data(rng, 3000, 1, -7.0, 7.0);
+    for (double& x : d.keys) x *= scale;
+    std::vector<double> queries = uniform_queries(rng, 300, -15.0, 15.0);
+    for (double& q : queries) q *= scale;
+    const double h = rng.uniform(0.3, 3.0) * scale;
+    EXPECT_EQ(check(d, queries, h, 1e-7, "", "scale 2^" + std::to_string(e)), "taylor");
+    expect_far_queries_get_the_nearest_keys_value(d, h, 1e-7);
+  }
+}
+
+// Ordinary keys with bandwidths from the smallest normal double (each
+// query its nearest key) to 1e300 (the mean of the values), far queries
+// included.
+TEST(Gauss1dFast, BandwidthsFromTheSmallestNormalTo1e300) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Data d = uniform_data(rng, 2000, 2, 0.0, 5.0);
+  std::vector<double> queries = uniform_queries(rng, 300, -1.0, 6.0);
+  queries.push_back(1e308);
+  queries.push_back(-1e308);
+  queries.push_back(d.keys[100]);
+  for (double h : {std::numeric_limits<double>::min(), 1e-300, 1e-160, 1e-100, 1e-5, 0.5, 1e5,
+                   1e100, 1e160, 1e300}) {
+    for (double tol : kTolerances) check(d, queries, h, tol, "", "ordinary keys");
+    expect_far_queries_get_the_nearest_keys_value(d, h, 1e-7);
   }
 }
 

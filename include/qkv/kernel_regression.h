@@ -46,15 +46,22 @@ class KernelRegression {
   int64_t num_outputs() const;   // m (1 for 1-D y)
   Kernel kernel() const { return kernel_; }
 
-  // Bandwidth h > 0, finite: one value for every feature, or one per feature.
-  // Initially 1.0 for every feature.
+  // Bandwidth h: finite and at least the smallest normal double,
+  // 2.2250738585072014e-308 (a subnormal h is an Error: 1/h^2 overflows),
+  // one value for every feature, or one per feature. Initially 1.0.
   void set_bandwidth(double h);
   void set_bandwidth(const std::vector<double>& h);
   const std::vector<double>& bandwidth() const { return bandwidth_; }
 
   // Predictions at the queries with the current bandwidth. The Gaussian
   // kernel is evaluated as a softmax of -sum_c u_c^2 / 2, so a query far from
-  // every key gets its nearest keys' values, never 0/0. For 1-D x with the
+  // every key gets its nearest keys' values, never 0/0, for any finite data
+  // and bandwidth: a query more than ~32768 bandwidths from every key (or
+  // whose scores overflow, up to |q - x| / h ~ 1e616) is evaluated from
+  // exact differences of the scores, so the truly nearest key wins even
+  // where float64 distances tie (a query at 1e308, keys 0 and 5). y of any
+  // magnitude: weighted sums are formed on y scaled by a power of two when
+  // they could overflow (max |y| n beyond 2^1000). For 1-D x with the
   // Gaussian kernel and no `exact`, an O((n + t) log n) algorithm with max
   // relative error <= 1e-7 (docs/regression.md) serves large problems
   // (n * t > 1e6); used_fast_path says when it did.
@@ -67,7 +74,9 @@ class KernelRegression {
   // Leave-one-out squared error: mean over i of ||f_{-i}(x_i) - y_i||^2,
   // where f_{-i} leaves out point i (statsmodels' cv_ls objective, divided by
   // n). Points whose leave-one-out estimate is undefined (compact kernels)
-  // are skipped; if all are, the result is +inf.
+  // are skipped; if all are, the result is +inf. It is also +inf when the
+  // error exceeds the largest double (|y| beyond ~1e154): the squares are
+  // summed for y scaled by a power of two and scaled back.
   double loo_error() const;
   double loo_error(const std::vector<double>& bandwidth) const;
 
@@ -94,7 +103,10 @@ class KernelRegression {
 //   scott:     1.059 * s * n^(-1/(p + 4))            (Scott 1992)
 // s divides by n - 1; IQR is the difference of the 75th and 25th percentiles
 // with linear interpolation (numpy.percentile's default). Silverman uses s
-// alone when IQR = 0. Needs n >= 2; a constant feature is an Error naming it.
+// alone when IQR = 0. Needs n >= 2; a constant feature is an Error naming it,
+// and so is one whose bandwidth would be subnormal (a spread like 2e-320)
+// or beyond the largest double. Exact for x of any magnitude (computed on
+// the feature scaled by a power of two).
 std::vector<double> silverman_bandwidth(ConstView<double> x);
 std::vector<double> scott_bandwidth(ConstView<double> x);
 
@@ -110,7 +122,13 @@ struct CvResult {
 // of common factors 2^(k/4), |k| <= 24, of Scott's bandwidth picks the start;
 // compact kernels (piecewise smooth objective) use coordinate descent with a
 // golden-section search per feature instead. Never worse than Scott's rule.
-// Needs n >= 2 and no constant feature (Scott's rule).
+// The search runs on x (per feature) and y scaled by powers of two when they
+// lie beyond 2^+-400 in magnitude, so it finds the same bandwidth for y ~
+// 1e160 (whose squared errors overflow) as for y ~ 1; CvResult::loo_error is
+// then +inf if the error itself exceeds the largest double. Only normal
+// bandwidths are candidates. Needs n >= 2 and Scott's rule (an Error for a
+// constant feature or a subnormal spread); an Error too if the error is
+// undefined at every bandwidth scanned (compact kernels, no neighbours).
 CvResult cv_bandwidth(const KernelRegression& model);
 
 // ---- the chapter's estimators ---------------------------------------------------
@@ -137,6 +155,8 @@ struct ParametricResult {
 
 // The parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 at w and its exact
 // analytic derivative d loss / d w (written to *grad if not null). n >= 2.
+// Non-finite when the squares overflow float64 (|y| or |x_i - x_j| beyond
+// ~1e154); train_parametric then throws an Error saying so.
 double parametric_loss(ConstView<double> x, ConstView<double> y, double w, double* grad = nullptr);
 
 ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,

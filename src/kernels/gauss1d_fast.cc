@@ -40,6 +40,15 @@ constexpr double kCutoffMargin = 10.0;
 // exactly 0 in the float64 evaluation too. The per-query fallback uses it.
 constexpr double kUnderflowCutoff = 746.0;
 constexpr int kMaxOrder = 60;
+// Coordinates below this in magnitude, and below it in units of h, keep
+// every intermediate of rel_exponent finite: differences < 2^1021, their
+// sum < 2^1022, the TwoSum steps < 3 * 2^1021, the factors times inv_h
+// < 2^1022. Beyond, the careful variant (and no Taylor boxes) is used.
+constexpr double kPlainLimit = 0x1p1020;
+// Added to the window's radii: 64 subnormal ulps, more than the rounding of
+// a radius that falls in the subnormal range (or is formed from quarters
+// of the coordinates), so such rounding never drops a key.
+constexpr double kRadiusSlack = 0x1p-1068;
 
 // a - b = hi + lo exactly (Knuth's TwoSum with -b).
 struct TwoDiff {
@@ -63,6 +72,31 @@ inline double rel_exponent(double x, double xa, TwoDiff qa, double q, double inv
   return 0.5 * ((xa - x) * inv_h) * (sum * inv_h);
 }
 
+// The same exponent for any finite keys, query and inv_h (the calls where
+// kPlainLimit does not hold). A difference or the sum that overflows is
+// formed from quarters: it can only overflow when both operands exceed
+// 2^970, where quarters are exact (a small third operand's quarter is off
+// by < 2^-1075, nothing next to a sum > 2^1022). The factors are combined
+// as magnitudes (the exponent is >= 0), overflowing to +inf (weight 0);
+// x == xa or a zero sum give 0, never 0 * inf.
+inline double rel_exponent_careful(double x, double xa, TwoDiff qa, double q, double inv_h) {
+  if (x == xa) return 0.0;
+  double a = xa - x, scale = 0.5;
+  if (!std::isfinite(a)) {
+    a = 0.25 * xa - 0.25 * x;
+    scale *= 4.0;
+  }
+  const TwoDiff qx = two_diff(q, x);
+  double sum = (qx.hi + qa.hi) + (qx.lo + qa.lo);  // NaN if a TwoDiff overflowed
+  if (!std::isfinite(sum)) {
+    const TwoDiff qx4 = two_diff(0.25 * q, 0.25 * x), qa4 = two_diff(0.25 * q, 0.25 * xa);
+    sum = (qx4.hi + qa4.hi) + (qx4.lo + qa4.lo);
+    scale *= 4.0;
+  }
+  if (sum == 0.0) return 0.0;
+  return std::abs(a * inv_h) * std::abs(sum * inv_h) * scale;
+}
+
 struct Problem {
   const double* keys;
   const double* values;
@@ -70,6 +104,7 @@ struct Problem {
   int64_t m;
   double h;
   double inv_h;
+  bool careful;  // kPlainLimit does not hold: rel_exponent_careful, no Taylor boxes
 };
 
 struct Boxes {
@@ -103,7 +138,13 @@ void window_sums(const Problem& p, double q, double xa, int64_t lo, int64_t hi, 
   for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
     const int64_t len = std::min(kChunk, hi - j0);
     double* w = s.a.data();
-    for (int64_t j = 0; j < len; ++j) w[j] = -rel_exponent(p.keys[j0 + j], xa, qa, q, p.inv_h);
+    if (p.careful) {
+      for (int64_t j = 0; j < len; ++j) {
+        w[j] = -rel_exponent_careful(p.keys[j0 + j], xa, qa, q, p.inv_h);
+      }
+    } else {
+      for (int64_t j = 0; j < len; ++j) w[j] = -rel_exponent(p.keys[j0 + j], xa, qa, q, p.inv_h);
+    }
     sums[0] += vecmath::exp_shift_sum(w, 0.0, w, len);
     if (m == 1) {
       sums[1] += vecmath::dot(w, p.values + j0, len);
@@ -131,14 +172,30 @@ int64_t nearest_key(const double* keys, int64_t n, double q) {
 // delta (2 dmin + delta) = 2 h^2 cutoff solved without cancellation; keys
 // past q by q +/- R with R^2 = dmin^2 + 2 h^2 cutoff. Rounding is monotone,
 // so a key inside the exact bound is inside the rounded one; the cut-off is
-// raised by 1 and the radii by 1e-12 to cover the rounding of the radii.
+// raised by 1 and the radii by 1e-12 (and kRadiusSlack) to cover the
+// rounding of the radii. When 2 h^2 cutoff or dmin^2 would leave the normal
+// range (h below ~1e-150 or above ~1e150, a query ~1e150 from its nearest
+// key, or one beyond the coordinates' overflow), the same bounds come from
+// hs = h sqrt(2 (cutoff + 1)) without squares: R = hypot(dmin, hs),
+// delta = hs (hs / R) / (1 + dmin / R), formed at a quarter of the scale
+// so that nothing overflows for any finite q, xa and h.
 std::pair<int64_t, int64_t> window_range(const Problem& p, double q, int64_t a, double cutoff) {
   const double xa = p.keys[a];
   const double dmin = std::abs(q - xa);
   const double two_c = 2.0 * p.h * p.h * (cutoff + 1.0);
-  const double root = std::sqrt(dmin * dmin + two_c);
-  const double radius = root * (1.0 + 1e-12);
-  const double delta = two_c / (dmin + root) * (1.0 + 1e-12);
+  double radius, delta;
+  if (two_c >= 0x1p-1000 && two_c <= 0x1p1000 && dmin <= 0x1p500) {
+    const double root = std::sqrt(dmin * dmin + two_c);
+    radius = root * (1.0 + 1e-12);
+    delta = two_c / (dmin + root) * (1.0 + 1e-12) + kRadiusSlack;
+  } else {
+    const double d4 = std::abs(0.25 * q - 0.25 * xa);
+    const double hs4 = p.h * (0.25 * std::sqrt(2.0 * (cutoff + 1.0)));
+    const double r4 = std::hypot(d4, hs4);
+    if (!std::isfinite(r4)) return {0, p.n};  // a kernel wider than the double range
+    radius = 4.0 * r4 * (1.0 + 1e-9) + kRadiusSlack;
+    delta = 4.0 * (hs4 * (hs4 / r4) / (1.0 + d4 / r4)) * (1.0 + 1e-9) + kRadiusSlack;
+  }
   const double* k = p.keys;
   int64_t lo, hi;
   if (q >= xa) {
@@ -288,7 +345,25 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
 // keys: (Nk) sorted   values: (Nk, Dv)   queries: (Nq)   out: (Nq, Dv)
 const char* gauss1d_fast(const double* keys, const double* values, int64_t n, int64_t m,
                          const double* queries, int64_t t, double h, double rel_tol, double* out) {
-  const Problem p{keys, values, n, m, h, 1.0 / h};
+  // The largest coordinate decides between rel_exponent and its careful
+  // variant (one pass over the queries; keys are sorted).
+  double coord_max = std::max(std::abs(keys[0]), std::abs(keys[n - 1]));
+  for (int64_t i = 0; i < t; ++i) {
+    if (std::isfinite(queries[i])) coord_max = std::max(coord_max, std::abs(queries[i]));
+  }
+  const double inv_h = 1.0 / h;
+  if (!(coord_max < kPlainLimit) && h >= 0x1p-1000 && coord_max * inv_h < kPlainLimit) {
+    // Coordinates beyond 2^1020 but an h that is not tiny: the same problem
+    // at 1/16 of the scale (exact for coordinates above 2^-1018; below, the
+    // scaling moves u by < 2^-1070 / h <= 2^-70) keeps the plain path and
+    // its Taylor boxes.
+    std::vector<double> k16(keys, keys + n), q16(queries, queries + t);
+    for (double& v : k16) v *= 0.0625;
+    for (double& v : q16) v *= 0.0625;
+    return gauss1d_fast(k16.data(), values, n, m, q16.data(), t, h * 0.0625, rel_tol, out);
+  }
+  const bool careful = !(coord_max < kPlainLimit && coord_max * inv_h < kPlainLimit);
+  const Problem p{keys, values, n, m, h, inv_h, careful};
   const bool exact = !(rel_tol >= 1e-12) || n <= kExactMaxKeys || n * t <= kExactMaxWork;
   const double tol = std::min(rel_tol, 0.5);
   // Analytic budget: tau for the Taylor remainder and tau for the dropped
@@ -334,9 +409,13 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
 
   Boxes bx;
   bool use_taylor = false;
-  if (!exact) {
+  if (!exact && !careful) {
     // Boxes are worth building only if they hold several keys each: count
     // them first (cheap), then build the moments when count * P <= 2 n.
+    // Careful calls (h below 2^-1020 of the largest coordinate) skip the
+    // boxes: their moments' t = (x - c) / h and Horner sums are formed
+    // plainly; they sum windows, exact but slow only if many keys lie within
+    // a few such bandwidths (keys packed near 0 far below the largest).
     int64_t count = 0;
     for (int64_t j = 0; j < n;) {
       const double end = keys[j] + kBoxWidth * h;

@@ -16,8 +16,11 @@ namespace qkv::kernels {
 // The weights are taken relative to each query's largest weight (its nearest
 // key), so a query far from every key returns its nearest keys' values, never
 // NaN; a query at +-inf returns the extreme key's (mean over its duplicates),
-// a NaN query NaN. Guarantee, for finite sorted keys, finite values, h with h^2
-// a normal double, n <= 10^7 and rel_tol in [1e-9, 1): every output satisfies
+// a NaN query NaN. Keys and queries anywhere in the double range: with
+// coordinates beyond 2^1020, or h below 2^-1020 of the largest, the
+// exponents are formed without overflow (see the .cc). Guarantee, for finite
+// sorted keys, finite values (n max |v| <= DBL_MAX), any normal h (>=
+// 2.2250738585072014e-308), n <= 10^7 and rel_tol in [1e-9, 1): every output satisfies
 // |out - exact| <= rel_tol * sum_j w_ij |values[j,c]| / sum_j w_ij, where exact is
 // the float64 softmax-form evaluation. The dropped keys and the Taylor
 // remainder account for at most rel_tol / 2 (derivation in the doc); float64

@@ -23,7 +23,10 @@ struct NwData {
 };
 
 // q: (t, p)   out: (t, m)   weights: (t, n) or null (not wanted)
-// Gaussian rows are softmax(-sum_c u_c^2 / 2); compact rows are
+// Gaussian rows are softmax(-sum_c u_c^2 / 2) for any finite q, x and inv_h:
+// scores are float64 sums; a row where they overflow is evaluated by
+// gaussian_row_scaled below, so a query far from every key gets its nearest
+// keys' values and a Gaussian row is never NaN (n >= 1). Compact rows are
 // prod_c k(u_c) / sum, or NaN (weights and out) when the sum is 0.
 // Returns the number of NaN rows.
 namespace ref {
@@ -34,6 +37,37 @@ namespace fast {
 int64_t nadaraya_watson(const NwData& data, const double* q, int64_t t, double* out,
                         double* weights);
 }  // namespace fast
+
+// True if every |v[i]| of the n values is below 2^1023, so that no
+// difference of two of them overflows (|a - b| <= DBL_MAX).
+bool differences_fit(const double* v, int64_t n);
+
+// Gaussian rows whose log-sum-exp is below this (every key more than
+// sqrt(2^30) = 32768 bandwidths away: float64 scores ~ -2^29 carry a
+// rounding of ~2^-23, enough to move weight between near-tied keys) or not
+// finite (scores overflowed) are evaluated by gaussian_row_far. Rows of
+// ordinary queries never come near it.
+inline constexpr double kFarRowLse = -0x1p29;
+
+// The Gaussian row of query q (p) from exact score differences, for rows
+// far from every key or whose float64 scores overflow: relative to a key a,
+// (D_j - D_a) / 2 = sum_c (x_ac - x_jc) (2 q_c - x_jc - x_ac) inv_h_c^2 / 2,
+// the second factor from exact two-term differences (TwoSum), every factor
+// split into mantissa and power of two and the terms summed at the largest
+// power, so nothing overflows for any finite q, x and inv_h (a difference
+// that overflows is formed from quarters, exact there). A first pass finds
+// the nearest key a by the sign of that difference; then
+// w[j] = exp(-(D_j - D_a) / 2), w[a] = 1: a query 1e308 away from keys
+// 0 and 5 gets the nearer one's value, where float64 distances tie. Key j,
+// feature c is x[j * key_stride + c * feature_stride]; key `skip` (none if
+// < 0) gets weight 0. Returns sum_j w[j] (0 when no key is left).
+// prune (only where no difference q_c - x_jc overflows): a float64 pass
+// over the squared distances first, so that only keys within rounding of
+// the nearest plus 1500 (weight exp(-750) and below are 0) take the exact
+// passes; a row then costs about a plain row plus its near-ties.
+double gaussian_row_far(const NwData& d, const double* x, int64_t key_stride,
+                        int64_t feature_stride, const double* q, int64_t skip, bool prune,
+                        double* w);
 
 // The leave-one-out sums: f_{-i}(x_i) from the other n - 1 points.
 struct LooSums {

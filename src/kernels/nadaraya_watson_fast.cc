@@ -52,11 +52,17 @@ std::vector<double> transpose_keys(const NwData& d) {
 // (or none if < 0) left out with weight 0: Gaussian exp(s_j - max s), so the
 // nearest key has weight 1 and the row can never sum to 0 while any key is
 // left; compact prod_c k(u_c). The compact profiles are the same expressions
-// as the reference's, so both agree exactly on which keys are in reach.
-// Returns the row's sum.
-double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t skip, double* w) {
+// as the reference's, so both agree exactly on which keys are in reach (a
+// difference or u that overflows is out of reach, as it truly is). Gaussian
+// rows go to gaussian_row_far when `far` (some difference q_c - x_jc of the
+// call may overflow), when every squared distance overflowed, or when the
+// row's log-sum-exp is below kFarRowLse: checks after the loops, which stay
+// branch-free. Returns the row's sum.
+double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t skip, bool far,
+                  double* w) {
   const int64_t n = d.n;
   if (d.kernel == Kernel::kGaussian) {
+    if (far) return gaussian_row_far(d, xt, 1, n, qi, skip, false, w);
     std::fill(w, w + n, 0.0);
     for (int64_t c = 0; c < d.p; ++c) {
       const double qc = qi[c], ih = d.inv_h[c];
@@ -69,12 +75,15 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
     if (skip >= 0) w[skip] = kInf;
     double best = kInf;
     for (int64_t j = 0; j < n; ++j) best = std::min(best, w[j]);
-    if (best == kInf) {  // no key left (n = 1 with its only key skipped)
-      std::fill(w, w + n, 0.0);
-      return 0.0;
+    if (best == kInf) {  // every D_j overflowed, or no key is left
+      return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
     }
     for (int64_t j = 0; j < n; ++j) w[j] = std::max(-0.5 * (w[j] - best), kScoreFloor);
-    return vecmath::exp_shift_sum(w, 0.0, w, n);
+    const double sum = vecmath::exp_shift_sum(w, 0.0, w, n);
+    if (!(-0.5 * best + std::log(sum) >= kFarRowLse)) {
+      return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
+    }
+    return sum;
   }
   std::fill(w, w + n, 1.0);
   for (int64_t c = 0; c < d.p; ++c) {
@@ -112,17 +121,23 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
 }
 
 // The Gaussian estimator through small_dim::forward, or false (nothing
-// written) when it does not apply: p or m above 8, or bandwidths so small
-// that 1 / h^2 overflows. Scores are -scale |q' - x'|^2 with
+// written) when it does not apply: p or m above 8, `far` (a difference
+// q_c - x_jc may overflow), or bandwidths so small that 1 / h^2 overflows
+// (or so large that it is not normal). Scores are -scale |q' - x'|^2 with
 // scale = max_c(1/h_c)^2 / 2 and x'_c = x_c r_c, r_c = (1/h_c) / max_c(1/h_c):
 // for one feature, or equal bandwidths, r_c = 1 and the data go in as given,
 // so the differences q - x are formed before any scaling, as in the
 // reference (no cancellation at any bandwidth). Features with other
 // bandwidths are centred on their keys' midrange first, then scaled, so a
-// rounding error stays ~2^-53 of the spread / h_c in u_c. Rows whose every
-// score overflowed to -inf are NaN and undefined, as in the path below.
-bool gaussian_fused(const NwData& d, const double* q, int64_t t, double* out, int64_t* undefined) {
-  if (d.kernel != Kernel::kGaussian || d.p > small_dim::kMaxDim || d.m > small_dim::kMaxValueDim) {
+// rounding error stays ~2^-53 of the spread / h_c in u_c. Rows whose
+// log-sum-exp is below kFarRowLse (queries > 32768 bandwidths from every
+// key) or not finite (the nearest squared distance, or that times scale,
+// overflowed: the kernel then returns a zero row) are evaluated again by
+// gaussian_row_far, in parallel: the same rule as the reference's.
+bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, double* out,
+                    int64_t* undefined) {
+  if (d.kernel != Kernel::kGaussian || d.p > small_dim::kMaxDim || d.m > small_dim::kMaxValueDim ||
+      far) {
     return false;
   }
   double inv_max = 0.0;
@@ -169,12 +184,33 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, double* out, in
                              small_dim::ScoreKind::kNegSquaredDistance, config,
                              TensorView<double>(out, Shape{1, t, d.m}),
                              TensorView<double>(lse.data(), Shape{1, t}));
-  *undefined = 0;
+  std::vector<int64_t> redo;
   for (int64_t i = 0; i < t; ++i) {
-    if (std::isfinite(lse[i])) continue;
-    ++*undefined;
-    std::fill(out + i * d.m, out + (i + 1) * d.m, std::numeric_limits<double>::quiet_NaN());
+    if (!(std::isfinite(lse[i]) && lse[i] >= kFarRowLse)) redo.push_back(i);
   }
+  const int64_t count = static_cast<int64_t>(redo.size());
+  const int64_t per_task = rows_per_task(d.n);
+  std::vector<int64_t> empty(static_cast<size_t>(ceil_div(count, per_task)), 0);
+  detail::parallel_for(static_cast<int64_t>(empty.size()), [&](int64_t task) {
+    std::vector<double> w(static_cast<size_t>(d.n));
+    for (int64_t r = task * per_task; r < std::min(count, (task + 1) * per_task); ++r) {
+      const int64_t i = redo[r];
+      const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, true, w.data());
+      double* o = out + i * d.m;
+      if (sum == 0.0) {  // n = 0
+        ++empty[task];
+        std::fill(o, o + d.m, std::numeric_limits<double>::quiet_NaN());
+        continue;
+      }
+      for (int64_t k = 0; k < d.m; ++k) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < d.n; ++j) acc += w[j] * d.y[j * d.m + k];
+        o[k] = acc / sum;
+      }
+    }
+  });
+  *undefined = 0;
+  for (int64_t e : empty) *undefined += e;
   return true;
 }
 
@@ -185,8 +221,11 @@ namespace fast {
 // q: (t, p)   x: (n, p)   y: (n, m)   ->   out: (t, m), weights: (t, n) or null
 int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights) {
   if (t == 0) return 0;
+  // One pass over the inputs decides whether a difference can overflow
+  // (coordinates beyond +-2^1023); then every Gaussian row is a far one.
+  const bool far = !differences_fit(d.x, d.n * d.p) || !differences_fit(q, t * d.p);
   int64_t fused_undefined = 0;
-  if (!weights && gaussian_fused(d, q, t, out, &fused_undefined)) return fused_undefined;
+  if (!weights && gaussian_fused(d, q, t, far, out, &fused_undefined)) return fused_undefined;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::vector<double> xt = transpose_keys(d);
   const int64_t rows = rows_per_task(d.n);
@@ -202,7 +241,7 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
     }
     std::vector<double> sums(static_cast<size_t>(r_end));
     for (int64_t r = 0; r < r_end; ++r) {
-      sums[r] = kernel_row(d, xt.data(), q + (i0 + r) * d.p, -1, w + r * d.n);
+      sums[r] = kernel_row(d, xt.data(), q + (i0 + r) * d.p, -1, far, w + r * d.n);
     }
     double* o = out + i0 * d.m;
     detail::gemm(false, false, r_end, d.m, d.n, 1.0, w, d.n, d.y, d.m, 0.0, o, d.m);
@@ -233,6 +272,7 @@ LooSums loo_sums(const NwData& d, bool gradient) {
   assert(!gradient || d.kernel == Kernel::kGaussian);
   const std::vector<double> xt = transpose_keys(d);
   const int64_t n = d.n, p = d.p, m = d.m;
+  const bool far = !differences_fit(d.x, n * p);
   const int64_t tasks = ceil_div(n, rows);
   std::vector<LooSums> parts(static_cast<size_t>(tasks));
   detail::parallel_for(tasks, [&](int64_t task) {
@@ -244,7 +284,7 @@ LooSums loo_sums(const NwData& d, bool gradient) {
     for (int64_t i = task * rows; i < i_end; ++i) {
       const double* xi = d.x + i * p;
       const double* yi = d.y + i * m;
-      const double sum = kernel_row(d, xt.data(), xi, i, w.data());
+      const double sum = kernel_row(d, xt.data(), xi, i, far, w.data());
       if (sum == 0.0) continue;
       const double inv = 1.0 / sum;
       vecmath::scale(w.data(), inv, n);  // a_ij
@@ -271,8 +311,9 @@ LooSums loo_sums(const NwData& d, bool gradient) {
         const double xic = xi[c];
         double acc = 0.0;
         for (int64_t j = 0; j < n; ++j) {
+          // A key of weight 0 adds nothing, even where diff overflowed.
           const double diff = xic - xc[j];
-          acc += b[j] * diff * diff;
+          acc += b[j] == 0.0 ? 0.0 : b[j] * diff * diff;
         }
         part.g[c] += acc;
       }

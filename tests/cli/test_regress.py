@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import unittest
+from fractions import Fraction
 
 import numpy as np
 
@@ -393,6 +394,142 @@ class WeightsTest(RegressTest):
         r, _ = self.regress("--train", self.train, "--query", query, "--kernel", "boxcar",
                             "--bandwidth", "0.5", "--out", self.out)
         self.assertIn("undefined predictions: 2", r.stderr)
+
+
+# ---- degenerate data: huge y, subnormal spreads and bandwidths, far queries ------------------
+
+def np_loo(x, y, h):
+    """The Gaussian leave-one-out error in float64 (for y of ordinary size)."""
+    w = np_weights(x, x, h)
+    np.fill_diagonal(w, 0)
+    return np.mean((w @ y / w.sum(axis=1) - y) ** 2)
+
+
+def exact_nearest(x, q):
+    """For each query: the index of its nearest key, from exact rational
+    distances (float64 |q - x| ties for q = 1e308 and keys 0 and 5), and the
+    Gaussian exponent gap to the next key at h = 1, ((q - x2)^2 - (q - x1)^2) / 2."""
+    keys = [Fraction(v) for v in x]
+    result = []
+    for v in q:
+        d = sorted((abs(Fraction(v) - k), j) for j, k in enumerate(keys))
+        result.append((d[0][1], (d[1][0] ** 2 - d[0][0] ** 2) / 2))
+    return result
+
+
+class DegenerateDataTest(RegressTest):
+    """The adversarial run's failures at 6a8f229: --bandwidth cv crashed
+    (exit 139) when every leave-one-out error was inf (y ~ 1e160) or x had a
+    subnormal spread; --bandwidth 1e-320 and far queries gave NaN."""
+
+    def setUp(self):
+        super().setUp()
+        self.out, self.weights = self.path("pred.csv"), self.path("w.npy")
+        self.x = np.sort(self.rng.uniform(0, 5, 50))
+
+    def fails(self, train, bandwidth, *fragments, kernel="gaussian"):
+        self.expect_error("regress", ["regress", "--train", train, "--grid", "0:5:1", "--kernel",
+                                      kernel, "--bandwidth", bandwidth, "--out", self.out],
+                          [self.out], fragments)
+
+    def test_cv_with_huge_y_works_for_every_kernel(self):
+        # Squared errors of y ~ 1e160 overflow float64; the search runs on y
+        # scaled by a power of two and finds what it finds for y ~ 1.
+        y = np.sin(self.x) + 1.5
+        huge = self.write_csv("bigy.csv", ["x", "y"], [self.x, y * 1e160])
+        unit = self.write_csv("y.csv", ["x", "y"], [self.x, y])
+        for kernel in ("gaussian", "boxcar", "epanechnikov", "triangular"):
+            args = ["--grid", "0:5:1", "--kernel", kernel, "--bandwidth", "cv", "--out", self.out]
+            _, small = self.regress("--train", unit, *args, "--json")
+            _, big = self.regress("--train", huge, *args, "--json")
+            h = big["bandwidth"][0]
+            self.assertTrue(np.isfinite(h) and h > 0, big)
+            self.assertIsNone(big["loo_error"], "about 1e317: beyond float64, null in JSON")
+            if kernel == "gaussian":
+                self.assertAlmostEqual(h, small["bandwidth"][0], delta=1e-6 * h)
+                # No worse than Scott's rule, in NumPy on y / 1e160.
+                scott = 1.059 * self.x.std(ddof=1) * 50 ** -0.2
+                self.assertLessEqual(np_loo(self.x, y, h), np_loo(self.x, y, scott) * (1 + 1e-9))
+                _, got = self.read_predictions(self.out)
+                np.testing.assert_allclose(got[:, 1], np_predict(self.x, y * 1e160,
+                                                                 np.arange(0, 5, 1.0), h), **EXACT)
+            r, _ = self.regress("--train", huge, *args)
+            self.assertRegex(r.stderr, r"LOO error: \d\.\d+e\+31\d \(beyond the largest double",
+                             kernel)
+
+    def test_subnormal_x_spread_is_an_error_for_the_rules_that_need_spread(self):
+        issue = self.write_csv("sub.csv", ["x", "y"], None, text="x,y\n0,1\n1e-320,2\n2e-320,3\n")
+        x = np.ldexp(self.rng.integers(0, 2 ** 14, 20).astype(float), -1074)
+        x[:2] = [0.0, 2.0 ** -1060]
+        y = self.rng.uniform(-3, 3, 20)
+        random = self.write_csv("subr.csv", ["x", "y"], [x, y])
+        for train, ys in ((issue, np.array([1.0, 2.0, 3.0])), (random, y)):
+            for kernel in ("gaussian", "boxcar", "epanechnikov", "triangular"):
+                self.fails(train, "cv", "cv_bandwidth", "feature 0", "smallest normal double",
+                           kernel=kernel)
+            self.fails(train, "silverman", "silverman_bandwidth", "smallest normal double")
+            self.fails(train, "scott", "scott_bandwidth", "smallest normal double")
+            # A fixed or learned bandwidth works: every weight is equal, the mean of y.
+            for rule in ("1", "learn"):
+                self.regress("--train", train, "--grid", "0:5:1", "--kernel", "gaussian",
+                             "--bandwidth", rule, "--out", self.out)
+                _, got = self.read_predictions(self.out)
+                np.testing.assert_allclose(got[:, 1], np.mean(ys), rtol=1e-14, atol=1e-14)
+
+    def test_learn_with_huge_y_is_an_error(self):
+        huge = self.write_csv("bigy.csv", ["x", "y"], [self.x, (np.sin(self.x) + 1.5) * 1e160])
+        self.fails(huge, "learn", "train_parametric", "not finite", "rescale y")
+
+    def test_subnormal_bandwidth_is_an_error(self):
+        train = self.write_csv("t.csv", ["x", "y"], [self.x, np.sin(self.x)])
+        for h in ("1e-320", "4.9e-324", "2e-308"):
+            self.fails(train, h, "--bandwidth", "subnormal", "smallest normal double")
+        multi = self.write_csv("m.csv", ["a", "b", "y"], [self.x, self.x ** 2, np.sin(self.x)])
+        query = self.write_csv("q.csv", ["a", "b"], [self.x[:3], self.x[:3]])
+        self.expect_error("regress", ["regress", "--train", multi, "--query", query, "--kernel",
+                                      "gaussian", "--bandwidth", "1,1e-310", "--out", self.out],
+                          [self.out], ["--bandwidth", '"1e-310"', "subnormal"])
+        # The smallest normal double is a bandwidth: each query its nearest key.
+        _, summary = self.regress("--train", train, "--query", self.write_csv(
+            "qk.csv", ["x"], [self.x[::7]]), "--kernel", "gaussian", "--bandwidth",
+            "2.2250738585072014e-308", "--out", self.out, "--json")
+        _, got = self.read_predictions(self.out)
+        np.testing.assert_array_equal(got[:, 1], np.sin(self.x[::7]))
+        self.assertEqual(summary["num_undefined"], 0)
+
+    def test_far_queries_get_the_nearest_keys_value(self):
+        top = np.finfo(np.float64).max
+        x = np.concatenate([[-1e308, 1e308], self.rng.uniform(0, 5, 8)])
+        y = self.rng.uniform(-3, 3, x.size)
+        train = self.write_csv("far.csv", ["x", "y"], [x, y])
+        q = np.array([1.5e308, -1.5e308, top, -top, 1e300, -1e300, 7e307, -3e200, 1e20, 1e160])
+        query = self.write_csv("q.csv", ["x"], [q])
+        nearest = exact_nearest(x, q)
+        for extra in ([], ["--exact"]):
+            _, summary = self.regress("--train", train, "--query", query, "--kernel", "gaussian",
+                                      "--bandwidth", "1", "--out", self.out, "--weights",
+                                      self.weights, "--json", *extra)
+            self.assertEqual(summary["num_undefined"], 0)
+            self.assertIsNotNone(summary["loo_error"])
+            _, got = self.read_predictions(self.out)
+            w = self.load(self.weights, np.float64, (q.size, x.size))
+            for i, (j, gap) in enumerate(nearest):
+                self.assertGreater(gap, 2000, "the next key's weight is exp(-gap) = 0")
+                self.assertEqual(got[i, 1], y[j], f"q={q[i]!r}: nearest key {x[j]!r}")
+                np.testing.assert_array_equal(w[i], np.eye(x.size)[j], f"q={q[i]!r}")
+        # The 1-D fast path (n t > 1e6): the same, within its bound.
+        big_x = np.concatenate([x, self.rng.uniform(0, 5, 1200)])
+        big_y = np.concatenate([y, self.rng.uniform(-3, 3, 1200)])
+        many = np.concatenate([q, self.rng.uniform(-1, 6, 1000)])
+        _, summary = self.regress("--train", self.write_csv("big.csv", ["x", "y"], [big_x, big_y]),
+                                  "--query", self.write_csv("qq.csv", ["x"], [many]), "--kernel",
+                                  "gaussian", "--bandwidth", "1", "--out", self.out, "--json")
+        self.assertTrue(summary["fast_path"])
+        _, got = self.read_predictions(self.out)
+        self.assertTrue(np.isfinite(got[:, 1]).all())
+        for i, (j, _) in enumerate(exact_nearest(big_x, q)):
+            self.assertAlmostEqual(got[i, 1], big_y[j], delta=1e-7 * abs(big_y[j]),
+                                   msg=f"q={q[i]!r}")
 
 
 # ---- errors ---------------------------------------------------------------------------------
