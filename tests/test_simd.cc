@@ -30,7 +30,7 @@ int float_lanes(const std::string& target) {
   if (target.rfind("avx512", 0) == 0) return 16;
   if (target == "avx2") return 8;
   if (target == "scalar") return 1;
-  return 4;  // sse4, ssse3
+  return 4;  // sse4
 }
 
 TEST(Simd, TargetsAreDistinctBestFirstAndTheDefault) {

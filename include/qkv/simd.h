@@ -1,7 +1,7 @@
 // The SIMD instruction sets qkv's kernels run on. Each kernel is compiled for
-// several targets (Google Highway's: avx512, avx2, sse4, ssse3, scalar on
-// x86-64) and runs the best one the CPU supports; set_simd_target caps that
-// choice, to measure or test on one machine the code another machine runs.
+// several targets (Google Highway's: avx512, avx2, sse4, scalar on x86-64)
+// and runs the best one the CPU supports; set_simd_target caps that choice,
+// to measure or test on one machine the code another machine runs.
 // Results stay within each op's documented tolerance on every target; their
 // bits can differ between targets of different vector widths (sums taken in
 // another order), and are the same for any thread count on each.
@@ -14,7 +14,7 @@
 namespace qkv {
 
 // The targets compiled into this build that this CPU supports, best first,
-// e.g. {"avx2", "sse4", "ssse3", "scalar"}. The cap does not change it.
+// e.g. {"avx2", "sse4", "scalar"}. The cap does not change it.
 std::vector<std::string> simd_targets();
 
 // The target the kernels run on now: the best of simd_targets(), or the cap.

@@ -11,7 +11,7 @@
 namespace qkv::kernels::dispatch {
 
 // A Highway target bit (HWY_AVX2, ...) by qkv's name for it: Highway's name
-// in lower case, with AVX3 called avx512 ("avx512", "avx2", "sse4", "ssse3",
+// in lower case, with AVX3 called avx512 ("avx512", "avx2", "sse4",
 // "scalar"); and back (0 for a name no target has).
 std::string target_name(int64_t target);
 int64_t target_by_name(const std::string& name);

@@ -4,7 +4,7 @@
 // Highway's own -inl.h headers.
 //
 // Why not hn::MaskedLoad: in Highway 1.0.3 it is an *aligned full-vector*
-// load below AVX2 (SSE4, SSSE3, scalar), so on a row's unaligned tail it
+// load below AVX2 (SSE4, scalar), so on a row's unaligned tail it
 // faults (movaps) or reads past the row; only AVX2's vmaskmov and AVX-512's
 // masked moves are safe there. A copy through an aligned buffer is safe on
 // every target and costs a few cycles once per row.

@@ -709,14 +709,17 @@ class ErrorsTest(CliTest):
 
 
 def main():
+    """The entry point of every CLI test file: `FILE --qkv PATH [unittest arguments]`
+    runs the test classes of the file that was started (unittest's __main__)."""
     global QKV
     argv = list(sys.argv)
+    name = os.path.basename(argv[0])
     if len(argv) < 3 or argv[1] != "--qkv":
-        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
+        sys.exit(f"usage: {name} --qkv PATH [unittest arguments]")
     QKV = os.path.abspath(argv[2])
     if not os.access(QKV, os.X_OK):
-        sys.exit(f"test_cli.py: {QKV} is not an executable (build the qkv_cli target)")
-    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
+        sys.exit(f"{name}: {QKV} is not an executable (build the qkv_cli target)")
+    unittest.main(module="__main__", argv=[argv[0]] + argv[3:], verbosity=2)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ NumPy is required: if it cannot be imported this script fails.
 import os
 import struct
 import sys
-import unittest
 import xml.dom.minidom
 
 import numpy as np
@@ -120,15 +119,5 @@ class ErrorsTest(HeatmapTest):
         self.assertFalse(os.path.exists(out))
 
 
-def main():
-    argv = list(sys.argv)
-    if len(argv) < 3 or argv[1] != "--qkv":
-        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
-    test_cli.QKV = os.path.abspath(argv[2])
-    if not os.access(test_cli.QKV, os.X_OK):
-        sys.exit(f"test_heatmap.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
-    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
-
-
 if __name__ == "__main__":
-    main()
+    test_cli.main()

@@ -11,7 +11,6 @@ Usage: test_lookup.py --qkv PATH [unittest arguments, e.g. a TestCase name]
 import json
 import os
 import sys
-import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_cli  # noqa: E402  (the harness; its QKV is set in main())
@@ -157,15 +156,5 @@ class UsageTest(LookupTest):
                 self.expect_error("lookup", ["lookup"] + args, [], fragments)
 
 
-def main():
-    argv = list(sys.argv)
-    if len(argv) < 3 or argv[1] != "--qkv":
-        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
-    test_cli.QKV = os.path.abspath(argv[2])
-    if not os.access(test_cli.QKV, os.X_OK):
-        sys.exit(f"test_lookup.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
-    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
-
-
 if __name__ == "__main__":
-    main()
+    test_cli.main()

@@ -12,7 +12,6 @@ NumPy is required: if it cannot be imported this script fails.
 import json
 import os
 import sys
-import unittest
 from fractions import Fraction
 
 import numpy as np
@@ -657,15 +656,5 @@ class ErrorsTest(RegressTest):
         self.expect_error("regress", args, [self.out, nowhere], [nowhere])
 
 
-def main():
-    argv = list(sys.argv)
-    if len(argv) < 3 or argv[1] != "--qkv":
-        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
-    test_cli.QKV = os.path.abspath(argv[2])
-    if not os.access(test_cli.QKV, os.X_OK):
-        sys.exit(f"test_regress.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
-    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
-
-
 if __name__ == "__main__":
-    main()
+    test_cli.main()

@@ -11,7 +11,6 @@ Usage: test_robust.py --qkv PATH [unittest arguments, e.g. a TestCase name]
 NumPy is required: if it cannot be imported this script fails.
 """
 
-import io
 import json
 import os
 import resource
@@ -21,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import unittest
 
 import numpy as np
 
@@ -638,15 +636,5 @@ class JsonTest(RobustTest):
         self.assertEqual(json.loads(r.stdout)["x_cols"], ["x\ufffd"])
 
 
-def main():
-    argv = list(sys.argv)
-    if len(argv) < 3 or argv[1] != "--qkv":
-        sys.exit(f"usage: {argv[0]} --qkv PATH [unittest arguments]")
-    test_cli.QKV = os.path.abspath(argv[2])
-    if not os.access(test_cli.QKV, os.X_OK):
-        sys.exit(f"test_robust.py: {test_cli.QKV} is not an executable (build the qkv_cli target)")
-    unittest.main(argv=[argv[0]] + argv[3:], verbosity=2)
-
-
 if __name__ == "__main__":
-    main()
+    test_cli.main()
