@@ -12,18 +12,29 @@ bench/performance.sh builds the binaries (Release, build/perf) and runs
 
   /usr/bin/python3 bench/performance.py --build build/perf
 
-The raw results go to build/perf/performance-raw.json; after a change to
-this script, `--replay build/perf/performance-raw.json` rewrites the page and
-the figure from them without measuring again.
+Each SIMD target gets its own page: the best target of an AVX-512 machine
+writes docs/performance.md, any other docs/performance-TARGET.md (with
+docs/perf-scaling-TARGET.png). `--simd-target avx2` caps qkv
+(QKV_SIMD_TARGET), OpenBLAS (OPENBLAS_CORETYPE) and PyTorch
+(ATEN_CPU_CAPABILITY) at that instruction set, so an AVX-512 machine measures
+what an AVX2-only one gets; on an AVX2-only machine the same page comes from
+an uncapped run.
+
+The raw results go to docs/perf-runs/TARGET.json (kept with the pages); after
+a change to this script, `--replay docs/perf-runs/TARGET.json` rewrites the
+page and the figure from them without measuring again. Every page ends its
+introduction with a summary of the other targets' stored runs;
+`--refresh-summary PAGE` rewrites only that part of an existing page, for a
+page whose own run is not stored.
 """
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +61,13 @@ SDPA_BATCH, SDPA_N, DIM = 2, 4096, 64
 SOFTMAX_BATCH, SOFTMAX_N = 32, 512
 SWEEP = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 TORCH_MAX_GIB = 12.0
+# What a SIMD cap means for the other two libraries measured: OpenBLAS's
+# kernels for that instruction set, and PyTorch 1.13's ATen CPU capability
+# ("default" is its SSE-level code).
+OPENBLAS_CORETYPE = {"avx2": "Haswell", "sse4": "Nehalem", "scalar": "Prescott"}
+ATEN_CPU_CAPABILITY = {"avx2": "avx2", "sse4": "default", "scalar": "default"}
+RUNS_DIR = os.path.join(ROOT, "docs", "perf-runs")
+
 # A phase during which other processes kept more than this many cores busy
 # (on average) marks the run as noisy.
 NOISY_CORES = 0.15
@@ -68,12 +86,22 @@ def log(message):
 
 # ---- running the benchmarks ------------------------------------------------------------
 
+# The SIMD cap of this run (--simd-target), applied to every measured process.
+SIMD_CAP = None
+
+
 def measuring_env(policy):
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    env.pop("QKV_NUM_THREADS", None)
+    for name in ("OMP_WAIT_POLICY", "QKV_NUM_THREADS", "QKV_SIMD_TARGET", "OPENBLAS_CORETYPE",
+                 "ATEN_CPU_CAPABILITY"):
+        env.pop(name, None)
     if policy:
         env["OMP_WAIT_POLICY"] = policy
+    if SIMD_CAP:
+        env["QKV_SIMD_TARGET"] = SIMD_CAP
+        if SIMD_CAP in OPENBLAS_CORETYPE:
+            env["OPENBLAS_CORETYPE"] = OPENBLAS_CORETYPE[SIMD_CAP]
+            env["ATEN_CPU_CAPABILITY"] = ATEN_CPU_CAPABILITY[SIMD_CAP]
     return env
 
 
@@ -341,19 +369,32 @@ def roofline_section(roof, roof_end, sgemm_rate, copy_rate):
     return lines
 
 
-def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens):
+# The cases the targets name, by role.
+TARGET_CASES = {
+    "fwd": ("sdpa_fwd", "fused", "B2_N4096_nomask"),
+    "fwd_lens": ("sdpa_fwd", "fused", "B2_N4096_lens"),
+    "big": ("sdpa_fwd", "fused", "B1_N16384"),
+    "fb": ("sdpa_fwdbwd", "fused", "B2_N4096_nomask"),
+    "fb_lens": ("sdpa_fwdbwd", "fused", "B2_N4096_lens"),
+    "bf16": ("sdpa_fwd", "bf16", "B2_N4096_nomask"),
+    "add_f": ("additive_fwd", "fused", "B4_N512"),
+    "add_fb": ("additive_fwdbwd", "fused", "B4_N512"),
+    "smax": ("softmax_fwd", "fused", "B32_N512_lens"),
+    "nw": ("nw_exact", "fused", "N30000"),
+}
+
+
+def target_cases(cases):
+    """The cases of TARGET_CASES (an empty Case where one was not measured)."""
+    return {role: cases.get(key, Case(None, None)) for role, key in TARGET_CASES.items()}
+
+
+def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens, simd_target):
+    """The targets table; returns its lines, the number of targets met and of targets."""
     softmax_valid = sum(softmax_lens) / (len(softmax_lens) * SOFTMAX_N)
-    c = lambda op, impl, shape: cases.get((op, impl, shape), Case(None, None))
-    fwd = c("sdpa_fwd", "fused", "B2_N4096_nomask")
-    fwd_lens = c("sdpa_fwd", "fused", "B2_N4096_lens")
-    big = c("sdpa_fwd", "fused", "B1_N16384")
-    fb = c("sdpa_fwdbwd", "fused", "B2_N4096_nomask")
-    fb_lens = c("sdpa_fwdbwd", "fused", "B2_N4096_lens")
-    bf16 = c("sdpa_fwd", "bf16", "B2_N4096_nomask")
-    add_f = c("additive_fwd", "fused", "B4_N512")
-    add_fb = c("additive_fwdbwd", "fused", "B4_N512")
-    smax = c("softmax_fwd", "fused", "B32_N512_lens")
-    nw = c("nw_exact", "fused", "N30000")
+    t = target_cases(cases)
+    fwd, fwd_lens, big, fb, fb_lens = t["fwd"], t["fwd_lens"], t["big"], t["fb"], t["fb_lens"]
+    bf16, add_f, add_fb, smax, nw = t["bf16"], t["add_f"], t["add_fb"], t["smax"], t["nw"]
 
     def pct_of_sgemm(case):
         return ratio(case.flops, sgemm_rate)
@@ -460,10 +501,17 @@ def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens):
         lines.append(f"| {label} | {target} | {q} | {t} | {measured} | {verdict(ok)} |")
     met = sum(1 for r in rows if r[5])
     lines += ["", f"**{met} of {len(rows)} targets met in this run.**", ""]
+    if not simd_target.startswith("avx512"):
+        lines += ["Without AVX-512 BF16 (and at any SIMD target below avx512) qkv widens bf16 "
+                  "inputs to float32 once and runs the float32 kernel (docs/semantics.md): "
+                  "multiplying bf16 blocks there would mean widening them for every product, "
+                  "which is slower than float32 inputs. So the bf16 row measures float32 "
+                  "attention plus one conversion of Q, K and V, and cannot reach the 1.6× "
+                  "that the BF16 instructions give.", ""]
     lines += floors_section([
         ("SDPA forward with random lengths", fwd_lens, 10),
         ("SDPA forward + backward with random lengths", fb_lens, 8)], sgemm_rate)
-    return lines
+    return lines, met, len(rows)
 
 
 def floors_section(ratio_targets, sgemm_rate):
@@ -563,11 +611,11 @@ def sweep_rows(cases):
     return rows
 
 
-def sweep_section(cases, sgemm_rate):
+def sweep_section(cases, sgemm_rate, figure):
     lines = ["## Scaling: SDPA forward, B = 1, d = 64, no mask", "",
              "Time should grow as N² at constant efficiency and memory as N. \"peak\" is the "
              "whole footprint of the call: inputs + output (4·N·d floats) + the extra memory.", "",
-             "![time and peak memory against N, log-log](perf-scaling.png)", "",
+             f"![time and peak memory against N, log-log]({figure})", "",
              "| N | qkv time | qkv GFLOP/s | % of sgemm | qkv extra | qkv peak | "
              "PyTorch time | PyTorch GFLOP/s | PyTorch extra | PyTorch peak | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -742,6 +790,96 @@ def ceilings(roof, roof_end):
     return sgemm, copy
 
 
+# ---- the other SIMD targets' runs ------------------------------------------------------------
+
+SUMMARY_START = "<!-- other SIMD targets: generated by bench/performance.py -->"
+SUMMARY_END = "<!-- end of other SIMD targets -->"
+
+
+def page_paths(simd_target):
+    """The page and the figure of a run at this SIMD target."""
+    if simd_target.startswith("avx512"):
+        return (os.path.join(ROOT, "docs", "performance.md"),
+                os.path.join(ROOT, "docs", "perf-scaling.png"))
+    return (os.path.join(ROOT, "docs", f"performance-{simd_target}.md"),
+            os.path.join(ROOT, "docs", f"perf-scaling-{simd_target}.png"))
+
+
+def headline(run):
+    """One row of the other-targets summary from a stored run."""
+    cases = collect(run["qkv"], run["torch"])
+    sgemm_rate, copy_rate = ceilings(run["roof"], run["roof_end"])
+    _, met, total = targets_section(cases, sgemm_rate, copy_rate, run["sdpa_lens"],
+                                    run["softmax_lens"], run["simd_target"])
+    t = target_cases(cases)
+    fwd, fb, bf16, add_f, smax, nw = t["fwd"], t["fb"], t["bf16"], t["add_f"], t["smax"], t["nw"]
+    started = datetime.datetime.fromisoformat(run["started"])
+    how = (f"capped from the CPU's best with `--simd-target {run['simd_cap']}`"
+           if run.get("simd_cap") else "the CPU's best")
+    return [f"{run['simd_target']} ({how})",
+            f"{run['info']['model']}, {started:%Y-%m-%d}",
+            f"{fmt_pct(ratio(fwd.flops, sgemm_rate))} of sgemm, {fmt_x(fwd.speedup())} PyTorch",
+            f"{fmt_pct(ratio(fb.flops, sgemm_rate))} of sgemm",
+            f"{fmt_x(ratio(fwd.seconds, bf16.seconds))}",
+            f"{fmt_x(add_f.speedup())} PyTorch",
+            f"{fmt_pct(ratio(smax.bytes_rate, copy_rate))} of copy",
+            f"{fmt_x(nw.speedup())} PyTorch",
+            f"{met} of {total}",
+            f"{sgemm_rate / 1e9:.0f} GFLOP/s, {copy_rate / 1e9:.1f} GB/s"]
+
+
+def summary_section(this_target):
+    """What the stored runs at other SIMD targets measured, a row each, between markers."""
+    rows = []
+    for raw in sorted(glob.glob(os.path.join(RUNS_DIR, "*.json"))):
+        with open(raw) as f:
+            run = json.load(f)
+        if run.get("simd_target") and run["simd_target"] != this_target:
+            page = os.path.basename(page_paths(run["simd_target"])[0])
+            row = headline(run)
+            row[0] = f"[{row[0]}]({page})"
+            rows.append(row)
+    lines = [SUMMARY_START, "", "## Other SIMD targets", ""]
+    if not rows:
+        lines += ["No run at another SIMD target is stored in docs/perf-runs/.", ""]
+    else:
+        lines += ["The same command at other SIMD targets, one row per stored run "
+                  "(docs/perf-runs/), each figure against that run's own ceilings; the linked "
+                  "page has every figure. Same shapes as the targets table below.", "",
+                  "| SIMD target | machine, date | SDPA fwd B=2 N=4096 | SDPA fwd + bwd | "
+                  "bf16 vs float32 | additive fwd | masked softmax | NW exact | targets met | "
+                  "ceilings (sgemm, copy) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines.append("")
+        lines += ["\"bf16 vs float32\" is qkv's float32 time over its bf16 time on the same shape. "
+                  "Below avx512, bf16 inputs are widened to float32 once and run the float32 "
+                  "kernels: multiplying bf16 blocks there widens every block for every product, "
+                  "which issue 11 found slower than float32 inputs. So bf16 costs the one "
+                  "conversion and saves only the inputs' memory (docs/semantics.md).", ""]
+    lines += [SUMMARY_END, ""]
+    return lines
+
+
+def refresh_summary(page):
+    """Rewrites only the other-targets summary of an existing page (before "## How to read
+    this" if the page has none yet); its target is read from the page's own line."""
+    with open(page) as f:
+        text = f.read()
+    match = re.search(r"^- SIMD target: `?([a-z0-9_]+)", text, re.M)
+    this_target = match.group(1) if match else "avx512"
+    block = "\n".join(summary_section(this_target))
+    if SUMMARY_START in text:
+        head, rest = text.split(SUMMARY_START, 1)
+        tail = rest.split(SUMMARY_END, 1)[1].lstrip("\n")
+        text = head + block + "\n" + tail
+    else:
+        head, tail = text.split("## How to read this", 1)
+        text = head + block + "\n## How to read this" + tail
+    with open(page, "w") as f:
+        f.write(text)
+
+
 def run_section(phases):
     lines = ["How busy the machine was: for each phase, the average number of the 2 cores that "
              "other processes kept busy (the system's CPU time from /proc/stat minus this run's "
@@ -757,7 +895,7 @@ def run_section(phases):
 
 def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, policy_runs,
                sdpa_lens, softmax_lens, repetitions, started, finished, duration, build_seconds,
-               loads, phases, have_figure):
+               loads, phases, have_figure, simd_target, simd_cap, figure):
     sgemm_rate, copy_rate = ceilings(roof, roof_end)
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["flags"].items())
     total = duration + (build_seconds or 0)
@@ -769,7 +907,8 @@ def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, poli
         "do not edit by hand: change the generator and re-run. -->", "",
         "qkv's fast kernels against this machine's own ceilings (OpenBLAS `sgemm`, stream "
         "copy bandwidth) and against the d2l PyTorch formulations of the same ops, all measured "
-        "in one run of one command (issue 5, DESIGN.md §6).", "",
+        "in one run of one command (issue 5, DESIGN.md §6), with qkv's kernels on the "
+        f"**{simd_target}** SIMD target.", "",
     ]
     if noisy:
         lines += [f"> **Noisy run.** Other processes kept on average "
@@ -778,6 +917,7 @@ def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, poli
                   "were measured at different moments of that contention, so the percentages and "
                   "ratios below are not reliable; re-run `bench/performance.sh` on an idle "
                   "machine.", ""]
+    lines += summary_section(simd_target)
     lines += [
         "## How to read this", "",
         "Each figure is a median from this run alone; nothing is carried over from another run. "
@@ -803,15 +943,23 @@ def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, poli
         f"took {duration / 60:.1f} min"
         + (f"; with the build, the command took {total / 60:.1f} min" if build_seconds else "")
         + f". 1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end.",
+        f"- SIMD target: `{simd_target}` "
+        + (f"(capped with `--simd-target {simd_cap}`: `QKV_SIMD_TARGET={simd_cap}`"
+           + (f", `OPENBLAS_CORETYPE={OPENBLAS_CORETYPE[simd_cap]}`, "
+              f"`ATEN_CPU_CAPABILITY={ATEN_CPU_CAPABILITY[simd_cap]}`"
+              if simd_cap in OPENBLAS_CORETYPE else "") + ")"
+           if simd_cap else "(the best this CPU supports; no cap)") + ".",
         f"- `OMP_WAIT_POLICY={OMP_WAIT_POLICY}` (see below); 2 threads on both sides.", "",
     ]
     lines += run_section(phases)
+    command = "bench/performance.sh" + (f" --simd-target {simd_cap}" if simd_cap else "")
     lines += ["Command (configures and builds a Release tree in build/perf, then runs the "
-              "driver):", "", "```", "bench/performance.sh", "```", ""]
-    lines += targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens)
+              "driver):", "", "```", command, "```", ""]
+    lines += targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens,
+                             simd_target)[0]
     lines += roofline_section(roof, roof_end, sgemm_rate, copy_rate)
     lines += details_section(cases, sgemm_rate, copy_rate)
-    lines += sweep_section(cases, sgemm_rate)
+    lines += sweep_section(cases, sgemm_rate, os.path.basename(figure))
     if not have_figure:
         lines += ["(No figure: no sweep point was measured.)", ""]
     lines += policy_section(policy_runs)
@@ -827,24 +975,40 @@ def main():
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--min-time", type=float, default=0.5,
                         help="seconds per Google Benchmark repetition")
-    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
-    parser.add_argument("--figure", default=os.path.join(ROOT, "docs", "perf-scaling.png"))
+    parser.add_argument("--simd-target", default=None, metavar="TARGET",
+                        help="cap qkv, OpenBLAS and PyTorch at this SIMD target (avx2, sse4, ...)")
+    parser.add_argument("--out", default=None,
+                        help="the page (default: by SIMD target, see above)")
+    parser.add_argument("--figure", default=None,
+                        help="the figure (default: by SIMD target, see above)")
     parser.add_argument("--build-seconds", type=float, default=None,
                         help="how long the build took (performance.sh passes it)")
     parser.add_argument("--raw", default=None,
                         help="where to keep the raw results (default BUILD/performance-raw.json)")
     parser.add_argument("--replay", default=None, metavar="RAW_JSON",
                         help="do not measure: rewrite the page and figure from a saved run")
+    parser.add_argument("--refresh-summary", default=None, metavar="PAGE",
+                        help="do not measure: rewrite the other-targets summary of PAGE")
     args = parser.parse_args()
-    args.raw = args.raw or os.path.join(args.build, "performance-raw.json")
+    global SIMD_CAP
+    SIMD_CAP = args.simd_target
 
+    if args.refresh_summary:
+        refresh_summary(args.refresh_summary)
+        log(f"rewrote the other-targets summary of {args.refresh_summary}")
+        return 0
     if args.replay:
         with open(args.replay) as f:
             run = json.load(f)
     else:
         run = measure(args)
+        os.makedirs(RUNS_DIR, exist_ok=True)
+        args.raw = args.raw or os.path.join(RUNS_DIR, f"{run['simd_target']}.json")
         with open(args.raw, "w") as f:
             json.dump(run, f, indent=1)
+    page, figure = page_paths(run["simd_target"])
+    args.out = args.out or page
+    args.figure = args.figure or figure
     render(run, args)
     log(f"wrote {os.path.relpath(args.out, ROOT)} and {os.path.relpath(args.figure, ROOT)}; "
         f"the measurements took {run['duration'] / 60:.1f} min (raw results: "
@@ -879,8 +1043,8 @@ def measure(args):
             roof, roof_context = run_gbench(roofline, [], args.repetitions, args.min_time,
                                             OMP_WAIT_POLICY, work, "roofline")
         with Phase("qkv ops (bench_perf)", phases):
-            qkv, _ = run_gbench(bench_perf, lens_args, args.repetitions, args.min_time,
-                                OMP_WAIT_POLICY, work, "bench_perf")
+            qkv, qkv_context = run_gbench(bench_perf, lens_args, args.repetitions,
+                                          args.min_time, OMP_WAIT_POLICY, work, "bench_perf")
         with Phase("qkv peak memory (one process per op)", phases):
             for name, result in qkv.items():
                 if "error" not in result:
@@ -898,7 +1062,8 @@ def measure(args):
             "softmax_lens": softmax_lens, "repetitions": args.repetitions,
             "started": started.isoformat(), "finished": datetime.datetime.now().isoformat(),
             "duration": time.monotonic() - start_time, "build_seconds": args.build_seconds,
-            "loads": [load_start, os.getloadavg()[0]], "phases": phases}
+            "loads": [load_start, os.getloadavg()[0]], "phases": phases,
+            "simd_target": qkv_context["simd_target"], "simd_cap": SIMD_CAP}
 
 
 def render(run, args):
@@ -911,7 +1076,8 @@ def render(run, args):
                run["softmax_lens"], run["repetitions"],
                datetime.datetime.fromisoformat(run["started"]),
                datetime.datetime.fromisoformat(run["finished"]), run["duration"],
-               run["build_seconds"], run["loads"], run["phases"], have_figure)
+               run["build_seconds"], run["loads"], run["phases"], have_figure,
+               run["simd_target"], run.get("simd_cap"), args.figure)
 
 
 if __name__ == "__main__":
