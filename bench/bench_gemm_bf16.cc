@@ -19,19 +19,17 @@
 #include <string>
 #include <vector>
 
+#include "kernels/blas.h"
 #include "kernels/gemm_bf16.h"
-#include "parallel.h"
 
-namespace qkv::kernels::bf16::internal {
-std::vector<std::string> available_paths();
-void gemm_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                  int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
-                  int64_t ldb, float beta, float* c, int64_t ldc);
-}  // namespace qkv::kernels::bf16::internal
+namespace qkv::kernels::fast {
+std::vector<std::string> bf16_paths();
+void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                       int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
+                       int64_t ldb, float beta, float* c, int64_t ldc);
+}  // namespace qkv::kernels::fast
 
 namespace {
-
-namespace bf16 = qkv::kernels::bf16;
 
 struct Shape {
   bool ta, tb;
@@ -75,10 +73,10 @@ void BM_Sgemm(benchmark::State& state) {
   const Shape s = shape_of(state);
   const std::vector<float> a = random_floats(s.m * s.k, 1), b = random_floats(s.k * s.n, 2);
   std::vector<float> c(static_cast<size_t>(s.m * s.n), 0.0f);
-  qkv::detail::init_blas_threads();
+  qkv::kernels::init_blas_threads();
   for (auto _ : state) {
-    qkv::detail::gemm(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(), s.ldb(),
-                      s.beta, c.data(), s.n);
+    qkv::kernels::gemm(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(), s.ldb(),
+                       s.beta, c.data(), s.n);
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
   }
@@ -88,21 +86,21 @@ void BM_Sgemm(benchmark::State& state) {
 void run_bf16(benchmark::State& state, const std::string& path) {
   const Shape s = shape_of(state);
   std::vector<qkv::bfloat16> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n));
-  bf16::to_bf16(random_floats(s.m * s.k, 1).data(), a.data(), s.m * s.k);
-  bf16::to_bf16(random_floats(s.k * s.n, 2).data(), b.data(), s.k * s.n);
+  qkv::kernels::fast::to_bf16(random_floats(s.m * s.k, 1).data(), a.data(), s.m * s.k);
+  qkv::kernels::fast::to_bf16(random_floats(s.k * s.n, 2).data(), b.data(), s.k * s.n);
   std::vector<float> c(static_cast<size_t>(s.m * s.n), 0.0f);
-  const std::vector<std::string> paths = bf16::internal::available_paths();
+  const std::vector<std::string> paths = qkv::kernels::fast::bf16_paths();
   if (path != "best" && std::find(paths.begin(), paths.end(), path) == paths.end()) {
     state.SkipWithError(("path " + path + " not available here").c_str());
     return;
   }
   for (auto _ : state) {
     if (path == "best") {
-      bf16::gemm(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(), s.ldb(), s.beta,
-                 c.data(), s.n);
+      qkv::kernels::fast::gemm_bf16(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(),
+                                    s.ldb(), s.beta, c.data(), s.n);
     } else {
-      bf16::internal::gemm_on_path(path, s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(),
-                                   b.data(), s.ldb(), s.beta, c.data(), s.n);
+      qkv::kernels::fast::gemm_bf16_on_path(path, s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(),
+                                            s.lda(), b.data(), s.ldb(), s.beta, c.data(), s.n);
     }
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
@@ -139,7 +137,7 @@ void BM_ToBf16(benchmark::State& state) {
   const std::vector<float> x = random_floats(n, 3);
   std::vector<qkv::bfloat16> out(static_cast<size_t>(n));
   for (auto _ : state) {
-    bf16::to_bf16(x.data(), out.data(), n);
+    qkv::kernels::fast::to_bf16(x.data(), out.data(), n);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }

@@ -72,11 +72,11 @@ Timing time_kernel(const std::vector<double>& x, const std::vector<double>& y,
   const kernels::AttentionConfig config{
       .valid_lens = &lens, .scale = 0.5 / (h * h), .dropout = 0.0, .seed = 0};
   return median_seconds(reps, [&] {
-    kernels::small_dim::forward<T>(ConstView<T>(qs.data(), Shape{1, t, 1}),
-                                   ConstView<T>(xs.data(), Shape{1, n, 1}),
-                                   ConstView<T>(ys.data(), Shape{1, n, 1}), nullptr,
-                                   kernels::small_dim::ScoreKind::kNegSquaredDistance, config,
-                                   TensorView<T>(out.data(), Shape{1, t, 1}), TensorView<T>());
+    kernels::fast::small_dim_forward<T>(ConstView<T>(qs.data(), Shape{1, t, 1}),
+                                        ConstView<T>(xs.data(), Shape{1, n, 1}),
+                                        ConstView<T>(ys.data(), Shape{1, n, 1}), nullptr,
+                                        kernels::fast::ScoreKind::kNegSquaredDistance, config,
+                                        TensorView<T>(out.data(), Shape{1, t, 1}), TensorView<T>());
   });
 }
 
@@ -141,9 +141,9 @@ int main(int argc, char** argv) {
       predict_s.wall, predict_s.cpu, evals / predict_s.wall * 1e-9, worst);
   std::printf("peak RSS growth over predict: %.1f MiB (data x, y, q: %.1f MiB)\n",
               rss_after - rss_before, 3.0 * static_cast<double>(n) * 8.0 / (1 << 20));
-  std::printf("small_dim::forward float64: %.4f s wall, %.4f s cpu (%.2f G/s)\n", kernel64_s.wall,
-              kernel64_s.cpu, evals / kernel64_s.wall * 1e-9);
-  std::printf("small_dim::forward float32: %.4f s wall, %.4f s cpu (%.2f G/s)\n", kernel32_s.wall,
-              kernel32_s.cpu, evals / kernel32_s.wall * 1e-9);
+  std::printf("kernels::fast::small_dim_forward float64: %.4f s wall, %.4f s cpu (%.2f G/s)\n",
+              kernel64_s.wall, kernel64_s.cpu, evals / kernel64_s.wall * 1e-9);
+  std::printf("kernels::fast::small_dim_forward float32: %.4f s wall, %.4f s cpu (%.2f G/s)\n",
+              kernel32_s.wall, kernel32_s.cpu, evals / kernel32_s.wall * 1e-9);
   return 0;
 }

@@ -58,20 +58,21 @@ struct Ref {
                                                    const qkv::AttentionOptions& options,
                                                    ConstView<float> out, ConstView<float> lse,
                                                    ConstView<float> d_out) {
-    return qkv::ref::scaled_dot_product_attention_backward(q, k, v, lens, options, out, lse, d_out);
+    return qkv::ref::scaled_dot_product_attention_backward(q, k, v, lens, options, {out, lse},
+                                                           d_out);
   }
   static qkv::AttentionResult<float> additive(ConstView<float> q, ConstView<float> k,
                                               ConstView<float> v, ConstView<float> w_q,
                                               ConstView<float> w_k, ConstView<float> w_v,
                                               const ValidLens& lens) {
-    return qkv::ref::additive_attention(q, k, v, w_q, w_k, w_v, lens, additive_options());
+    return qkv::ref::additive_attention(q, k, v, {w_q, w_k, w_v}, lens, additive_options());
   }
   static qkv::AdditiveGrads<float> additive_backward(
       ConstView<float> q, ConstView<float> k, ConstView<float> v, ConstView<float> w_q,
       ConstView<float> w_k, ConstView<float> w_v, const ValidLens& lens, ConstView<float> out,
       ConstView<float> lse, ConstView<float> d_out) {
-    return qkv::ref::additive_attention_backward(q, k, v, w_q, w_k, w_v, lens, additive_options(),
-                                                 out, lse, d_out);
+    return qkv::ref::additive_attention_backward(q, k, v, {w_q, w_k, w_v}, lens, additive_options(),
+                                                 {out, lse}, d_out);
   }
 };
 
@@ -97,20 +98,20 @@ struct Fast {
                                                    const qkv::AttentionOptions& options,
                                                    ConstView<float> out, ConstView<float> lse,
                                                    ConstView<float> d_out) {
-    return qkv::scaled_dot_product_attention_backward(q, k, v, lens, options, out, lse, d_out);
+    return qkv::scaled_dot_product_attention_backward(q, k, v, lens, options, {out, lse}, d_out);
   }
   static qkv::AttentionResult<float> additive(ConstView<float> q, ConstView<float> k,
                                               ConstView<float> v, ConstView<float> w_q,
                                               ConstView<float> w_k, ConstView<float> w_v,
                                               const ValidLens& lens) {
-    return qkv::additive_attention(q, k, v, w_q, w_k, w_v, lens, additive_options());
+    return qkv::additive_attention(q, k, v, {w_q, w_k, w_v}, lens, additive_options());
   }
   static qkv::AdditiveGrads<float> additive_backward(
       ConstView<float> q, ConstView<float> k, ConstView<float> v, ConstView<float> w_q,
       ConstView<float> w_k, ConstView<float> w_v, const ValidLens& lens, ConstView<float> out,
       ConstView<float> lse, ConstView<float> d_out) {
-    return qkv::additive_attention_backward(q, k, v, w_q, w_k, w_v, lens, additive_options(), out,
-                                            lse, d_out);
+    return qkv::additive_attention_backward(q, k, v, {w_q, w_k, w_v}, lens, additive_options(),
+                                            {out, lse}, d_out);
   }
 };
 

@@ -277,7 +277,7 @@ void sdpa_forward_backward(const Runner& run, int64_t batch,
     const qkv::AttentionResult<float> r =
         qkv::scaled_dot_product_attention(q, k, v, valid_lens, options);
     const qkv::DotProductGrads<float> g = qkv::scaled_dot_product_attention_backward(
-        q, k, v, valid_lens, options, r.output, r.lse, d_out);
+        q, k, v, valid_lens, options, {r.output, r.lse}, d_out);
     benchmark::DoNotOptimize(g.d_queries.data());
     benchmark::DoNotOptimize(g.d_keys.data());
     benchmark::DoNotOptimize(g.d_values.data());
@@ -312,12 +312,12 @@ void additive(const Runner& run, int64_t batch, int64_t n,
   options.want_lse = backward;
   auto call = [&] {
     const qkv::AttentionResult<float> r =
-        qkv::additive_attention(q, k, v, w_q, w_k, w_v, no_lens, options);
+        qkv::additive_attention(q, k, v, {w_q, w_k, w_v}, no_lens, options);
     benchmark::DoNotOptimize(r.output.data());
     int64_t returned = bytes_of(r.output) + bytes_of(r.lse);
     if (backward) {
       const qkv::AdditiveGrads<float> g = qkv::additive_attention_backward(
-          q, k, v, w_q, w_k, w_v, no_lens, options, r.output, r.lse, d_out);
+          q, k, v, {w_q, w_k, w_v}, no_lens, options, {r.output, r.lse}, d_out);
       benchmark::DoNotOptimize(g.d_queries.data());
       returned += bytes_of(g.d_queries) + bytes_of(g.d_keys) + bytes_of(g.d_values) +
                   bytes_of(g.d_w_q) + bytes_of(g.d_w_k) + bytes_of(g.d_w_v);

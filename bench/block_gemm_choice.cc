@@ -177,7 +177,7 @@ HWY_ATTR void hwy_out(const float* p, const float* v, int64_t m, int64_t n, int6
   }
 }
 
-// ---- OpenBLAS, as qkv::detail::gemm calls it ------------------------------
+// ---- OpenBLAS, as qkv::kernels::gemm calls it ------------------------------
 
 void blas_scores(const float* q, const float* k, int64_t m, int64_t n, int64_t d_head, float alpha,
                  float* s) {

@@ -73,8 +73,9 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   AttentionResult<T> result =
       args.scoring == "dot"
           ? scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options)
-          : additive_attention(as_batch(0), as_batch(1), as_batch(2), in(3).view(), in(4).view(),
-                               in(5).view(), valid_lens, options);
+          : additive_attention(as_batch(0), as_batch(1), as_batch(2),
+                               AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
+                               valid_lens, options);
   // 2-D inputs give outputs without the batch axis of one.
   const auto unbatch = [&](Tensor<T>& t) {
     if (batched) return;

@@ -1,21 +1,25 @@
-// Attention front ends: validate shapes and options once, then run the fast
-// kernels (public API) or the reference kernels (qkv::ref).
+// Attention front ends: validate shapes and options once, allocate every
+// destination, then run the fast kernel (public API) or the reference kernel
+// (qkv::ref). One helper per op; the public overloads only pick the version.
 #include "qkv/attention.h"
 
 #include <cmath>
 #include <string>
 
 #include "check.h"
+#include "contiguous.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
 
 namespace qkv {
 namespace {
 
-constexpr std::string_view kDot = "scaled_dot_product_attention";
-constexpr std::string_view kDotBackward = "scaled_dot_product_attention_backward";
+constexpr std::string_view kSdpa = "scaled_dot_product_attention";
+constexpr std::string_view kSdpaBackward = "scaled_dot_product_attention_backward";
 constexpr std::string_view kAdditive = "additive_attention";
 constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
+
+enum class Version { kFast, kRef };
 
 struct Dims {
   int64_t batch, nq, nk, dq, dk, dv;
@@ -25,68 +29,72 @@ std::string shapes_of(std::string_view a, const Shape& sa, std::string_view b, c
   return " (" + std::string(a) + " " + sa.str() + ", " + std::string(b) + " " + sb.str() + ")";
 }
 
-// queries (B, Nq, Dq), keys (B, Nk, Dk), values (B, Nk, Dv); Dq == Dk for dot products.
+// "keys has D = 3 but queries has D = 2 (keys [2, 5, 3], queries [2, 3, 2])"
+template <class T>
+void check_same(std::string_view fn, std::string_view dim, std::string_view a, ConstView<T> va,
+                int axis_a, std::string_view b, ConstView<T> vb, int axis_b) {
+  if (va.size(axis_a) == vb.size(axis_b)) return;
+  fail(fn, std::string(a) + " has " + std::string(dim) + " = " + std::to_string(va.size(axis_a)) +
+               " but " + std::string(b) + " has " + std::string(dim) + " = " +
+               std::to_string(vb.size(axis_b)) + shapes_of(a, va.shape(), b, vb.shape()));
+}
+
+// queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv); additive: queries
+// (B, Nq, Dq), keys (B, Nk, Dk).
 template <class T>
 Dims check_inputs(std::string_view fn, ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                  bool same_feature_size, const ValidLens& valid_lens) {
-  detail::check_rank(fn, "queries", q, 3, "(batch, num_queries, head_dim)");
-  detail::check_rank(fn, "keys", k, 3, "(batch, num_keys, head_dim)");
-  detail::check_rank(fn, "values", v, 3, "(batch, num_keys, value_dim)");
-  if (k.size(0) != q.size(0)) {
-    fail(fn, "keys has batch size " + std::to_string(k.size(0)) + " but queries has " +
-                 std::to_string(q.size(0)) + shapes_of("keys", k.shape(), "queries", q.shape()));
-  }
-  if (v.size(0) != k.size(0)) {
-    fail(fn, "values has batch size " + std::to_string(v.size(0)) + " but keys has " +
-                 std::to_string(k.size(0)) + shapes_of("values", v.shape(), "keys", k.shape()));
-  }
-  if (same_feature_size && k.size(2) != q.size(2)) {
-    fail(fn, "keys has feature size " + std::to_string(k.size(2)) + " but queries has " +
-                 std::to_string(q.size(2)) + shapes_of("keys", k.shape(), "queries", q.shape()));
-  }
-  if (v.size(1) != k.size(1)) {
-    fail(fn, "values has " + std::to_string(v.size(1)) + " keys but keys has " +
-                 std::to_string(k.size(1)) + shapes_of("values", v.shape(), "keys", k.shape()));
-  }
+                  bool additive, const ValidLens& valid_lens) {
+  detail::check_rank(fn, "queries", q, 3, additive ? "(B, Nq, Dq)" : "(B, Nq, D)");
+  detail::check_rank(fn, "keys", k, 3, additive ? "(B, Nk, Dk)" : "(B, Nk, D)");
+  detail::check_rank(fn, "values", v, 3, "(B, Nk, Dv)");
+  check_same(fn, "B", "keys", k, 0, "queries", q, 0);
+  check_same(fn, "B", "values", v, 0, "keys", k, 0);
+  if (!additive) check_same(fn, "D", "keys", k, 2, "queries", q, 2);
+  check_same(fn, "Nk", "values", v, 1, "keys", k, 1);
   const Dims dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), v.size(2)};
   valid_lens.check(fn, "scores", Shape{dims.batch, dims.nq, dims.nk}, dims.batch, dims.nq, dims.nk);
   return dims;
 }
 
-void check_dropout(std::string_view fn, const AttentionOptions& options) {
-  if (!(options.dropout >= 0.0 && options.dropout <= 1.0)) {
-    fail(fn, "options.dropout = " + std::to_string(options.dropout) + " is outside [0, 1]");
-  }
-}
-
-kernels::AttentionConfig dot_config(std::string_view fn, const Dims& dims,
-                                    const ValidLens& valid_lens, const AttentionOptions& options) {
-  check_dropout(fn, options);
+kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
+                                     const ValidLens& valid_lens, const AttentionOptions& options) {
+  detail::check_dropout(fn, "options.dropout", options.dropout);
   if (options.scale && !std::isfinite(*options.scale)) {
     fail(fn, "options.scale = " + std::to_string(*options.scale) + " is not finite");
   }
   if (!options.scale && dims.dq == 0) {
-    fail(fn,
-         "queries has head_dim 0, so the default scale 1/sqrt(head_dim) is undefined; "
-         "set options.scale");
+    fail(fn, "queries has D = 0, so the default scale 1/sqrt(D) is undefined; set options.scale");
   }
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.dq)));
   return {&valid_lens, scale, options.training ? options.dropout : 0.0, options.seed};
 }
 
+kernels::AttentionConfig additive_config(std::string_view fn, const ValidLens& valid_lens,
+                                         const AttentionOptions& options) {
+  detail::check_dropout(fn, "options.dropout", options.dropout);
+  if (options.scale) {
+    fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
+  }
+  return {&valid_lens, 1.0, options.training ? options.dropout : 0.0, options.seed};
+}
+
+// w_q (H, Dq), w_k (H, Dk), w_v (H) or (1, H); the kernels get w_v as (H).
 template <class T>
-kernels::AdditiveParams<T> check_params(std::string_view fn, const Dims& dims, ConstView<T> w_q,
-                                        ConstView<T> w_k, ConstView<T> w_v) {
-  detail::check_rank(fn, "w_q", w_q, 2, "(num_hiddens, query_size)");
-  detail::check_rank(fn, "w_k", w_k, 2, "(num_hiddens, key_size)");
+kernels::AdditiveParams<T> check_weights(std::string_view fn, const Dims& dims,
+                                         const AdditiveWeights<T>& weights) {
+  const ConstView<T>& w_q = weights.w_q;
+  const ConstView<T>& w_k = weights.w_k;
+  const ConstView<T>& w_v = weights.w_v;
+  detail::check_rank(fn, "w_q", w_q, 2, "(H, Dq)");
+  detail::check_rank(fn, "w_k", w_k, 2, "(H, Dk)");
   const int64_t hidden = w_q.size(0);
   if (w_q.size(1) != dims.dq) {
-    fail(fn, "w_q has shape " + w_q.shape().str() + " but queries has feature size " +
+    fail(fn, "w_q has shape " + w_q.shape().str() + " but queries has Dq = " +
                  std::to_string(dims.dq) + "; expected " + Shape{hidden, dims.dq}.str());
   }
   if (w_k.size(0) != hidden || w_k.size(1) != dims.dk) {
     fail(fn, "w_k has shape " + w_k.shape().str() + " but w_q has shape " + w_q.shape().str() +
-                 " and keys has feature size " + std::to_string(dims.dk) + "; expected " +
+                 " and keys has Dk = " + std::to_string(dims.dk) + "; expected " +
                  Shape{hidden, dims.dk}.str());
   }
   const bool flat = w_v.shape() == Shape{hidden};
@@ -98,15 +106,6 @@ kernels::AdditiveParams<T> check_params(std::string_view fn, const Dims& dims, C
   const ConstView<T> w_v_flat =
       flat ? w_v : ConstView<T>(w_v.data(), Shape{hidden}, Shape{w_v.stride(1)});
   return {w_q, w_k, w_v_flat};
-}
-
-kernels::AttentionConfig additive_config(std::string_view fn, const ValidLens& valid_lens,
-                                         const AttentionOptions& options) {
-  check_dropout(fn, options);
-  if (options.scale) {
-    fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
-  }
-  return {&valid_lens, 1.0, options.training ? options.dropout : 0.0, options.seed};
 }
 
 template <class T>
@@ -123,88 +122,78 @@ void check_outputs(std::string_view fn, const Dims& dims, const AttentionOutputs
 }
 
 template <class T>
-AttentionOutputs<T> allocate(const Dims& dims, const AttentionOptions& options,
-                             AttentionResult<T>& result) {
-  result.output = Tensor<T>(Shape{dims.batch, dims.nq, dims.dv});
-  AttentionOutputs<T> outputs{result.output.view(), std::nullopt, std::nullopt};
-  if (options.want_weights) {
-    result.weights = Tensor<T>(Shape{dims.batch, dims.nq, dims.nk});
-    outputs.weights = result.weights.view();
-  }
-  if (options.want_lse) {
-    result.lse = Tensor<T>(Shape{dims.batch, dims.nq});
-    outputs.lse = result.lse.view();
-  }
-  return outputs;
+void check_saved(std::string_view fn, const Dims& dims, const SavedForward<T>& saved,
+                 ConstView<T> d_output) {
+  detail::check_shape(fn, "output", saved.output, Shape{dims.batch, dims.nq, dims.dv});
+  detail::check_shape(fn, "lse", saved.lse, Shape{dims.batch, dims.nq});
+  detail::check_shape(fn, "d_output", d_output, Shape{dims.batch, dims.nq, dims.dv});
 }
 
+// The destinations of a forward: the caller's (write-into form), or tensors
+// of `result` allocated here (weights and lse as asked for; the reference
+// always returns both).
 template <class T>
-void check_saved(std::string_view fn, const Dims& dims, ConstView<T> output, ConstView<T> lse,
-                 ConstView<T> d_output) {
-  detail::check_shape(fn, "output", output, Shape{dims.batch, dims.nq, dims.dv});
-  detail::check_shape(fn, "lse", lse, Shape{dims.batch, dims.nq});
-  detail::check_shape(fn, "d_output", d_output, Shape{dims.batch, dims.nq, dims.dv});
+kernels::ForwardViews<T> destinations(std::string_view fn, Version version, const Dims& dims,
+                                      const AttentionOptions& options,
+                                      const AttentionOutputs<T>* given,
+                                      AttentionResult<T>& result) {
+  if (given != nullptr) {
+    check_outputs(fn, dims, *given);
+    return {given->output, given->weights.value_or(TensorView<T>()),
+            given->lse.value_or(TensorView<T>())};
+  }
+  const bool weights = version == Version::kRef || options.want_weights;
+  const bool lse = version == Version::kRef || options.want_lse;
+  result.output = Tensor<T>(Shape{dims.batch, dims.nq, dims.dv});
+  if (weights) result.weights = Tensor<T>(Shape{dims.batch, dims.nq, dims.nk});
+  if (lse) result.lse = Tensor<T>(Shape{dims.batch, dims.nq});
+  return {result.output.view(), weights ? result.weights.view() : TensorView<T>(),
+          lse ? result.lse.view() : TensorView<T>()};
 }
 
 // ---- scaled dot-product ------------------------------------------------------
 
-// The forward once the inputs are known to be consistent (dims from check_inputs).
+// The forward into the caller's outputs (given) or into a new result.
 template <class T>
-void run_dot(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
-             const AttentionOptions& options, const Dims& dims,
-             const AttentionOutputs<T>& outputs) {
-  const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
-  check_outputs(kDot, dims, outputs);
-  const detail::Contiguous<T> qc(q), kc(k), vc(v);
-  kernels::fast::dot_product_attention(qc.view(), kc.view(), vc.view(), config, outputs.output,
-                                       outputs.weights.value_or(TensorView<T>()),
-                                       outputs.lse.value_or(TensorView<T>()));
-}
-
-template <class T>
-void dot_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
-              const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
-  run_dot(q, k, v, valid_lens, options, check_inputs(kDot, q, k, v, true, valid_lens), outputs);
-}
-
-template <class T>
-AttentionResult<T> dot(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& valid_lens,
-                       const AttentionOptions& options) {
-  const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
+AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                const ValidLens& valid_lens, const AttentionOptions& options,
+                                const AttentionOutputs<T>* given = nullptr) {
+  const Dims dims = check_inputs(kSdpa, q, k, v, false, valid_lens);
+  const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
   AttentionResult<T> result;
-  run_dot(q, k, v, valid_lens, options, dims, allocate(dims, options, result));
+  const kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result);
+  if (version == Version::kFast) {
+    const detail::Contiguous<T> qc(q), kc(k), vc(v);
+    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
+      kernels::fast::sdpa(qc.view(), kc.view(), vc.view(), config, out);
+      return result;
+    }
+  }
+  kernels::ref::sdpa(q, k, v, config, out);
   return result;
 }
 
 template <class T>
-DotProductGrads<T> dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                const ValidLens& valid_lens, const AttentionOptions& options,
-                                ConstView<T> output, ConstView<T> lse, ConstView<T> d_output) {
-  const Dims dims = check_inputs(kDotBackward, q, k, v, true, valid_lens);
-  const kernels::AttentionConfig config = dot_config(kDotBackward, dims, valid_lens, options);
-  check_saved(kDotBackward, dims, output, lse, d_output);
-  const detail::Contiguous<T> qc(q), kc(k), vc(v), oc(output), lc(lse), gc(d_output);
-  DotProductGrads<T> grads;
-  kernels::fast::dot_product_attention_backward(qc.view(), kc.view(), vc.view(), config, oc.view(),
-                                                lc.view(), gc.view(), grads);
+DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                 const ValidLens& valid_lens, const AttentionOptions& options,
+                                 const SavedForward<T>& saved, ConstView<T> d_output) {
+  const Dims dims = check_inputs(kSdpaBackward, q, k, v, false, valid_lens);
+  const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
+  check_saved(kSdpaBackward, dims, saved, d_output);
+  DotProductGrads<T> grads{Tensor<T>(q.shape()), Tensor<T>(k.shape()), Tensor<T>(v.shape())};
+  const kernels::SdpaGradViews<T> out{grads.d_queries.view(), grads.d_keys.view(),
+                                      grads.d_values.view()};
+  if (version == Version::kFast) {
+    const detail::Contiguous<T> qc(q), kc(k), vc(v);
+    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
+      const detail::Contiguous<T> oc(saved.output), lc(saved.lse), gc(d_output);
+      kernels::fast::sdpa_backward(qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()},
+                                   gc.view(), out);
+      return grads;
+    }
+  }
+  kernels::ref::sdpa_backward(q, k, v, config, {saved.output, saved.lse}, d_output, out);
   return grads;
-}
-
-template <class T>
-AttentionResult<T> ref_dot(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                           const ValidLens& valid_lens, const AttentionOptions& options) {
-  const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
-  return kernels::ref::dot_product_attention(q, k, v, dot_config(kDot, dims, valid_lens, options));
-}
-
-template <class T>
-DotProductGrads<T> ref_dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                    const ValidLens& valid_lens, const AttentionOptions& options,
-                                    ConstView<T> output, ConstView<T> lse, ConstView<T> d_output) {
-  const Dims dims = check_inputs(kDotBackward, q, k, v, true, valid_lens);
-  const kernels::AttentionConfig config = dot_config(kDotBackward, dims, valid_lens, options);
-  check_saved(kDotBackward, dims, output, lse, d_output);
-  return kernels::ref::dot_product_attention_backward(q, k, v, config, d_output);
 }
 
 // bf16 inputs: the same checks, float results. Without the BF16 instructions
@@ -216,215 +205,242 @@ DotProductGrads<T> ref_dot_backward(ConstView<T> q, ConstView<T> k, ConstView<T>
 // where AVX-512 BF16 makes it 1.7x faster than float32. The copies cost 2 bytes per input
 // element; the results are float32 attention's on the widened inputs, within
 // the bf16 path's bounds (docs/semantics.md).
-bool bf16_through_float() { return !kernels::bf16::native(); }
+bool bf16_through_float() { return !kernels::fast::bf16_native(); }
 
 Tensor<float> widened(ConstView<bfloat16> x) {
   const detail::Contiguous<bfloat16> xc(x);
   Tensor<float> out(x.shape());
-  kernels::bf16::to_float(xc.data(), out.data(), out.numel());
+  kernels::fast::to_float(xc.data(), out.data(), out.numel());
   return out;
 }
 
-AttentionResult<float> dot_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
-                                ConstView<bfloat16> v, const ValidLens& valid_lens,
-                                const AttentionOptions& options) {
-  const Dims dims = check_inputs(kDot, q, k, v, true, valid_lens);
-  AttentionResult<float> result;
-  const AttentionOutputs<float> outputs = allocate(dims, options, result);
+AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                         ConstView<bfloat16> v, const ValidLens& valid_lens,
+                                         const AttentionOptions& options) {
+  const Dims dims = check_inputs(kSdpa, q, k, v, false, valid_lens);
   if (bf16_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
-    run_dot<float>(qf, kf, vf, valid_lens, options, dims, outputs);
-    return result;
+    return sdpa_forward<float>(Version::kFast, qf, kf, vf, valid_lens, options);
   }
-  const kernels::AttentionConfig config = dot_config(kDot, dims, valid_lens, options);
+  const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
+  AttentionResult<float> result;
+  const kernels::ForwardViews<float> out =
+      destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
-  kernels::fast::dot_product_attention(qc.view(), kc.view(), vc.view(), config, outputs.output,
-                                       outputs.weights.value_or(TensorView<float>()),
-                                       outputs.lse.value_or(TensorView<float>()));
+  kernels::fast::sdpa(qc.view(), kc.view(), vc.view(), config, out);
   return result;
 }
 
-DotProductGrads<float> dot_backward_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
-                                         ConstView<bfloat16> v, const ValidLens& valid_lens,
-                                         const AttentionOptions& options, ConstView<float> output,
-                                         ConstView<float> lse, ConstView<float> d_output) {
-  const Dims dims = check_inputs(kDotBackward, q, k, v, true, valid_lens);
-  const kernels::AttentionConfig config = dot_config(kDotBackward, dims, valid_lens, options);
-  check_saved(kDotBackward, dims, output, lse, d_output);
+DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                          ConstView<bfloat16> v, const ValidLens& valid_lens,
+                                          const AttentionOptions& options,
+                                          const SavedForward<float>& saved,
+                                          ConstView<float> d_output) {
+  const Dims dims = check_inputs(kSdpaBackward, q, k, v, false, valid_lens);
+  const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
+  check_saved(kSdpaBackward, dims, saved, d_output);
   if (bf16_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
-    return dot_backward<float>(qf, kf, vf, valid_lens, options, output, lse, d_output);
+    return sdpa_backward<float>(Version::kFast, qf, kf, vf, valid_lens, options, saved, d_output);
   }
+  DotProductGrads<float> grads{Tensor<float>(q.shape()), Tensor<float>(k.shape()),
+                               Tensor<float>(v.shape())};
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
-  const detail::Contiguous<float> oc(output), lc(lse), gc(d_output);
-  DotProductGrads<float> grads;
-  kernels::fast::dot_product_attention_backward(qc.view(), kc.view(), vc.view(), config, oc.view(),
-                                                lc.view(), gc.view(), grads);
+  const detail::Contiguous<float> oc(saved.output), lc(saved.lse), gc(d_output);
+  kernels::fast::sdpa_backward(
+      qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()}, gc.view(),
+      {grads.d_queries.view(), grads.d_keys.view(), grads.d_values.view()});
   return grads;
 }
 
 // ---- additive ---------------------------------------------------------------
 
 template <class T>
-void run_additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                  ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                  const AttentionOptions& options, const Dims& dims,
-                  const AttentionOutputs<T>& outputs) {
-  const kernels::AdditiveParams<T> params = check_params(kAdditive, dims, w_q, w_k, w_v);
+AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    const AdditiveWeights<T>& weights, const ValidLens& valid_lens,
+                                    const AttentionOptions& options,
+                                    const AttentionOutputs<T>* given = nullptr) {
+  const Dims dims = check_inputs(kAdditive, q, k, v, true, valid_lens);
+  const kernels::AdditiveParams<T> params = check_weights(kAdditive, dims, weights);
   const kernels::AttentionConfig config = additive_config(kAdditive, valid_lens, options);
-  check_outputs(kAdditive, dims, outputs);
-  const detail::Contiguous<T> qc(q), kc(k), vc(v), wqc(params.w_q), wkc(params.w_k),
-      wvc(params.w_v);
-  kernels::fast::additive_attention(
-      qc.view(), kc.view(), vc.view(),
-      kernels::AdditiveParams<T>{wqc.view(), wkc.view(), wvc.view()}, config, outputs.output,
-      outputs.weights.value_or(TensorView<T>()), outputs.lse.value_or(TensorView<T>()));
-}
-
-template <class T>
-void additive_into(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                   ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                   const AttentionOptions& options, const AttentionOutputs<T>& outputs) {
-  run_additive(q, k, v, w_q, w_k, w_v, valid_lens, options,
-               check_inputs(kAdditive, q, k, v, false, valid_lens), outputs);
-}
-
-template <class T>
-AttentionResult<T> additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                            ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                            const AttentionOptions& options) {
-  const Dims dims = check_inputs(kAdditive, q, k, v, false, valid_lens);
   AttentionResult<T> result;
-  run_additive(q, k, v, w_q, w_k, w_v, valid_lens, options, dims, allocate(dims, options, result));
+  const kernels::ForwardViews<T> out =
+      destinations(kAdditive, version, dims, options, given, result);
+  if (version == Version::kFast) {
+    const detail::Contiguous<T> qc(q), kc(k), vc(v);
+    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
+      const detail::Contiguous<T> wqc(params.w_q), wkc(params.w_k), wvc(params.w_v);
+      kernels::fast::additive(qc.view(), kc.view(), vc.view(), {wqc.view(), wkc.view(), wvc.view()},
+                              config, out);
+      return result;
+    }
+  }
+  kernels::ref::additive(q, k, v, params, config, out);
   return result;
 }
 
 template <class T>
-AdditiveGrads<T> additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                                   ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                                   const AttentionOptions& options, ConstView<T> output,
-                                   ConstView<T> lse, ConstView<T> d_output) {
-  const Dims dims = check_inputs(kAdditiveBackward, q, k, v, false, valid_lens);
-  const kernels::AdditiveParams<T> params = check_params(kAdditiveBackward, dims, w_q, w_k, w_v);
+AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                   const AdditiveWeights<T>& weights, const ValidLens& valid_lens,
+                                   const AttentionOptions& options, const SavedForward<T>& saved,
+                                   ConstView<T> d_output) {
+  const Dims dims = check_inputs(kAdditiveBackward, q, k, v, true, valid_lens);
+  const kernels::AdditiveParams<T> params = check_weights(kAdditiveBackward, dims, weights);
   const kernels::AttentionConfig config = additive_config(kAdditiveBackward, valid_lens, options);
-  check_saved(kAdditiveBackward, dims, output, lse, d_output);
-  const detail::Contiguous<T> qc(q), kc(k), vc(v), wqc(params.w_q), wkc(params.w_k),
-      wvc(params.w_v), oc(output), lc(lse), gc(d_output);
-  AdditiveGrads<T> grads;
-  kernels::fast::additive_attention_backward(
-      qc.view(), kc.view(), vc.view(),
-      kernels::AdditiveParams<T>{wqc.view(), wkc.view(), wvc.view()}, config, oc.view(), lc.view(),
-      gc.view(), grads);
-  grads.d_w_v = std::move(grads.d_w_v).reshaped(w_v.shape());
-  return grads;
-}
-
-template <class T>
-AttentionResult<T> ref_additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,
-                                ConstView<T> w_k, ConstView<T> w_v, const ValidLens& valid_lens,
-                                const AttentionOptions& options) {
-  const Dims dims = check_inputs(kAdditive, q, k, v, false, valid_lens);
-  const kernels::AdditiveParams<T> params = check_params(kAdditive, dims, w_q, w_k, w_v);
-  return kernels::ref::additive_attention(q, k, v, params,
-                                          additive_config(kAdditive, valid_lens, options));
-}
-
-template <class T>
-AdditiveGrads<T> ref_additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                       ConstView<T> w_q, ConstView<T> w_k, ConstView<T> w_v,
-                                       const ValidLens& valid_lens, const AttentionOptions& options,
-                                       ConstView<T> output, ConstView<T> lse,
-                                       ConstView<T> d_output) {
-  const Dims dims = check_inputs(kAdditiveBackward, q, k, v, false, valid_lens);
-  const kernels::AdditiveParams<T> params = check_params(kAdditiveBackward, dims, w_q, w_k, w_v);
-  const kernels::AttentionConfig config = additive_config(kAdditiveBackward, valid_lens, options);
-  check_saved(kAdditiveBackward, dims, output, lse, d_output);
-  AdditiveGrads<T> grads =
-      kernels::ref::additive_attention_backward(q, k, v, params, config, d_output);
-  grads.d_w_v = std::move(grads.d_w_v).reshaped(w_v.shape());
+  check_saved(kAdditiveBackward, dims, saved, d_output);
+  const int64_t hidden = params.w_q.size(0);
+  AdditiveGrads<T> grads{Tensor<T>(q.shape()),           Tensor<T>(k.shape()),
+                         Tensor<T>(v.shape()),           Tensor<T>(weights.w_q.shape()),
+                         Tensor<T>(weights.w_k.shape()), Tensor<T>(Shape{hidden})};
+  const kernels::AdditiveGradViews<T> out{grads.d_queries.view(), grads.d_keys.view(),
+                                          grads.d_values.view(),  grads.d_w_q.view(),
+                                          grads.d_w_k.view(),     grads.d_w_v.view()};
+  bool done = false;
+  if (version == Version::kFast) {
+    const detail::Contiguous<T> qc(q), kc(k), vc(v);
+    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
+      const detail::Contiguous<T> wqc(params.w_q), wkc(params.w_k), wvc(params.w_v);
+      const detail::Contiguous<T> oc(saved.output), lc(saved.lse), gc(d_output);
+      kernels::fast::additive_backward(qc.view(), kc.view(), vc.view(),
+                                       {wqc.view(), wkc.view(), wvc.view()}, config,
+                                       {oc.view(), lc.view()}, gc.view(), out);
+      done = true;
+    }
+  }
+  if (!done) {
+    kernels::ref::additive_backward(q, k, v, params, config, {saved.output, saved.lse}, d_output,
+                                    out);
+  }
+  grads.d_w_v = std::move(grads.d_w_v).reshaped(weights.w_v.shape());
   return grads;
 }
 
 }  // namespace
 
-// ---- the public overloads, one per element type -------------------------------
+// ---- the public overloads: each picks a version and an element type ----------
 
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> q, ConstView<float> k,
+                                                    ConstView<float> v, const ValidLens& lens,
+                                                    const AttentionOptions& options) {
+  return sdpa_forward(Version::kFast, q, k, v, lens, options);
+}
+AttentionResult<double> scaled_dot_product_attention(ConstView<double> q, ConstView<double> k,
+                                                     ConstView<double> v, const ValidLens& lens,
+                                                     const AttentionOptions& options) {
+  return sdpa_forward(Version::kFast, q, k, v, lens, options);
+}
 AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k,
                                                     ConstView<bfloat16> v, const ValidLens& lens,
                                                     const AttentionOptions& options) {
-  return dot_bf16(q, k, v, lens, options);
+  return sdpa_forward_bf16(q, k, v, lens, options);
+}
+void scaled_dot_product_attention(ConstView<float> q, ConstView<float> k, ConstView<float> v,
+                                  const ValidLens& lens, const AttentionOptions& options,
+                                  const AttentionOutputs<float>& outputs) {
+  sdpa_forward(Version::kFast, q, k, v, lens, options, &outputs);
+}
+void scaled_dot_product_attention(ConstView<double> q, ConstView<double> k, ConstView<double> v,
+                                  const ValidLens& lens, const AttentionOptions& options,
+                                  const AttentionOutputs<double>& outputs) {
+  sdpa_forward(Version::kFast, q, k, v, lens, options, &outputs);
 }
 
 DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<float> q, ConstView<float> k, ConstView<float> v, const ValidLens& lens,
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
+  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+}
+DotProductGrads<double> scaled_dot_product_attention_backward(
+    ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
+    const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output) {
+  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+}
+DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v, const ValidLens& lens,
-    const AttentionOptions& options, ConstView<float> output, ConstView<float> lse,
-    ConstView<float> d_output) {
-  return dot_backward_bf16(q, k, v, lens, options, output, lse, d_output);
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
+  return sdpa_backward_bf16(q, k, v, lens, options, saved, d_output);
 }
 
+AttentionResult<float> additive_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, const AdditiveWeights<float>& w,
+                                          const ValidLens& lens, const AttentionOptions& options) {
+  return additive_forward(Version::kFast, q, k, v, w, lens, options);
+}
+AttentionResult<double> additive_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, const AdditiveWeights<double>& w,
+                                           const ValidLens& lens, const AttentionOptions& options) {
+  return additive_forward(Version::kFast, q, k, v, w, lens, options);
+}
+void additive_attention(ConstView<float> q, ConstView<float> k, ConstView<float> v,
+                        const AdditiveWeights<float>& w, const ValidLens& lens,
+                        const AttentionOptions& options, const AttentionOutputs<float>& outputs) {
+  additive_forward(Version::kFast, q, k, v, w, lens, options, &outputs);
+}
+void additive_attention(ConstView<double> q, ConstView<double> k, ConstView<double> v,
+                        const AdditiveWeights<double>& w, const ValidLens& lens,
+                        const AttentionOptions& options, const AttentionOutputs<double>& outputs) {
+  additive_forward(Version::kFast, q, k, v, w, lens, options, &outputs);
+}
 
-#define QKV_DEFINE(T)                                                                             \
-  AttentionResult<T> scaled_dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v, \
-                                                  const ValidLens& lens,                          \
-                                                  const AttentionOptions& options) {              \
-    return dot(q, k, v, lens, options);                                                           \
-  }                                                                                               \
-  void scaled_dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,               \
-                                    const ValidLens& lens, const AttentionOptions& options,       \
-                                    const AttentionOutputs<T>& outputs) {                         \
-    dot_into(q, k, v, lens, options, outputs);                                                    \
-  }                                                                                               \
-  DotProductGrads<T> scaled_dot_product_attention_backward(                                       \
-      ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& lens,                      \
-      const AttentionOptions& options, ConstView<T> output, ConstView<T> lse,                     \
-      ConstView<T> d_output) {                                                                    \
-    return dot_backward(q, k, v, lens, options, output, lse, d_output);                           \
-  }                                                                                               \
-  AttentionResult<T> additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,           \
-                                        ConstView<T> w_q, ConstView<T> w_k, ConstView<T> w_v,     \
-                                        const ValidLens& lens, const AttentionOptions& options) { \
-    return additive(q, k, v, w_q, w_k, w_v, lens, options);                                       \
-  }                                                                                               \
-  void additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q,       \
-                          ConstView<T> w_k, ConstView<T> w_v, const ValidLens& lens,              \
-                          const AttentionOptions& options, const AttentionOutputs<T>& outputs) {  \
-    additive_into(q, k, v, w_q, w_k, w_v, lens, options, outputs);                                \
-  }                                                                                               \
-  AdditiveGrads<T> additive_attention_backward(                                                   \
-      ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w_q, ConstView<T> w_k,         \
-      ConstView<T> w_v, const ValidLens& lens, const AttentionOptions& options,                   \
-      ConstView<T> output, ConstView<T> lse, ConstView<T> d_output) {                             \
-    return additive_backward(q, k, v, w_q, w_k, w_v, lens, options, output, lse, d_output);       \
-  }                                                                                               \
-  namespace ref {                                                                                 \
-  AttentionResult<T> scaled_dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v, \
-                                                  const ValidLens& lens,                          \
-                                                  const AttentionOptions& options) {              \
-    return ref_dot(q, k, v, lens, options);                                                       \
-  }                                                                                               \
-  DotProductGrads<T> scaled_dot_product_attention_backward(ConstView<T> q, ConstView<T> k,        \
-                                                           ConstView<T> v, const ValidLens& lens, \
-                                                           const AttentionOptions& options,       \
-                                                           ConstView<T> output, ConstView<T> lse, \
-                                                           ConstView<T> d_output) {               \
-    return ref_dot_backward(q, k, v, lens, options, output, lse, d_output);                       \
-  }                                                                                               \
-  AttentionResult<T> additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,           \
-                                        ConstView<T> w_q, ConstView<T> w_k, ConstView<T> w_v,     \
-                                        const ValidLens& lens, const AttentionOptions& options) { \
-    return ref_additive(q, k, v, w_q, w_k, w_v, lens, options);                                   \
-  }                                                                                               \
-  AdditiveGrads<T> additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,    \
-                                               ConstView<T> w_q, ConstView<T> w_k,                \
-                                               ConstView<T> w_v, const ValidLens& lens,           \
-                                               const AttentionOptions& options,                   \
-                                               ConstView<T> output, ConstView<T> lse,             \
-                                               ConstView<T> d_output) {                           \
-    return ref_additive_backward(q, k, v, w_q, w_k, w_v, lens, options, output, lse, d_output);   \
-  }                                                                                               \
-  }  // namespace ref
-QKV_DEFINE(float)
-QKV_DEFINE(double)
-#undef QKV_DEFINE
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> q, ConstView<float> k, ConstView<float> v, const AdditiveWeights<float>& w,
+    const ValidLens& lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output) {
+  return additive_backward(Version::kFast, q, k, v, w, lens, options, saved, d_output);
+}
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> q, ConstView<double> k, ConstView<double> v, const AdditiveWeights<double>& w,
+    const ValidLens& lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output) {
+  return additive_backward(Version::kFast, q, k, v, w, lens, options, saved, d_output);
+}
 
+namespace ref {
+
+AttentionResult<float> scaled_dot_product_attention(ConstView<float> q, ConstView<float> k,
+                                                    ConstView<float> v, const ValidLens& lens,
+                                                    const AttentionOptions& options) {
+  return sdpa_forward(Version::kRef, q, k, v, lens, options);
+}
+AttentionResult<double> scaled_dot_product_attention(ConstView<double> q, ConstView<double> k,
+                                                     ConstView<double> v, const ValidLens& lens,
+                                                     const AttentionOptions& options) {
+  return sdpa_forward(Version::kRef, q, k, v, lens, options);
+}
+DotProductGrads<float> scaled_dot_product_attention_backward(
+    ConstView<float> q, ConstView<float> k, ConstView<float> v, const ValidLens& lens,
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
+  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
+}
+DotProductGrads<double> scaled_dot_product_attention_backward(
+    ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
+    const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output) {
+  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
+}
+AttentionResult<float> additive_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, const AdditiveWeights<float>& w,
+                                          const ValidLens& lens, const AttentionOptions& options) {
+  return additive_forward(Version::kRef, q, k, v, w, lens, options);
+}
+AttentionResult<double> additive_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, const AdditiveWeights<double>& w,
+                                           const ValidLens& lens, const AttentionOptions& options) {
+  return additive_forward(Version::kRef, q, k, v, w, lens, options);
+}
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> q, ConstView<float> k, ConstView<float> v, const AdditiveWeights<float>& w,
+    const ValidLens& lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output) {
+  return additive_backward(Version::kRef, q, k, v, w, lens, options, saved, d_output);
+}
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> q, ConstView<double> k, ConstView<double> v, const AdditiveWeights<double>& w,
+    const ValidLens& lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output) {
+  return additive_backward(Version::kRef, q, k, v, w, lens, options, saved, d_output);
+}
+
+}  // namespace ref
 }  // namespace qkv

@@ -41,29 +41,12 @@ void check_destination(std::string_view function, std::string_view name, const T
   }
 }
 
-// A contiguous version of a view: the view itself when it already is,
-// otherwise a copy owned by this object. The fast kernels need unit strides
-// for the BLAS and SIMD loops; copying odd layouts once is cheaper than
-// strided inner loops.
-template <class T>
-class Contiguous {
- public:
-  explicit Contiguous(ConstView<T> view) {
-    if (view.is_contiguous()) {
-      view_ = ConstView<T>(view.data(), view.shape());
-    } else {
-      copy_ = Tensor<T>::copy_of(view);
-      view_ = copy_.view();
-    }
+// The one check of a dropout probability, for every entry point that takes
+// one: "options.dropout = 1.500000 is outside [0, 1]".
+inline void check_dropout(std::string_view function, std::string_view name, double p) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    fail(function, std::string(name) + " = " + std::to_string(p) + " is outside [0, 1]");
   }
-  Contiguous(const Contiguous&) = delete;
-  Contiguous& operator=(const Contiguous&) = delete;
-  const T* data() const { return view_.data(); }
-  const ConstView<T>& view() const { return view_; }
-
- private:
-  Tensor<T> copy_;
-  ConstView<T> view_;
-};
+}
 
 }  // namespace qkv::detail

@@ -5,21 +5,16 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "philox.h"
 #include "qkv/error.h"
 
 namespace qkv {
 namespace {
 
-void check_p(std::string_view function, double p) {
-  if (!(p >= 0.0 && p <= 1.0)) {
-    fail(function, "dropout probability p = " + std::to_string(p) + " is outside [0, 1]");
-  }
-}
-
 template <class T>
 void apply_dropout_impl(TensorView<T> weights, uint64_t seed, double p) {
-  check_p("apply_dropout", p);
+  detail::check_dropout("apply_dropout", "p", p);
   if (weights.rank() != 3) {
     fail("apply_dropout", "weights has shape " + weights.shape().str() +
                               "; expected rank 3 (batch, num_queries, num_keys)");
@@ -40,7 +35,7 @@ void apply_dropout_impl(TensorView<T> weights, uint64_t seed, double p) {
 }  // namespace
 
 bool dropout_keep(uint64_t seed, double p, int64_t b, int64_t i, int64_t j) {
-  check_p("dropout_keep", p);
+  detail::check_dropout("dropout_keep", "p", p);
   const auto bits = detail::dropout_bits(detail::philox_key(seed), b, i, j / 4);
   return bits[j % 4] >= detail::dropout_threshold(p);
 }

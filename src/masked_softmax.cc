@@ -2,6 +2,7 @@
 #include "qkv/masked_softmax.h"
 
 #include "check.h"
+#include "contiguous.h"
 #include "kernels/kernels.h"
 
 namespace qkv {

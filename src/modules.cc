@@ -46,12 +46,6 @@ void sgd(TensorView<T> param, ConstView<T> grad, double lr) {
   }
 }
 
-void check_dropout(std::string_view module, double p) {
-  if (!(p >= 0.0 && p <= 1.0)) {
-    fail(module, "dropout = " + std::to_string(p) + " is outside [0, 1]");
-  }
-}
-
 // Like torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
 // from Philox so the values are the same on every platform. `stream` keeps
 // the parameters of one module apart.
@@ -81,6 +75,23 @@ AttentionOptions forward_options(double dropout, bool training, uint64_t seed, u
   return options;
 }
 
+// Keeps a forward's inputs and results for the backward; returns the output.
+template <class T>
+Tensor<T> remember(detail::AttentionCache<T>& cache, ConstView<T> queries, ConstView<T> keys,
+                   ConstView<T> values, const ValidLens& valid_lens,
+                   const AttentionOptions& options, AttentionResult<T> result) {
+  cache = detail::AttentionCache<T>{Tensor<T>::copy_of(queries),
+                                    Tensor<T>::copy_of(keys),
+                                    Tensor<T>::copy_of(values),
+                                    valid_lens.to_tensor(),
+                                    options,
+                                    result.output,
+                                    std::move(result.weights),
+                                    std::move(result.lse),
+                                    true};
+  return std::move(result.output);
+}
+
 void check_ready(std::string_view function, bool ready) {
   if (!ready) fail(function, "there is no forward pass to differentiate; call forward first");
 }
@@ -93,25 +104,15 @@ void sgd_step(TensorView<double> param, ConstView<double> grad, double lr) { sgd
 template <class T>
 DotProductAttention<T>::DotProductAttention(double dropout, uint64_t seed)
     : dropout_(dropout), seed_(seed) {
-  check_dropout("DotProductAttention", dropout);
+  detail::check_dropout("DotProductAttention", "dropout", dropout);
 }
 
 template <class T>
 Tensor<T> DotProductAttention<T>::forward(ConstView<T> queries, ConstView<T> keys,
                                           ConstView<T> values, const ValidLens& valid_lens) {
   const AttentionOptions options = forward_options(dropout_, training_, seed_, forward_count_);
-  AttentionResult<T> result =
-      scaled_dot_product_attention(queries, keys, values, valid_lens, options);
-  cache_ = Cache{Tensor<T>::copy_of(queries),
-                 Tensor<T>::copy_of(keys),
-                 Tensor<T>::copy_of(values),
-                 valid_lens.to_tensor(),
-                 options,
-                 result.output,
-                 std::move(result.weights),
-                 std::move(result.lse),
-                 true};
-  return std::move(result.output);
+  return remember(cache_, queries, keys, values, valid_lens, options,
+                  scaled_dot_product_attention(queries, keys, values, valid_lens, options));
 }
 
 template <class T>
@@ -119,14 +120,14 @@ DotProductGrads<T> DotProductAttention<T>::backward(ConstView<T> d_output) const
   check_ready("DotProductAttention::backward", cache_.ready);
   return scaled_dot_product_attention_backward(cache_.queries, cache_.keys, cache_.values,
                                                ValidLens(cache_.valid_lens), cache_.options,
-                                               cache_.output, cache_.lse, d_output);
+                                               {cache_.output, cache_.lse}, d_output);
 }
 
 template <class T>
 AdditiveAttention<T>::AdditiveAttention(int64_t key_size, int64_t query_size, int64_t num_hiddens,
                                         double dropout, uint64_t seed)
     : dropout_(dropout), seed_(seed) {
-  check_dropout("AdditiveAttention", dropout);
+  detail::check_dropout("AdditiveAttention", "dropout", dropout);
   if (key_size < 0 || query_size < 0 || num_hiddens < 0) {
     fail("AdditiveAttention", "sizes must be >= 0; got key_size " + std::to_string(key_size) +
                                   ", query_size " + std::to_string(query_size) + ", num_hiddens " +
@@ -142,26 +143,17 @@ template <class T>
 Tensor<T> AdditiveAttention<T>::forward(ConstView<T> queries, ConstView<T> keys,
                                         ConstView<T> values, const ValidLens& valid_lens) {
   const AttentionOptions options = forward_options(dropout_, training_, seed_, forward_count_);
-  AttentionResult<T> result =
-      additive_attention(queries, keys, values, w_q_, w_k_, w_v_, valid_lens, options);
-  cache_ = Cache{Tensor<T>::copy_of(queries),
-                 Tensor<T>::copy_of(keys),
-                 Tensor<T>::copy_of(values),
-                 valid_lens.to_tensor(),
-                 options,
-                 result.output,
-                 std::move(result.weights),
-                 std::move(result.lse),
-                 true};
-  return std::move(result.output);
+  const AdditiveWeights<T> weights{w_q_, w_k_, w_v_};
+  return remember(cache_, queries, keys, values, valid_lens, options,
+                  additive_attention(queries, keys, values, weights, valid_lens, options));
 }
 
 template <class T>
 AdditiveGrads<T> AdditiveAttention<T>::backward(ConstView<T> d_output) {
   check_ready("AdditiveAttention::backward", cache_.ready);
   AdditiveGrads<T> grads = additive_attention_backward(
-      cache_.queries, cache_.keys, cache_.values, w_q_, w_k_, w_v_, ValidLens(cache_.valid_lens),
-      cache_.options, cache_.output, cache_.lse, d_output);
+      cache_.queries, cache_.keys, cache_.values, {w_q_, w_k_, w_v_}, ValidLens(cache_.valid_lens),
+      cache_.options, {cache_.output, cache_.lse}, d_output);
   // Accumulate, as PyTorch does, until zero_grad().
   qkv::sgd_step(d_w_q_.view(), grads.d_w_q.view(), -1.0);
   qkv::sgd_step(d_w_k_.view(), grads.d_w_k.view(), -1.0);

@@ -4,7 +4,8 @@
 #include <string>
 
 #include "check.h"
-#include "parallel.h"
+#include "contiguous.h"
+#include "kernels/blas.h"
 
 namespace qkv {
 namespace {
@@ -24,9 +25,9 @@ Tensor<T> pool(ConstView<T> weights, ConstView<T> values) {
   const int64_t dv = values.size(2);
   const detail::Contiguous<T> w(weights), v(values);
   Tensor<T> out(Shape{batch, nq, dv});
-  detail::parallel_for(batch, [&](int64_t b) {
-    detail::gemm(false, false, nq, dv, nk, T(1), w.data() + b * nq * nk, nk, v.data() + b * nk * dv,
-                 dv, T(0), out.data() + b * nq * dv, dv);
+  kernels::parallel_for(batch, [&](int64_t b) {
+    kernels::gemm(false, false, nq, dv, nk, T(1), w.data() + b * nq * nk, nk,
+                  v.data() + b * nk * dv, dv, T(0), out.data() + b * nq * dv, dv);
   });
   return out;
 }

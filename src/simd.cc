@@ -17,32 +17,30 @@ std::string joined_targets() {
 
 void cap(std::string_view function, std::string_view what, std::string_view name) {
   if (name.empty()) {
-    kernels::dispatch::cap_at(0);
+    kernels::cap_at(0);
     return;
   }
-  const int64_t target = kernels::dispatch::target_by_name(std::string(name));
+  const int64_t target = kernels::target_by_name(std::string(name));
   if (target == 0) {
     fail(function, std::string(what) + " is \"" + std::string(name) +
                        "\", which is not a SIMD target of this build on this CPU; expected "
                        "one of: " +
                        joined_targets());
   }
-  kernels::dispatch::cap_at(target);
+  kernels::cap_at(target);
 }
 
 }  // namespace
 
 std::vector<std::string> simd_targets() {
   std::vector<std::string> names;
-  for (int64_t target : kernels::dispatch::available_targets()) {
-    names.push_back(kernels::dispatch::target_name(target));
+  for (int64_t target : kernels::available_targets()) {
+    names.push_back(kernels::target_name(target));
   }
   return names;
 }
 
-std::string simd_target() {
-  return kernels::dispatch::target_name(kernels::dispatch::current_target());
-}
+std::string simd_target() { return kernels::target_name(kernels::current_target()); }
 
 void set_simd_target(std::string_view name) { cap("set_simd_target", "name", name); }
 

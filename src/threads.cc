@@ -1,5 +1,5 @@
 // The library-wide thread count. OpenBLAS is kept single-threaded inside our
-// parallel regions (see parallel.h): qkv owns the threading, so the blocking — and
+// parallel regions (see kernels/parallel.h): qkv owns the threading, so the blocking — and
 // with it every result bit — does not depend on how many threads run.
 #include "qkv/threads.h"
 

@@ -8,8 +8,8 @@
 
 int main() {
   const char* separator = "";
-  for (int64_t target : qkv::kernels::dispatch::available_targets()) {
-    std::printf("%s%s", separator, qkv::kernels::dispatch::target_name(target).c_str());
+  for (int64_t target : qkv::kernels::available_targets()) {
+    std::printf("%s%s", separator, qkv::kernels::target_name(target).c_str());
     separator = ";";
   }
   return 0;

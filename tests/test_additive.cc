@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <iostream>
-#include <cstdint>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "attention_testing.h"
-#include "kernels/vecmath.h"
+#include "kernels/additive_tile.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -125,13 +125,14 @@ void check_forward(Rng& rng, const Case& c) {
   const AttentionOptions opt = c.options(seed);
 
   const AttentionResult<T> fast =
-      additive_attention(in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt);
+      additive_attention(in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt);
   const Tensor<double> qd = cast<double>(in.qv), kd = cast<double>(in.kv), vd = cast<double>(in.vv),
                        wqd = cast<double>(in.wqv), wkd = cast<double>(in.wkv),
                        wvd = cast<double>(in.wvv);
-  const AttentionResult<double> ref = ref::additive_attention(qd, kd, vd, wqd, wkd, wvd, lens, opt);
+  const AttentionResult<double> ref =
+      ref::additive_attention(qd, kd, vd, {wqd, wkd, wvd}, lens, opt);
   const AttentionResult<T> ref_t =
-      ref::additive_attention(in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt);
+      ref::additive_attention(in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt);
   const NaiveForward loop =
       naive_additive<T>(in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, c.naive_dropout(seed));
   const Tensor<double> loop_out = as_tensor({c.batch, c.nq, c.dv}, loop.out);
@@ -204,9 +205,9 @@ TYPED_TEST(Additive, ChapterExample) {
   opt.dropout = 0.1;  // AdditiveAttention(..., dropout=0.1) in eval mode
   const Tol tol = tol_for<T>(kAverage, kPoolingDouble);
   const AttentionResult<T> fast =
-      additive_attention(queries, keys, values, w_q, w_k, w_v, lens, opt);
+      additive_attention(queries, keys, values, {w_q, w_k, w_v}, lens, opt);
   const AttentionResult<T> ref =
-      ref::additive_attention(queries, keys, values, w_q, w_k, w_v, lens, opt);
+      ref::additive_attention(queries, keys, values, {w_q, w_k, w_v}, lens, opt);
   expect_close(fast.output, expected, tol, "fast output", "b q d");
   expect_close(fast.weights, expected_w, kWeights<T>, "fast weights");
   expect_close(ref.output, expected, tol, "ref output", "b q d");
@@ -257,9 +258,9 @@ TYPED_TEST(Additive, WvShapesAgree) {
   const Tensor<T> wv_row = in.w_v.reshaped({1, c.hidden});
   const AttentionOptions opt = c.options(0);
   const AttentionResult<T> a =
-      additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, in.valid_lens(), opt);
+      additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, in.valid_lens(), opt);
   const AttentionResult<T> b =
-      additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, wv_row, in.valid_lens(), opt);
+      additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, wv_row}, in.valid_lens(), opt);
   expect_close(a.output, b.output, kOut<T>, "w_v (H) vs (1, H) output", "b q d");
   expect_close(a.weights, b.weights, kWeights<T>, "w_v (H) vs (1, H) weights");
 }
@@ -298,20 +299,20 @@ TYPED_TEST(Additive, MaskedKeysAreNeverRead) {
     const AttentionOptions opt = c.options(rng.next());
     const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
     const AttentionResult<T> clean =
-        additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
+        additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt);
     const AttentionResult<T> fast =
-        additive_attention(in.q, k_nan, v_nan, in.w_q, in.w_k, in.w_v, lens, opt);
+        additive_attention(in.q, k_nan, v_nan, {in.w_q, in.w_k, in.w_v}, lens, opt);
     const AttentionResult<T> ref =
-        ref::additive_attention(in.q, k_nan, v_nan, in.w_q, in.w_k, in.w_v, lens, opt);
+        ref::additive_attention(in.q, k_nan, v_nan, {in.w_q, in.w_k, in.w_v}, lens, opt);
     expect_close(fast.output, clean.output, kOut<T>, "fast output, NaN past L", "b q d");
     expect_close(fast.lse, clean.lse, kLse<T>, "fast lse, NaN past L", "b q");
     expect_close(ref.output, clean.output, kOut<T>, "ref output, NaN past L", "b q d");
     const AdditiveGrads<T> g_clean = additive_attention_backward(
-        in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt, clean.output, clean.lse, d_out);
+        in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt, {clean.output, clean.lse}, d_out);
     const AdditiveGrads<T> g_fast = additive_attention_backward(
-        in.q, k_nan, v_nan, in.w_q, in.w_k, in.w_v, lens, opt, fast.output, fast.lse, d_out);
+        in.q, k_nan, v_nan, {in.w_q, in.w_k, in.w_v}, lens, opt, {fast.output, fast.lse}, d_out);
     const AdditiveGrads<T> g_ref = ref::additive_attention_backward(
-        in.q, k_nan, v_nan, in.w_q, in.w_k, in.w_v, lens, opt, ref.output, ref.lse, d_out);
+        in.q, k_nan, v_nan, {in.w_q, in.w_k, in.w_v}, lens, opt, {ref.output, ref.lse}, d_out);
     for (const AdditiveGrads<T>* g : {&g_fast, &g_ref}) {
       SCOPED_TRACE(g == &g_fast ? "fast" : "ref");
       expect_close(g->d_queries, g_clean.d_queries, kGrad<T>, "d_queries, NaN past L", "b q d");
@@ -353,17 +354,17 @@ TYPED_TEST(Additive, ZeroSizes) {
       const Tensor<T> w_q = random_tensor<T>(rng, {6, 4}), w_k = random_tensor<T>(rng, {6, 2}),
                       w_v = random_tensor<T>(rng, {1, 6});
       const AttentionResult<T> r = use_ref
-                                       ? ref::additive_attention(q, k, v, w_q, w_k, w_v, {}, opt)
-                                       : additive_attention(q, k, v, w_q, w_k, w_v, {}, opt);
+                                       ? ref::additive_attention(q, k, v, {w_q, w_k, w_v}, {}, opt)
+                                       : additive_attention(q, k, v, {w_q, w_k, w_v}, {}, opt);
       expect_close(r.output, Tensor<double>(Shape{2, 3, 5}), kExact, "output", "b q d");
       expect_close(r.lse, Tensor<double>(Shape{2, 3}, -std::numeric_limits<double>::infinity()),
                    kExact, "lse", "b q");
       const Tensor<T> d_out = random_tensor<T>(rng, {2, 3, 5});
-      const AdditiveGrads<T> g = use_ref
-                                     ? ref::additive_attention_backward(q, k, v, w_q, w_k, w_v, {},
-                                                                        opt, r.output, r.lse, d_out)
-                                     : additive_attention_backward(q, k, v, w_q, w_k, w_v, {}, opt,
-                                                                   r.output, r.lse, d_out);
+      const AdditiveGrads<T> g =
+          use_ref ? ref::additive_attention_backward(q, k, v, {w_q, w_k, w_v}, {}, opt,
+                                                     {r.output, r.lse}, d_out)
+                  : additive_attention_backward(q, k, v, {w_q, w_k, w_v}, {}, opt,
+                                                {r.output, r.lse}, d_out);
       expect_close(g.d_queries, Tensor<double>(Shape{2, 3, 4}), kExact, "d_queries", "b q d");
       expect_close(g.d_w_q, Tensor<double>(Shape{6, 4}), kExact, "d_w_q", "h d");
       expect_close(g.d_w_k, Tensor<double>(Shape{6, 2}), kExact, "d_w_k", "h d");
@@ -375,8 +376,8 @@ TYPED_TEST(Additive, ZeroSizes) {
                       v = random_tensor<T>(rng, {2, 5, 3});
       const Tensor<T> w_q(Shape{0, 4}), w_k(Shape{0, 2}), w_v(Shape{0});
       const AttentionResult<T> r = use_ref
-                                       ? ref::additive_attention(q, k, v, w_q, w_k, w_v, {}, opt)
-                                       : additive_attention(q, k, v, w_q, w_k, w_v, {}, opt);
+                                       ? ref::additive_attention(q, k, v, {w_q, w_k, w_v}, {}, opt)
+                                       : additive_attention(q, k, v, {w_q, w_k, w_v}, {}, opt);
       Tensor<double> mean(Shape{2, 3, 3});
       for (int64_t b = 0; b < 2; ++b) {
         for (int64_t i = 0; i < 3; ++i) {
@@ -435,7 +436,7 @@ TYPED_TEST(Additive, DropoutOnlyWhenTraining) {
     AttentionOptions o = c.options(s);
     o.dropout = p;
     o.training = training;
-    return additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, o);
+    return additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, o);
   };
   const uint64_t s = rng.next();
   const AttentionResult<T> base = run(0.0, false, s);
@@ -511,10 +512,10 @@ TYPED_TEST(Additive, WriteIntoCallerBuffers) {
     outs.output = TensorView<T>(buf_out.data() + guard, Shape{c.batch, c.nq, c.dv});
     if (give_w) outs.weights = TensorView<T>(buf_w.data() + guard, Shape{c.batch, c.nq, c.nk});
     if (give_lse) outs.lse = TensorView<T>(buf_lse.data() + guard, Shape{c.batch, c.nq});
-    additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt, outs);
+    additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt, outs);
     const AttentionResult<double> ref = ref::additive_attention(
-        cast<double>(in.q), cast<double>(in.k), cast<double>(in.v), cast<double>(in.w_q),
-        cast<double>(in.w_k), cast<double>(in.w_v), lens, opt);
+        cast<double>(in.q), cast<double>(in.k), cast<double>(in.v),
+        {cast<double>(in.w_q), cast<double>(in.w_k), cast<double>(in.w_v)}, lens, opt);
     expect_close(outs.output, ref.output, kOut<T>, "written output vs ref", "b q d");
     if (give_w) expect_close(*outs.weights, ref.weights, kWeights<T>, "written weights vs ref");
     if (give_lse) expect_close(*outs.lse, ref.lse, kLse<T>, "written lse vs ref", "b q");
@@ -566,7 +567,7 @@ TYPED_TEST(Additive, LseMergesDisjointKeySets) {
           for (int64_t d = 0; d < c.dv; ++d) vs(b, t, d) = in.v(b, j, d);
         }
       }
-      part[s] = additive_attention(in.q, ks, vs, in.w_q, in.w_k, in.w_v, {}, opt);
+      part[s] = additive_attention(in.q, ks, vs, {in.w_q, in.w_k, in.w_v}, {}, opt);
     }
     Tensor<double> merged(Shape{c.batch, c.nq, c.dv}), merged_lse(Shape{c.batch, c.nq});
     for (int64_t b = 0; b < c.batch; ++b) {
@@ -582,7 +583,7 @@ TYPED_TEST(Additive, LseMergesDisjointKeySets) {
       }
     }
     const AttentionResult<T> full =
-        additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, {}, opt);
+        additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, {}, opt);
     expect_close(merged, full.output, kOut<T>, "merged output vs attention over all keys", "b q d");
     expect_close(merged_lse, full.lse, kLse<T>, "merged lse vs attention over all keys", "b q");
   }
@@ -614,9 +615,9 @@ TYPED_TEST(Additive, DeterministicAcrossThreadCounts) {
   AdditiveGrads<T> g[3];
   for (int t = 0; t < 3; ++t) {
     const ThreadCount threads(t + 1);
-    r[t] = additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
-    g[t] = additive_attention_backward(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt,
-                                       r[t].output, r[t].lse, d_out);
+    r[t] = additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt);
+    g[t] = additive_attention_backward(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt,
+                                       {r[t].output, r[t].lse}, d_out);
   }
   for (int t = 1; t < 3; ++t) {
     SCOPED_TRACE("1 vs " + std::to_string(t + 1) + " threads");
@@ -644,20 +645,20 @@ void check_backward(Rng& rng, const Case& c) {
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
 
   const AttentionResult<T> fwd =
-      additive_attention(in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt);
+      additive_attention(in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt);
   const AdditiveGrads<T> fast = additive_attention_backward(
-      in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt, fwd.output, fwd.lse, d_out);
+      in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt, {fwd.output, fwd.lse}, d_out);
   const Tensor<double> qd = cast<double>(in.qv), kd = cast<double>(in.kv), vd = cast<double>(in.vv),
                        wqd = cast<double>(in.wqv), wkd = cast<double>(in.wkv),
                        wvd = cast<double>(in.wvv), god = cast<double>(d_out);
   const AttentionResult<double> rfwd =
-      ref::additive_attention(qd, kd, vd, wqd, wkd, wvd, lens, opt);
+      ref::additive_attention(qd, kd, vd, {wqd, wkd, wvd}, lens, opt);
   const AdditiveGrads<double> ref = ref::additive_attention_backward(
-      qd, kd, vd, wqd, wkd, wvd, lens, opt, rfwd.output, rfwd.lse, god);
+      qd, kd, vd, {wqd, wkd, wvd}, lens, opt, {rfwd.output, rfwd.lse}, god);
   const AttentionResult<T> rfwd_t =
-      ref::additive_attention(in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt);
+      ref::additive_attention(in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt);
   const AdditiveGrads<T> ref_t = ref::additive_attention_backward(
-      in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, opt, rfwd_t.output, rfwd_t.lse, d_out);
+      in.qv, in.kv, in.vv, {in.wqv, in.wkv, in.wvv}, lens, opt, {rfwd_t.output, rfwd_t.lse}, d_out);
   const NaiveAdditiveGrads loop = naive_additive_backward<T>(
       in.qv, in.kv, in.vv, in.wqv, in.wkv, in.wvv, lens, c.naive_dropout(seed), d_out.view());
   const Tensor<double> lq = as_tensor({c.batch, c.nq, c.dq}, loop.d_queries);
@@ -733,13 +734,13 @@ void check_finite_differences(Rng& rng, const Case& c) {
   const AttentionOptions opt = c.options(rng.next());
   const Tensor<double> g = random_tensor<double>(rng, {c.batch, c.nq, c.dv});
   const AttentionResult<double> fwd =
-      additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
+      additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt);
   const AdditiveGrads<double> fast = additive_attention_backward(
-      in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt, fwd.output, fwd.lse, g);
+      in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt, {fwd.output, fwd.lse}, g);
   const AttentionResult<double> rfwd =
-      ref::additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
+      ref::additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt);
   const AdditiveGrads<double> ref = ref::additive_attention_backward(
-      in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt, rfwd.output, rfwd.lse, g);
+      in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt, {rfwd.output, rfwd.lse}, g);
 
   // Tensors 0-5: q, k, v, w_q, w_k, w_v; loss with tensor n replaced by x.
   const Tensor<double>* args[] = {&in.q, &in.k, &in.v, &in.w_q, &in.w_k, &in.w_v};
@@ -747,7 +748,7 @@ void check_finite_differences(Rng& rng, const Case& c) {
     const Tensor<double>* a[6] = {args[0], args[1], args[2], args[3], args[4], args[5]};
     a[n] = &x;
     return sum_product(
-        additive_attention(*a[0], *a[1], *a[2], *a[3], *a[4], *a[5], lens, opt).output, g);
+        additive_attention(*a[0], *a[1], *a[2], {*a[3], *a[4], *a[5]}, lens, opt).output, g);
   };
   const Tensor<double>* fast_grads[] = {&fast.d_queries, &fast.d_keys, &fast.d_values,
                                         &fast.d_w_q,     &fast.d_w_k,  &fast.d_w_v};
@@ -841,14 +842,20 @@ struct Args {
 void expect_forward_error(const Args& a, const ValidLens& lens, const AttentionOptions& opt,
                           std::initializer_list<std::string_view> fragments,
                           std::source_location loc = std::source_location::current()) {
-  expect_error([&] { additive_attention(a.q, a.k, a.v, a.w_q, a.w_k, a.w_v, lens, opt); },
-               fragments, loc);
-  expect_error([&] { ref::additive_attention(a.q, a.k, a.v, a.w_q, a.w_k, a.w_v, lens, opt); },
-               fragments, loc);
+  expect_error(
+      [&] {
+        additive_attention(a.q, a.k, a.v, {a.w_q, a.w_k, a.w_v}, lens, opt);
+      },
+      fragments, loc);
+  expect_error(
+      [&] {
+        ref::additive_attention(a.q, a.k, a.v, {a.w_q, a.w_k, a.w_v}, lens, opt);
+      },
+      fragments, loc);
   expect_error(
       [&] {
         additive_attention(cast<double>(a.q), cast<double>(a.k), cast<double>(a.v),
-                           cast<double>(a.w_q), cast<double>(a.w_k), cast<double>(a.w_v), lens,
+                           {cast<double>(a.w_q), cast<double>(a.w_k), cast<double>(a.w_v)}, lens,
                            opt);
       },
       fragments, loc);
@@ -856,7 +863,7 @@ void expect_forward_error(const Args& a, const ValidLens& lens, const AttentionO
 
 // ---- the fused kernels' own pieces ------------------------------------------------
 
-// vecmath::tanh_row against std::tanh in long double over a dense sweep: the
+// kernels::fast::tanh_row against std::tanh in long double over a dense sweep: the
 // float rational approximation within 3e-7 relative (4e-7 on targets without
 // FMA; plus the smallest subnormal, for subnormal results), double within 4
 // units in the last place; ±0 keep their sign, ±inf give ±1, NaN stays NaN.
@@ -880,8 +887,8 @@ TEST(AdditiveTanh, AccuracyOverADenseSweep) {
   for (const float x : xf) xd.push_back(static_cast<double>(x) * (1.0 + 1e-9));
   std::vector<float> tf(xf.size());
   std::vector<double> td(xd.size());
-  vecmath::tanh_row(xf.data(), tf.data(), static_cast<int64_t>(xf.size()));
-  vecmath::tanh_row(xd.data(), td.data(), static_cast<int64_t>(xd.size()));
+  kernels::fast::tanh_row(xf.data(), tf.data(), static_cast<int64_t>(xf.size()));
+  kernels::fast::tanh_row(xd.data(), td.data(), static_cast<int64_t>(xd.size()));
   // Without fused multiply-adds (targets below AVX2) each Horner step rounds
   // twice: the worst seen there is 3.7e-7 (at x = -5.78), against 2.7e-7 with
   // FMA (3.4 M points, one run each).
@@ -909,23 +916,23 @@ TEST(AdditiveTanh, AccuracyOverADenseSweep) {
   // Signs of zero, and NaN.
   const float zeros[2] = {0.0f, -0.0f};
   float tz[2];
-  vecmath::tanh_row(zeros, tz, 2);
+  kernels::fast::tanh_row(zeros, tz, 2);
   EXPECT_FALSE(std::signbit(tz[0]));
   EXPECT_TRUE(std::signbit(tz[1]));
   const float nans[3] = {std::numeric_limits<float>::quiet_NaN(), 1.0f,
                          -std::numeric_limits<float>::quiet_NaN()};
   float tn[3];
-  vecmath::tanh_row(nans, tn, 3);
+  kernels::fast::tanh_row(nans, tn, 3);
   EXPECT_TRUE(std::isnan(tn[0]));
   EXPECT_FALSE(std::isnan(tn[1]));
   EXPECT_TRUE(std::isnan(tn[2]));
   const double nan_d = std::numeric_limits<double>::quiet_NaN();
   double tnd = 0;
-  vecmath::tanh_row(&nan_d, &tnd, 1);
+  kernels::fast::tanh_row(&nan_d, &tnd, 1);
   EXPECT_TRUE(std::isnan(tnd));
 }
 
-// vecmath::additive_scores straight against a long double loop: the float
+// kernels::fast::additive_scores straight against a long double loop: the float
 // fast path (exp(2 fq) exp(2 fk)) holds the score to 3e-7 sum_h |w_v| plus
 // the sum's rounding; features past ±20 (the tanh path) too. Rows of
 // different lengths and sizes around the 16-key vectors and 4-query groups.
@@ -953,9 +960,9 @@ TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
         lens[0] = keys;
         const float sentinel = -12345.0f;
         std::vector<float> s(static_cast<size_t>(rows * ldk), sentinel);
-        const vecmath::AdditiveFeatures<float> f{fq.data(), hidden, fkt.data(), ldk,
-                                                 wv.data(), hidden};
-        vecmath::additive_scores(f, rows, lens.data(), s.data(), ldk);
+        const kernels::fast::AdditiveFeatures<float> f{fq.data(), hidden,    fkt.data(),
+                                                       ldk,       wv.data(), hidden};
+        kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk);
         double wv_abs = 0;
         for (const float w : wv) wv_abs += std::fabs(w);
         for (int64_t r = 0; r < rows; ++r) {
@@ -1043,18 +1050,18 @@ TYPED_TEST(Additive, LargeFeatures) {
     const AttentionOptions opt = c.options(0);
     const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
     const AttentionResult<T> fast =
-        additive_attention(in.q, in.k, in.v, in.w_q, in.w_k, in.w_v, lens, opt);
+        additive_attention(in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt);
     const Tensor<double> qd = cast<double>(in.q), kd = cast<double>(in.k),
                          vd = cast<double>(in.v), wqd = cast<double>(in.w_q),
                          wkd = cast<double>(in.w_k), wvd = cast<double>(in.w_v);
-    const AttentionResult<double> ref = ref::additive_attention(qd, kd, vd, wqd, wkd, wvd, lens, opt);
+    const AttentionResult<double> ref =
+        ref::additive_attention(qd, kd, vd, {wqd, wkd, wvd}, lens, opt);
     expect_close(fast.output, ref.output, kOut<T>, "output", "b q d");
     expect_close(fast.lse, ref.lse, kLse<T>, "lse", "b q");
-    const AdditiveGrads<T> g = additive_attention_backward(in.q, in.k, in.v, in.w_q, in.w_k,
-                                                           in.w_v, lens, opt, fast.output,
-                                                           fast.lse, d_out);
+    const AdditiveGrads<T> g = additive_attention_backward(
+        in.q, in.k, in.v, {in.w_q, in.w_k, in.w_v}, lens, opt, {fast.output, fast.lse}, d_out);
     const AdditiveGrads<double> gr = ref::additive_attention_backward(
-        qd, kd, vd, wqd, wkd, wvd, lens, opt, ref.output, ref.lse, cast<double>(d_out));
+        qd, kd, vd, {wqd, wkd, wvd}, lens, opt, {ref.output, ref.lse}, cast<double>(d_out));
     expect_close(g.d_queries, gr.d_queries, kGrad<T>, "d_queries", "b q d");
     expect_close(g.d_keys, gr.d_keys, kGrad<T>, "d_keys", "b k d");
     expect_close(g.d_values, gr.d_values, kGrad<T>, "d_values", "b k d");
@@ -1087,12 +1094,12 @@ TYPED_TEST(Additive, NaNKeySeenByOneQueryOnly) {
   AttentionOptions opt;
   opt.want_lse = true;
   const ValidLens vl(lens);
-  const AttentionResult<T> clean = additive_attention(q, k, v, w_q, w_k, w_v, vl, opt);
-  const AttentionResult<T> dirty = additive_attention(q, k_nan, v, w_q, w_k, w_v, vl, opt);
-  const AdditiveGrads<T> g_clean = additive_attention_backward(q, k, v, w_q, w_k, w_v, vl, opt,
-                                                               clean.output, clean.lse, d_out);
-  const AdditiveGrads<T> g_dirty = additive_attention_backward(q, k_nan, v, w_q, w_k, w_v, vl, opt,
-                                                               dirty.output, dirty.lse, d_out);
+  const AttentionResult<T> clean = additive_attention(q, k, v, {w_q, w_k, w_v}, vl, opt);
+  const AttentionResult<T> dirty = additive_attention(q, k_nan, v, {w_q, w_k, w_v}, vl, opt);
+  const AdditiveGrads<T> g_clean = additive_attention_backward(q, k, v, {w_q, w_k, w_v}, vl, opt,
+                                                               {clean.output, clean.lse}, d_out);
+  const AdditiveGrads<T> g_dirty = additive_attention_backward(
+      q, k_nan, v, {w_q, w_k, w_v}, vl, opt, {dirty.output, dirty.lse}, d_out);
   // The clean and the dirty run may take different paths through the tile
   // (a NaN feature sends its 16 keys down the exact tanh path), so compare
   // within the float tolerances: a leak would give NaN.
@@ -1212,7 +1219,7 @@ TEST(AdditiveErrors, WriteIntoBuffers) {
   Tensor<float> out(Shape{2, 3, 6}), bad_out(Shape{3, 3, 6}), bad_w(Shape{2, 3, 6}),
       bad_lse(Shape{3});
   auto call = [&](const AttentionOutputs<float>& outs) {
-    additive_attention(f.q, f.k, f.v, f.w_q, f.w_k, f.w_v, {}, opt, outs);
+    additive_attention(f.q, f.k, f.v, {f.w_q, f.w_k, f.w_v}, {}, opt, outs);
   };
   expect_error(
       [&] {
@@ -1238,16 +1245,17 @@ TEST(AdditiveErrors, Backward) {
     expect_error([&] { call(f.out, f.lse, bad_d_out); }, {kFnBackward, "d_output", "[2, 4, 6]"});
   };
   check([&](ConstView<float> out, ConstView<float> lse, ConstView<float> d_out) {
-    additive_attention_backward(f.q, f.k, f.v, f.w_q, f.w_k, f.w_v, {}, opt, out, lse, d_out);
+    additive_attention_backward(f.q, f.k, f.v, {f.w_q, f.w_k, f.w_v}, {}, opt, {out, lse}, d_out);
   });
   check([&](ConstView<float> out, ConstView<float> lse, ConstView<float> d_out) {
-    ref::additive_attention_backward(f.q, f.k, f.v, f.w_q, f.w_k, f.w_v, {}, opt, out, lse, d_out);
+    ref::additive_attention_backward(f.q, f.k, f.v, {f.w_q, f.w_k, f.w_v}, {}, opt, {out, lse},
+                                     d_out);
   });
   // The backward validates the inputs and options like the forward.
   const Tensor<float> wk_dk(Shape{7, 10});
   expect_error(
       [&] {
-        additive_attention_backward(f.q, f.k, f.v, f.w_q, wk_dk, f.w_v, {}, opt, f.out, f.lse,
+        additive_attention_backward(f.q, f.k, f.v, {f.w_q, wk_dk, f.w_v}, {}, opt, {f.out, f.lse},
                                     f.d_out);
       },
       {kFnBackward, "w_k", "10"});
@@ -1255,8 +1263,8 @@ TEST(AdditiveErrors, Backward) {
   scaled.scale = 2.0;
   expect_error(
       [&] {
-        additive_attention_backward(f.q, f.k, f.v, f.w_q, f.w_k, f.w_v, {}, scaled, f.out, f.lse,
-                                    f.d_out);
+        additive_attention_backward(f.q, f.k, f.v, {f.w_q, f.w_k, f.w_v}, {}, scaled,
+                                    {f.out, f.lse}, f.d_out);
       },
       {kFnBackward, "scale"});
 }

@@ -20,8 +20,6 @@
 namespace qkv::test {
 namespace {
 
-namespace bg = kernels::block_gemm;
-
 // Pass if |got - ref| <= kRel * (|alpha| sum_k |a_ik| |b_kj| + |c_ij before|):
 // float FMA sums over k (k u ~ 1.5e-5 for k = 257 in the worst case, about
 // sqrt(k) u in practice) plus the roundings of adding onto C.
@@ -105,7 +103,7 @@ bool check_scores(Rng& rng, int64_t m, int64_t n, int64_t k) {
   const std::vector<float> b = random_floats(rng, span(n, k, ldb));
   const std::vector<float> before(span(m, n, ldc), std::numeric_limits<float>::quiet_NaN());
   std::vector<float> c = before;
-  bg::scores(m, n, k, alpha, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  kernels::fast::block_scores(m, n, k, alpha, a.data(), lda, b.data(), ldb, c.data(), ldc);
   std::vector<double> ref(static_cast<size_t>(m * n)), bound(ref.size());
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t j = 0; j < n; ++j) {
@@ -131,7 +129,7 @@ bool check_accumulate(Rng& rng, int64_t m, int64_t n, int64_t k) {
   const std::vector<float> b = random_floats(rng, span(k, n, ldb));
   const std::vector<float> before = random_floats(rng, span(m, n, ldc));
   std::vector<float> c = before;
-  bg::accumulate(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  kernels::fast::block_accumulate(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc);
   std::vector<double> ref(static_cast<size_t>(m * n)), bound(ref.size());
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t j = 0; j < n; ++j) {
@@ -192,9 +190,11 @@ TEST(BlockGemm, SameBitsOnAnyThread) {
     const std::vector<float> c0 = random_floats(rng, static_cast<size_t>(s.m * s.n));
     const auto run = [&](std::vector<float>& s_out, std::vector<float>& o_out) {
       s_out.assign(c0.size(), std::numeric_limits<float>::quiet_NaN());
-      bg::scores(s.m, s.n, s.k, 0.125f, a.data(), s.k, b.data(), s.k, s_out.data(), s.n);
+      kernels::fast::block_scores(s.m, s.n, s.k, 0.125f, a.data(), s.k, b.data(), s.k, s_out.data(),
+                                  s.n);
       o_out = c0;
-      bg::accumulate(s.m, s.n, s.k, a.data(), s.k, b.data(), s.n, o_out.data(), s.n);
+      kernels::fast::block_accumulate(s.m, s.n, s.k, a.data(), s.k, b.data(), s.n, o_out.data(),
+                                      s.n);
     };
     std::vector<float> s1, o1, s2, o2, s3, o3;
     run(s1, o1);

@@ -225,7 +225,7 @@ TYPED_TEST(Determinism, ScaledDotProductAttention) {
         Named<T> out;
         AttentionResult<T> r = scaled_dot_product_attention(q, k, v, lens.view(), options);
         DotProductGrads<T> grads = scaled_dot_product_attention_backward(
-            q, k, v, lens.view(), options, r.output, r.lse, d_out);
+            q, k, v, lens.view(), options, {r.output, r.lse}, d_out);
         // The fused path that forms no weights.
         AttentionOptions fused = options;
         fused.want_weights = false;
@@ -266,9 +266,9 @@ TEST(Determinism, AdditiveAttention) {
     SCOPED_TRACE(to_string(lens.form));
     expect_thread_independent<float>([&] {
       Named<float> out;
-      AttentionResult<float> r = additive_attention(q, k, v, w_q, w_k, w_v, lens.view(), options);
-      AdditiveGrads<float> grads = additive_attention_backward(q, k, v, w_q, w_k, w_v, lens.view(),
-                                                               options, r.output, r.lse, d_out);
+      AttentionResult<float> r = additive_attention(q, k, v, {w_q, w_k, w_v}, lens.view(), options);
+      AdditiveGrads<float> grads = additive_attention_backward(
+          q, k, v, {w_q, w_k, w_v}, lens.view(), options, {r.output, r.lse}, d_out);
       out.emplace_back("output", std::move(r.output));
       out.emplace_back("weights", std::move(r.weights));
       out.emplace_back("lse", std::move(r.lse));
@@ -352,10 +352,10 @@ TEST(Determinism, AdditiveDropoutMaskIsDropoutKeep) {
     SCOPED_TRACE(std::string(to_string(lens.form)) + ", dropout seed " +
                  std::to_string(options.seed));
     const AttentionResult<double> ref_r =
-        ref::additive_attention(q, k, v, w_q, w_k, w_v, lens.view(), options);
+        ref::additive_attention(q, k, v, {w_q, w_k, w_v}, lens.view(), options);
     const Tensor<double> expected = dropped_pooling(ref_r.weights, v, options.seed, 0.4);
     const AttentionResult<double> fast_r =
-        additive_attention(q, k, v, w_q, w_k, w_v, lens.view(), options);
+        additive_attention(q, k, v, {w_q, w_k, w_v}, lens.view(), options);
     expect_close(ref_r.output, expected, kAdditiveDouble, "ref output", "b q d");
     expect_close(fast_r.output, expected, kAdditiveDouble, "fast output", "b q d");
   }

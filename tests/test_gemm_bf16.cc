@@ -24,19 +24,17 @@
 #include "test_util.h"
 
 // Test hooks defined in gemm_bf16.cc (not in its header: not for the library).
-namespace qkv::kernels::bf16::internal {
-std::vector<std::string> available_paths();
-void gemm_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                  int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
-                  int64_t ldb, float beta, float* c, int64_t ldc);
-PackedB pack_b_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
-                       const bfloat16* b, int64_t ldb);
-}  // namespace qkv::kernels::bf16::internal
+namespace qkv::kernels::fast {
+std::vector<std::string> bf16_paths();
+void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                       int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
+                       int64_t ldb, float beta, float* c, int64_t ldc);
+PackedBf16 pack_b_bf16_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
+                               const bfloat16* b, int64_t ldb);
+}  // namespace qkv::kernels::fast
 
 namespace qkv::test {
 namespace {
-
-namespace bf16 = kernels::bf16;
 
 bfloat16 bits(uint16_t b) { return bfloat16::from_bits(b); }
 float as_float(uint32_t u) { return std::bit_cast<float>(u); }
@@ -82,7 +80,7 @@ TEST(Bf16Convert, ToBf16MatchesConstructorOnEveryFloat) {
     while (n < kChunk && fill(n)) ++n;
     if (n == 0) break;
     for (int64_t i = 0; i < n; ++i) x[i] = as_float(input_bits[i]);
-    bf16::to_bf16(x.data(), got.data(), n);
+    kernels::fast::to_bf16(x.data(), got.data(), n);
     for (int64_t i = 0; i < n; ++i) {
       const uint16_t want = bfloat16(x[i]).bits;
       if (got[i].bits != want && ++mismatches <= 5) {
@@ -129,7 +127,7 @@ TEST(Bf16Convert, RoundsToNearestEvenAndKeepsSpecials) {
     const float x = as_float(c.in);
     EXPECT_EQ(bfloat16(x).bits, c.out);
     bfloat16 got;
-    bf16::to_bf16(&x, &got, 1);
+    kernels::fast::to_bf16(&x, &got, 1);
     EXPECT_EQ(got.bits, c.out);
   }
 }
@@ -138,7 +136,7 @@ TEST(Bf16Convert, ToFloatIsExactOnEveryBf16) {
   std::vector<bfloat16> x(1 << 16);
   for (uint32_t b = 0; b < (1u << 16); ++b) x[b] = bits(static_cast<uint16_t>(b));
   std::vector<float> got(x.size());
-  bf16::to_float(x.data(), got.data(), static_cast<int64_t>(x.size()));
+  kernels::fast::to_float(x.data(), got.data(), static_cast<int64_t>(x.size()));
   for (uint32_t b = 0; b < (1u << 16); ++b) {
     ASSERT_EQ(std::bit_cast<uint32_t>(got[b]), b << 16) << "bf16 bits 0x" << std::hex << b;
   }
@@ -156,9 +154,9 @@ TEST(Bf16Convert, TailsWriteExactlyN) {
       std::vector<float> x(static_cast<size_t>(n + offset + 4));
       for (float& v : x) v = static_cast<float>(rng.uniform(-4, 4));
       std::vector<bfloat16> h(x.size(), bits(0x1234));
-      bf16::to_bf16(x.data() + offset, h.data() + offset, n);
+      kernels::fast::to_bf16(x.data() + offset, h.data() + offset, n);
       std::vector<float> back(x.size(), -7.0f);
-      bf16::to_float(h.data() + offset, back.data() + offset, n);
+      kernels::fast::to_float(h.data() + offset, back.data() + offset, n);
       for (int64_t i = 0; i < static_cast<int64_t>(x.size()); ++i) {
         const bool inside = i >= offset && i < offset + n;
         EXPECT_EQ(h[i].bits, inside ? bfloat16(x[i]).bits : 0x1234) << "i=" << i;
@@ -263,8 +261,9 @@ Reference reference(const Problem& p, int64_t i, int64_t j) {
 
 std::vector<float> run(const std::string& path, const Problem& p) {
   std::vector<float> c = p.c0;
-  bf16::internal::gemm_on_path(path, p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha, p.a.data.data(),
-                               p.a.ld, p.b.data.data(), p.b.ld, p.beta, c.data(), p.ldc);
+  kernels::fast::gemm_bf16_on_path(path, p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha,
+                                   p.a.data.data(), p.a.ld, p.b.data.data(), p.b.ld, p.beta,
+                                   c.data(), p.ldc);
   return c;
 }
 
@@ -380,8 +379,8 @@ TEST_P(Bf16Gemm, EmptyShapes) {
     }
   }
   // Null pointers are fine when nothing is read or written.
-  bf16::internal::gemm_on_path(GetParam(), false, false, 0, 0, 0, 1.0f, nullptr, 1, nullptr, 1,
-                               0.0f, nullptr, 1);
+  kernels::fast::gemm_bf16_on_path(GetParam(), false, false, 0, 0, 0, 1.0f, nullptr, 1, nullptr, 1,
+                                   0.0f, nullptr, 1);
 }
 
 // NaN and ±inf in the inputs give what float arithmetic gives: a NaN poisons
@@ -425,13 +424,13 @@ TEST_P(Bf16Gemm, DenormalInputs) {
   const bfloat16 denormal = bits(0x0040);  // 2^-127
   const bfloat16 big = bfloat16(std::ldexp(1.0f, 100));
   float c = -1.0f;
-  bf16::internal::gemm_on_path(GetParam(), false, false, 1, 1, 1, 1.0f, &denormal, 1, &big, 1, 0.0f,
-                               &c, 1);
+  kernels::fast::gemm_bf16_on_path(GetParam(), false, false, 1, 1, 1, 1.0f, &denormal, 1, &big, 1,
+                                   0.0f, &c, 1);
   EXPECT_EQ(c, native_path ? 0.0f : std::ldexp(1.0f, -27));
   // Normal inputs whose product is a denormal float: 2^-70 * 2^-70 = 2^-140.
   const bfloat16 tiny = bfloat16(std::ldexp(1.0f, -70));
-  bf16::internal::gemm_on_path(GetParam(), false, false, 1, 1, 1, 1.0f, &tiny, 1, &tiny, 1, 0.0f,
-                               &c, 1);
+  kernels::fast::gemm_bf16_on_path(GetParam(), false, false, 1, 1, 1, 1.0f, &tiny, 1, &tiny, 1,
+                                   0.0f, &c, 1);
   EXPECT_EQ(c, native_path ? 0.0f : std::ldexp(1.0f, -140));
 }
 
@@ -478,14 +477,14 @@ TEST_P(Bf16Gemm, PackedBMatchesUnpackedBitForBit) {
                                               : static_cast<float>(rng.uniform(-2, 2));
     Problem p = make_problem(rng, false, tb, m, n, k, alpha, beta, extra_ld);
     SCOPED_TRACE(GetParam() + " " + p.str());
-    const bf16::PackedB packed =
-        bf16::internal::pack_b_on_path(GetParam(), tb, n, k, p.b.data.data(), p.b.ld);
+    const kernels::fast::PackedBf16 packed =
+        kernels::fast::pack_b_bf16_on_path(GetParam(), tb, n, k, p.b.data.data(), p.b.ld);
     // Two different A against the one packed B.
     for (int round = 0; round < 2; ++round) {
       if (round == 1) p.a = random_matrix(rng, m, k, extra_ld);
       const std::vector<float> want = run(GetParam(), p);
       std::vector<float> got = p.c0;
-      bf16::gemm(m, alpha, p.a.data.data(), p.a.ld, packed, beta, got.data(), p.ldc);
+      kernels::fast::gemm_bf16(m, alpha, p.a.data.data(), p.a.ld, packed, beta, got.data(), p.ldc);
       ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
           << "round " << round;
     }
@@ -494,7 +493,7 @@ TEST_P(Bf16Gemm, PackedBMatchesUnpackedBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, Bf16Gemm, ::testing::ValuesIn(bf16::internal::available_paths()),
+INSTANTIATE_TEST_SUITE_P(Paths, Bf16Gemm, ::testing::ValuesIn(kernels::fast::bf16_paths()),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
@@ -502,17 +501,17 @@ INSTANTIATE_TEST_SUITE_P(Paths, Bf16Gemm, ::testing::ValuesIn(bf16::internal::av
 // The public gemm runs the best available path, and native() says whether
 // that is one of the BF16 instruction paths.
 TEST(Bf16GemmDispatch, PublicGemmIsTheBestPath) {
-  const std::vector<std::string> paths = bf16::internal::available_paths();
+  const std::vector<std::string> paths = kernels::fast::bf16_paths();
   ASSERT_FALSE(paths.empty());
   EXPECT_EQ(paths.back(), "widen");
-  EXPECT_EQ(bf16::native(), paths.front() != "widen");
+  EXPECT_EQ(kernels::fast::bf16_native(), paths.front() != "widen");
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   const Problem p = make_problem(rng, false, true, 37, 45, 70, 0.5f, 1.0f, 2);
   std::vector<float> c = p.c0;
-  bf16::gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha, p.a.data.data(), p.a.ld, p.b.data.data(),
-             p.b.ld, p.beta, c.data(), p.ldc);
+  kernels::fast::gemm_bf16(p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha, p.a.data.data(), p.a.ld,
+                           p.b.data.data(), p.b.ld, p.beta, c.data(), p.ldc);
   EXPECT_TRUE(c == run(paths.front(), p));
 }
 
@@ -522,7 +521,7 @@ TEST(Bf16GemmDispatch, PublicGemmIsTheBestPath) {
 #if defined(__x86_64__) && defined(__linux__)
 TEST(Bf16GemmDispatch, NativePathsFoundWhereTheCpuHasThem) {
   __builtin_cpu_init();
-  const std::vector<std::string> paths = bf16::internal::available_paths();
+  const std::vector<std::string> paths = kernels::fast::bf16_paths();
   const auto has = [&](const char* name) {
     return std::find(paths.begin(), paths.end(), name) != paths.end();
   };
@@ -541,8 +540,8 @@ TEST(Bf16GemmDispatch, NativePathsFoundWhereTheCpuHasThem) {
 
 TEST(Bf16GemmDispatch, UnknownPathThrows) {
   float c = 0;
-  EXPECT_THROW(bf16::internal::gemm_on_path("sse9", false, false, 1, 1, 1, 1.0f, nullptr, 1,
-                                            nullptr, 1, 0.0f, &c, 1),
+  EXPECT_THROW(kernels::fast::gemm_bf16_on_path("sse9", false, false, 1, 1, 1, 1.0f, nullptr, 1,
+                                                nullptr, 1, 0.0f, &c, 1),
                std::invalid_argument);
 }
 

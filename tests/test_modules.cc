@@ -188,11 +188,13 @@ TYPED_TEST(Modules, AdditiveForwardMatchesFunction) {
     attention.train(step.training);
     const Tensor<T> out = attention.forward(pb.q, pb.k, pb.v, lens);
     const AttentionOptions opt = options(p, step.training, step.seed);
-    const AttentionResult<T> want = additive_attention(pb.q, pb.k, pb.v, attention.w_q(),
-                                                       attention.w_k(), attention.w_v(), lens, opt);
-    const AttentionResult<double> ref = ref::additive_attention(
-        cast<double>(pb.q), cast<double>(pb.k), cast<double>(pb.v), cast<double>(attention.w_q()),
-        cast<double>(attention.w_k()), cast<double>(attention.w_v()), lens, opt);
+    const AttentionResult<T> want = additive_attention(
+        pb.q, pb.k, pb.v, {attention.w_q(), attention.w_k(), attention.w_v()}, lens, opt);
+    const AttentionResult<double> ref =
+        ref::additive_attention(cast<double>(pb.q), cast<double>(pb.k), cast<double>(pb.v),
+                                {cast<double>(attention.w_q()), cast<double>(attention.w_k()),
+                                 cast<double>(attention.w_v())},
+                                lens, opt);
     expect_close(out, want.output, kAddOut<T>, "module output vs function", "b q d");
     expect_close(out, ref.output, kAddOut<T>, "module output vs ref", "b q d");
     expect_close(attention.attention_weights(), ref.weights, kWeights<T>,
@@ -224,7 +226,7 @@ TYPED_TEST(Modules, DropoutFollowsMode) {
                "dot eval vs no dropout", "b q d");
   expect_close(
       add.forward(pb.q, pb.k, pb.v),
-      additive_attention(pb.q, pb.k, pb.v, add.w_q(), add.w_k(), add.w_v(), {}, none).output,
+      additive_attention(pb.q, pb.k, pb.v, {add.w_q(), add.w_k(), add.w_v()}, {}, none).output,
       kAddOut<T>, "additive eval vs no dropout", "b q d");
 }
 
@@ -257,7 +259,7 @@ TYPED_TEST(Modules, DotProductBackwardMatchesFunction) {
     const AttentionResult<T> fwd =
         scaled_dot_product_attention(saved.q, saved.k, saved.v, lens, opt);
     const DotProductGrads<T> want = scaled_dot_product_attention_backward(
-        saved.q, saved.k, saved.v, lens, opt, fwd.output, fwd.lse, d_out);
+        saved.q, saved.k, saved.v, lens, opt, {fwd.output, fwd.lse}, d_out);
     expect_close(got.d_queries, want.d_queries, kDotGrad<T>, "d_queries", "b q d");
     expect_close(got.d_keys, want.d_keys, kDotGrad<T>, "d_keys", "b k d");
     expect_close(got.d_values, want.d_values, kDotGrad<T>, "d_values", "b k d");
@@ -287,14 +289,14 @@ TYPED_TEST(Modules, AdditiveBackwardMatchesFunctionAndAccumulates) {
   const AdditiveGrads<T> g1 = attention.backward(d_out1);
 
   const AttentionOptions opt = options(0.2, true, module_seed);
-  const AttentionResult<T> fwd = additive_attention(saved.q, saved.k, saved.v, attention.w_q(),
-                                                    attention.w_k(), attention.w_v(), lens, opt);
-  const AdditiveGrads<T> want1 =
-      additive_attention_backward(saved.q, saved.k, saved.v, attention.w_q(), attention.w_k(),
-                                  attention.w_v(), lens, opt, fwd.output, fwd.lse, d_out1);
-  const AdditiveGrads<T> want2 =
-      additive_attention_backward(saved.q, saved.k, saved.v, attention.w_q(), attention.w_k(),
-                                  attention.w_v(), lens, opt, fwd.output, fwd.lse, d_out2);
+  const AttentionResult<T> fwd = additive_attention(
+      saved.q, saved.k, saved.v, {attention.w_q(), attention.w_k(), attention.w_v()}, lens, opt);
+  const AdditiveGrads<T> want1 = additive_attention_backward(
+      saved.q, saved.k, saved.v, {attention.w_q(), attention.w_k(), attention.w_v()}, lens, opt,
+      {fwd.output, fwd.lse}, d_out1);
+  const AdditiveGrads<T> want2 = additive_attention_backward(
+      saved.q, saved.k, saved.v, {attention.w_q(), attention.w_k(), attention.w_v()}, lens, opt,
+      {fwd.output, fwd.lse}, d_out2);
   ASSERT_EQ(g1.d_w_v.shape(), Shape({1, hidden})) << "d_w_v takes the module's w_v shape";
   expect_close(g1.d_queries, want1.d_queries, kAddGrad<T>, "d_queries", "b q d");
   expect_close(g1.d_keys, want1.d_keys, kAddGrad<T>, "d_keys", "b k d");

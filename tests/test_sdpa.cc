@@ -353,11 +353,11 @@ TYPED_TEST(Sdpa, MaskedKeysAreNeverRead) {
     expect_close(fast.lse, clean.lse, kLse<T>, "fast lse, NaN past L", "b q");
     expect_close(ref.output, clean.output, kOut<T>, "ref output, NaN past L", "b q d");
     const DotProductGrads<T> g_clean = scaled_dot_product_attention_backward(
-        in.q, in.k, in.v, lens, opt, clean.output, clean.lse, d_out);
+        in.q, in.k, in.v, lens, opt, {clean.output, clean.lse}, d_out);
     const DotProductGrads<T> g_fast = scaled_dot_product_attention_backward(
-        in.q, k_nan, v_nan, lens, opt, fast.output, fast.lse, d_out);
+        in.q, k_nan, v_nan, lens, opt, {fast.output, fast.lse}, d_out);
     const DotProductGrads<T> g_ref = ref::scaled_dot_product_attention_backward(
-        in.q, k_nan, v_nan, lens, opt, ref.output, ref.lse, d_out);
+        in.q, k_nan, v_nan, lens, opt, {ref.output, ref.lse}, d_out);
     for (const DotProductGrads<T>* g : {&g_fast, &g_ref}) {
       const char* what = g == &g_fast ? "fast" : "ref";
       SCOPED_TRACE(what);
@@ -408,10 +408,10 @@ TYPED_TEST(Sdpa, ZeroSizes) {
       expect_close(r.lse, Tensor<double>(Shape{2, 3}, -std::numeric_limits<double>::infinity()),
                    kExact, "lse", "b q");
       const Tensor<T> d_out = random_tensor<T>(rng, {2, 3, 5});
-      const DotProductGrads<T> g =
-          use_ref
-              ? ref::scaled_dot_product_attention_backward(q, k, v, {}, opt, r.output, r.lse, d_out)
-              : scaled_dot_product_attention_backward(q, k, v, {}, opt, r.output, r.lse, d_out);
+      const DotProductGrads<T> g = use_ref ? ref::scaled_dot_product_attention_backward(
+                                                 q, k, v, {}, opt, {r.output, r.lse}, d_out)
+                                           : scaled_dot_product_attention_backward(
+                                                 q, k, v, {}, opt, {r.output, r.lse}, d_out);
       expect_close(g.d_queries, Tensor<double>(Shape{2, 3, 4}), kExact, "d_queries", "b q d");
       EXPECT_EQ(g.d_keys.shape(), Shape({2, 0, 4}));
       EXPECT_EQ(g.d_values.shape(), Shape({2, 0, 5}));
@@ -840,8 +840,8 @@ TYPED_TEST(Sdpa, DeterministicAcrossThreadCounts) {
   for (int t = 0; t < 3; ++t) {
     const ThreadCount threads(t + 1);
     r[t] = scaled_dot_product_attention(in.qv, in.kv, in.vv, lens, opt);
-    g[t] = scaled_dot_product_attention_backward(in.qv, in.kv, in.vv, lens, opt, r[t].output,
-                                                 r[t].lse, d_out);
+    g[t] = scaled_dot_product_attention_backward(in.qv, in.kv, in.vv, lens, opt,
+                                                 {r[t].output, r[t].lse}, d_out);
   }
   for (int t = 1; t < 3; ++t) {
     SCOPED_TRACE("1 vs " + std::to_string(t + 1) + " threads");
@@ -868,17 +868,17 @@ void check_backward(Rng& rng, const Case& c) {
 
   const AttentionResult<T> fwd = scaled_dot_product_attention(in.qv, in.kv, in.vv, lens, opt);
   const DotProductGrads<T> fast = scaled_dot_product_attention_backward(
-      in.qv, in.kv, in.vv, lens, opt, fwd.output, fwd.lse, d_out);
+      in.qv, in.kv, in.vv, lens, opt, {fwd.output, fwd.lse}, d_out);
 
   const Tensor<double> qd = cast<double>(in.qv), kd = cast<double>(in.kv), vd = cast<double>(in.vv),
                        god = cast<double>(d_out);
   const AttentionResult<double> rfwd = ref::scaled_dot_product_attention(qd, kd, vd, lens, opt);
-  const DotProductGrads<double> ref =
-      ref::scaled_dot_product_attention_backward(qd, kd, vd, lens, opt, rfwd.output, rfwd.lse, god);
+  const DotProductGrads<double> ref = ref::scaled_dot_product_attention_backward(
+      qd, kd, vd, lens, opt, {rfwd.output, rfwd.lse}, god);
   const AttentionResult<T> rfwd_t =
       ref::scaled_dot_product_attention(in.qv, in.kv, in.vv, lens, opt);
   const DotProductGrads<T> ref_t = ref::scaled_dot_product_attention_backward(
-      in.qv, in.kv, in.vv, lens, opt, rfwd_t.output, rfwd_t.lse, d_out);
+      in.qv, in.kv, in.vv, lens, opt, {rfwd_t.output, rfwd_t.lse}, d_out);
   const NaiveDotGrads loop = naive_sdpa_backward<T>(in.qv, in.kv, in.vv, lens, c.effective_scale(),
                                                     c.naive_dropout(seed), d_out.view());
   const Tensor<double> lq = as_tensor({c.batch, c.nq, c.dim}, loop.d_queries);
@@ -934,11 +934,11 @@ void check_finite_differences(Rng& rng, const Case& c) {
   const Tensor<double> g = random_tensor<double>(rng, {c.batch, c.nq, c.dv});
   const AttentionResult<double> fwd = scaled_dot_product_attention(in.q, in.k, in.v, lens, opt);
   const DotProductGrads<double> fast =
-      scaled_dot_product_attention_backward(in.q, in.k, in.v, lens, opt, fwd.output, fwd.lse, g);
+      scaled_dot_product_attention_backward(in.q, in.k, in.v, lens, opt, {fwd.output, fwd.lse}, g);
   const AttentionResult<double> rfwd =
       ref::scaled_dot_product_attention(in.q, in.k, in.v, lens, opt);
   const DotProductGrads<double> ref = ref::scaled_dot_product_attention_backward(
-      in.q, in.k, in.v, lens, opt, rfwd.output, rfwd.lse, g);
+      in.q, in.k, in.v, lens, opt, {rfwd.output, rfwd.lse}, g);
 
   auto loss = [&](const Tensor<double>& q, const Tensor<double>& k, const Tensor<double>& v) {
     return sum_product(scaled_dot_product_attention(q, k, v, lens, opt).output, g);
@@ -1057,11 +1057,11 @@ TEST(SdpaGradient, JacobianIsKeyCovariance) {
       Tensor<double> unit(Shape{1, 1, dim});
       unit(0, 0, a) = 1.0;
       const DotProductGrads<double> g = scaled_dot_product_attention_backward(
-          query, keys, keys, {}, opt, fwd.output, fwd.lse, unit);
+          query, keys, keys, {}, opt, {fwd.output, fwd.lse}, unit);
       const DotProductGrads<double> gr = ref::scaled_dot_product_attention_backward(
-          query, keys, keys, {}, opt, fwd.output, fwd.lse, unit);
+          query, keys, keys, {}, opt, {fwd.output, fwd.lse}, unit);
       const DotProductGrads<float> gf = scaled_dot_product_attention_backward(
-          query_f, keys_f, keys_f, {}, opt, fwd_f.output, fwd_f.lse, cast<float>(unit));
+          query_f, keys_f, keys_f, {}, opt, {fwd_f.output, fwd_f.lse}, cast<float>(unit));
       const Tensor<double> fd = numerical_gradient(
           [&](const Tensor<double>& q) {
             return scaled_dot_product_attention(q, keys, keys, {}, opt).output(0, 0, a);
@@ -1149,7 +1149,7 @@ TEST(SdpaErrors, DropoutProbability) {
     expect_forward_error(f.q, f.k, f.v, {}, opt, {kFn, "dropout"});
     expect_error(
         [&] {
-          scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, f.out, f.lse, f.d_out);
+          scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, {f.out, f.lse}, f.d_out);
         },
         {kFnBackward, "dropout"});
   }
@@ -1191,22 +1191,23 @@ TEST(SdpaErrors, Backward) {
     expect_error([&] { call(f.out, f.lse, bad_d_out); }, {kFnBackward, "d_output", "[2, 3, 7]"});
   };
   check([&](ConstView<float> out, ConstView<float> lse, ConstView<float> d_out) {
-    scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, out, lse, d_out);
+    scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, {out, lse}, d_out);
   });
   check([&](ConstView<float> out, ConstView<float> lse, ConstView<float> d_out) {
-    ref::scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, out, lse, d_out);
+    ref::scaled_dot_product_attention_backward(f.q, f.k, f.v, {}, opt, {out, lse}, d_out);
   });
   // The backward validates the inputs like the forward.
   const Tensor<float> bad_k(Shape{2, 5, 11});
   expect_error(
       [&] {
-        scaled_dot_product_attention_backward(f.q, bad_k, f.v, {}, opt, f.out, f.lse, f.d_out);
+        scaled_dot_product_attention_backward(f.q, bad_k, f.v, {}, opt, {f.out, f.lse}, f.d_out);
       },
       {kFnBackward, "11", "4"});
   const Tensor<int64_t> too_long(Shape{2}, std::vector<int64_t>{2, 6});
   expect_error(
       [&] {
-        scaled_dot_product_attention_backward(f.q, f.k, f.v, too_long, opt, f.out, f.lse, f.d_out);
+        scaled_dot_product_attention_backward(f.q, f.k, f.v, too_long, opt, {f.out, f.lse},
+                                              f.d_out);
       },
       {kFnBackward, "valid_lens", "6"});
 }

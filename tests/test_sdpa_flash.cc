@@ -128,9 +128,9 @@ TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
     }
     const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
     const DotProductGrads<T> g = scaled_dot_product_attention_backward(
-        in.q, in.k, in.v, lens, o, fast.output, fast.lse, d_out);
+        in.q, in.k, in.v, lens, o, {fast.output, fast.lse}, d_out);
     const DotProductGrads<T> r = ref::scaled_dot_product_attention_backward(
-        in.q, in.k, in.v, lens, o, ref.output, ref.lse, d_out);
+        in.q, in.k, in.v, lens, o, {ref.output, ref.lse}, d_out);
     const Tol tol = tol_for<T>(kSdpaBackward, kSdpaBackwardDouble);
     if (!expect_close(g.d_queries, r.d_queries, tol, "d_queries") ||
         !expect_close(g.d_keys, r.d_keys, tol, "d_keys") ||
@@ -212,7 +212,7 @@ TYPED_TEST(Flash, SameBitsForAnyThreadCount) {
   expect_same_for_thread_counts([&] {
     const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
     DotProductGrads<T> g =
-        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, r.output, r.lse, d_out);
+        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, {r.output, r.lse}, d_out);
     return std::vector<Tensor<T>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
   });
 }
@@ -320,9 +320,9 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
     if (c.trend != Trend::kRandom) continue;
     const Tensor<float> d_out = random_tensor<float>(rng, {c.batch, c.nq, c.dv});
     const DotProductGrads<float> g =
-        scaled_dot_product_attention_backward(qb, kb, vb, lens, o, fast.output, fast.lse, d_out);
-    const DotProductGrads<float> r =
-        ref::scaled_dot_product_attention_backward(qw, kw, vw, lens, o, ref.output, ref.lse, d_out);
+        scaled_dot_product_attention_backward(qb, kb, vb, lens, o, {fast.output, fast.lse}, d_out);
+    const DotProductGrads<float> r = ref::scaled_dot_product_attention_backward(
+        qw, kw, vw, lens, o, {ref.output, ref.lse}, d_out);
     const auto grad_tol = [](const Tensor<float>& ref_grad) {
       return Tol{.atol = 2e-2 * max_abs(ref_grad) + 1e-6, .rtol = 0};
     };
@@ -348,7 +348,7 @@ TEST(FlashBf16, SameBitsForAnyThreadCount) {
   expect_same_for_thread_counts([&] {
     const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
     DotProductGrads<float> g =
-        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, r.output, r.lse, d_out);
+        scaled_dot_product_attention_backward(q, k, v, lens.get(), o, {r.output, r.lse}, d_out);
     return std::vector<Tensor<float>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
   });
 }
@@ -357,13 +357,15 @@ TEST(FlashBf16, RejectsBadShapesLikeFloat) {
   const Tensor<bfloat16> q(Shape{2, 3, 4}), k(Shape{2, 5, 4}), v(Shape{2, 5, 6});
   const Tensor<bfloat16> k_bad(Shape{2, 5, 3});
   expect_error([&] { scaled_dot_product_attention(q, k_bad, v); },
-               {"scaled_dot_product_attention", "feature size", "[2, 5, 3]"});
+               {"scaled_dot_product_attention", "D = 3", "[2, 5, 3]"});
   const Tensor<int32_t> too_long(Shape{2}, std::vector<int32_t>{2, 6});
   expect_error([&] { scaled_dot_product_attention(q, k, v, ValidLens(too_long)); },
                {"scaled_dot_product_attention", "6"});
   const Tensor<float> out(Shape{2, 3, 6}), lse(Shape{2, 4});
   expect_error(
-      [&] { scaled_dot_product_attention_backward(q, k, v, {}, {}, out, lse, out); },
+      [&] {
+        scaled_dot_product_attention_backward(q, k, v, {}, {}, {out, lse}, out);
+      },
       {"scaled_dot_product_attention_backward", "lse"});
 }
 

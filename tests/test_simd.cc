@@ -62,17 +62,17 @@ TEST(Simd, TargetsAreDistinctBestFirstAndTheDefault) {
 // bf16 products use their AVX-512 paths only at an AVX-512 target.
 TEST(Simd, CapReachesTheDispatchAndTheBf16Paths) {
   LiftCapAtEnd lift;
-  const bool native_uncapped = kernels::bf16::native();
+  const bool native_uncapped = kernels::fast::bf16_native();
   for (const std::string& target : simd_targets()) {
     SCOPED_TRACE("target " + target);
     set_simd_target(target);
     EXPECT_EQ(simd_target(), target);
     const bool avx512 = target.rfind("avx512", 0) == 0;
-    EXPECT_EQ(kernels::bf16::native(), avx512 && native_uncapped);
+    EXPECT_EQ(kernels::fast::bf16_native(), avx512 && native_uncapped);
   }
   set_simd_target("");
   EXPECT_EQ(simd_target(), simd_targets().front());
-  EXPECT_EQ(kernels::bf16::native(), native_uncapped);
+  EXPECT_EQ(kernels::fast::bf16_native(), native_uncapped);
 }
 
 // End to end through a public op: the softmax's row sums run in as many

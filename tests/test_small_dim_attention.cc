@@ -21,8 +21,7 @@
 namespace qkv::test {
 namespace {
 
-namespace sd = kernels::small_dim;
-using sd::ScoreKind;
+using kernels::fast::ScoreKind;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -119,9 +118,10 @@ Got run_kernel(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const
   std::fill(out.values().begin(), out.values().end(), std::numeric_limits<T>::quiet_NaN());
   const kernels::AttentionConfig config{
       .valid_lens = &lens, .scale = scale, .dropout = 0.0, .seed = 0};
-  EXPECT_TRUE(sd::applies(q.size(2), dv, config));
-  sd::forward<T>(q.view(), k.view(), v.view(), bias ? bias->data() : nullptr, kind, config,
-                 out.view(), want_lse ? lse.view() : TensorView<T>());
+  EXPECT_TRUE(kernels::fast::small_dim_applies(q.size(2), dv, config));
+  kernels::fast::small_dim_forward<T>(q.view(), k.view(), v.view(), bias ? bias->data() : nullptr,
+                                      kind, config, out.view(),
+                                      want_lse ? lse.view() : TensorView<T>());
   return {cast<double>(out), cast<double>(lse)};
 }
 
@@ -168,8 +168,8 @@ TYPED_TEST(SmallDimAttention, MatchesPlainLoopOnRandomShapes) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
-  for (int64_t dim = 1; dim <= sd::kMaxDim; ++dim) {
-    for (int64_t dv = 1; dv <= sd::kMaxValueDim; ++dv) {
+  for (int64_t dim = 1; dim <= kernels::fast::kSmallDimMaxDim; ++dim) {
+    for (int64_t dv = 1; dv <= kernels::fast::kSmallDimMaxValueDim; ++dv) {
       for (ScoreKind kind : {ScoreKind::kDotProduct, ScoreKind::kNegSquaredDistance}) {
         for (bool with_bias : {false, true}) {
           if (with_bias && kind != ScoreKind::kDotProduct) continue;
@@ -451,13 +451,13 @@ TYPED_TEST(SmallDimAttention, RandomCasesAndExpRangeOnThisTarget) {
 TEST(SmallDimAttentionApplies, SizesAndDropout) {
   const ValidLens lens;
   kernels::AttentionConfig config{.valid_lens = &lens, .scale = 1.0, .dropout = 0.0, .seed = 0};
-  EXPECT_TRUE(sd::applies(1, 1, config));
-  EXPECT_TRUE(sd::applies(8, 8, config));
-  EXPECT_FALSE(sd::applies(9, 8, config));
-  EXPECT_FALSE(sd::applies(8, 9, config));
-  EXPECT_FALSE(sd::applies(64, 64, config));
+  EXPECT_TRUE(kernels::fast::small_dim_applies(1, 1, config));
+  EXPECT_TRUE(kernels::fast::small_dim_applies(8, 8, config));
+  EXPECT_FALSE(kernels::fast::small_dim_applies(9, 8, config));
+  EXPECT_FALSE(kernels::fast::small_dim_applies(8, 9, config));
+  EXPECT_FALSE(kernels::fast::small_dim_applies(64, 64, config));
   config.dropout = 0.1;
-  EXPECT_FALSE(sd::applies(4, 4, config));
+  EXPECT_FALSE(kernels::fast::small_dim_applies(4, 4, config));
 }
 
 }  // namespace

@@ -63,6 +63,23 @@ struct AdditiveGrads {
   Tensor<T> d_w_v;      // same shape as the w_v given: (H) or (1, H)
 };
 
+// Additive attention's parameters, laid out like nn.Linear weights:
+// w_q (H, Dq), w_k (H, Dk), w_v (H) or (1, H).
+template <class T>
+struct AdditiveWeights {
+  ConstView<T> w_q;
+  ConstView<T> w_k;
+  ConstView<T> w_v;
+};
+
+// What a backward reads back from its forward (want_lse set there):
+// output (B, Nq, Dv) and lse (B, Nq).
+template <class T>
+struct SavedForward {
+  ConstView<T> output;
+  ConstView<T> lse;
+};
+
 // ---- Scaled dot-product attention: softmax(Q Kᵀ · scale) V ----------------
 
 AttentionResult<float> scaled_dot_product_attention(ConstView<float> queries, ConstView<float> keys,
@@ -85,53 +102,44 @@ void scaled_dot_product_attention(ConstView<double> queries, ConstView<double> k
                                   const AttentionOptions& options,
                                   const AttentionOutputs<double>& outputs);
 
-// Gradients given the forward's inputs, options (same seed), output and lse,
-// and d_output = dLoss/d(output).
+// Gradients given the forward's inputs, options (same seed), its saved output
+// and lse, and d_output = dLoss/d(output).
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
-    ConstView<float> lse, ConstView<float> d_output);
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output);
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
-    ConstView<double> lse, ConstView<double> d_output);
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output);
 
 // ---- Additive attention: score = w_vᵀ tanh(W_q q + W_k k) ------------------
-// w_q: (H, Dq)   w_k: (H, Dk)   w_v: (H) or (1, H), laid out like nn.Linear weights.
 
 AttentionResult<float> additive_attention(ConstView<float> queries, ConstView<float> keys,
-                                          ConstView<float> values, ConstView<float> w_q,
-                                          ConstView<float> w_k, ConstView<float> w_v,
+                                          ConstView<float> values,
+                                          const AdditiveWeights<float>& weights,
                                           const ValidLens& valid_lens = {},
                                           const AttentionOptions& options = {});
 AttentionResult<double> additive_attention(ConstView<double> queries, ConstView<double> keys,
-                                           ConstView<double> values, ConstView<double> w_q,
-                                           ConstView<double> w_k, ConstView<double> w_v,
+                                           ConstView<double> values,
+                                           const AdditiveWeights<double>& weights,
                                            const ValidLens& valid_lens = {},
                                            const AttentionOptions& options = {});
 void additive_attention(ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
-                        ConstView<float> w_q, ConstView<float> w_k, ConstView<float> w_v,
-                        const ValidLens& valid_lens, const AttentionOptions& options,
-                        const AttentionOutputs<float>& outputs);
+                        const AdditiveWeights<float>& weights, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<float>& outputs);
 void additive_attention(ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
-                        ConstView<double> w_q, ConstView<double> w_k, ConstView<double> w_v,
-                        const ValidLens& valid_lens, const AttentionOptions& options,
-                        const AttentionOutputs<double>& outputs);
+                        const AdditiveWeights<double>& weights, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<double>& outputs);
 
-AdditiveGrads<float> additive_attention_backward(ConstView<float> queries, ConstView<float> keys,
-                                                 ConstView<float> values, ConstView<float> w_q,
-                                                 ConstView<float> w_k, ConstView<float> w_v,
-                                                 const ValidLens& valid_lens,
-                                                 const AttentionOptions& options,
-                                                 ConstView<float> output, ConstView<float> lse,
-                                                 ConstView<float> d_output);
-AdditiveGrads<double> additive_attention_backward(ConstView<double> queries, ConstView<double> keys,
-                                                  ConstView<double> values, ConstView<double> w_q,
-                                                  ConstView<double> w_k, ConstView<double> w_v,
-                                                  const ValidLens& valid_lens,
-                                                  const AttentionOptions& options,
-                                                  ConstView<double> output, ConstView<double> lse,
-                                                  ConstView<double> d_output);
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const AdditiveWeights<float>& weights, const ValidLens& valid_lens,
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const AdditiveWeights<double>& weights, const ValidLens& valid_lens,
+    const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output);
 
 // Scaled dot-product attention with bfloat16 queries, keys and values
 // (qkv/bfloat16.h): products accumulate in float32 and the softmax runs in
@@ -145,8 +153,8 @@ AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> queries,
                                                     const AttentionOptions& options = {});
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<bfloat16> queries, ConstView<bfloat16> keys, ConstView<bfloat16> values,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
-    ConstView<float> lse, ConstView<float> d_output);
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output);
 
 namespace ref {
 // Reference versions: plain loops, double accumulation, any strides. They
@@ -163,36 +171,30 @@ AttentionResult<double> scaled_dot_product_attention(ConstView<double> queries,
                                                      const AttentionOptions& options = {});
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<float> output,
-    ConstView<float> lse, ConstView<float> d_output);
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output);
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
-    const ValidLens& valid_lens, const AttentionOptions& options, ConstView<double> output,
-    ConstView<double> lse, ConstView<double> d_output);
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output);
 AttentionResult<float> additive_attention(ConstView<float> queries, ConstView<float> keys,
-                                          ConstView<float> values, ConstView<float> w_q,
-                                          ConstView<float> w_k, ConstView<float> w_v,
+                                          ConstView<float> values,
+                                          const AdditiveWeights<float>& weights,
                                           const ValidLens& valid_lens = {},
                                           const AttentionOptions& options = {});
 AttentionResult<double> additive_attention(ConstView<double> queries, ConstView<double> keys,
-                                           ConstView<double> values, ConstView<double> w_q,
-                                           ConstView<double> w_k, ConstView<double> w_v,
+                                           ConstView<double> values,
+                                           const AdditiveWeights<double>& weights,
                                            const ValidLens& valid_lens = {},
                                            const AttentionOptions& options = {});
-AdditiveGrads<float> additive_attention_backward(ConstView<float> queries, ConstView<float> keys,
-                                                 ConstView<float> values, ConstView<float> w_q,
-                                                 ConstView<float> w_k, ConstView<float> w_v,
-                                                 const ValidLens& valid_lens,
-                                                 const AttentionOptions& options,
-                                                 ConstView<float> output, ConstView<float> lse,
-                                                 ConstView<float> d_output);
-AdditiveGrads<double> additive_attention_backward(ConstView<double> queries, ConstView<double> keys,
-                                                  ConstView<double> values, ConstView<double> w_q,
-                                                  ConstView<double> w_k, ConstView<double> w_v,
-                                                  const ValidLens& valid_lens,
-                                                  const AttentionOptions& options,
-                                                  ConstView<double> output, ConstView<double> lse,
-                                                  ConstView<double> d_output);
+AdditiveGrads<float> additive_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const AdditiveWeights<float>& weights, const ValidLens& valid_lens,
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output);
+AdditiveGrads<double> additive_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const AdditiveWeights<double>& weights, const ValidLens& valid_lens,
+    const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output);
 }  // namespace ref
 
 }  // namespace qkv

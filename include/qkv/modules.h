@@ -13,6 +13,20 @@
 namespace qkv {
 
 // param -= lr * grad, elementwise; shapes must match (throws Error otherwise).
+namespace detail {
+// What a module's forward keeps for its backward (both modules alike). The
+// inputs and lengths are the module's own copies: the caller's views need
+// not outlive the forward.
+template <class T>
+struct AttentionCache {
+  Tensor<T> queries, keys, values;
+  Tensor<int64_t> valid_lens;
+  AttentionOptions options;
+  Tensor<T> output, weights, lse;
+  bool ready = false;
+};
+}  // namespace detail
+
 void sgd_step(TensorView<float> param, ConstView<float> grad, double lr);
 void sgd_step(TensorView<double> param, ConstView<double> grad, double lr);
 
@@ -42,13 +56,7 @@ class DotProductAttention {
   uint64_t seed_;
   uint64_t forward_count_ = 0;
   bool training_ = true;
-  struct Cache {
-    Tensor<T> queries, keys, values;
-    Tensor<int64_t> valid_lens;
-    AttentionOptions options;
-    Tensor<T> output, weights, lse;
-    bool ready = false;
-  } cache_;
+  detail::AttentionCache<T> cache_;
 };
 
 // Additive attention with learnable W_q (H, query_size), W_k (H, key_size),
@@ -92,13 +100,7 @@ class AdditiveAttention {
   bool training_ = true;
   Tensor<T> w_q_, w_k_, w_v_;
   Tensor<T> d_w_q_, d_w_k_, d_w_v_;
-  struct Cache {
-    Tensor<T> queries, keys, values;
-    Tensor<int64_t> valid_lens;
-    AttentionOptions options;
-    Tensor<T> output, weights, lse;
-    bool ready = false;
-  } cache_;
+  detail::AttentionCache<T> cache_;
 };
 
 }  // namespace qkv

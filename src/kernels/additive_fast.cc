@@ -1,14 +1,14 @@
 // Additive attention, fast version: fused, never forming the (B, Nq, Nk, H)
 // features. W_q q and W_k k are projected once (BLAS), the key features stored
 // transposed so the SIMD lanes run over keys; scores w_v^T tanh(fq + fk) are
-// summed in registers (vecmath::additive_scores).
+// summed in registers (fast::additive_scores).
 // Forward: tasks of kQueryBlock queries; per task its scores against the keys
 // any of them may see (keys past the longest valid length are never touched),
 // the masked softmax row by row, dropout regenerated from the counter-based
 // generator, and one GEMM with the values.
 // Backward: tasks of (batch element, key chunk); per query block the scores
 // and weights are recomputed from the saved lse and every gradient of the
-// tile comes from one tanh per (query, key, h) (vecmath::additive_grad_tile).
+// tile comes from one tanh per (query, key, h) (fast::additive_grad_tile).
 // Each output element is written by exactly one task (partials are summed in
 // a fixed order), so results do not depend on the thread count.
 #include <algorithm>
@@ -16,10 +16,11 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/additive_tile.h"
 #include "kernels/attention_common.h"
+#include "kernels/blas.h"
 #include "kernels/kernels.h"
 #include "kernels/vecmath.h"
-#include "parallel.h"
 #include "philox.h"
 
 namespace qkv::kernels::fast {
@@ -70,7 +71,7 @@ void softmax_dropout_pool(T* s, int64_t lds, int64_t rows, int64_t n_eff, int64_
     }
     pooled = p;
   }
-  detail::gemm(false, false, rows, dv, n_eff, T(1), pooled, ldp, v_b, dv, T(0), out, dv);
+  kernels::gemm(false, false, rows, dv, n_eff, T(1), pooled, ldp, v_b, dv, T(0), out, dv);
 }
 
 // Runs the forward over tasks (b, query block); `scores` fills rows x n_eff
@@ -82,7 +83,7 @@ void forward_tasks(int64_t batch, int64_t nq, int64_t nk, ConstView<T> v,
   const int64_t dv = v.size(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
   const bool want_weights = weights.data() != nullptr;
-  detail::parallel_for(batch * blocks, [&](int64_t task) {
+  kernels::parallel_for(batch * blocks, [&](int64_t task) {
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
     const int64_t rows = std::min(kQueryBlock, nq - i0);
     const int64_t n_eff = longest_len(*config.valid_lens, b, i0, i0 + rows, nk);
@@ -115,8 +116,8 @@ template <class T>
 Tensor<T> project(ConstView<T> x, ConstView<T> w) {
   const int64_t rows = x.size(0) * x.size(1), dim = x.size(2), hidden = w.size(0);
   Tensor<T> f(Shape{x.size(0), x.size(1), hidden});
-  detail::parallel_gemm(false, true, rows, hidden, dim, T(1), x.data(), dim, w.data(), dim, T(0),
-                        f.data(), hidden);
+  kernels::parallel_gemm(false, true, rows, hidden, dim, T(1), x.data(), dim, w.data(), dim, T(0),
+                         f.data(), hidden);
   return f;
 }
 
@@ -134,12 +135,12 @@ Tensor<T> project_keys_transposed(ConstView<T> k, ConstView<T> w_k, const ValidL
   const int64_t batch = k.size(0), nk = k.size(1), dk = k.size(2), hidden = w_k.size(0);
   Tensor<T> fkt(Shape{batch, hidden, ldk});
   const int64_t blocks = ceil_div(nk, kProjectKeys);
-  detail::parallel_for(batch * blocks, [&](int64_t task) {
+  kernels::parallel_for(batch * blocks, [&](int64_t task) {
     const int64_t b = task / blocks, j0 = (task % blocks) * kProjectKeys;
     const int64_t seen = longest_len(lens, b, 0, nq, nk);
     if (j0 >= seen) return;
-    detail::gemm(false, true, hidden, std::min(kProjectKeys, seen - j0), dk, T(1), w_k.data(), dk,
-                 k.data() + (b * nk + j0) * dk, dk, T(0), fkt.data() + b * hidden * ldk + j0, ldk);
+    kernels::gemm(false, true, hidden, std::min(kProjectKeys, seen - j0), dk, T(1), w_k.data(), dk,
+                  k.data() + (b * nk + j0) * dk, dk, T(0), fkt.data() + b * hidden * ldk + j0, ldk);
   });
   return fkt;
 }
@@ -155,62 +156,69 @@ constexpr int64_t kKeyChunks = 4;
 }  // namespace
 
 // q: (B, Nq, Dq)   k: (B, Nk, Dk)   v: (B, Nk, Dv)   w_q: (H, Dq)   w_k: (H, Dk)   w_v: (H)
-// out: (B, Nq, Dv); weights (B, Nq, Nk) and lse (B, Nq) when given.
+// out.output: (B, Nq, Dv); out.weights (B, Nq, Nk) and out.lse (B, Nq) when given.
 template <class T>
-void additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                        const AdditiveParams<T>& params, const AttentionConfig& config,
-                        TensorView<T> output, TensorView<T> weights, TensorView<T> lse) {
+void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
+              const AttentionConfig& config, const ForwardViews<T>& out) {
   const int64_t nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
   const ValidLens& lens = *config.valid_lens;
   // The (B, Nq, Nk, H) features are never formed: W_q q and W_k k once, then
   // each score's tanh-and-reduce happens in registers, keys across the lanes.
-  const int64_t ldk = round_up(nk, vecmath::kAdditivePad);
+  const int64_t ldk = round_up(nk, fast::kAdditivePad);
   const Tensor<T> fq = project(q, params.w_q);
   const Tensor<T> fkt = project_keys_transposed(k, params.w_k, lens, nq, ldk);
-  forward_tasks(q.size(0), nq, nk, v, config, output, weights, lse,
+  forward_tasks(q.size(0), nq, nk, v, config, out.output, out.weights, out.lse,
                 [&](int64_t b, int64_t i0, int64_t rows, int64_t, T* s, int64_t lds) {
                   std::vector<int64_t> row_lens(static_cast<size_t>(rows));
                   for (int64_t r = 0; r < rows; ++r) row_lens[r] = lens(b, i0 + r, nk);
-                  const vecmath::AdditiveFeatures<T> f{fq.data() + (b * nq + i0) * hidden, hidden,
-                                                       fkt.data() + b * hidden * ldk,      ldk,
-                                                       params.w_v.data(),                  hidden};
-                  vecmath::additive_scores(f, rows, row_lens.data(), s, lds);
+                  const fast::AdditiveFeatures<T> f{fq.data() + (b * nq + i0) * hidden,
+                                                    hidden,
+                                                    fkt.data() + b * hidden * ldk,
+                                                    ldk,
+                                                    params.w_v.data(),
+                                                    hidden};
+                  fast::additive_scores(f, rows, row_lens.data(), s, lds);
                 });
 }
 
+// Gradients of q, k, v, W_q, W_k and w_v (H), every element written.
 template <class T>
-void additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                 const AdditiveParams<T>& params, const AttentionConfig& config,
-                                 ConstView<T> output, ConstView<T> lse, ConstView<T> d_output,
-                                 AdditiveGrads<T>& grads) {
+void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const AdditiveParams<T>& params, const AttentionConfig& config,
+                       const SavedViews<T>& saved, ConstView<T> d_output,
+                       const AdditiveGradViews<T>& grads) {
+  const ConstView<T> output = saved.output, lse = saved.lse;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
   const int64_t dq = q.size(2), dk = k.size(2), dv = v.size(2);
   const ValidLens& lens = *config.valid_lens;
-  const int64_t ldk = round_up(nk, vecmath::kAdditivePad);
+  const int64_t ldk = round_up(nk, fast::kAdditivePad);
   const Tensor<T> fq = project(q, params.w_q);
   const Tensor<T> fkt = project_keys_transposed(k, params.w_k, lens, nq, ldk);
   Tensor<T> dfq_parts(Shape{kKeyChunks, batch, nq, hidden});
   Tensor<T> dfkt(Shape{batch, hidden, ldk});
   Tensor<T> dwv_parts(Shape{batch * kKeyChunks, hidden});
-  grads.d_values = Tensor<T>(Shape{batch, nk, dv});
+  // Accumulated into below; keys no query sees keep 0.
+  std::fill_n(grads.d_values.data(), grads.d_values.numel(), T(0));
+  std::fill_n(grads.d_w_k.data(), grads.d_w_k.numel(), T(0));
+  std::fill_n(grads.d_w_v.data(), grads.d_w_v.numel(), T(0));
   const T inv_keep = config.dropout < 1.0 ? static_cast<T>(1.0 / (1.0 - config.dropout)) : T(0);
 
-  detail::parallel_for(batch * kKeyChunks, [&](int64_t task) {
+  kernels::parallel_for(batch * kKeyChunks, [&](int64_t task) {
     const int64_t b = task / kKeyChunks, c = task % kKeyChunks;
     const int64_t seen = longest_len(lens, b, 0, nq, nk);
-    const int64_t chunk = round_up(ceil_div(seen, kKeyChunks), vecmath::kAdditivePad);
+    const int64_t chunk = round_up(ceil_div(seen, kKeyChunks), fast::kAdditivePad);
     const int64_t k0 = c * chunk, k1 = std::min(seen, k0 + chunk);
     if (k0 >= k1) return;
-    const int64_t ld = round_up(k1 - k0, vecmath::kAdditivePad);
+    const int64_t ld = round_up(k1 - k0, fast::kAdditivePad);
     // Per query block: dLoss/d(dropped weights), dropout scales, dropped weights.
     std::vector<T> dp(static_cast<size_t>(kQueryBlock * ld)), p(dp.size());
     std::vector<T> drop(config.dropout > 0.0 ? dp.size() : 0);
     std::vector<T> lse_blk(kQueryBlock), d_row(kQueryBlock);
     std::vector<int64_t> n_valid(kQueryBlock);
     std::vector<uint8_t> keep(static_cast<size_t>(ld));
-    const vecmath::AdditiveFeatures<T> f_b{fq.data() + b * nq * hidden, hidden,
-                                           fkt.data() + b * hidden * ldk + k0, ldk,
-                                           params.w_v.data(), hidden};
+    const fast::AdditiveFeatures<T> f_b{
+        fq.data() + b * nq * hidden, hidden, fkt.data() + b * hidden * ldk + k0, ldk,
+        params.w_v.data(),           hidden};
     T* d_values_b = grads.d_values.data() + b * nk * dv;
     for (int64_t i0 = 0; i0 < nq; i0 += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, nq - i0);
@@ -224,37 +232,43 @@ void additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
       }
       if (cols == 0) continue;
       const T* d_out_blk = d_output.data() + (b * nq + i0) * dv;
-      detail::gemm(false, true, rows, cols, dv, T(1), d_out_blk, dv, v.data() + (b * nk + k0) * dv,
-                   dv, T(0), dp.data(), ld);
+      kernels::gemm(false, true, rows, cols, dv, T(1), d_out_blk, dv, v.data() + (b * nk + k0) * dv,
+                    dv, T(0), dp.data(), ld);
       for (int64_t r = 0; r < rows; ++r) {
         // D_r = sum_j P dP = dO_r . O_r (O already includes the dropout).
-        d_row[r] = vecmath::dot(d_out_blk + r * dv, output.data() + (b * nq + i0 + r) * dv, dv);
+        d_row[r] = fast::dot(d_out_blk + r * dv, output.data() + (b * nq + i0 + r) * dv, dv);
         if (drop.empty()) continue;
         detail::dropout_row_mask(config.seed, config.dropout, b, i0 + r, k0, n_valid[r],
                                  keep.data());
         T* drop_r = drop.data() + r * ld;
         for (int64_t j = 0; j < n_valid[r]; ++j) drop_r[j] = keep[j] ? inv_keep : T(0);
       }
-      vecmath::AdditiveFeatures<T> f = f_b;
+      fast::AdditiveFeatures<T> f = f_b;
       f.fq += i0 * hidden;
-      const vecmath::AdditiveGradTile<T> tile{
-          rows,      cols,
-          n_valid.data(), lse_blk.data(),
-          d_row.data(),   dp.data(),
-          drop.empty() ? nullptr : drop.data(), ld,
-          p.data(),  dfq_parts.data() + ((c * batch + b) * nq + i0) * hidden, hidden,
-          dfkt.data() + b * hidden * ldk + k0, dwv_parts.data() + task * hidden};
-      vecmath::additive_grad_tile(f, tile);
+      const fast::AdditiveGradTile<T> tile{rows,
+                                           cols,
+                                           n_valid.data(),
+                                           lse_blk.data(),
+                                           d_row.data(),
+                                           dp.data(),
+                                           drop.empty() ? nullptr : drop.data(),
+                                           ld,
+                                           p.data(),
+                                           dfq_parts.data() + ((c * batch + b) * nq + i0) * hidden,
+                                           hidden,
+                                           dfkt.data() + b * hidden * ldk + k0,
+                                           dwv_parts.data() + task * hidden};
+      fast::additive_grad_tile(f, tile);
       // dV += P_dropped^T dO over this block's queries.
-      detail::gemm(true, false, cols, dv, rows, T(1), p.data(), ld, d_out_blk, dv, T(1),
-                   d_values_b + k0 * dv, dv);
+      kernels::gemm(true, false, cols, dv, rows, T(1), p.data(), ld, d_out_blk, dv, T(1),
+                    d_values_b + k0 * dv, dv);
     }
   });
 
   // d(fq): the chunks' partial sums, in chunk order.
   Tensor<T> dfq(Shape{batch, nq, hidden});
   const int64_t fq_size = batch * nq * hidden;
-  detail::parallel_for(ceil_div(fq_size, int64_t{1} << 14), [&](int64_t blk) {
+  kernels::parallel_for(ceil_div(fq_size, int64_t{1} << 14), [&](int64_t blk) {
     const int64_t e0 = blk << 14, e1 = std::min(fq_size, e0 + (int64_t{1} << 14));
     for (int64_t c = 0; c < kKeyChunks; ++c) {
       const T* part = dfq_parts.data() + c * fq_size;
@@ -264,48 +278,47 @@ void additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
 
   // Back through the projections: dQ = d(fq) W_q, dW_q = d(fq)^T Q, and the
   // same for K from the transposed d(fk).
-  grads.d_queries = Tensor<T>(q.shape());
-  grads.d_keys = Tensor<T>(k.shape());
-  grads.d_w_q = Tensor<T>(Shape{hidden, dq});
-  grads.d_w_k = Tensor<T>(Shape{hidden, dk});
-  detail::parallel_gemm(false, false, batch * nq, dq, hidden, T(1), dfq.data(), hidden,
-                        params.w_q.data(), dq, T(0), grads.d_queries.data(), dq);
-  detail::parallel_gemm(true, false, hidden, dq, batch * nq, T(1), dfq.data(), hidden, q.data(), dq,
-                        T(0), grads.d_w_q.data(), dq);
-  const int64_t key_blocks = ceil_div(nk, detail::kGemmRowBlock);
-  detail::parallel_for(batch * key_blocks, [&](int64_t task) {
-    const int64_t b = task / key_blocks, j0 = (task % key_blocks) * detail::kGemmRowBlock;
-    const int64_t rows = std::min(detail::kGemmRowBlock, nk - j0);
-    detail::gemm(true, false, rows, dk, hidden, T(1), dfkt.data() + b * hidden * ldk + j0, ldk,
-                 params.w_k.data(), dk, T(0), grads.d_keys.data() + (b * nk + j0) * dk, dk);
+  kernels::parallel_gemm(false, false, batch * nq, dq, hidden, T(1), dfq.data(), hidden,
+                         params.w_q.data(), dq, T(0), grads.d_queries.data(), dq);
+  kernels::parallel_gemm(true, false, hidden, dq, batch * nq, T(1), dfq.data(), hidden, q.data(),
+                         dq, T(0), grads.d_w_q.data(), dq);
+  const int64_t key_blocks = ceil_div(nk, kernels::kGemmRowBlock);
+  kernels::parallel_for(batch * key_blocks, [&](int64_t task) {
+    const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kernels::kGemmRowBlock;
+    const int64_t rows = std::min(kernels::kGemmRowBlock, nk - j0);
+    kernels::gemm(true, false, rows, dk, hidden, T(1), dfkt.data() + b * hidden * ldk + j0, ldk,
+                  params.w_k.data(), dk, T(0), grads.d_keys.data() + (b * nk + j0) * dk, dk);
   });
   // dW_k = sum_b d(fk)_b^T K_b over the keys some query of b may see: keys past
   // every valid length are never read, not even to be multiplied by zero.
-  detail::parallel_for(ceil_div(hidden, detail::kGemmRowBlock), [&](int64_t blk) {
-    const int64_t h0 = blk * detail::kGemmRowBlock;
-    const int64_t rows = std::min(detail::kGemmRowBlock, hidden - h0);
+  kernels::parallel_for(ceil_div(hidden, kernels::kGemmRowBlock), [&](int64_t blk) {
+    const int64_t h0 = blk * kernels::kGemmRowBlock;
+    const int64_t rows = std::min(kernels::kGemmRowBlock, hidden - h0);
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t seen = longest_len(lens, b, 0, nq, nk);
-      detail::gemm(false, false, rows, dk, seen, T(1), dfkt.data() + (b * hidden + h0) * ldk, ldk,
-                   k.data() + b * nk * dk, dk, b == 0 ? T(0) : T(1), grads.d_w_k.data() + h0 * dk,
-                   dk);
+      kernels::gemm(false, false, rows, dk, seen, T(1), dfkt.data() + (b * hidden + h0) * ldk, ldk,
+                    k.data() + b * nk * dk, dk, b == 0 ? T(0) : T(1), grads.d_w_k.data() + h0 * dk,
+                    dk);
     }
   });
-  grads.d_w_v = Tensor<T>(Shape{hidden});
   for (int64_t t = 0; t < dwv_parts.size(0); ++t) {
     for (int64_t h = 0; h < hidden; ++h) grads.d_w_v(h) += dwv_parts(t, h);
   }
 }
 
-#define QKV_INSTANTIATE(T)                                                                        \
-  template void additive_attention<T>(ConstView<T>, ConstView<T>, ConstView<T>,                   \
-                                      const AdditiveParams<T>&, const AttentionConfig&,           \
-                                      TensorView<T>, TensorView<T>, TensorView<T>);               \
-  template void additive_attention_backward<T>(                                                   \
-      ConstView<T>, ConstView<T>, ConstView<T>, const AdditiveParams<T>&, const AttentionConfig&, \
-      ConstView<T>, ConstView<T>, ConstView<T>, AdditiveGrads<T>&);
-QKV_INSTANTIATE(float)
-QKV_INSTANTIATE(double)
-#undef QKV_INSTANTIATE
+template void additive<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                              const AdditiveParams<float>&, const AttentionConfig&,
+                              const ForwardViews<float>&);
+template void additive<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                               const AdditiveParams<double>&, const AttentionConfig&,
+                               const ForwardViews<double>&);
+template void additive_backward<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                                       const AdditiveParams<float>&, const AttentionConfig&,
+                                       const SavedViews<float>&, ConstView<float>,
+                                       const AdditiveGradViews<float>&);
+template void additive_backward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                                        const AdditiveParams<double>&, const AttentionConfig&,
+                                        const SavedViews<double>&, ConstView<double>,
+                                        const AdditiveGradViews<double>&);
 
 }  // namespace qkv::kernels::fast

@@ -19,7 +19,7 @@
 #include "kernels/tail-inl.h"
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::kernels::block_gemm {
+namespace qkv::kernels::fast {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using D = hn::ScalableTag<float>;
@@ -56,8 +56,8 @@ HWY_INLINE float* scratch(size_t n) {
   return buf.get();
 }
 
-using ::qkv::simd::HWY_NAMESPACE::LoadTail;
-using ::qkv::simd::HWY_NAMESPACE::StoreTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
 
 // C (MR x NV vectors) = alpha A B (kAccumulate: C += A B). A is MR rows of
 // k, lda apart; B is k rows of NV vectors, ldb apart (a packed panel, or V
@@ -219,24 +219,24 @@ void Accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, co
 }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::kernels::block_gemm
+}  // namespace qkv::kernels::fast
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace qkv::kernels::block_gemm {
+namespace qkv::kernels::fast {
 
 HWY_EXPORT(Scores);
 HWY_EXPORT(Accumulate);
 
-void scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-            const float* b, int64_t ldb, float* c, int64_t ldc) {
+void block_scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                  const float* b, int64_t ldb, float* c, int64_t ldc) {
   HWY_DYNAMIC_DISPATCH(Scores)(m, n, k, alpha, a, lda, b, ldb, c, ldc);
 }
 
-void accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                int64_t ldb, float* c, int64_t ldc) {
+void block_accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                      int64_t ldb, float* c, int64_t ldc) {
   HWY_DYNAMIC_DISPATCH(Accumulate)(m, n, k, a, lda, b, ldb, c, ldc);
 }
 
-}  // namespace qkv::kernels::block_gemm
+}  // namespace qkv::kernels::fast
 #endif  // HWY_ONCE

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace qkv::kernels::block_gemm {
+namespace qkv::kernels::fast {
 
 // Row-major, single-threaded; m, n or k may be 0, leading dimensions may
 // exceed the row lengths. Each element of C is one sum over k in increasing
@@ -15,11 +15,11 @@ namespace qkv::kernels::block_gemm {
 
 // C (m x n, ldc) = alpha * A (m x k, lda) * Bᵀ, B stored n x k (ldb).
 // Overwrites C without reading it.
-void scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-            const float* b, int64_t ldb, float* c, int64_t ldc);
+void block_scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                  const float* b, int64_t ldb, float* c, int64_t ldc);
 
 // C (m x n, ldc) += A (m x k, lda) * B (k x n, ldb).
-void accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                int64_t ldb, float* c, int64_t ldc);
+void block_accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                      int64_t ldb, float* c, int64_t ldc);
 
-}  // namespace qkv::kernels::block_gemm
+}  // namespace qkv::kernels::fast

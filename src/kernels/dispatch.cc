@@ -12,17 +12,17 @@
 #include "kernels/dispatch.h"
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::kernels::dispatch {
+namespace qkv::kernels {
 namespace HWY_NAMESPACE {
 
 int64_t CompiledTarget() { return HWY_TARGET; }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::kernels::dispatch
+}  // namespace qkv::kernels
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace qkv::kernels::dispatch {
+namespace qkv::kernels {
 
 HWY_EXPORT(CompiledTarget);
 
@@ -71,5 +71,5 @@ bool avx512_allowed() {
 #endif
 }
 
-}  // namespace qkv::kernels::dispatch
+}  // namespace qkv::kernels
 #endif  // HWY_ONCE

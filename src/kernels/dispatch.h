@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace qkv::kernels::dispatch {
+namespace qkv::kernels {
 
 // A Highway target bit (HWY_AVX2, ...) by qkv's name for it: Highway's name
 // in lower case, with AVX3 called avx512 ("avx512", "avx2", "sse4",
@@ -34,4 +34,4 @@ void cap_at(int64_t target);
 // ask this, so a cap at avx2 turns them off too.
 bool avx512_allowed();
 
-}  // namespace qkv::kernels::dispatch
+}  // namespace qkv::kernels

@@ -21,7 +21,7 @@
 #include <hwy/highway.h>
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::simd {
+namespace qkv::kernels::fast {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -181,7 +181,7 @@ HWY_INLINE V ExpNonPositive(D d, V x) {
 }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::simd
+}  // namespace qkv::kernels::fast
 HWY_AFTER_NAMESPACE();
 
 #endif  // QKV_KERNELS_EXP_INL_H_

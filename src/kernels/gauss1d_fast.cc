@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/parallel.h"
 #include "kernels/vecmath.h"
-#include "parallel.h"
 
 namespace qkv::kernels {
 namespace {
@@ -145,9 +145,9 @@ void window_sums(const Problem& p, double q, double xa, int64_t lo, int64_t hi, 
     } else {
       for (int64_t j = 0; j < len; ++j) w[j] = -rel_exponent(p.keys[j0 + j], xa, qa, q, p.inv_h);
     }
-    sums[0] += vecmath::exp_shift_sum(w, 0.0, w, len);
+    sums[0] += fast::exp_shift_sum(w, 0.0, w, len);
     if (m == 1) {
-      sums[1] += vecmath::dot(w, p.values + j0, len);
+      sums[1] += fast::dot(w, p.values + j0, len);
     } else {
       std::fill(s.acc.begin(), s.acc.end(), 0.0);
       const double* v = p.values + j0 * m;
@@ -257,7 +257,7 @@ Boxes build_boxes(const Problem& p, double cutoff, double tau) {
   // 64 boxes per task; inside a box, keys in blocks of 256 summed apart and
   // then added (rounding ~ (256 + keys/256) ulps instead of keys).
   constexpr int64_t kBoxesPerTask = 64, kKeyBlock = 256;
-  detail::parallel_for((nb + kBoxesPerTask - 1) / kBoxesPerTask, [&](int64_t task) {
+  kernels::parallel_for((nb + kBoxesPerTask - 1) / kBoxesPerTask, [&](int64_t task) {
     std::vector<double> total(static_cast<size_t>(cols * P)), part(total.size());
     const int64_t b_end = std::min(nb, (task + 1) * kBoxesPerTask);
     for (int64_t b = task * kBoxesPerTask; b < b_end; ++b) {
@@ -324,7 +324,7 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
   if (few) {
     for (int64_t i = 0; i < nbq; ++i) e[i] = std::exp(e[i]);
   } else {
-    vecmath::exp_shift_sum(e, 0.0, e, nbq);
+    fast::exp_shift_sum(e, 0.0, e, nbq);
   }
   for (int64_t col = 0; col <= m; ++col) {
     const double* cf = bx.coef.data() + col * P * nb + b0;
@@ -334,7 +334,7 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
       for (int64_t i = 0; i < nbq; ++i) total += e[i] * acc[i];
       sums[col] = total;
     } else {
-      sums[col] = vecmath::dot(e, acc, nbq);
+      sums[col] = fast::dot(e, acc, nbq);
     }
   }
   return true;
@@ -390,7 +390,7 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
   }
   if (!exact) {
     const auto mid = order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2);
-    detail::parallel_for(2, [&](int64_t half) {
+    kernels::parallel_for(2, [&](int64_t half) {
       if (half == 0) {
         std::sort(order.begin(), mid);
       } else {
@@ -430,7 +430,7 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
 
   const int64_t tasks = (tq + kQueryBlock - 1) / kQueryBlock;
   std::vector<int64_t> taylor_count(static_cast<size_t>(tasks), 0);
-  detail::parallel_for(tasks, [&](int64_t task) {
+  kernels::parallel_for(tasks, [&](int64_t task) {
     Scratch s;
     std::vector<double> sums(static_cast<size_t>(m + 1));
     const int64_t i_end = std::min(tq, (task + 1) * kQueryBlock);

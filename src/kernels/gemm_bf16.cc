@@ -44,10 +44,10 @@
 #include <unistd.h>
 #endif
 
+#include "kernels/blas.h"
 #include "kernels/dispatch.h"
-#include "parallel.h"
 
-namespace qkv::kernels::bf16 {
+namespace qkv::kernels::fast {
 namespace {
 
 enum class Path { kAmx, kAvx512Bf16, kWiden };
@@ -122,7 +122,7 @@ const Support& cpu_support() {
   static const Support cpu = detect_support();
   return cpu;
 }
-Support support() { return dispatch::avx512_allowed() ? cpu_support() : Support{}; }
+Support support() { return kernels::avx512_allowed() ? cpu_support() : Support{}; }
 
 #define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define QKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -594,9 +594,9 @@ void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float al
 #endif
   thread_local std::vector<float> wide_a;
   widen_rows(a, lda, trans_a ? k : m, trans_a ? m : k, wide_a);
-  detail::init_blas_threads();
-  detail::gemm(trans_a, false, m, n, k, alpha, wide_a.data(), trans_a ? m : k, b.wide, n, beta, c,
-               ldc);
+  kernels::init_blas_threads();
+  kernels::gemm(trans_a, false, m, n, k, alpha, wide_a.data(), trans_a ? m : k, b.wide, n, beta, c,
+                ldc);
 }
 
 // Puts op(B) into the form `path` multiplies with, in `words` or `wide`.
@@ -637,9 +637,10 @@ void gemm_on(Path path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_
   multiply(path, trans_a, m, n, k, alpha, a, lda, ready, beta, c, ldc);
 }
 
-PackedB pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
+PackedBf16 pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b,
+                     int64_t ldb) {
   assert(n >= 0 && k >= 0);
-  PackedB packed;
+  PackedBf16 packed;
   packed.n = n;
   packed.k = k;
   packed.path = static_cast<int>(path);
@@ -647,7 +648,7 @@ PackedB pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16*
   return packed;
 }
 
-void gemm_packed(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedB& b,
+void gemm_packed(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
                  float beta, float* c, int64_t ldc) {
   assert(m >= 0);
   if (m == 0 || b.n == 0) return;
@@ -662,18 +663,18 @@ void gemm_packed(int64_t m, float alpha, const bfloat16* a, int64_t lda, const P
 
 }  // namespace
 
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-          const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
-          int64_t ldc) {
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
+               int64_t ldc) {
   gemm_on(best_path(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-PackedB pack_b(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
+PackedBf16 pack_b_bf16(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
   return pack_b_on(best_path(), trans_b, n, k, b, ldb);
 }
 
-void gemm(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedB& b, float beta,
-          float* c, int64_t ldc) {
+void gemm_bf16(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
+               float beta, float* c, int64_t ldc) {
   gemm_packed(m, alpha, a, lda, b, beta, c, ldc);
 }
 
@@ -691,13 +692,12 @@ void to_float(const bfloat16* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
-bool native() { return best_path() != Path::kWiden; }
+bool bf16_native() { return best_path() != Path::kWiden; }
 
 // For tests and benchmarks: every path this CPU can run, on demand, whatever
 // the SIMD cap.
-namespace internal {
 
-std::vector<std::string> available_paths() {
+std::vector<std::string> bf16_paths() {
   std::vector<std::string> names;
   for (Path path : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
     if (available(path)) names.emplace_back(path_name(path));
@@ -705,26 +705,25 @@ std::vector<std::string> available_paths() {
   return names;
 }
 
-void gemm_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                  int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
-                  int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                       int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
+                       int64_t ldb, float beta, float* c, int64_t ldc) {
   for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
     if (path == path_name(p) && available(p)) {
       return gemm_on(p, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     }
   }
-  throw std::invalid_argument("bf16::internal::gemm_on_path: path '" + path +
+  throw std::invalid_argument("fast::gemm_bf16_on_path: path '" + path +
                               "' is not available on this machine");
 }
 
-PackedB pack_b_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
-                       const bfloat16* b, int64_t ldb) {
+PackedBf16 pack_b_bf16_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
+                               const bfloat16* b, int64_t ldb) {
   for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
     if (path == path_name(p) && available(p)) return pack_b_on(p, trans_b, n, k, b, ldb);
   }
-  throw std::invalid_argument("bf16::internal::pack_b_on_path: path '" + path +
+  throw std::invalid_argument("fast::pack_b_bf16_on_path: path '" + path +
                               "' is not available on this machine");
 }
 
-}  // namespace internal
-}  // namespace qkv::kernels::bf16
+}  // namespace qkv::kernels::fast

@@ -10,38 +10,38 @@
 
 #include "qkv/bfloat16.h"
 
-namespace qkv::kernels::bf16 {
+namespace qkv::kernels::fast {
 
 // Row-major C (m x n, float) = alpha * op(A) op(B) + beta * C, single-threaded.
 // op(A) is m x k (A stored k x m when trans_a), op(B) is k x n (stored n x k
 // when trans_b). beta = 0 overwrites C without reading it. m, n or k may be 0.
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-          const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
-          int64_t ldc);
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
+               int64_t ldc);
 
 // op(B) packed once for several products with different A (one key block of
 // K or V against every query block of attention), in the layout of the path
 // gemm runs on. Fields are the implementation's.
-struct PackedB {
+struct PackedBf16 {
   int64_t n = 0, k = 0;           // op(B) is k x n
   int64_t kp = 0;                 // native paths: pairs of k per panel row, padded
   int path = 0;                   // the path it was packed for
   std::vector<uint32_t> words;    // native paths: 16-column panels of kp x 16 words
   std::vector<float> wide;        // widening path: op(B) as float, k x n
 };
-PackedB pack_b(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb);
+PackedBf16 pack_b_bf16(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb);
 
 // C (m x b.n) = alpha * A B + beta * C with A row-major m x b.k (lda) and B
-// packed by pack_b: the same result as gemm(false, trans_b, ...) on the
+// packed by pack_b_bf16: the same result as gemm_bf16(false, trans_b, ...) on the
 // unpacked B, bit for bit.
-void gemm(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedB& b, float beta,
-          float* c, int64_t ldc);
+void gemm_bf16(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
+               float beta, float* c, int64_t ldc);
 
 // out[i] = bfloat16(x[i]) (round to nearest even), and back.
 void to_bf16(const float* x, bfloat16* out, int64_t n);
 void to_float(const bfloat16* x, float* out, int64_t n);
 
-// True when gemm runs on the AVX-512 BF16 instructions.
-bool native();
+// True when gemm_bf16 runs on the AVX-512 BF16 instructions.
+bool bf16_native();
 
-}  // namespace qkv::kernels::bf16
+}  // namespace qkv::kernels::fast

@@ -1,12 +1,14 @@
-// The kernels behind the public ops, in two versions with the same contract:
-// ref (plain loops, double accumulation, any strides) and fast (BLAS, SIMD,
-// threads; contiguous inputs). Front ends in src/*.cc validate arguments and
-// then call one of them; kernels only assert.
+// The kernels behind the public ops, in two versions with one contract per
+// op: ref (plain loops, double accumulation, any strides) and fast (BLAS,
+// SIMD, threads; contiguous inputs). Views in, views out: the front ends in
+// src/*.cc validate arguments, allocate every destination and then call one
+// of them; kernels only assert. The types here are the kernels' own (no
+// front-end header: the owning results live in qkv/attention.h).
 #pragma once
 
 #include <cstdint>
 
-#include "qkv/attention.h"
+#include "qkv/bfloat16.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
 
@@ -28,77 +30,122 @@ struct AdditiveParams {
   ConstView<T> w_v;  // (H)
 };
 
-namespace ref {
+// Where a forward writes: output (B, Nq, Dv); weights (B, Nq, Nk) and lse
+// (B, Nq) have null data when not wanted. Contiguous.
+template <class T>
+struct ForwardViews {
+  TensorView<T> output;
+  TensorView<T> weights;
+  TensorView<T> lse;
+};
+
+// What a backward reads back from its forward: output (B, Nq, Dv) and lse
+// (B, Nq). The reference recomputes both and ignores them.
+template <class T>
+struct SavedViews {
+  ConstView<T> output;
+  ConstView<T> lse;
+};
+
+// Where a backward writes, every element (contiguous).
+template <class T>
+struct SdpaGradViews {
+  TensorView<T> d_queries;  // (B, Nq, D)
+  TensorView<T> d_keys;     // (B, Nk, D)
+  TensorView<T> d_values;   // (B, Nk, Dv)
+};
+
+template <class T>
+struct AdditiveGradViews {
+  TensorView<T> d_queries;  // (B, Nq, Dq)
+  TensorView<T> d_keys;     // (B, Nk, Dk)
+  TensorView<T> d_values;   // (B, Nk, Dv)
+  TensorView<T> d_w_q;      // (H, Dq)
+  TensorView<T> d_w_k;      // (H, Dk)
+  TensorView<T> d_w_v;      // (H)
+};
 
 // Softmax of one row in double: w[j < len] normalised, w[j >= len] = 0.
 // Returns the row's log-sum-exp (-inf for an empty or all -inf row, NaN for a
-// row with NaN or +inf). The rules of DESIGN.md §3 live here.
+// row with NaN or +inf). The rules of DESIGN.md §3 live here (ref version).
+namespace ref {
 double softmax_row(const double* x, int64_t len, int64_t n, double* w);
+}  // namespace ref
+
+// The ops: ref and fast declare the same templates (instantiated for float
+// and double), so a front end switches versions by namespace alone.
+//   sdpa:     q (B, Nq, D)   k (B, Nk, D)   v (B, Nk, Dv)
+//   additive: q (B, Nq, Dq)  k (B, Nk, Dk)  v (B, Nk, Dv), params
+//   masked_softmax: scores, weights, d_weights, d_scores (B, Nq, Nk)
+namespace ref {
 
 template <class T>
 void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights);
 template <class T>
 void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
                              const ValidLens& valid_lens, TensorView<T> d_scores);
+template <class T>
+void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+          const ForwardViews<T>& out);
+template <class T>
+void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+                   const SavedViews<T>& saved, ConstView<T> d_output,
+                   const SdpaGradViews<T>& grads);
+template <class T>
+void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
+              const AttentionConfig& config, const ForwardViews<T>& out);
+template <class T>
+void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const AdditiveParams<T>& params, const AttentionConfig& config,
+                       const SavedViews<T>& saved, ConstView<T> d_output,
+                       const AdditiveGradViews<T>& grads);
 
-template <class T>
-AttentionResult<T> dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                         const AttentionConfig& config);
-template <class T>
-DotProductGrads<T> dot_product_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                                  const AttentionConfig& config,
-                                                  ConstView<T> d_output);
-template <class T>
-AttentionResult<T> additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                      const AdditiveParams<T>& params,
-                                      const AttentionConfig& config);
-// d_w_v of the result has shape (H).
-template <class T>
-AdditiveGrads<T> additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                             const AdditiveParams<T>& params,
-                                             const AttentionConfig& config, ConstView<T> d_output);
 }  // namespace ref
 
 namespace fast {
+
+// Whether the fast version covers a problem; the front end runs ref
+// otherwise, so a new variant can land reference-first. Today fast covers
+// every problem the front ends pass (contiguous inputs, any sizes, lengths,
+// dropout): the check is that contract.
+template <class T>
+bool supports(ConstView<T> q, ConstView<T> k, ConstView<T> v) {
+  return q.is_contiguous() && k.is_contiguous() && v.is_contiguous();
+}
+
+template <class T>
+void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights);
+template <class T>
+void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
+                             const ValidLens& valid_lens, TensorView<T> d_scores);
+template <class T>
+void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+          const ForwardViews<T>& out);
+template <class T>
+void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+                   const SavedViews<T>& saved, ConstView<T> d_output,
+                   const SdpaGradViews<T>& grads);
+template <class T>
+void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
+              const AttentionConfig& config, const ForwardViews<T>& out);
+template <class T>
+void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const AdditiveParams<T>& params, const AttentionConfig& config,
+                       const SavedViews<T>& saved, ConstView<T> d_output,
+                       const AdditiveGradViews<T>& grads);
+
+// bf16 queries, keys and values; float results and gradients.
+void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+          const AttentionConfig& config, const ForwardViews<float>& out);
+void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                   const AttentionConfig& config, const SavedViews<float>& saved,
+                   ConstView<float> d_output, const SdpaGradViews<float>& grads);
 
 // Softmax of one contiguous row of n elements with valid length len, into w
 // (may alias x); returns the log-sum-exp as ref::softmax_row does.
 float softmax_row(const float* x, int64_t len, int64_t n, float* w);
 double softmax_row(const double* x, int64_t len, int64_t n, double* w);
 
-template <class T>
-void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights);
-template <class T>
-void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
-                             const ValidLens& valid_lens, TensorView<T> d_scores);
-
-// Destinations are contiguous; weights and lse may have null data (not wanted).
-template <class T>
-void dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                           const AttentionConfig& config, TensorView<T> output,
-                           TensorView<T> weights, TensorView<T> lse);
-template <class T>
-void dot_product_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                    const AttentionConfig& config, ConstView<T> output,
-                                    ConstView<T> lse, ConstView<T> d_output,
-                                    DotProductGrads<T>& grads);
-// bf16 queries, keys and values; float results (qkv/attention.h).
-void dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
-                           const AttentionConfig& config, TensorView<float> output,
-                           TensorView<float> weights, TensorView<float> lse);
-void dot_product_attention_backward(ConstView<bfloat16> q, ConstView<bfloat16> k,
-                                    ConstView<bfloat16> v, const AttentionConfig& config,
-                                    ConstView<float> output, ConstView<float> lse,
-                                    ConstView<float> d_output, DotProductGrads<float>& grads);
-template <class T>
-void additive_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                        const AdditiveParams<T>& params, const AttentionConfig& config,
-                        TensorView<T> output, TensorView<T> weights, TensorView<T> lse);
-template <class T>
-void additive_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                 const AdditiveParams<T>& params, const AttentionConfig& config,
-                                 ConstView<T> output, ConstView<T> lse, ConstView<T> d_output,
-                                 AdditiveGrads<T>& grads);
 }  // namespace fast
 
 }  // namespace qkv::kernels

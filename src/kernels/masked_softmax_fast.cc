@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/parallel.h"
 #include "kernels/vecmath.h"
-#include "parallel.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -44,11 +44,11 @@ T softmax_row_impl(const T* x, int64_t len, int64_t n, T* w) {
     return -std::numeric_limits<T>::infinity();
   }
   bool all_finite = true;
-  const T max = vecmath::max_of(x, len, &all_finite);
+  const T max = fast::max_of(x, len, &all_finite);
   T lse;
   if (all_finite) {
-    const T sum = vecmath::exp_shift_sum(x, max, w, len);
-    vecmath::scale(w, T(1) / sum, len);
+    const T sum = fast::exp_shift_sum(x, max, w, len);
+    fast::scale(w, T(1) / sum, len);
     lse = max + std::log(sum);
   } else {
     lse = softmax_row_nonfinite(x, len, w);
@@ -102,7 +102,7 @@ void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView
   const int64_t rows = scores.size(0) * nq;
   const int64_t block = rows_per_task(nk);
   const bool stream = rows * nk * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-  detail::parallel_for((rows + block - 1) / block, [&](int64_t task) {
+  kernels::parallel_for((rows + block - 1) / block, [&](int64_t task) {
     std::vector<T> scratch(static_cast<size_t>(nk));  // exp(x - max) of one row, in L1
     const int64_t end = std::min(rows, (task + 1) * block);
     for (int64_t r = task * block; r < end; ++r) {
@@ -115,11 +115,11 @@ void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView
       const int64_t len = valid_lens(b, i, nk);
       const T* x = &scores(b, i, 0);
       T* w = &weights(b, i, 0);
-      if (len == 0 || std::isnan(vecmath::softmax_row_once(x, len, nk, w, scratch.data(), stream))) {
+      if (len == 0 || std::isnan(fast::softmax_row_once(x, len, nk, w, scratch.data(), stream))) {
         softmax_row_impl(x, len, nk, w);  // empty, or NaN / ±inf among the valid scores
       }
     }
-    if (stream) vecmath::flush_streams();
+    if (stream) fast::flush_streams();
   });
 }
 
@@ -130,14 +130,14 @@ void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
   const int64_t rows = weights.size(0) * nq;
   const int64_t block = rows_per_task(nk);
   const bool stream = rows * nk * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-  detail::parallel_for((rows + block - 1) / block, [&](int64_t task) {
+  kernels::parallel_for((rows + block - 1) / block, [&](int64_t task) {
     const int64_t end = std::min(rows, (task + 1) * block);
     for (int64_t r = task * block; r < end; ++r) {
       const int64_t b = r / nq, i = r % nq;
-      vecmath::softmax_grad_row_once(&weights(b, i, 0), &d_weights(b, i, 0), valid_lens(b, i, nk),
-                                     nk, &d_scores(b, i, 0), stream);
+      fast::softmax_grad_row_once(&weights(b, i, 0), &d_weights(b, i, 0), valid_lens(b, i, nk), nk,
+                                  &d_scores(b, i, 0), stream);
     }
-    if (stream) vecmath::flush_streams();
+    if (stream) fast::flush_streams();
   });
 }
 

@@ -14,10 +14,10 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/blas.h"
 #include "kernels/nadaraya_watson.h"
 #include "kernels/small_dim_attention.h"
 #include "kernels/vecmath.h"
-#include "parallel.h"
 
 namespace qkv::kernels {
 namespace {
@@ -79,7 +79,7 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
       return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
     }
     for (int64_t j = 0; j < n; ++j) w[j] = std::max(-0.5 * (w[j] - best), kScoreFloor);
-    const double sum = vecmath::exp_shift_sum(w, 0.0, w, n);
+    const double sum = fast::exp_shift_sum(w, 0.0, w, n);
     if (!(-0.5 * best + std::log(sum) >= kFarRowLse)) {
       return gaussian_row_far(d, xt, 1, n, qi, skip, true, w);
     }
@@ -120,7 +120,7 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
   return sum;
 }
 
-// The Gaussian estimator through small_dim::forward, or false (nothing
+// The Gaussian estimator through fast::small_dim_forward, or false (nothing
 // written) when it does not apply: p or m above 8, `far` (a difference
 // q_c - x_jc may overflow), or bandwidths so small that 1 / h^2 overflows
 // (or so large that it is not normal). Scores are -scale |q' - x'|^2 with
@@ -136,8 +136,8 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
 // gaussian_row_far, in parallel: the same rule as the reference's.
 bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, double* out,
                     int64_t* undefined) {
-  if (d.kernel != Kernel::kGaussian || d.p > small_dim::kMaxDim || d.m > small_dim::kMaxValueDim ||
-      far) {
+  if (d.kernel != Kernel::kGaussian || d.p > fast::kSmallDimMaxDim ||
+      d.m > fast::kSmallDimMaxValueDim || far) {
     return false;
   }
   double inv_max = 0.0;
@@ -178,12 +178,11 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   const ValidLens all_keys;
   const AttentionConfig config{.valid_lens = &all_keys, .scale = scale, .dropout = 0.0, .seed = 0};
   std::vector<double> lse(static_cast<size_t>(t));
-  small_dim::forward<double>(ConstView<double>(qp, Shape{1, t, d.p}),
-                             ConstView<double>(x, Shape{1, d.n, d.p}),
-                             ConstView<double>(d.y, Shape{1, d.n, d.m}), nullptr,
-                             small_dim::ScoreKind::kNegSquaredDistance, config,
-                             TensorView<double>(out, Shape{1, t, d.m}),
-                             TensorView<double>(lse.data(), Shape{1, t}));
+  fast::small_dim_forward<double>(
+      ConstView<double>(qp, Shape{1, t, d.p}), ConstView<double>(x, Shape{1, d.n, d.p}),
+      ConstView<double>(d.y, Shape{1, d.n, d.m}), nullptr, fast::ScoreKind::kNegSquaredDistance,
+      config, TensorView<double>(out, Shape{1, t, d.m}),
+      TensorView<double>(lse.data(), Shape{1, t}));
   std::vector<int64_t> redo;
   for (int64_t i = 0; i < t; ++i) {
     if (!(std::isfinite(lse[i]) && lse[i] >= kFarRowLse)) redo.push_back(i);
@@ -191,7 +190,7 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   const int64_t count = static_cast<int64_t>(redo.size());
   const int64_t per_task = rows_per_task(d.n);
   std::vector<int64_t> empty(static_cast<size_t>(ceil_div(count, per_task)), 0);
-  detail::parallel_for(static_cast<int64_t>(empty.size()), [&](int64_t task) {
+  kernels::parallel_for(static_cast<int64_t>(empty.size()), [&](int64_t task) {
     std::vector<double> w(static_cast<size_t>(d.n));
     for (int64_t r = task * per_task; r < std::min(count, (task + 1) * per_task); ++r) {
       const int64_t i = redo[r];
@@ -231,7 +230,7 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
   const int64_t rows = rows_per_task(d.n);
   const int64_t tasks = ceil_div(t, rows);
   std::vector<int64_t> undefined(static_cast<size_t>(tasks), 0);
-  detail::parallel_for(tasks, [&](int64_t task) {
+  kernels::parallel_for(tasks, [&](int64_t task) {
     const int64_t i0 = task * rows, r_end = std::min(rows, t - i0);
     std::vector<double> scratch;
     double* w = weights ? weights + i0 * d.n : nullptr;
@@ -244,7 +243,7 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
       sums[r] = kernel_row(d, xt.data(), q + (i0 + r) * d.p, -1, far, w + r * d.n);
     }
     double* o = out + i0 * d.m;
-    detail::gemm(false, false, r_end, d.m, d.n, 1.0, w, d.n, d.y, d.m, 0.0, o, d.m);
+    kernels::gemm(false, false, r_end, d.m, d.n, 1.0, w, d.n, d.y, d.m, 0.0, o, d.m);
     for (int64_t r = 0; r < r_end; ++r) {
       if (sums[r] == 0.0) {
         ++undefined[task];
@@ -253,8 +252,8 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
         continue;
       }
       const double inv = 1.0 / sums[r];
-      vecmath::scale(o + r * d.m, inv, d.m);
-      if (weights) vecmath::scale(w + r * d.n, inv, d.n);
+      fast::scale(o + r * d.m, inv, d.m);
+      if (weights) fast::scale(w + r * d.n, inv, d.n);
     }
   });
   int64_t total = 0;
@@ -275,7 +274,7 @@ LooSums loo_sums(const NwData& d, bool gradient) {
   const bool far = !differences_fit(d.x, n * p);
   const int64_t tasks = ceil_div(n, rows);
   std::vector<LooSums> parts(static_cast<size_t>(tasks));
-  detail::parallel_for(tasks, [&](int64_t task) {
+  kernels::parallel_for(tasks, [&](int64_t task) {
     LooSums& part = parts[task];
     if (gradient) part.g.assign(static_cast<size_t>(p), 0.0);
     std::vector<double> w(static_cast<size_t>(n)), b(gradient ? n : 0);
@@ -287,7 +286,7 @@ LooSums loo_sums(const NwData& d, bool gradient) {
       const double sum = kernel_row(d, xt.data(), xi, i, far, w.data());
       if (sum == 0.0) continue;
       const double inv = 1.0 / sum;
-      vecmath::scale(w.data(), inv, n);  // a_ij
+      fast::scale(w.data(), inv, n);  // a_ij
       std::fill(f.begin(), f.end(), 0.0);
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t k = 0; k < m; ++k) f[k] += w[j] * d.y[j * m + k];

@@ -48,13 +48,13 @@
 #include <vector>
 
 #include "kernels/attention_common.h"
+#include "kernels/blas.h"
 #include "kernels/block_gemm.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
 #include "kernels/small_dim_attention.h"
 #include "kernels/softmax_tile.h"
 #include "kernels/vecmath.h"
-#include "parallel.h"
 #include "philox.h"
 
 namespace qkv::kernels::fast {
@@ -97,14 +97,14 @@ struct Flash {
   }
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
                    int64_t lda, const In* b, int64_t ldb, Acc beta, Acc* c, int64_t ldc) {
-    detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    kernels::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   // The forward's S = alpha Q Kᵀ (c overwritten) and O += P V: float on
   // block_gemm's Highway kernels, double on the BLAS (see the top of the file).
   static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
                      const In* b, int64_t ldb, Acc* c, int64_t ldc) {
     if constexpr (std::is_same_v<In, float>) {
-      block_gemm::scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+      fast::block_scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
     } else {
       gemm(false, true, m, n, k, alpha, a, lda, b, ldb, Acc(0), c, ldc);
     }
@@ -112,7 +112,7 @@ struct Flash {
   static void accumulate(int64_t m, int64_t n, int64_t k, const In* a, int64_t lda, const In* b,
                          int64_t ldb, Acc* c, int64_t ldc) {
     if constexpr (std::is_same_v<In, float>) {
-      block_gemm::accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+      fast::block_accumulate(m, n, k, a, lda, b, ldb, c, ldc);
     } else {
       gemm(false, false, m, n, k, Acc(1), a, lda, b, ldb, Acc(1), c, ldc);
     }
@@ -123,9 +123,7 @@ struct Flash {
     return x;
   }
   // D_i = dO_i . O_i, with dO_i as the products see it.
-  static Acc delta(const Acc* d_out, const Acc* out, int64_t n) {
-    return vecmath::dot(d_out, out, n);
-  }
+  static Acc delta(const Acc* d_out, const Acc* out, int64_t n) { return fast::dot(d_out, out, n); }
 };
 
 template <>
@@ -135,18 +133,19 @@ struct Flash<bfloat16> {
   // query block: packing was ~6 % of the bf16 forward, and with the products
   // at ~2x the float rate every other pass counts double.
   struct KeyBlock {
-    bf16::PackedB k, v;  // Kᵀ (d x cols) and V (cols x dv) as B operands
+    fast::PackedBf16 k, v;  // Kᵀ (d x cols) and V (cols x dv) as B operands
   };
   // k_blk: cols x d keys, v_blk: cols x dv values.
   static KeyBlock prepare(const bfloat16* k_blk, const bfloat16* v_blk, int64_t cols, int64_t d,
                           int64_t dv) {
-    return {bf16::pack_b(true, cols, d, k_blk, d), bf16::pack_b(false, dv, cols, v_blk, dv)};
+    return {fast::pack_b_bf16(true, cols, d, k_blk, d),
+            fast::pack_b_bf16(false, dv, cols, v_blk, dv)};
   }
   static void scores(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, float alpha,
                      const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float* c,
                      int64_t ldc) {
     if (kb && kb->k.n == n) {
-      bf16::gemm(m, alpha, a, lda, kb->k, 0.0f, c, ldc);
+      fast::gemm_bf16(m, alpha, a, lda, kb->k, 0.0f, c, ldc);
     } else {
       scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
     }
@@ -154,7 +153,7 @@ struct Flash<bfloat16> {
   static void accumulate(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, const bfloat16* a,
                          int64_t lda, const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
     if (kb && kb->v.k == k) {
-      bf16::gemm(m, 1.0f, a, lda, kb->v, 1.0f, c, ldc);
+      fast::gemm_bf16(m, 1.0f, a, lda, kb->v, 1.0f, c, ldc);
     } else {
       accumulate(m, n, k, a, lda, b, ldb, c, ldc);
     }
@@ -162,7 +161,7 @@ struct Flash<bfloat16> {
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
-    bf16::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    fast::gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   static void scores(int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a, int64_t lda,
                      const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
@@ -174,7 +173,7 @@ struct Flash<bfloat16> {
   }
   static const bfloat16* operand(const float* x, int64_t n, std::vector<bfloat16>& buf) {
     buf.resize(static_cast<size_t>(n));
-    bf16::to_bf16(x, buf.data(), n);
+    fast::to_bf16(x, buf.data(), n);
     return buf.data();
   }
   // dP = dO Vᵀ uses dO rounded to bf16, so D must too, or the rows of
@@ -293,7 +292,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
                           sc.correction.data(), sc.special.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
-      if (sc.correction[r] != Acc(1)) vecmath::scale(out + r * dv, sc.correction[r], dv);
+      if (sc.correction[r] != Acc(1)) fast::scale(out + r * dv, sc.correction[r], dv);
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
         sc.keep.resize(static_cast<size_t>(sc.valid[r]));
         detail::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r],
@@ -308,7 +307,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   for (int64_t r = 0; r < rows; ++r) {
     if (sc.special[r]) continue;
     if (sc.l[r] > Acc(0)) {
-      vecmath::scale(out + r * dv, Acc(1) / sc.l[r], dv);
+      fast::scale(out + r * dv, Acc(1) / sc.l[r], dv);
       if (lse) lse[r] = sc.m[r] + std::log(sc.l[r]);
     } else if (lse) {
       lse[r] = -kInf;  // L = 0: an empty sum
@@ -325,8 +324,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
         Acc* row = weights + r * nk + j0;
         const int64_t valid = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
         if (valid > 0 && !sc.special[r]) {
-          vecmath::exp_shift_sum(row, sc.m[r], row, valid);
-          vecmath::scale(row, Acc(1) / sc.l[r], valid);
+          fast::exp_shift_sum(row, sc.m[r], row, valid);
+          fast::scale(row, Acc(1) / sc.l[r], valid);
         }
         std::fill(row + (sc.special[r] ? 0 : valid), row + cols, Acc(0));
       }
@@ -361,7 +360,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
       for (int64_t b = 0; b < batch; ++b) {
         prepared_keys[b] = longest_len(*config.valid_lens, b, 0, nq, nk);
       }
-      detail::parallel_for(batch * key_blocks, [&](int64_t task) {
+      kernels::parallel_for(batch * key_blocks, [&](int64_t task) {
         const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
         if (j0 >= prepared_keys[b]) return;
         const int64_t cols = std::min(kKeyBlock, prepared_keys[b] - j0);
@@ -370,7 +369,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
       });
     }
   }
-  detail::parallel_for(batch * blocks, [&](int64_t task) {
+  kernels::parallel_for(batch * blocks, [&](int64_t task) {
     thread_local ForwardScratch<In> scratch;
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
     const int64_t rows = std::min(kQueryBlock, nq - i0);
@@ -449,7 +448,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
         std::fill(dp_row, dp_row + cols, Acc(0));
         continue;
       }
-      vecmath::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
+      fast::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
       std::fill(p_row + valid, p_row + cols, Acc(0));
       if (dropout) {
         sc.keep.resize(static_cast<size_t>(valid));
@@ -457,7 +456,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
         apply_dropout(dp_row, sc.keep.data(), inv_keep, valid);
       }
       // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
-      vecmath::softmax_grad(p_row, dp_row, pb.delta[b * nq + i], dp_row, valid);
+      fast::softmax_grad(p_row, dp_row, pb.delta[b * nq + i], dp_row, valid);
       std::fill(dp_row + valid, dp_row + cols, Acc(0));
       if (dropout) apply_dropout(p_row, sc.keep.data(), inv_keep, valid);
     }
@@ -476,21 +475,22 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
 
 template <class In>
 void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
-                    const AttentionConfig& config, ConstView<typename Flash<In>::Acc> output,
-                    ConstView<typename Flash<In>::Acc> lse,
+                    const AttentionConfig& config, const SavedViews<typename Flash<In>::Acc>& saved,
                     ConstView<typename Flash<In>::Acc> d_output,
-                    DotProductGrads<typename Flash<In>::Acc>& grads) {
+                    const SdpaGradViews<typename Flash<In>::Acc>& grads) {
   using Acc = typename Flash<In>::Acc;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
   const int64_t dv = v.size(2);
-  grads.d_queries = Tensor<Acc>(Shape{batch, nq, d});
-  grads.d_keys = Tensor<Acc>(Shape{batch, nk, d});
-  grads.d_values = Tensor<Acc>(Shape{batch, nk, dv});
+  const ConstView<Acc> output = saved.output, lse = saved.lse;
+  // Keys no query sees get no gradient, and dQ is accumulated into.
+  std::fill_n(grads.d_queries.data(), grads.d_queries.numel(), Acc(0));
+  std::fill_n(grads.d_keys.data(), grads.d_keys.numel(), Acc(0));
+  std::fill_n(grads.d_values.data(), grads.d_values.numel(), Acc(0));
 
   // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
   Tensor<Acc> delta(Shape{batch, nq});
   const int64_t rows = batch * nq;
-  detail::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
+  kernels::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
     for (int64_t r = task * 1024; r < std::min(rows, (task + 1) * 1024); ++r) {
       delta.data()[r] = Flash<In>::delta(d_output.data() + r * dv, output.data() + r * dv, dv);
     }
@@ -507,7 +507,7 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                                groups > 1 ? parts.data() : grads.d_queries.data(),
                                grads.d_keys.data(), grads.d_values.data()};
 
-  detail::parallel_for(batch * groups, [&](int64_t task) {
+  kernels::parallel_for(batch * groups, [&](int64_t task) {
     thread_local BackwardScratch<In> scratch;
     const int64_t b = task / groups, g = task % groups;
     const int64_t seen = longest_len(*config.valid_lens, b, 0, nq, nk);
@@ -524,7 +524,7 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     // dQ = sum over groups, in group order.
     const int64_t n = batch * nq * d;
     const int64_t chunk = 1 << 14;
-    detail::parallel_for(ceil_div(n, chunk), [&](int64_t task) {
+    kernels::parallel_for(ceil_div(n, chunk), [&](int64_t task) {
       const int64_t e0 = task * chunk, e1 = std::min(n, e0 + chunk);
       Acc* dq = grads.d_queries.data();
       std::copy(parts.data() + e0, parts.data() + e1, dq + e0);
@@ -539,50 +539,46 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
 }  // namespace
 
 // q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
-// output: (B, Nq, Dv)   weights: (B, Nq, Nk) or null   lse: (B, Nq) or null
+// out.output: (B, Nq, Dv)   out.weights: (B, Nq, Nk) or null   out.lse: (B, Nq) or null
 template <class T>
-void dot_product_attention(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                           const AttentionConfig& config, TensorView<T> output,
-                           TensorView<T> weights, TensorView<T> lse) {
-  if (weights.data() == nullptr && q.size(2) <= kSmallHead && v.size(2) <= kSmallHead &&
-      small_dim::applies(q.size(2), v.size(2), config)) {
-    small_dim::forward(q, k, v, static_cast<const T*>(nullptr),
-                       small_dim::ScoreKind::kDotProduct, config, output, lse);
+void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+          const ForwardViews<T>& out) {
+  if (out.weights.data() == nullptr && q.size(2) <= kSmallHead && v.size(2) <= kSmallHead &&
+      small_dim_applies(q.size(2), v.size(2), config)) {
+    small_dim_forward(q, k, v, static_cast<const T*>(nullptr), ScoreKind::kDotProduct, config,
+                      out.output, out.lse);
     return;
   }
-  flash_forward(q, k, v, config, output, weights, lse);
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse);
 }
 
-void dot_product_attention(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
-                           const AttentionConfig& config, TensorView<float> output,
-                           TensorView<float> weights, TensorView<float> lse) {
-  flash_forward(q, k, v, config, output, weights, lse);
+void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+          const AttentionConfig& config, const ForwardViews<float>& out) {
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse);
 }
 
 template <class T>
-void dot_product_attention_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
-                                    const AttentionConfig& config, ConstView<T> output,
-                                    ConstView<T> lse, ConstView<T> d_output,
-                                    DotProductGrads<T>& grads) {
-  flash_backward(q, k, v, config, output, lse, d_output, grads);
+void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+                   const SavedViews<T>& saved, ConstView<T> d_output,
+                   const SdpaGradViews<T>& grads) {
+  flash_backward(q, k, v, config, saved, d_output, grads);
 }
 
-void dot_product_attention_backward(ConstView<bfloat16> q, ConstView<bfloat16> k,
-                                    ConstView<bfloat16> v, const AttentionConfig& config,
-                                    ConstView<float> output, ConstView<float> lse,
-                                    ConstView<float> d_output, DotProductGrads<float>& grads) {
-  flash_backward(q, k, v, config, output, lse, d_output, grads);
+void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                   const AttentionConfig& config, const SavedViews<float>& saved,
+                   ConstView<float> d_output, const SdpaGradViews<float>& grads) {
+  flash_backward(q, k, v, config, saved, d_output, grads);
 }
 
-#define QKV_INSTANTIATE(T)                                                                        \
-  template void dot_product_attention<T>(ConstView<T>, ConstView<T>, ConstView<T>,                \
-                                         const AttentionConfig&, TensorView<T>, TensorView<T>,    \
-                                         TensorView<T>);                                          \
-  template void dot_product_attention_backward<T>(                                                \
-      ConstView<T>, ConstView<T>, ConstView<T>, const AttentionConfig&, ConstView<T>,             \
-      ConstView<T>, ConstView<T>, DotProductGrads<T>&);
-QKV_INSTANTIATE(float)
-QKV_INSTANTIATE(double)
-#undef QKV_INSTANTIATE
+template void sdpa<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                          const AttentionConfig&, const ForwardViews<float>&);
+template void sdpa<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                           const AttentionConfig&, const ForwardViews<double>&);
+template void sdpa_backward<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                                   const AttentionConfig&, const SavedViews<float>&,
+                                   ConstView<float>, const SdpaGradViews<float>&);
+template void sdpa_backward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                                    const AttentionConfig&, const SavedViews<double>&,
+                                    ConstView<double>, const SdpaGradViews<double>&);
 
 }  // namespace qkv::kernels::fast

@@ -1,5 +1,5 @@
 // Fused attention for small feature sizes (small_dim_attention.h), fast
-// version only: its references are ref::dot_product_attention and, for the
+// version only: its references are ref::sdpa and, for the
 // Gaussian scores, ref::nadaraya_watson (tests hold it to a float64 plain
 // loop). Compiled once per SIMD target through hwy/foreach_target.h; the
 // HWY_ONCE part at the bottom prepares the keys, cuts the work into tasks
@@ -31,12 +31,12 @@
 
 #include "kernels/attention_common.h"
 #include "kernels/exp-inl.h"
+#include "kernels/parallel.h"
 #include "kernels/small_dim_attention.h"
-#include "parallel.h"
 
 #ifndef QKV_SMALL_DIM_SHARED_
 #define QKV_SMALL_DIM_SHARED_
-namespace qkv::kernels::small_dim::impl {
+namespace qkv::kernels::fast {
 
 // Everything a block of queries needs, prepared once per call (target
 // independent). Keys, values and biases are padded with zeros to nk_pad, a
@@ -44,7 +44,7 @@ namespace qkv::kernels::small_dim::impl {
 // the buffers; padded and masked lanes are excluded by masks, never by
 // multiplying with 0 (a NaN there must not reach a valid query).
 template <class T>
-struct Problem {
+struct SmallDimProblem {
   int64_t batch = 0, nq = 0, nk = 0, nk_pad = 0, d = 0, dv = 0;
   const T* q = nullptr;     // (B, Nq, D), the caller's
   const T* kt = nullptr;    // (B, D, nk_pad)
@@ -60,25 +60,24 @@ struct Problem {
 
 // Keys are padded to a multiple of this many bytes, the longest vector of
 // any target compiled in (checked per target below); also the alignment.
-constexpr int64_t kPadBytes = 64;
+constexpr int64_t kSmallDimPadBytes = 64;
 
 // Queries per register block for value_dim dv: each query keeps 1 + dv
 // accumulators in registers, so kR (1 + dv) stays at or below ~16 of
 // AVX-512's 32 vector registers, leaving the rest to the exp in flight.
-constexpr int64_t block_rows_for(int64_t dv) { return dv <= 3 ? 4 : 2; }
+constexpr int64_t small_dim_block_rows(int64_t dv) { return dv <= 3 ? 4 : 2; }
 
-}  // namespace qkv::kernels::small_dim::impl
+}  // namespace qkv::kernels::fast
 #endif  // QKV_SMALL_DIM_SHARED_
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::kernels::small_dim {
+namespace qkv::kernels::fast {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using impl::Problem;
-static_assert(HWY_MAX_BYTES <= impl::kPadBytes, "vectors longer than the key padding");
+static_assert(HWY_MAX_BYTES <= kSmallDimPadBytes, "vectors longer than the key padding");
 
-using ::qkv::simd::HWY_NAMESPACE::ExpNonPositive;
+using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive;
 
 // The kR-query block kernel. kKind: the score function; kDv the number of
 // value columns.
@@ -138,7 +137,7 @@ HWY_INLINE hn::Mask<D> ValidLanes(D d, int64_t len, int64_t j) {
 // same score arithmetic as the block. Run only for rows whose max is -inf,
 // where the max cannot tell "all -inf" from "NaN among -inf".
 template <class D, int kKind, int kR>
-bool HasNan(D d, const Problem<hn::TFromD<D>>& pr, const hn::TFromD<D>* kt,
+bool HasNan(D d, const SmallDimProblem<hn::TFromD<D>>& pr, const hn::TFromD<D>* kt,
             const hn::TFromD<D>* bias, const hn::TFromD<D>* qs, int r, int64_t len) {
   using V = hn::Vec<D>;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -152,7 +151,7 @@ bool HasNan(D d, const Problem<hn::TFromD<D>>& pr, const hn::TFromD<D>* kt,
 }
 
 template <class T, int kKind, int kDv, int kR>
-void RunBlock(const Problem<T>& pr, int64_t b, int64_t i0) {
+void RunBlock(const SmallDimProblem<T>& pr, int64_t b, int64_t i0) {
   const hn::ScalableTag<T> d;
   using V = hn::Vec<decltype(d)>;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -167,7 +166,7 @@ void RunBlock(const Problem<T>& pr, int64_t b, int64_t i0) {
 
   // The block's queries (the last one repeated to fill a short block),
   // times scale for the dot product, and their valid lengths.
-  T qs[kR * kMaxDim];
+  T qs[kR * kSmallDimMaxDim];
   int64_t len[kR];
   for (int r = 0; r < kR; ++r) {
     const int64_t i = i0 + std::min(r, rows - 1);
@@ -296,8 +295,8 @@ void RunBlock(const Problem<T>& pr, int64_t b, int64_t i0) {
 
 // Runs query blocks [first, first + count) (numbered across the batch).
 template <class T, int kKind, int kDv>
-void RunBlocksFor(const Problem<T>& pr, int64_t first, int64_t count) {
-  constexpr int kR = static_cast<int>(impl::block_rows_for(kDv));
+void RunBlocksFor(const SmallDimProblem<T>& pr, int64_t first, int64_t count) {
+  constexpr int kR = static_cast<int>(small_dim_block_rows(kDv));
   const int64_t blocks_per_batch = ceil_div(pr.nq, kR);
   for (int64_t blk = first; blk < first + count; ++blk) {
     const int64_t b = blk / blocks_per_batch, i0 = (blk % blocks_per_batch) * kR;
@@ -306,7 +305,7 @@ void RunBlocksFor(const Problem<T>& pr, int64_t first, int64_t count) {
 }
 
 template <class T, int kKind>
-void RunBlocksKind(const Problem<T>& pr, int64_t first, int64_t count) {
+void RunBlocksKind(const SmallDimProblem<T>& pr, int64_t first, int64_t count) {
   switch (pr.dv) {
     case 1:
       return RunBlocksFor<T, kKind, 1>(pr, first, count);
@@ -330,7 +329,7 @@ void RunBlocksKind(const Problem<T>& pr, int64_t first, int64_t count) {
 }
 
 template <class T>
-void RunBlocks(const Problem<T>& pr, int64_t first, int64_t count) {
+void RunBlocks(const SmallDimProblem<T>& pr, int64_t first, int64_t count) {
   if (pr.kind == ScoreKind::kNegSquaredDistance) {
     RunBlocksKind<T, kNegSq>(pr, first, count);
   } else if (pr.bias) {
@@ -341,10 +340,10 @@ void RunBlocks(const Problem<T>& pr, int64_t first, int64_t count) {
 }
 
 // Non-template entry points, one per type, for HWY_EXPORT.
-void RunBlocksF32(const Problem<float>& pr, int64_t first, int64_t count) {
+void RunBlocksF32(const SmallDimProblem<float>& pr, int64_t first, int64_t count) {
   RunBlocks(pr, first, count);
 }
-void RunBlocksF64(const Problem<double>& pr, int64_t first, int64_t count) {
+void RunBlocksF64(const SmallDimProblem<double>& pr, int64_t first, int64_t count) {
   RunBlocks(pr, first, count);
 }
 // The exp above on n elements (tests measure its error against std::exp).
@@ -363,11 +362,11 @@ void ExpRowF32(const float* x, float* out, int64_t n) { ExpRow(x, out, n); }
 void ExpRowF64(const double* x, double* out, int64_t n) { ExpRow(x, out, n); }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::kernels::small_dim
+}  // namespace qkv::kernels::fast
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace qkv::kernels::small_dim {
+namespace qkv::kernels::fast {
 
 HWY_EXPORT(RunBlocksF32);
 HWY_EXPORT(RunBlocksF64);
@@ -383,7 +382,7 @@ struct FreeAligned {
 };
 template <class T>
 std::unique_ptr<T[], FreeAligned> aligned_zeros(int64_t n) {
-  const int64_t align = impl::kPadBytes;
+  const int64_t align = kSmallDimPadBytes;
   const size_t bytes = static_cast<size_t>(
       ceil_div(std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(T)), align) * align);
   void* p = std::aligned_alloc(static_cast<size_t>(align), bytes);
@@ -392,10 +391,10 @@ std::unique_ptr<T[], FreeAligned> aligned_zeros(int64_t n) {
   return std::unique_ptr<T[], FreeAligned>(static_cast<T*>(p));
 }
 
-void run_blocks(const impl::Problem<float>& pr, int64_t first, int64_t count) {
+void run_blocks(const SmallDimProblem<float>& pr, int64_t first, int64_t count) {
   HWY_DYNAMIC_DISPATCH(RunBlocksF32)(pr, first, count);
 }
-void run_blocks(const impl::Problem<double>& pr, int64_t first, int64_t count) {
+void run_blocks(const SmallDimProblem<double>& pr, int64_t first, int64_t count) {
   HWY_DYNAMIC_DISPATCH(RunBlocksF64)(pr, first, count);
 }
 
@@ -415,23 +414,25 @@ void exp_non_positive(const double* x, double* out, int64_t n) {
   HWY_DYNAMIC_DISPATCH(ExpRowF64)(x, out, n);
 }
 
-bool applies(int64_t d, int64_t dv, const AttentionConfig& config) {
-  return d >= 1 && d <= kMaxDim && dv >= 1 && dv <= kMaxValueDim && config.dropout == 0.0;
+bool small_dim_applies(int64_t d, int64_t dv, const AttentionConfig& config) {
+  return d >= 1 && d <= kSmallDimMaxDim && dv >= 1 && dv <= kSmallDimMaxValueDim &&
+         config.dropout == 0.0;
 }
 
 template <class T>
-void forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias, ScoreKind kind,
-             const AttentionConfig& config, TensorView<T> output, TensorView<T> lse) {
+void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias,
+                       ScoreKind kind, const AttentionConfig& config, TensorView<T> output,
+                       TensorView<T> lse) {
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dim = q.size(2);
   const int64_t dv = v.size(2);
-  assert(applies(dim, dv, config));
+  assert(small_dim_applies(dim, dv, config));
   assert(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && output.is_contiguous());
   assert(k.size(2) == dim && v.size(1) == nk && output.size(2) == dv);
   assert(kind == ScoreKind::kDotProduct || key_bias == nullptr);
   // The Gaussian exponent: scale > 0 (pass 1 looks for the nearest key).
   assert(kind == ScoreKind::kDotProduct || config.scale > 0);
   if (batch == 0 || nq == 0) return;
-  constexpr int64_t kPad = impl::kPadBytes / sizeof(T);
+  constexpr int64_t kPad = kSmallDimPadBytes / sizeof(T);
   const int64_t nk_pad = std::max<int64_t>(kPad, ceil_div(nk, kPad) * kPad);
   // Feature-major keys and values (zero padded): B (D + Dv + 1) nk_pad
   // elements, the size of the inputs; no (Nq, Nk) buffer.
@@ -454,7 +455,7 @@ void forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias, 
       std::copy(key_bias + b * nk, key_bias + (b + 1) * nk, bias.get() + b * nk_pad);
     }
   }
-  impl::Problem<T> pr;
+  SmallDimProblem<T> pr;
   pr.batch = batch;
   pr.nq = nq;
   pr.nk = nk;
@@ -470,23 +471,23 @@ void forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias, 
   pr.lens = config.valid_lens;
   pr.out = output.data();
   pr.lse = lse.data();
-  pr.block_rows = impl::block_rows_for(dv);
+  pr.block_rows = small_dim_block_rows(dv);
 
   const int64_t blocks = batch * ceil_div(nq, pr.block_rows);
   const int64_t per_task = blocks_per_task(pr.block_rows, nk);
   const int64_t tasks = ceil_div(blocks, per_task);
-  qkv::detail::parallel_for(tasks, [&](int64_t task) {
+  qkv::kernels::parallel_for(tasks, [&](int64_t task) {
     const int64_t first = task * per_task;
     run_blocks(pr, first, std::min(per_task, blocks - first));
   });
 }
 
-template void forward<float>(ConstView<float>, ConstView<float>, ConstView<float>, const float*,
-                             ScoreKind, const AttentionConfig&, TensorView<float>,
-                             TensorView<float>);
-template void forward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
-                              const double*, ScoreKind, const AttentionConfig&, TensorView<double>,
-                              TensorView<double>);
+template void small_dim_forward<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                                       const float*, ScoreKind, const AttentionConfig&,
+                                       TensorView<float>, TensorView<float>);
+template void small_dim_forward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                                        const double*, ScoreKind, const AttentionConfig&,
+                                        TensorView<double>, TensorView<double>);
 
-}  // namespace qkv::kernels::small_dim
+}  // namespace qkv::kernels::fast
 #endif  // HWY_ONCE

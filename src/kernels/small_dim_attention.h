@@ -1,4 +1,4 @@
-// Fused attention for small feature sizes (D <= kMaxDim, Dv <= kMaxValueDim):
+// Fused attention for small feature sizes (D <= kSmallDimMaxDim, Dv <= kSmallDimMaxValueDim):
 // scores formed in SIMD registers, never stored, softmax in two passes per
 // query (max, then exp-sum and the weighted sum of values). BLAS block
 // products cannot reach a useful rate at D = 1..8, where the exp dominates;
@@ -10,10 +10,10 @@
 
 #include "kernels/kernels.h"
 
-namespace qkv::kernels::small_dim {
+namespace qkv::kernels::fast {
 
-inline constexpr int64_t kMaxDim = 8;
-inline constexpr int64_t kMaxValueDim = 8;
+inline constexpr int64_t kSmallDimMaxDim = 8;
+inline constexpr int64_t kSmallDimMaxValueDim = 8;
 
 enum class ScoreKind {
   // score[i, j] = config.scale * (q_i . k_j) + key_bias[j] (key_bias may be null)
@@ -23,9 +23,9 @@ enum class ScoreKind {
   kNegSquaredDistance,
 };
 
-// True when forward() below serves a problem with these sizes and options:
-// D <= kMaxDim, Dv <= kMaxValueDim, no dropout.
-bool applies(int64_t d, int64_t dv, const AttentionConfig& config);
+// True when small_dim_forward() below serves a problem with these sizes and options:
+// D <= kSmallDimMaxDim, Dv <= kSmallDimMaxValueDim, no dropout.
+bool small_dim_applies(int64_t d, int64_t dv, const AttentionConfig& config);
 
 // q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
 // key_bias: (B, Nk) contiguous or null (kDotProduct only)
@@ -34,7 +34,8 @@ bool applies(int64_t d, int64_t dv, const AttentionConfig& config);
 // never read for it); DESIGN.md §3's rules for empty and non-finite rows.
 // Results do not depend on the thread count.
 template <class T>
-void forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias, ScoreKind kind,
-             const AttentionConfig& config, TensorView<T> output, TensorView<T> lse);
+void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias,
+                       ScoreKind kind, const AttentionConfig& config, TensorView<T> output,
+                       TensorView<T> lse);
 
-}  // namespace qkv::kernels::small_dim
+}  // namespace qkv::kernels::fast

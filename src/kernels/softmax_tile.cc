@@ -15,13 +15,13 @@
 #include "kernels/tail-inl.h"
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::kernels {
+namespace qkv::kernels::fast {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using ::qkv::simd::HWY_NAMESPACE::ExpNonPositive;
-using ::qkv::simd::HWY_NAMESPACE::LoadTail;
-using ::qkv::simd::HWY_NAMESPACE::StoreTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive;
+using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
 
 // bf16 bits of n <= Lanes(d) finite floats v, rounded to nearest even, to out.
 template <class D>
@@ -141,11 +141,11 @@ void SoftmaxTileUpdateD(double* s, int64_t rows, int64_t cols, const int64_t* va
 }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::kernels
+}  // namespace qkv::kernels::fast
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace qkv::kernels {
+namespace qkv::kernels::fast {
 HWY_EXPORT(SoftmaxTileUpdateF);
 HWY_EXPORT(SoftmaxTileUpdateD);
 
@@ -158,5 +158,5 @@ void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* v
                          double* l, double* correction, uint8_t* special) {
   HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateD)(s, rows, cols, valid, m, l, correction, special);
 }
-}  // namespace qkv::kernels
+}  // namespace qkv::kernels::fast
 #endif

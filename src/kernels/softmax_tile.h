@@ -7,7 +7,7 @@
 
 #include "qkv/bfloat16.h"
 
-namespace qkv::kernels {
+namespace qkv::kernels::fast {
 
 // s: rows x cols scores (leading dimension cols); valid[r]: how many leading
 // columns of row r are unmasked. For each row that is not yet `special`:
@@ -28,4 +28,4 @@ void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* va
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special);
 
-}  // namespace qkv::kernels
+}  // namespace qkv::kernels::fast

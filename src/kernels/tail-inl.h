@@ -20,7 +20,7 @@
 #include <cstddef>
 
 HWY_BEFORE_NAMESPACE();
-namespace qkv::simd {
+namespace qkv::kernels::fast {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -41,7 +41,7 @@ HWY_INLINE void StoreTail(D d, hn::Vec<D> v, T* out, size_t n) {
 }
 
 }  // namespace HWY_NAMESPACE
-}  // namespace qkv::simd
+}  // namespace qkv::kernels::fast
 HWY_AFTER_NAMESPACE();
 
 #endif  // QKV_KERNELS_TAIL_INL_H_

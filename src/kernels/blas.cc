@@ -1,5 +1,5 @@
-// BLAS calls and the OpenBLAS thread setting (see parallel.h).
-#include "parallel.h"
+// BLAS calls and the OpenBLAS thread setting (see blas.h, parallel.h).
+#include "kernels/blas.h"
 
 #include <cblas.h>
 
@@ -8,7 +8,7 @@
 
 #include "qkv/threads.h"
 
-namespace qkv::detail {
+namespace qkv::kernels {
 
 void init_blas_threads() {
   static std::once_flag once;
@@ -53,4 +53,4 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double al
               ld(ldb, trans_b ? k : n), beta, c, ld(ldc, n));
 }
 
-}  // namespace qkv::detail
+}  // namespace qkv::kernels

@@ -1,0 +1,75 @@
+// The fused tiles of fast additive attention (additive_fast.cc): scores and
+// their backward with the keys across the SIMD lanes, never forming the
+// (B, Nq, Nk, H) feature tensor. Highway, compiled for every x86 target and
+// dispatched at run time.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::kernels::fast {
+
+// out[j] = tanh(x[j]); out may alias x. float: a rational approximation
+// within 3e-7 relative of the true tanh (tests/test_additive.cc sweeps it),
+// about 2x cheaper than hn::Tanh; ±inf give ±1, ±0 keep their sign, NaN
+// stays NaN.
+// double: Highway's accurate hn::Tanh.
+void tanh_row(const float* x, float* out, int64_t n);
+void tanh_row(const double* x, double* out, int64_t n);
+
+// ---- fused additive attention ----------------------------------------------
+// Scores score(r, j) = sum_h wv[h] * tanh(fq[r, h] + fk[j, h]) computed with
+// the keys across the SIMD lanes: fk is stored transposed, (H, keys), so each
+// h step is one vector load of keys, a broadcast of fq[r, h] and of wv[h], and
+// no horizontal sum. Sums over h run in a fixed order.
+
+// Key columns of the transposed features are padded to a multiple of this,
+// so whole vectors can always be loaded; tiles of keys start at multiples of
+// it, so no vector of one tile reaches into the next.
+inline constexpr int64_t kAdditivePad = 16;
+
+// One batch element's projected features, offset to a tile's first query and key.
+template <class T>
+struct AdditiveFeatures {
+  const T* fq;  // (rows, H), row stride ldq: W_q q
+  int64_t ldq;
+  const T* fkt;  // (H, keys), row stride ldk (a multiple of kAdditivePad): (W_k k)^T
+  int64_t ldk;
+  const T* wv;     // (H)
+  int64_t hidden;  // H
+};
+
+// s[r * lds + j] = score(r, j) for r < rows, j < lens[r]; nothing else is
+// written. fkt is read up to lens rounded up to kAdditivePad.
+void additive_scores(const AdditiveFeatures<float>& f, int64_t rows, const int64_t* lens, float* s,
+                     int64_t lds);
+void additive_scores(const AdditiveFeatures<double>& f, int64_t rows, const int64_t* lens,
+                     double* s, int64_t lds);
+
+// The backward of one (queries x keys) tile, scores recomputed and tanh
+// evaluated once per (query, key, h). With P = exp(score - lse[r]) the
+// weight, dP = dp * drop the gradient of the weight before dropout and
+// dS = P (dP - d_row[r]) the gradient of the score, for j < lens[r]:
+//   p_dropped[r, j] = P * drop (0 for lens[r] <= j < cols),
+//   d_fq[r, h] += sum_j dS wv[h] (1 - t^2),   d_fkt[h, j] += sum_r dS wv[h] (1 - t^2),
+//   d_wv[h] += sum_{r,j} dS t,   t = tanh(fq[r, h] + fkt[h, j]).
+// Lanes j >= lens[r] contribute exactly nothing, whatever the keys hold there.
+template <class T>
+struct AdditiveGradTile {
+  int64_t rows;         // queries in the tile
+  int64_t cols;         // keys in the tile
+  const int64_t* lens;  // per row: keys [0, lens[r]) of the tile are valid (0 for empty rows)
+  const T* lse;         // per row: finite or NaN where lens[r] > 0
+  const T* d_row;       // per row: D_r = sum_j P dP = dO_r . O_r
+  const T* dp;          // (rows, ld): dLoss/d(dropped weight)
+  const T* drop;        // (rows, ld): dropout scale, 0 or 1/(1-p); null without dropout
+  int64_t ld;           // a multiple of kAdditivePad, >= cols
+  T* p_dropped;         // (rows, ld), written for j < cols
+  T* d_fq;              // (rows, H), row stride ld_dfq, accumulated
+  int64_t ld_dfq;
+  T* d_fkt;  // (H, keys), row stride f.ldk, accumulated
+  T* d_wv;   // (H), accumulated
+};
+void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& tile);
+void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& tile);
+
+}  // namespace qkv::kernels::fast

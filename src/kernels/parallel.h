@@ -1,0 +1,31 @@
+// Threading for the fast kernels. qkv owns the parallelism: work is cut into
+// tasks whose boundaries depend only on the shapes, the tasks run on
+// qkv::num_threads() OpenMP threads, and every BLAS call inside a task is
+// single-threaded. So results are bitwise the same for any thread count, and
+// OpenBLAS's own threads never oversubscribe our two cores.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::kernels {
+
+// Makes OpenBLAS single-threaded (once per process); called before any task
+// runs (kernels/blas.cc).
+void init_blas_threads();
+int current_num_threads();
+
+// Runs body(task) for task in [0, num_tasks), in parallel when there is more
+// than one thread. body must not throw.
+template <class Body>
+void parallel_for(int64_t num_tasks, Body&& body) {
+  init_blas_threads();
+  const int threads = current_num_threads();
+  if (threads <= 1 || num_tasks <= 1) {
+    for (int64_t t = 0; t < num_tasks; ++t) body(t);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t t = 0; t < num_tasks; ++t) body(t);
+}
+
+}  // namespace qkv::kernels
