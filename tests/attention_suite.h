@@ -466,6 +466,22 @@ struct Inputs : Tensors<T> {
   }
 };
 
+// Average pooling over all keys, the result of equal scores: each of
+// num_queries queries gets mean_j values[b, j, :].
+template <class T>
+Tensor<double> mean_over_keys(const Tensor<T>& values, int64_t num_queries) {
+  const int64_t batch = values.size(0), nk = values.size(1), dv = values.size(2);
+  Tensor<double> mean(Shape{batch, num_queries, dv});
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < num_queries; ++i) {
+      for (int64_t d = 0; d < dv; ++d) {
+        for (int64_t j = 0; j < nk; ++j) mean(b, i, d) += double(values(b, j, d)) / double(nk);
+      }
+    }
+  }
+  return mean;
+}
+
 // Forward: fast (T) vs ref (double), ref (double) vs the plain loop, ref (T)
 // vs the plain loop; the want_* flags; exact masking.
 template <class Op, class T>

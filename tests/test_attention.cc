@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -714,8 +715,8 @@ REGISTER_TYPED_TEST_SUITE_P(AttentionErrors, InputShapes, ValidLens, DropoutProb
 
 // ---- each scoring function's cases ------------------------------------------------
 //
-// Lengths around the SIMD widths and block sizes; the sizes of one case are
-// varied together by the case's index so a sweep covers them all.
+// Lengths around the SIMD widths and block sizes; in a sweep the sizes of a
+// case are varied together by the case's index n, so the sweep covers them all.
 
 namespace {
 const int64_t kSizes[] = {1, 3, 17, 64, 65, 129, 300};
@@ -729,6 +730,25 @@ const int64_t kQueryDims[] = {1, 2, 7, 16, 20};
 const int64_t kKeyDims[] = {2, 1, 5, 9, 3};
 const int64_t kHidden[] = {8, 5, 1, 33, 16};
 const int64_t kAdditiveValueDims[] = {3, 1, 16, 5, 4};
+
+// `base` once per key count.
+std::vector<Case> for_each_nk(const Case& base, std::initializer_list<int64_t> key_counts) {
+  std::vector<Case> cases;
+  for (const int64_t nk : key_counts) {
+    cases.push_back(base);
+    cases.back().nk = nk;
+  }
+  return cases;
+}
+
+// The cases with dropout p, in training.
+std::vector<Case> with_dropout(std::vector<Case> cases, double p) {
+  for (Case& c : cases) {
+    c.dropout = p;
+    c.training = true;
+  }
+  return cases;
+}
 }  // namespace
 
 std::vector<Case> SdpaScoring::shape_sweep(Rng& rng) {
@@ -736,38 +756,21 @@ std::vector<Case> SdpaScoring::shape_sweep(Rng& rng) {
   int n = 0;
   for (int ia = 0; ia < 7; ++ia) {
     for (int ib = 0; ib < 7; ++ib, ++n) {
-      Case c;
-      c.nq = kSizes[ia];
-      c.nk = kSizes[ib];
-      c.dq = kSdpaDims[(ia + ib) % 5];
-      c.dv = kSdpaValueDims[(2 * ia + ib) % 5];
-      c.batch = (n % 3 == 0) ? 1 : 2;
-      c.lens_form = kAllLensForms[(ia + 2 * ib) % 3];
-      c.lens32 = n % 2 == 1;
-      c.want_weights = n % 4 < 2;
-      c.want_lse = n % 2 == 0;
-      if (n % 5 == 2) c.scale = rng.uniform(0.05, 2.0);
-      cases.push_back(c);
+      cases.push_back({.batch = n % 3 == 0 ? 1 : 2, .nq = kSizes[ia], .nk = kSizes[ib],
+                       .dq = kSdpaDims[(ia + ib) % 5], .dv = kSdpaValueDims[(2 * ia + ib) % 5],
+                       .lens_form = kAllLensForms[(ia + 2 * ib) % 3], .lens32 = n % 2 == 1,
+                       .want_weights = n % 4 < 2, .want_lse = n % 2 == 0});
+      if (n % 5 == 2) cases.back().scale = rng.uniform(0.05, 2.0);
     }
   }
   return cases;
 }
 
 std::vector<Case> SdpaScoring::masked_keys_cases() {
-  std::vector<Case> cases;
-  for (const int64_t nk : {5, 70, 300}) {
-    Case c;
-    c.batch = 3;
-    c.nq = 6;
-    c.nk = nk;
-    c.dq = 16;
-    c.dv = 5;
-    c.lens_form = LensForm::kPerBatch;
-    c.dropout = 0.2;
-    c.training = true;
-    cases.push_back(c);
-  }
-  return cases;
+  return with_dropout(
+      for_each_nk({.batch = 3, .nq = 6, .dq = 16, .dv = 5, .lens_form = LensForm::kPerBatch},
+                  {5, 70, 300}),
+      0.2);
 }
 
 std::vector<Case> SdpaScoring::dropout_cases() {
@@ -775,17 +778,10 @@ std::vector<Case> SdpaScoring::dropout_cases() {
   int n = 0;
   for (const double p : {0.1, 0.5, 0.9}) {
     for (const int64_t nk : {1, 17, 65, 129}) {
-      Case c;
-      c.nq = kSizes[n % 7];
-      c.nk = nk;
-      c.dq = kSdpaDims[n % 5];
-      c.dv = kSdpaValueDims[n % 5];
-      c.dropout = p;
-      c.training = true;
-      c.lens_form = kAllLensForms[n % 3];
-      c.want_weights = n % 2 == 0;
-      if (n % 3 == 1) c.scale = 0.8;
-      cases.push_back(c);
+      cases.push_back({.nq = kSizes[n % 7], .nk = nk, .dq = kSdpaDims[n % 5],
+                       .dv = kSdpaValueDims[n % 5], .lens_form = kAllLensForms[n % 3],
+                       .dropout = p, .training = true, .want_weights = n % 2 == 0});
+      if (n % 3 == 1) cases.back().scale = 0.8;
       ++n;
     }
   }
@@ -793,13 +789,7 @@ std::vector<Case> SdpaScoring::dropout_cases() {
 }
 
 Case SdpaScoring::dropout_only_when_training_case() {
-  Case c;
-  c.nq = 13;
-  c.nk = 70;
-  c.dq = 16;
-  c.dv = 8;
-  c.lens_form = LensForm::kPerQuery;
-  return c;
+  return {.nq = 13, .nk = 70, .dq = 16, .dv = 8, .lens_form = LensForm::kPerQuery};
 }
 
 std::vector<Case> SdpaScoring::strided_cases() {
@@ -808,20 +798,10 @@ std::vector<Case> SdpaScoring::strided_cases() {
   for (const Layout layout :
        {Layout::kStrided, Layout::kStridedReversed, Layout::kBroadcastValues}) {
     for (const int64_t nk : {1, 17, 65}) {
-      Case c;
-      c.batch = 3;
-      c.nq = kSizes[(n + 2) % 6];
-      c.nk = nk;
-      c.dq = kSdpaDims[n % 5];
-      c.dv = kSdpaValueDims[n % 5];
-      c.layout = layout;
-      c.lens_form = kAllLensForms[n % 3];
-      c.lens32 = true;
-      if (n % 2 == 1) {
-        c.dropout = 0.3;
-        c.training = true;
-      }
-      cases.push_back(c);
+      cases.push_back({.batch = 3, .nq = kSizes[(n + 2) % 6], .nk = nk, .dq = kSdpaDims[n % 5],
+                       .dv = kSdpaValueDims[n % 5], .lens_form = kAllLensForms[n % 3],
+                       .lens32 = true, .dropout = n % 2 == 1 ? 0.3 : 0.0, .training = n % 2 == 1,
+                       .layout = layout});
       ++n;
     }
   }
@@ -833,45 +813,21 @@ std::vector<Case> SdpaScoring::write_into_cases() {
   int n = 0;
   for (const int64_t nk : {1, 17, 129}) {
     for (int which = 0; which < 4; ++which, ++n) {
-      Case c;
-      c.nq = kSizes[n % 5];
-      c.nk = nk;
-      c.dq = kSdpaDims[n % 5];
-      c.dv = kSdpaValueDims[n % 5];
-      c.lens_form = kAllLensForms[n % 3];
-      c.dropout = n % 2 ? 0.25 : 0.0;
-      c.training = true;
-      cases.push_back(c);
+      cases.push_back({.nq = kSizes[n % 5], .nk = nk, .dq = kSdpaDims[n % 5],
+                       .dv = kSdpaValueDims[n % 5], .lens_form = kAllLensForms[n % 3],
+                       .dropout = n % 2 ? 0.25 : 0.0, .training = true});
     }
   }
   return cases;
 }
 
 std::vector<Case> SdpaScoring::lse_merge_cases() {
-  std::vector<Case> cases;
-  for (const int64_t nk : {2, 5, 66, 200}) {
-    Case c;
-    c.batch = 2;
-    c.nq = 7;
-    c.nk = nk;
-    c.dq = 16;
-    c.dv = 5;
-    cases.push_back(c);
-  }
-  return cases;
+  return for_each_nk({.batch = 2, .nq = 7, .dq = 16, .dv = 5}, {2, 5, 66, 200});
 }
 
 Case SdpaScoring::determinism_case() {
-  Case c;
-  c.batch = 3;
-  c.nq = 129;
-  c.nk = 300;
-  c.dq = 64;
-  c.dv = 33;
-  c.lens_form = LensForm::kPerQuery;
-  c.dropout = 0.2;
-  c.training = true;
-  return c;
+  return {.batch = 3, .nq = 129, .nk = 300, .dq = 64, .dv = 33,
+          .lens_form = LensForm::kPerQuery, .dropout = 0.2, .training = true};
 }
 
 std::vector<Case> SdpaScoring::backward_cases(Rng& rng) {
@@ -880,64 +836,28 @@ std::vector<Case> SdpaScoring::backward_cases(Rng& rng) {
   int n = 0;
   for (const auto& s : shapes) {
     for (int variant = 0; variant < 3; ++variant, ++n) {
-      Case c;
-      c.nq = s[0];
-      c.nk = s[1];
-      c.dq = kSdpaDims[n % 5];
-      c.dv = kSdpaValueDims[(n + 1) % 5];
-      c.lens_form = kAllLensForms[variant];
-      c.lens32 = n % 2 == 0;
-      if (n % 4 == 1) c.scale = rng.uniform(0.1, 2.0);
-      if (n % 3 == 2) {
-        c.dropout = 0.3;
-        c.training = true;
-      }
-      if (n % 5 == 3) c.layout = Layout::kStrided;
-      cases.push_back(c);
+      cases.push_back({.nq = s[0], .nk = s[1], .dq = kSdpaDims[n % 5],
+                       .dv = kSdpaValueDims[(n + 1) % 5], .lens_form = kAllLensForms[variant],
+                       .lens32 = n % 2 == 0, .dropout = n % 3 == 2 ? 0.3 : 0.0,
+                       .training = n % 3 == 2,
+                       .layout = n % 5 == 3 ? Layout::kStrided : Layout::kContiguous});
+      if (n % 4 == 1) cases.back().scale = rng.uniform(0.1, 2.0);
     }
   }
   return cases;
 }
 
 std::vector<Case> SdpaScoring::finite_difference_cases() {
-  std::vector<Case> cases;
-  for (int variant = 0; variant < 6; ++variant) {
-    Case c;
-    c.batch = 2;
-    c.nq = 3;
-    c.nk = 5;
-    c.dq = 4;
-    c.dv = 3;
-    switch (variant) {
-      case 0:
-        break;
-      case 1:
-        c.lens_form = LensForm::kPerBatch;
-        break;
-      case 2:
-        c.lens_form = LensForm::kPerQuery;  // includes zeros
-        break;
-      case 3:
-        c.dropout = 0.4;
-        c.training = true;
-        break;
-      case 4:
-        c.scale = 0.9;
-        c.nq = 1;
-        c.dq = 7;
-        break;
-      case 5:
-        c.lens_form = LensForm::kPerQuery;
-        c.lens32 = true;
-        c.dropout = 0.3;
-        c.training = true;
-        c.scale = 1.7;
-        c.nk = 9;
-        break;
-    }
-    cases.push_back(c);
-  }
-  return cases;
+  using enum LensForm;
+  return {
+      {.nq = 3, .nk = 5, .dq = 4, .dv = 3},
+      {.nq = 3, .nk = 5, .dq = 4, .dv = 3, .lens_form = kPerBatch},
+      {.nq = 3, .nk = 5, .dq = 4, .dv = 3, .lens_form = kPerQuery},  // includes zeros
+      {.nq = 3, .nk = 5, .dq = 4, .dv = 3, .dropout = 0.4, .training = true},
+      {.nq = 1, .nk = 5, .dq = 7, .dv = 3, .scale = 0.9},
+      {.nq = 3, .nk = 9, .dq = 4, .dv = 3, .lens_form = kPerQuery, .lens32 = true, .scale = 1.7,
+       .dropout = 0.3, .training = true},
+  };
 }
 
 std::vector<Case> AdditiveScoring::shape_sweep(Rng&) {
@@ -945,42 +865,22 @@ std::vector<Case> AdditiveScoring::shape_sweep(Rng&) {
   int n = 0;
   for (int ia = 0; ia < 7; ++ia) {
     for (int ib = 0; ib < 7; ++ib, ++n) {
-      Case c;
-      c.nq = kSizes[ia];
-      c.nk = kSizes[ib];
-      c.dq = kQueryDims[(ia + ib) % 5];
-      c.dk = kKeyDims[(2 * ia + ib) % 5];
-      c.hidden = kHidden[(ia + 3 * ib) % 5];
-      c.dv = kAdditiveValueDims[(ia + 2 * ib) % 5];
-      c.batch = n % 3 == 0 ? 1 : 2;
-      c.wv_row = n % 2 == 0;
-      c.lens_form = kAllLensForms[(ia + 2 * ib) % 3];
-      c.lens32 = n % 4 == 1;
-      c.want_weights = n % 4 < 2;
-      c.want_lse = n % 2 == 1;
-      cases.push_back(c);
+      cases.push_back({.batch = n % 3 == 0 ? 1 : 2, .nq = kSizes[ia], .nk = kSizes[ib],
+                       .dq = kQueryDims[(ia + ib) % 5], .dk = kKeyDims[(2 * ia + ib) % 5],
+                       .dv = kAdditiveValueDims[(ia + 2 * ib) % 5],
+                       .hidden = kHidden[(ia + 3 * ib) % 5], .wv_row = n % 2 == 0,
+                       .lens_form = kAllLensForms[(ia + 2 * ib) % 3], .lens32 = n % 4 == 1,
+                       .want_weights = n % 4 < 2, .want_lse = n % 2 == 1});
     }
   }
   return cases;
 }
 
 std::vector<Case> AdditiveScoring::masked_keys_cases() {
-  std::vector<Case> cases;
-  for (const int64_t nk : {5, 70, 200}) {
-    Case c;
-    c.batch = 3;
-    c.nq = 6;
-    c.nk = nk;
-    c.dq = 7;
-    c.dk = 4;
-    c.hidden = 9;
-    c.dv = 5;
-    c.lens_form = LensForm::kPerBatch;
-    c.dropout = 0.2;
-    c.training = true;
-    cases.push_back(c);
-  }
-  return cases;
+  return with_dropout(for_each_nk({.batch = 3, .nq = 6, .dq = 7, .dk = 4, .dv = 5, .hidden = 9,
+                                   .lens_form = LensForm::kPerBatch},
+                                  {5, 70, 200}),
+                      0.2);
 }
 
 std::vector<Case> AdditiveScoring::dropout_cases() {
@@ -988,18 +888,10 @@ std::vector<Case> AdditiveScoring::dropout_cases() {
   int n = 0;
   for (const double p : {0.1, 0.5, 0.9}) {
     for (const int64_t nk : {1, 17, 65}) {
-      Case c;
-      c.nq = kSizes[n % 6];
-      c.nk = nk;
-      c.dq = kQueryDims[n % 5];
-      c.dk = kKeyDims[n % 5];
-      c.hidden = kHidden[n % 5];
-      c.dv = kAdditiveValueDims[n % 5];
-      c.wv_row = n % 2 == 1;
-      c.dropout = p;
-      c.training = true;
-      c.lens_form = kAllLensForms[n % 3];
-      cases.push_back(c);
+      cases.push_back({.nq = kSizes[n % 6], .nk = nk, .dq = kQueryDims[n % 5],
+                       .dk = kKeyDims[n % 5], .dv = kAdditiveValueDims[n % 5],
+                       .hidden = kHidden[n % 5], .wv_row = n % 2 == 1,
+                       .lens_form = kAllLensForms[n % 3], .dropout = p, .training = true});
       ++n;
     }
   }
@@ -1007,36 +899,20 @@ std::vector<Case> AdditiveScoring::dropout_cases() {
 }
 
 Case AdditiveScoring::dropout_only_when_training_case() {
-  Case c;
-  c.nq = 10;
-  c.nk = 40;
-  c.dq = 7;
-  c.dk = 5;
-  c.hidden = 9;
-  c.dv = 6;
-  c.lens_form = LensForm::kPerQuery;  // 20 lengths: some rows are not empty
-  return c;
+  // 20 lengths: some rows are not empty.
+  return {.nq = 10, .nk = 40, .dq = 7, .dk = 5, .dv = 6, .hidden = 9,
+          .lens_form = LensForm::kPerQuery};
 }
 
 std::vector<Case> AdditiveScoring::strided_cases() {
   std::vector<Case> cases;
   for (int n = 0; n < 6; ++n) {
-    Case c;
-    c.batch = 3;
-    c.nq = kSizes[n % 6];
-    c.nk = kSizes[(n + 3) % 6];
-    c.dq = kQueryDims[n % 5];
-    c.dk = kKeyDims[n % 5];
-    c.hidden = kHidden[n % 5];
-    c.dv = kAdditiveValueDims[n % 5];
-    c.wv_row = n % 2 == 0;
-    c.lens_form = kAllLensForms[n % 3];
-    c.layout = Layout::kStridedEach;
-    if (n % 3 == 2) {
-      c.dropout = 0.3;
-      c.training = true;
-    }
-    cases.push_back(c);
+    cases.push_back({.batch = 3, .nq = kSizes[n % 6], .nk = kSizes[(n + 3) % 6],
+                     .dq = kQueryDims[n % 5], .dk = kKeyDims[n % 5],
+                     .dv = kAdditiveValueDims[n % 5], .hidden = kHidden[n % 5],
+                     .wv_row = n % 2 == 0, .lens_form = kAllLensForms[n % 3],
+                     .dropout = n % 3 == 2 ? 0.3 : 0.0, .training = n % 3 == 2,
+                     .layout = Layout::kStridedEach});
   }
   return cases;
 }
@@ -1044,49 +920,20 @@ std::vector<Case> AdditiveScoring::strided_cases() {
 std::vector<Case> AdditiveScoring::write_into_cases() {
   std::vector<Case> cases;
   for (int which = 0; which < 4; ++which) {
-    Case c;
-    c.nq = 5 + which;
-    c.nk = 17 + 16 * which;
-    c.dq = 6;
-    c.dk = 3;
-    c.hidden = 7;
-    c.dv = 4;
-    c.lens_form = kAllLensForms[which % 3];
-    c.dropout = which % 2 ? 0.25 : 0.0;
-    c.training = true;
-    cases.push_back(c);
+    cases.push_back({.nq = 5 + which, .nk = 17 + 16 * which, .dq = 6, .dk = 3, .dv = 4,
+                     .hidden = 7, .lens_form = kAllLensForms[which % 3],
+                     .dropout = which % 2 ? 0.25 : 0.0, .training = true});
   }
   return cases;
 }
 
 std::vector<Case> AdditiveScoring::lse_merge_cases() {
-  std::vector<Case> cases;
-  for (const int64_t nk : {2, 9, 70}) {
-    Case c;
-    c.nq = 6;
-    c.nk = nk;
-    c.dq = 5;
-    c.dk = 3;
-    c.hidden = 7;
-    c.dv = 4;
-    cases.push_back(c);
-  }
-  return cases;
+  return for_each_nk({.nq = 6, .dq = 5, .dk = 3, .dv = 4, .hidden = 7}, {2, 9, 70});
 }
 
 Case AdditiveScoring::determinism_case() {
-  Case c;
-  c.batch = 3;
-  c.nq = 65;
-  c.nk = 129;
-  c.dq = 20;
-  c.dk = 9;
-  c.hidden = 33;
-  c.dv = 17;
-  c.lens_form = LensForm::kPerQuery;
-  c.dropout = 0.2;
-  c.training = true;
-  return c;
+  return {.batch = 3, .nq = 65, .nk = 129, .dq = 20, .dk = 9, .dv = 17, .hidden = 33,
+          .lens_form = LensForm::kPerQuery, .dropout = 0.2, .training = true};
 }
 
 std::vector<Case> AdditiveScoring::backward_cases(Rng&) {
@@ -1095,76 +942,32 @@ std::vector<Case> AdditiveScoring::backward_cases(Rng&) {
   int n = 0;
   for (const auto& s : shapes) {
     for (int variant = 0; variant < 3; ++variant, ++n) {
-      Case c;
-      c.nq = s[0];
-      c.nk = s[1];
-      c.dq = kQueryDims[n % 5];
-      c.dk = kKeyDims[(n + 2) % 5];
-      c.hidden = kHidden[(n + 1) % 5];
-      c.dv = kAdditiveValueDims[(n + 3) % 5];
-      c.wv_row = n % 2 == 1;
-      c.lens_form = kAllLensForms[variant];
-      c.lens32 = n % 3 == 0;
-      if (n % 3 == 2) {
-        c.dropout = 0.3;
-        c.training = true;
-      }
-      if (n % 4 == 3) c.layout = Layout::kStridedEach;
-      cases.push_back(c);
+      cases.push_back({.nq = s[0], .nk = s[1], .dq = kQueryDims[n % 5],
+                       .dk = kKeyDims[(n + 2) % 5], .dv = kAdditiveValueDims[(n + 3) % 5],
+                       .hidden = kHidden[(n + 1) % 5], .wv_row = n % 2 == 1,
+                       .lens_form = kAllLensForms[variant], .lens32 = n % 3 == 0,
+                       .dropout = n % 3 == 2 ? 0.3 : 0.0, .training = n % 3 == 2,
+                       .layout = n % 4 == 3 ? Layout::kStridedEach : Layout::kContiguous});
     }
   }
   return cases;
 }
 
 std::vector<Case> AdditiveScoring::finite_difference_cases() {
-  std::vector<Case> cases;
-  for (int variant = 0; variant < 6; ++variant) {
-    Case c;
-    c.batch = 2;
-    c.nq = 3;
-    c.nk = 4;
-    c.dq = 5;
-    c.dk = 3;
-    c.dv = 2;
-    c.hidden = 6;
-    switch (variant) {
-      case 0:
-        break;
-      case 1:
-        c.wv_row = true;
-        c.lens_form = LensForm::kPerBatch;
-        break;
-      case 2:
-        c.lens_form = LensForm::kPerQuery;  // includes zeros
-        c.hidden = 1;
-        break;
-      case 3:
-        c.dropout = 0.4;
-        c.training = true;
-        c.wv_row = true;
-        break;
-      case 4:
-        c.nq = 1;
-        c.nk = 1;
-        c.dq = 1;
-        c.dk = 1;
-        c.dv = 1;
-        c.hidden = 2;
-        break;
-      case 5:
-        c.lens_form = LensForm::kPerQuery;
-        c.lens32 = true;
-        c.dropout = 0.3;
-        c.training = true;
-        c.nk = 7;
-        c.hidden = 4;
-        break;
-    }
-    cases.push_back(c);
-  }
-  return cases;
+  using enum LensForm;
+  return {
+      {.nq = 3, .nk = 4, .dq = 5, .dk = 3, .dv = 2, .hidden = 6},
+      {.nq = 3, .nk = 4, .dq = 5, .dk = 3, .dv = 2, .hidden = 6, .wv_row = true,
+       .lens_form = kPerBatch},
+      {.nq = 3, .nk = 4, .dq = 5, .dk = 3, .dv = 2, .hidden = 1,
+       .lens_form = kPerQuery},  // includes zeros
+      {.nq = 3, .nk = 4, .dq = 5, .dk = 3, .dv = 2, .hidden = 6, .wv_row = true, .dropout = 0.4,
+       .training = true},
+      {.nq = 1, .nk = 1, .dq = 1, .dk = 1, .dv = 1, .hidden = 2},
+      {.nq = 3, .nk = 7, .dq = 5, .dk = 3, .dv = 2, .hidden = 4, .lens_form = kPerQuery,
+       .lens32 = true, .dropout = 0.3, .training = true},
+  };
 }
-
 // ---- the instantiations: one line per scoring function ------------------------------
 
 namespace {
