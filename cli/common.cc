@@ -252,6 +252,16 @@ std::string json_string(std::string_view text) {
   return out + "\"";
 }
 
+std::string join(const std::vector<std::string>& items, std::string_view separator,
+                 std::string_view last_separator) {
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) text += i + 1 == items.size() && !last_separator.empty() ? last_separator : separator;
+    text += items[i];
+  }
+  return text;
+}
+
 FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed) {
   NpyArray array = read_npy_input(input, file, consumed);
   if (auto* f = std::get_if<Tensor<float>>(&array)) return std::move(*f);

@@ -84,6 +84,25 @@ CLI::Option* require_path(CLI::Option* option);
 // U+FFFD, so the output is always valid JSON whatever the input bytes were.
 std::string json_string(std::string_view text);
 
+// The items with `separator` between them, and `last_separator` (if not
+// empty) before the last: join({"a", "b", "c"}, ", ", " and ") is
+// "a, b and c".
+std::string join(const std::vector<std::string>& items, std::string_view separator = ", ",
+                 std::string_view last_separator = {});
+
+// 2-D inputs stand for a batch of one (docs/cli.md): the library gets them
+// with a leading axis of 1, and the outputs are handed back without it.
+template <class T>
+ConstView<T> batch_view(const Tensor<T>& input, bool batched) {
+  return batched ? input.view() : input.view().unsqueeze0();
+}
+template <class T>
+Tensor<T> unbatched(Tensor<T> output, bool batched) {
+  if (batched) return output;
+  const Shape s = output.shape();
+  return std::move(output).reshaped(Shape(s.begin() + 1, s.end()));
+}
+
 // A float tensor as read from a .npy file, in the file's type.
 using FloatTensor = std::variant<Tensor<float>, Tensor<double>>;
 

@@ -21,10 +21,8 @@ struct SoftmaxArgs {
 
 template <class T>
 std::string softmax_bytes(const Tensor<T>& scores, const ValidLens& lens) {
-  if (scores.rank() == 3) return npy_bytes(masked_softmax(scores.view(), lens).view());
-  // 2-D scores: run as (1, Nq, Nk), hand back (Nq, Nk).
-  return npy_bytes(
-      masked_softmax(scores.view().unsqueeze0(), lens).reshaped(scores.shape()).view());
+  const bool batched = scores.rank() == 3;
+  return npy_bytes(unbatched(masked_softmax(batch_view(scores, batched), lens), batched).view());
 }
 
 void run_softmax(const SoftmaxArgs& args) {
