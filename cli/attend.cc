@@ -118,12 +118,14 @@ void run_attend(const AttendArgs& args) {
     }
   }
 
-  Tensor<int64_t> lens;
+  // The lengths as read, int32 or int64, viewed by valid_lens (no copy).
+  const Input lens_input{"--valid-lens", args.valid_lens};
+  LensTensor lens;
+  ValidLens valid_lens;
   if (!args.valid_lens.empty()) {
-    const Input lens_input{"--valid-lens", args.valid_lens};
-    lens = batch_valid_lens(load_valid_lens(lens_input), lens_input, inputs[0], q_shape);
+    lens = load_valid_lens(lens_input);
+    valid_lens = batch_valid_lens(lens, lens_input, inputs[0], q_shape);
   }
-  const ValidLens valid_lens = lens.empty() ? ValidLens() : ValidLens(lens);
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
                     ? attend<float>(args, tensors, valid_lens)

@@ -15,6 +15,7 @@
 
 #include "qkv/npy.h"
 #include "qkv/tensor.h"
+#include "qkv/valid_lens.h"
 
 namespace CLI {
 class App;
@@ -145,8 +146,12 @@ NpyArray read_npy_input(const Input& input, OpenInput& file, std::string_view co
 FloatTensor load_float(const Input& input);
 // The same for an input already open (and perhaps sniffed, see read_prefix).
 FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed);
-// Reads int32 or int64 valid lengths as int64; float lengths are an error.
-Tensor<int64_t> load_valid_lens(const Input& input);
+// Valid lengths as read from a .npy file, in the file's integer type: the
+// library takes int32 and int64 views as they are.
+using LensTensor = std::variant<Tensor<int32_t>, Tensor<int64_t>>;
+
+// Reads int32 or int64 valid lengths; float lengths are an error.
+LensTensor load_valid_lens(const Input& input);
 
 // "float32", "float64"
 std::string dtype_name(const FloatTensor& tensor);
@@ -156,8 +161,9 @@ const Shape& shape_of(const FloatTensor& tensor);
 // (`against`, of shape `input_shape`) that is 3-D (B, Nq, .) or 2-D (Nq, .),
 // a batch of one. For 2-D inputs `lens` is a scalar or (1): one length, or
 // (Nq) or (1, Nq): one per query. Other shapes are an error naming both files.
-Tensor<int64_t> batch_valid_lens(const Tensor<int64_t>& lens, const Input& lens_input,
-                                 const Input& against, const Shape& input_shape);
+// A view of `lens` (reshaped, not copied), which must outlive it.
+ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
+                           const Shape& input_shape);
 
 // An output file: the option that named it (for messages), where it goes,
 // and its complete contents.
