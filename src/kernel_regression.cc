@@ -17,6 +17,7 @@
 #include "check.h"
 #include "kernels/gauss1d_fast.h"
 #include "kernels/nadaraya_watson.h"
+#include "optimize.h"
 
 namespace qkv {
 namespace {
@@ -319,149 +320,6 @@ class LooObjective {
   int y_exp_ = 0;
 };
 
-// The best point seen so far; every search below only ever moves to it, so
-// the result is never worse than the start.
-struct Best {
-  std::vector<double> theta;
-  double f = kInf;
-  void offer(const std::vector<double>& t, double v) {
-    if (v < f) {
-      f = v;
-      theta = t;
-    }
-  }
-};
-
-// Quasi-Newton (BFGS on the inverse Hessian) on log h with an Armijo
-// backtracking line search; steps capped at 2 in log h (a factor e^2).
-template <class Objective>
-int bfgs(const Objective& f, Best& best) {
-  const size_t p = best.theta.size();
-  std::vector<double> theta = best.theta, g, g_new, theta_new(p), s(p), yv(p), d(p), hy(p);
-  double fx = f(theta, &g);
-  best.offer(theta, fx);
-  std::vector<double> hinv(p * p, 0.0);
-  for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
-  bool scaled = false;
-  int iter = 0;
-  for (; iter < 200; ++iter) {
-    double gmax = 0.0;
-    for (double gc : g) gmax = std::max(gmax, std::abs(gc));
-    if (gmax <= 1e-12 * std::max(fx, 1e-300)) break;  // stationary to rounding
-    double slope = 0.0;
-    for (size_t a = 0; a < p; ++a) {
-      d[a] = 0.0;
-      for (size_t b = 0; b < p; ++b) d[a] -= hinv[a * p + b] * g[b];
-      slope += d[a] * g[a];
-    }
-    if (!(slope < 0.0)) {  // lost descent: restart from steepest descent
-      std::fill(hinv.begin(), hinv.end(), 0.0);
-      for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
-      scaled = false;
-      for (size_t a = 0; a < p; ++a) d[a] = -g[a];
-      slope = 0.0;
-      for (size_t a = 0; a < p; ++a) slope += d[a] * g[a];
-    }
-    double dmax = 0.0;
-    for (double v : d) dmax = std::max(dmax, std::abs(v));
-    if (!scaled && dmax > 0.0) {  // first step: at most a factor e^0.5 in h
-      const double k = std::min(1.0, 0.5 / dmax);
-      for (double& v : d) v *= k;
-      slope *= k;
-      dmax *= k;
-    }
-    if (dmax > 2.0) {
-      const double k = 2.0 / dmax;
-      for (double& v : d) v *= k;
-      slope *= k;
-    }
-    double alpha = 1.0, f_new = kInf;
-    bool accepted = false;
-    for (int back = 0; back < 60; ++back) {
-      for (size_t a = 0; a < p; ++a) theta_new[a] = theta[a] + alpha * d[a];
-      f_new = f(theta_new, nullptr);
-      best.offer(theta_new, f_new);
-      if (f_new <= fx + 1e-4 * alpha * slope) {
-        accepted = true;
-        break;
-      }
-      alpha *= 0.5;
-    }
-    if (!accepted) break;
-    f(theta_new, &g_new);
-    double sy = 0.0, yy = 0.0, smax = 0.0;
-    for (size_t a = 0; a < p; ++a) {
-      s[a] = theta_new[a] - theta[a];
-      yv[a] = g_new[a] - g[a];
-      sy += s[a] * yv[a];
-      yy += yv[a] * yv[a];
-      smax = std::max(smax, std::abs(s[a]));
-    }
-    const double f_old = fx;
-    theta = theta_new;
-    fx = f_new;
-    g = g_new;
-    if (sy > 1e-300 && yy > 0.0) {
-      if (!scaled) {  // Nocedal & Wright (6.20): H0 = (s.y / y.y) I
-        std::fill(hinv.begin(), hinv.end(), 0.0);
-        for (size_t c = 0; c < p; ++c) hinv[c * p + c] = sy / yy;
-        scaled = true;
-      }
-      // H <- (I - rho s y') H (I - rho y s') + rho s s'
-      const double rho = 1.0 / sy;
-      double yhy = 0.0;
-      for (size_t a = 0; a < p; ++a) {
-        hy[a] = 0.0;
-        for (size_t b = 0; b < p; ++b) hy[a] += hinv[a * p + b] * yv[b];
-        yhy += yv[a] * hy[a];
-      }
-      for (size_t a = 0; a < p; ++a) {
-        for (size_t b = 0; b < p; ++b) {
-          hinv[a * p + b] +=
-              -rho * (s[a] * hy[b] + hy[a] * s[b]) + (rho * rho * yhy + rho) * s[a] * s[b];
-        }
-      }
-    }
-    if (smax < 1e-10 || f_old - fx <= 1e-15 * f_old) {
-      ++iter;
-      break;
-    }
-  }
-  return iter;
-}
-
-// Golden-section search of theta[c] on [lo, hi] (coordinate descent step for
-// the compact kernels, whose objective is only piecewise smooth in h).
-template <class Objective>
-void golden_section(const Objective& f, Best& best, size_t c, double lo, double hi) {
-  const double kInvPhi = 0.6180339887498949;
-  std::vector<double> t = best.theta;
-  auto eval = [&](double v) {
-    t[c] = v;
-    const double fv = f(t, nullptr);
-    best.offer(t, fv);
-    return fv;
-  };
-  double a = lo, b = hi;
-  double x1 = b - kInvPhi * (b - a), x2 = a + kInvPhi * (b - a);
-  double f1 = eval(x1), f2 = eval(x2);
-  for (int it = 0; it < 40; ++it) {
-    if (f1 <= f2) {
-      b = x2;
-      x2 = x1;
-      f2 = f1;
-      x1 = b - kInvPhi * (b - a);
-      f1 = eval(x1);
-    } else {
-      a = x1;
-      x1 = x2;
-      f1 = f2;
-      x2 = a + kInvPhi * (b - a);
-      f2 = eval(x2);
-    }
-  }
-}
-
 }  // namespace
 
 // ---- kernels by name ---------------------------------------------------------------
@@ -616,7 +474,7 @@ std::vector<double> scott_bandwidth(ConstView<double> x) {
 //    Compact kernels: coordinate descent, per feature a scan of +-2 in log h
 //    at steps of ln 2 / 8, then golden section between the best point's
 //    neighbours; up to 4 sweeps (1 for p = 1).
-// Every candidate goes through Best, so the result is never worse than the
+// Every candidate goes through BestPoint (src/optimize.h), so the result is never worse than the
 // start. iterations: BFGS iterations, or coordinate line searches.
 CvResult cv_bandwidth(const KernelRegression& model) {
   constexpr std::string_view kFn = "cv_bandwidth";
@@ -632,7 +490,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   const double ln2 = std::log(2.0);
   const double log_h_min = std::log(kMinBandwidth);
   const double log_h_max = std::log(std::numeric_limits<double>::max());
-  const auto f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
+  const Objective f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
     for (size_t c = 0; c < p; ++c) {
       const double log_h = theta[c] + scaled.x_exponent(c) * ln2;
       if (!(log_h >= log_h_min + 1e-9 && log_h <= log_h_max - 1e-9)) {
@@ -644,7 +502,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   };
   std::vector<double> theta0(p);
   for (size_t c = 0; c < p; ++c) theta0[c] = std::log(std::ldexp(h0[c], -scaled.x_exponent(c)));
-  Best best;
+  BestPoint best;
   best.offer(theta0, f(theta0, nullptr));
   const double kQuarterLn2 = 0.25 * ln2;
   std::vector<double> t(p);
@@ -665,7 +523,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   }
   CvResult result;
   if (model.kernel_ == Kernel::kGaussian) {
-    result.iterations = bfgs(f, best);
+    result.iterations = minimize_bfgs(f, best);
     // With p > 1 the common-factor scan can pick the wrong basin for one
     // feature (seen: a 2-D case 3.6 % above a fine grid's best). Scan each
     // feature alone around the optimum and restart BFGS from any improvement.
@@ -681,7 +539,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
         }
       }
       if (!(best.f < f_start * (1.0 - 1e-12))) break;
-      result.iterations += bfgs(f, best);
+      result.iterations += minimize_bfgs(f, best);
     }
   } else {
     const double step = std::log(2.0) / 8.0;
@@ -696,7 +554,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
           best.offer(t, f(t, nullptr));
         }
         const double mid = best.theta[c];
-        golden_section(f, best, c, mid - step, mid + step);
+        golden_section_search(f, best, c, mid - step, mid + step);
         ++result.iterations;
       }
       if (!(best.f < f_start * (1.0 - 1e-12))) break;
