@@ -118,14 +118,8 @@ void run_attend(const AttendArgs& args) {
     }
   }
 
-  // The lengths as read, int32 or int64, viewed by valid_lens (no copy).
-  const Input lens_input{"--valid-lens", args.valid_lens};
-  LensTensor lens;
-  ValidLens valid_lens;
-  if (!args.valid_lens.empty()) {
-    lens = load_valid_lens(lens_input);
-    valid_lens = batch_valid_lens(lens, lens_input, inputs[0], q_shape);
-  }
+  LensTensor lens;  // the lengths as read, int32 or int64, viewed by valid_lens (no copy)
+  const ValidLens valid_lens = read_valid_lens(args.valid_lens, inputs[0], q_shape, lens);
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
                     ? attend<float>(args, tensors, valid_lens)

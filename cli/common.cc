@@ -324,6 +324,14 @@ ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, cons
       lens);
 }
 
+ValidLens read_valid_lens(const std::string& path, const Input& against, const Shape& input_shape,
+                          LensTensor& storage) {
+  if (path.empty()) return {};
+  const Input lens_input{"--valid-lens", path};
+  storage = load_valid_lens(lens_input);
+  return batch_valid_lens(storage, lens_input, against, input_shape);
+}
+
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs) {
   qkv::check_output_paths("", outputs);
 }

@@ -165,6 +165,12 @@ const Shape& shape_of(const FloatTensor& tensor);
 ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
                            const Shape& input_shape);
 
+// --valid-lens PATH read into `storage` (the lengths as in the file) and
+// returned as batch_valid_lens views them; absent (every key valid) when
+// `path` is empty, the option not given.
+ValidLens read_valid_lens(const std::string& path, const Input& against, const Shape& input_shape,
+                          LensTensor& storage);
+
 // An output file: the option that named it (for messages), where it goes,
 // and its complete contents.
 struct OutputFile {

@@ -36,14 +36,8 @@ void run_softmax(const SoftmaxArgs& args) {
     throw UsageError(scores_input.describe() + " has shape " + shape.str() +
                      "; expected 2-D (Nq, Nk) or 3-D (B, Nq, Nk)");
   }
-  // The lengths as read, int32 or int64, viewed by valid_lens (no copy).
-  const Input lens_input{"--valid-lens", args.valid_lens};
-  LensTensor lens;
-  ValidLens valid_lens;
-  if (!args.valid_lens.empty()) {
-    lens = load_valid_lens(lens_input);
-    valid_lens = batch_valid_lens(lens, lens_input, scores_input, shape);
-  }
+  LensTensor lens;  // the lengths as read, int32 or int64, viewed by valid_lens (no copy)
+  const ValidLens valid_lens = read_valid_lens(args.valid_lens, scores_input, shape, lens);
 
   std::string bytes =
       std::visit([&](const auto& s) { return softmax_bytes(s, valid_lens); }, scores);
