@@ -18,6 +18,7 @@
 #include "kernels/gauss1d_fast.h"
 #include "kernels/nadaraya_watson.h"
 #include "optimize.h"
+#include "qkv/threads.h"
 
 namespace qkv {
 namespace {
@@ -169,12 +170,48 @@ std::vector<double> inverse(const std::vector<double>& h) {
   return inv;
 }
 
+// The kernels' view of training data x (n, p) and y (n, m), contiguous, with
+// inverse bandwidths inv_h (p); every kernel call's NwData is built here.
+kernels::NwData nw_data(const Tensor<double>& x, const Tensor<double>& y,
+                        const std::vector<double>& inv_h, Kernel kernel) {
+  return {.x = x.data(),
+          .y = y.data(),
+          .n = x.size(0),
+          .p = x.size(1),
+          .m = y.size(1),
+          .inv_h = inv_h.data(),
+          .kernel = kernel};
+}
+
+// The exact fast kernel, its workspace allocated here: predictions at q
+// (t, p) into out (t, m), the weights (t, n) too when not null. Returns the
+// number of undefined (NaN) rows.
+int64_t predict_exact(const kernels::NwData& d, const Tensor<double>& q, double* out,
+                      double* weights) {
+  const int threads = num_threads();
+  std::vector<double> workspace(kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
+  return kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out, weights,
+                                        {.data = workspace.data(), .num_threads = threads});
+}
+
+// The chapter's parametric loss of x (n, p), y (n, m) at w, its workspace
+// allocated here.
+double parametric_loss_of(const Tensor<double>& x, const Tensor<double>& y, double w,
+                          double* grad) {
+  const int threads = num_threads();
+  const int64_t n = x.size(0), p = x.size(1), m = y.size(1);
+  std::vector<double> workspace(
+      kernels::fast::parametric_loss_workspace_size(n, p, m, grad != nullptr, threads));
+  return kernels::fast::parametric_loss(x.data(), y.data(), n, p, m, w, grad,
+                                        {.data = workspace.data(), .num_threads = threads});
+}
+
 // The 1-D Gaussian fast algorithm: keys sorted ascending, y (n, m) in the
 // same order, q (t, 1), out (t, m).
 void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& sorted_y,
                      const Tensor<double>& q, double h, Tensor<double>& out) {
-  kernels::gauss1d_fast(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
-                        q.data(), q.size(0), h, kFastPathRelTol, out.data());
+  kernels::fast::gauss1d(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
+                         q.data(), q.size(0), h, kFastPathRelTol, out.data());
 }
 
 // The power of two by which predictions divide y first (and multiply the
@@ -294,20 +331,18 @@ class LooObjective {
   double operator()(const std::vector<double>& theta, std::vector<double>* grad) const {
     std::vector<double> inv_h(theta.size());
     for (size_t c = 0; c < theta.size(); ++c) inv_h[c] = std::exp(-theta[c]);
-    const kernels::NwData d{.x = x_.data(),
-                            .y = y_.data(),
-                            .n = x_.size(0),
-                            .p = p_,
-                            .m = y_.size(1),
-                            .inv_h = inv_h.data(),
-                            .kernel = kernel_};
-    const kernels::LooSums sums = kernels::loo_sums(d, grad != nullptr);
+    const kernels::NwData d = nw_data(x_, y_, inv_h, kernel_);
+    const int threads = num_threads();
+    std::vector<double> g(grad ? theta.size() : 0);
+    std::vector<double> workspace(
+        kernels::fast::loo_sums_workspace_size(d, grad != nullptr, threads));
+    const kernels::LooSums sums = kernels::fast::loo_sums(
+        d, grad ? g.data() : nullptr, {.data = workspace.data(), .num_threads = threads});
     if (sums.defined == 0) return kInf;
     const double scale = 1.0 / static_cast<double>(sums.defined);
     if (grad) {
       grad->resize(theta.size());
-      for (size_t c = 0; c < theta.size(); ++c)
-        (*grad)[c] = sums.g[c] * inv_h[c] * inv_h[c] * scale;
+      for (size_t c = 0; c < theta.size(); ++c) (*grad)[c] = g[c] * inv_h[c] * inv_h[c] * scale;
     }
     return sums.sum_sq * scale;
   }
@@ -401,7 +436,7 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   const int64_t t = q.size(0);
   KernelPrediction result;
   Tensor<double> out(Shape{t, m_});
-  const bool fast_1d = kernel_ == Kernel::kGaussian && p_ == 1 && !exact &&
+  const bool fast_1d = kernels::fast::gauss1d_supports(kernel_, p_) && !exact &&
                        static_cast<double>(n_) * static_cast<double>(t) > kFastPathMinWork;
   const int y_exp = prediction_y_exponent(y_);
   if (fast_1d) {
@@ -411,14 +446,8 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   } else {
     const Tensor<double> y_scaled = y_exp == 0 ? Tensor<double>() : scaled_copy(y_, y_exp);
     const std::vector<double> inv_h = inverse(bandwidth_);
-    const kernels::NwData d{.x = x_.data(),
-                            .y = y_exp == 0 ? y_.data() : y_scaled.data(),
-                            .n = n_,
-                            .p = p_,
-                            .m = m_,
-                            .inv_h = inv_h.data(),
-                            .kernel = kernel_};
-    result.num_undefined = kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr);
+    const kernels::NwData d = nw_data(x_, y_exp == 0 ? y_ : y_scaled, inv_h, kernel_);
+    result.num_undefined = predict_exact(d, q, out.data(), nullptr);
   }
   if (y_exp != 0) {
     for (double& v : out.values()) v = std::ldexp(v, y_exp);
@@ -434,14 +463,7 @@ Tensor<double> KernelRegression::weights(ConstView<double> queries) const {
   Tensor<double> w(Shape{t, n_});
   Tensor<double> out(Shape{t, m_});
   const std::vector<double> inv_h = inverse(bandwidth_);
-  const kernels::NwData d{.x = x_.data(),
-                          .y = y_.data(),
-                          .n = n_,
-                          .p = p_,
-                          .m = m_,
-                          .inv_h = inv_h.data(),
-                          .kernel = kernel_};
-  kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), w.data());
+  predict_exact(nw_data(x_, y_, inv_h, kernel_), q, out.data(), w.data());
   return w;
 }
 
@@ -597,8 +619,7 @@ double parametric_loss(ConstView<double> x, ConstView<double> y, double w, doubl
   check_training_data(kFn, x, y, 2);
   if (!std::isfinite(w)) fail(kFn, "w = " + num(w) + "; expected a finite value");
   const Tensor<double> xm = as_matrix(x), ym = as_matrix(y);
-  return kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1), ym.size(1), w,
-                                  grad);
+  return parametric_loss_of(xm, ym, w, grad);
 }
 
 ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
@@ -629,8 +650,7 @@ ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
   ParametricResult result;
   for (int epoch = 0; epoch < options.epochs; ++epoch) {
     double grad = 0.0;
-    const double loss = kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1),
-                                                 ym.size(1), w, &grad);
+    const double loss = parametric_loss_of(xm, ym, w, &grad);
     if (!std::isfinite(loss) || !std::isfinite(grad)) {
       // The loss sums squared errors of y, its gradient those times squared
       // differences of x: in float64 they overflow for |y| or |x_i - x_j|
@@ -666,15 +686,8 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
   const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
   const int y_exp = prediction_y_exponent(ym);
   const Tensor<double> y_scaled = scaled_copy(ym, y_exp);
-  const kernels::NwData d{.x = xm.data(),
-                          .y = y_scaled.data(),
-                          .n = xm.size(0),
-                          .p = p,
-                          .m = m,
-                          .inv_h = inv_h.data(),
-                          .kernel = Kernel::kGaussian};
   Tensor<double> out(Shape{q.size(0), m});
-  kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out.data(), nullptr);
+  predict_exact(nw_data(xm, y_scaled, inv_h, Kernel::kGaussian), q, out.data(), nullptr);
   if (y_exp != 0) {
     for (double& v : out.values()) v = std::ldexp(v, y_exp);
   }
