@@ -25,8 +25,8 @@ struct NwData {
 };
 
 // Scratch handed to a kernel: `data` holds the doubles its *_workspace_size
-// asked for, sized for `num_threads` (at most that many of the kernel's tasks
-// hold scratch at once; results do not depend on it).
+// asked for, sized for `num_threads` >= 1 (at most that many of the kernel's
+// tasks hold scratch at once; results do not depend on it).
 struct Workspace {
   double* data = nullptr;
   int num_threads = 1;

@@ -131,20 +131,9 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
   return sum;
 }
 
-// The Gaussian estimator through small_dim::forward, or false (nothing
-// written) when it does not apply: p or m above 8, `far` (a difference
-// q_c - x_jc may overflow), or bandwidths so small that 1 / h^2 overflows
-// (or so large that it is not normal). Scores are -scale |q' - x'|^2 with
-// scale = max_c(1/h_c)^2 / 2 and x'_c = x_c r_c, r_c = (1/h_c) / max_c(1/h_c):
-// for one feature, or equal bandwidths, r_c = 1 and the data go in as given,
-// so the differences q - x are formed before any scaling, as in the
-// reference (no cancellation at any bandwidth). Features with other
-// bandwidths are centred on their keys' midrange first, then scaled, so a
-// rounding error stays ~2^-53 of the spread / h_c in u_c. Rows whose
-// log-sum-exp is below kFarRowLse (queries > 32768 bandwidths from every
-// key) or not finite (the nearest squared distance, or that times scale,
-// overflowed: the kernel then returns a zero row) are evaluated again by
-// gaussian_row_far, in parallel: the same rule as the reference's.
+// Whether gaussian_fused serves the call: the Gaussian kernel, p and m up to
+// 8, no difference q_c - x_jc that may overflow (`far`), and a normal,
+// finite scale max_c(1/h_c)^2 / 2.
 bool gaussian_fused_applies(const NwData& d, bool far) {
   if (d.kernel != Kernel::kGaussian || d.p > small_dim::kMaxDim || d.m > small_dim::kMaxValueDim ||
       far) {
@@ -164,6 +153,20 @@ size_t gaussian_fused_workspace_size(const NwData& d, int64_t t, int slots) {
   return as_size(2 * d.p + d.n * d.p + t * d.p + t + slots * d.n + tasks);
 }
 
+// The Gaussian estimator through small_dim::forward, or false (nothing
+// written) when it does not apply: p or m above 8, `far` (a difference
+// q_c - x_jc may overflow), or bandwidths so small that 1 / h^2 overflows
+// (or so large that it is not normal). Scores are -scale |q' - x'|^2 with
+// scale = max_c(1/h_c)^2 / 2 and x'_c = x_c r_c, r_c = (1/h_c) / max_c(1/h_c):
+// for one feature, or equal bandwidths, r_c = 1 and the data go in as given,
+// so the differences q - x are formed before any scaling, as in the
+// reference (no cancellation at any bandwidth). Features with other
+// bandwidths are centred on their keys' midrange first, then scaled, so a
+// rounding error stays ~2^-53 of the spread / h_c in u_c. Rows whose
+// log-sum-exp is below kFarRowLse (queries > 32768 bandwidths from every
+// key) or not finite (the nearest squared distance, or that times scale,
+// overflowed: the kernel then returns a zero row) are evaluated again by
+// gaussian_row_far, in parallel: the same rule as the reference's.
 bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, double* out,
                     int64_t* undefined, Workspace ws) {
   if (!gaussian_fused_applies(d, far)) return false;
@@ -172,12 +175,12 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   const double scale = 0.5 * inv_max * inv_max;
   const int64_t per_task = rows_per_task(d.n);
   const int64_t tasks = ceil_div(t, per_task);
-  double* const ratio = ws.data;            // (p)
-  double* const center = ratio + d.p;       // (p)
-  double* const xs = center + d.p;          // (n, p)
-  double* const qs = xs + d.n * d.p;        // (t, p)
-  double* const lse = qs + t * d.p;         // (t)
-  double* const rows = lse + t;             // (slots, n)
+  double* const ratio = ws.data;                      // (p)
+  double* const center = ratio + d.p;                 // (p)
+  double* const xs = center + d.p;                    // (n, p)
+  double* const qs = xs + d.n * d.p;                  // (t, p)
+  double* const lse = qs + t * d.p;                   // (t)
+  double* const rows = lse + t;                       // (slots, n)
   double* const empty = rows + ws.num_threads * d.n;  // (tasks)
   bool rescale = false;
   for (int64_t c = 0; c < d.p; ++c) {
@@ -219,14 +222,15 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   // Rows far from every key (or whose scores overflowed) again, exactly;
   // ordinary queries have none, and then no threads are started.
   *undefined = 0;
+  const auto is_far = [&](int64_t i) { return !(std::isfinite(lse[i]) && lse[i] >= kFarRowLse); };
   bool any_far = false;
-  for (int64_t i = 0; i < t && !any_far; ++i) any_far = !(std::isfinite(lse[i]) && lse[i] >= kFarRowLse);
+  for (int64_t i = 0; i < t && !any_far; ++i) any_far = is_far(i);
   if (!any_far) return true;
   for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
     double* const w = rows + slot * d.n;
     empty[task] = 0;
     for (int64_t i = task * per_task; i < std::min(t, (task + 1) * per_task); ++i) {
-      if (std::isfinite(lse[i]) && lse[i] >= kFarRowLse) continue;
+      if (!is_far(i)) continue;
       const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, true, w);
       double* o = out + i * d.m;
       if (sum == 0.0) {  // n = 0
@@ -265,6 +269,7 @@ size_t nadaraya_watson_workspace_size(const NwData& d, int64_t t, int num_thread
 // q: (t, p)   x: (n, p)   y: (n, m)   ->   out: (t, m), weights: (t, n) or null
 int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights,
                         Workspace ws) {
+  assert(ws.num_threads >= 1);
   if (t == 0) return 0;
   // One pass over the inputs decides whether a difference can overflow
   // (coordinates beyond +-2^1023); then every Gaussian row is a far one.
@@ -274,8 +279,8 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const int64_t rows = rows_per_task(d.n);
   const int64_t tasks = ceil_div(t, rows);
-  double* const xt = ws.data;                              // (n, p)
-  double* const slots = xt + d.n * d.p;                    // (num_threads, rows * n + rows)
+  double* const xt = ws.data;                                              // (n, p)
+  double* const slots = xt + d.n * d.p;                                    // (threads, rows (n + 1))
   double* const undefined = slots + ws.num_threads * (rows * d.n + rows);  // (tasks)
   transpose_keys(d, xt);
   for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
@@ -323,12 +328,13 @@ size_t loo_sums_workspace_size(const NwData& d, bool, int num_threads) {
 }
 
 LooSums loo_sums(const NwData& d, double* gradient, Workspace ws) {
+  assert(ws.num_threads >= 1);
   const bool want_gradient = gradient != nullptr;
   const int64_t rows = loo_rows_per_task(d.n);
   assert(!want_gradient || d.kernel == Kernel::kGaussian);
   const int64_t n = d.n, p = d.p, m = d.m;
-  double* const xt = ws.data;                                  // (n, p)
-  double* const slots = xt + n * p;                            // (num_threads, 2n + 2m)
+  double* const xt = ws.data;                                      // (n, p)
+  double* const slots = xt + n * p;                                // (threads, 2n + 2m)
   double* const parts = slots + ws.num_threads * (2 * n + 2 * m);  // (tasks, 2 + p)
   transpose_keys(d, xt);
   const bool far = !differences_fit(d.x, n * p);
