@@ -33,11 +33,15 @@ core=$(find "$work/prefix" -name 'libqkv.a' -o -name 'libqkv.so*' | head -1)
 chapter=$(find "$work/prefix" -name 'libqkv_chapter.a' -o -name 'libqkv_chapter.so*' | head -1)
 [ -n "$core" ] && [ -n "$chapter" ] || { echo "check_install: libqkv or libqkv_chapter missing" >&2; exit 1; }
 pattern='qkv::heatmaps|qkv::plot_|qkv::KeyValueDatabase|posix_spawn'
-if nm -C "$core" 2>/dev/null | grep -E "$pattern" >&2; then
+# (Symbols to files first: grep -q would stop reading early, and nm's SIGPIPE
+# fail the pipeline under pipefail.)
+nm -C "$core" >"$work/core.syms"
+nm -C "$chapter" >"$work/chapter.syms"
+if grep -E "$pattern" "$work/core.syms" >&2; then
   echo "check_install: $core holds the chapter's code (above)" >&2
   exit 1
 fi
-nm -C "$chapter" | grep -qE 'qkv::heatmaps' ||
+grep -qE 'qkv::heatmaps' "$work/chapter.syms" ||
   { echo "check_install: $chapter lacks qkv::heatmaps" >&2; exit 1; }
 echo "check_install: find_package(qkv) consumers of qkv::qkv and qkv::chapter built and printed" \
   "the chapter's answers; $(basename "$core") holds no plot, lookup or spawn symbol"
