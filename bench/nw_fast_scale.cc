@@ -76,8 +76,8 @@ int main(int argc, char** argv) {
   for (double factor : {0.001, 0.01, 0.1, 1.0, 10.0}) {
     const double h = factor * spread;
     const auto start = std::chrono::steady_clock::now();
-    const char* method = qkv::kernels::gauss1d_fast(keys.data(), values.data(), n, 1,
-                                                    queries.data(), t, h, rel_tol, out.data());
+    const char* method = qkv::kernels::fast::gauss1d(keys.data(), values.data(), n, 1,
+                                                     queries.data(), t, h, rel_tol, out.data());
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     double worst = 0;
@@ -93,8 +93,8 @@ int main(int argc, char** argv) {
     // The library's exact path (threaded, SIMD) on the sampled queries, scaled
     // to all t queries: what the fast paths save.
     const auto exact_start = std::chrono::steady_clock::now();
-    qkv::kernels::gauss1d_fast(keys.data(), values.data(), n, 1, sample_q.data(),
-                               static_cast<int64_t>(sample_q.size()), h, 0.0, sample_out.data());
+    qkv::kernels::fast::gauss1d(keys.data(), values.data(), n, 1, sample_q.data(),
+                                static_cast<int64_t>(sample_q.size()), h, 0.0, sample_out.data());
     const double exact_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - exact_start).count() *
         static_cast<double>(t) / static_cast<double>(sample_q.size());

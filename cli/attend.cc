@@ -33,18 +33,12 @@ void check_options(const AttendArgs& args) {
   const std::pair<const char*, const std::string*> params[] = {
       {"--wq", &args.w_q}, {"--wk", &args.w_k}, {"--wv", &args.w_v}};
   for (const auto& [name, path] : params) (path->empty() ? missing : given).push_back(name);
-  const auto join = [](const std::vector<std::string>& names) {
-    std::string text;
-    for (size_t i = 0; i < names.size(); ++i) {
-      text += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
-    }
-    return text;
-  };
   if (additive && !missing.empty()) {
-    throw UsageError("--scoring additive needs --wq, --wk and --wv; missing " + join(missing));
+    throw UsageError("--scoring additive needs --wq, --wk and --wv; missing " +
+                     join(missing, ", ", " and "));
   }
   if (!additive && !given.empty()) {
-    throw UsageError(join(given) + (given.size() == 1 ? " is" : " are") +
+    throw UsageError(join(given, ", ", " and ") + (given.size() == 1 ? " is" : " are") +
                      " for --scoring additive; --scoring dot has no parameters");
   }
   if (additive && args.scale) {
@@ -59,9 +53,7 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
                                const ValidLens& valid_lens) {
   const auto in = [&](size_t i) -> const Tensor<T>& { return std::get<Tensor<T>>(inputs[i]); };
   const bool batched = in(0).rank() == 3;
-  const auto as_batch = [&](size_t i) {
-    return batched ? in(i).view() : in(i).view().unsqueeze0();
-  };
+  const auto as_batch = [&](size_t i) { return batch_view(in(i), batched); };
   AttentionOptions options;
   options.scale = args.scale;
   options.dropout = args.dropout;
@@ -77,22 +69,13 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
                                AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
                                valid_lens, options);
   // 2-D inputs give outputs without the batch axis of one.
-  const auto unbatch = [&](Tensor<T>& t) {
-    if (batched) return;
-    const Shape s = t.shape();
-    t = std::move(t).reshaped(s.rank() == 3 ? Shape{s[1], s[2]} : Shape{s[1]});
+  const auto bytes = [&](Tensor<T>& t) {
+    return npy_bytes(unbatched(std::move(t), batched).view());
   };
   std::vector<OutputFile> files;
-  unbatch(result.output);
-  files.push_back({"--out", args.out, npy_bytes(result.output.view())});
-  if (options.want_weights) {
-    unbatch(result.weights);
-    files.push_back({"--weights", args.weights, npy_bytes(result.weights.view())});
-  }
-  if (options.want_lse) {
-    unbatch(result.lse);
-    files.push_back({"--lse", args.lse, npy_bytes(result.lse.view())});
-  }
+  files.push_back({"--out", args.out, bytes(result.output)});
+  if (options.want_weights) files.push_back({"--weights", args.weights, bytes(result.weights)});
+  if (options.want_lse) files.push_back({"--lse", args.lse, bytes(result.lse)});
   return files;
 }
 
@@ -136,12 +119,8 @@ void run_attend(const AttendArgs& args) {
     }
   }
 
-  Tensor<int64_t> lens;
-  if (!args.valid_lens.empty()) {
-    const Input lens_input{"--valid-lens", args.valid_lens};
-    lens = batch_valid_lens(load_valid_lens(lens_input), lens_input, inputs[0], q_shape);
-  }
-  const ValidLens valid_lens = lens.empty() ? ValidLens() : ValidLens(lens);
+  LensTensor lens;  // the lengths as read, int32 or int64, viewed by valid_lens (no copy)
+  const ValidLens valid_lens = read_valid_lens(args.valid_lens, inputs[0], q_shape, lens);
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
                     ? attend<float>(args, tensors, valid_lens)

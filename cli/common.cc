@@ -252,6 +252,16 @@ std::string json_string(std::string_view text) {
   return out + "\"";
 }
 
+std::string join(const std::vector<std::string>& items, std::string_view separator,
+                 std::string_view last_separator) {
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) text += i + 1 == items.size() && !last_separator.empty() ? last_separator : separator;
+    text += items[i];
+  }
+  return text;
+}
+
 FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed) {
   NpyArray array = read_npy_input(input, file, consumed);
   if (auto* f = std::get_if<Tensor<float>>(&array)) return std::move(*f);
@@ -265,14 +275,11 @@ FloatTensor load_float(const Input& input) {
   return load_float(input, file, {});
 }
 
-Tensor<int64_t> load_valid_lens(const Input& input) {
+LensTensor load_valid_lens(const Input& input) {
   OpenInput file(input);
   NpyArray array = read_npy_input(input, file);
   if (auto* i64 = std::get_if<Tensor<int64_t>>(&array)) return std::move(*i64);
-  if (auto* i32 = std::get_if<Tensor<int32_t>>(&array)) {
-    const std::vector<int32_t>& v = i32->values();
-    return Tensor<int64_t>(i32->shape(), std::vector<int64_t>(v.begin(), v.end()));
-  }
+  if (auto* i32 = std::get_if<Tensor<int32_t>>(&array)) return std::move(*i32);
   throw UsageError(input.describe() + " holds " + npy_dtype_name(array) +
                    "; valid lengths must be int32 or int64");
 }
@@ -285,30 +292,44 @@ const Shape& shape_of(const FloatTensor& tensor) {
   return std::visit([](const auto& t) -> const Shape& { return t.shape(); }, tensor);
 }
 
-Tensor<int64_t> batch_valid_lens(const Tensor<int64_t>& lens, const Input& lens_input,
-                                 const Input& against, const Shape& input_shape) {
-  const Shape& shape = lens.shape();
-  const auto mismatch = [&](const std::string& expected) {
-    throw UsageError(lens_input.describe() + " has shape " + shape.str() + " but " +
-                     against.describe() + " has shape " + input_shape.str() + "; expected " +
-                     expected);
-  };
-  if (input_shape.rank() == 3) {
-    // Sizes and values are the library's to check; only the rank is ours.
-    if (shape.rank() != 1 && shape.rank() != 2) {
-      mismatch(Shape{input_shape[0]}.str() + " or " + Shape{input_shape[0], input_shape[1]}.str());
-    }
-    return Tensor<int64_t>::copy_of(lens.view());
-  }
-  const int64_t num_queries = input_shape[0];
-  if (shape.rank() == 0 || shape == Shape{1}) return Tensor<int64_t>(Shape{1}, lens.values());
-  // (1, Nq) is the batched form of one length per query, for a batch of one.
-  if (shape == Shape{num_queries} || shape == Shape{1, num_queries}) {
-    return Tensor<int64_t>(Shape{1, num_queries}, lens.values());
-  }
-  mismatch(std::string("[] or [1] (one length), or ") + Shape{num_queries}.str() + " or " +
-           Shape{1, num_queries}.str() + " (one per query)");
-  return {};  // unreachable: mismatch throws
+ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
+                           const Shape& input_shape) {
+  return std::visit(
+      [&](const auto& tensor) -> ValidLens {
+        const Shape& shape = tensor.shape();
+        const auto mismatch = [&](const std::string& expected) {
+          throw UsageError(lens_input.describe() + " has shape " + shape.str() + " but " +
+                           against.describe() + " has shape " + input_shape.str() +
+                           "; expected " + expected);
+        };
+        if (input_shape.rank() == 3) {
+          // Sizes and values are the library's to check; only the rank is ours.
+          if (shape.rank() != 1 && shape.rank() != 2) {
+            mismatch(Shape{input_shape[0]}.str() + " or " +
+                     Shape{input_shape[0], input_shape[1]}.str());
+          }
+          return tensor.view();
+        }
+        const int64_t num_queries = input_shape[0];
+        using View = decltype(tensor.view());
+        if (shape.rank() == 0 || shape == Shape{1}) return View(tensor.data(), Shape{1});
+        // (1, Nq) is the batched form of one length per query, for a batch of one.
+        if (shape == Shape{num_queries} || shape == Shape{1, num_queries}) {
+          return View(tensor.data(), Shape{1, num_queries});
+        }
+        mismatch(std::string("[] or [1] (one length), or ") + Shape{num_queries}.str() + " or " +
+                 Shape{1, num_queries}.str() + " (one per query)");
+        return {};  // unreachable: mismatch throws
+      },
+      lens);
+}
+
+ValidLens read_valid_lens(const std::string& path, const Input& against, const Shape& input_shape,
+                          LensTensor& storage) {
+  if (path.empty()) return {};
+  const Input lens_input{"--valid-lens", path};
+  storage = load_valid_lens(lens_input);
+  return batch_valid_lens(storage, lens_input, against, input_shape);
 }
 
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs) {

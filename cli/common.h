@@ -15,6 +15,7 @@
 
 #include "qkv/npy.h"
 #include "qkv/tensor.h"
+#include "qkv/valid_lens.h"
 
 namespace CLI {
 class App;
@@ -84,6 +85,25 @@ CLI::Option* require_path(CLI::Option* option);
 // U+FFFD, so the output is always valid JSON whatever the input bytes were.
 std::string json_string(std::string_view text);
 
+// The items with `separator` between them, and `last_separator` (if not
+// empty) before the last: join({"a", "b", "c"}, ", ", " and ") is
+// "a, b and c".
+std::string join(const std::vector<std::string>& items, std::string_view separator = ", ",
+                 std::string_view last_separator = {});
+
+// 2-D inputs stand for a batch of one (docs/cli.md): the library gets them
+// with a leading axis of 1, and the outputs are handed back without it.
+template <class T>
+ConstView<T> batch_view(const Tensor<T>& input, bool batched) {
+  return batched ? input.view() : input.view().unsqueeze0();
+}
+template <class T>
+Tensor<T> unbatched(Tensor<T> output, bool batched) {
+  if (batched) return output;
+  const Shape s = output.shape();
+  return std::move(output).reshaped(Shape(s.begin() + 1, s.end()));
+}
+
 // A float tensor as read from a .npy file, in the file's type.
 using FloatTensor = std::variant<Tensor<float>, Tensor<double>>;
 
@@ -126,8 +146,12 @@ NpyArray read_npy_input(const Input& input, OpenInput& file, std::string_view co
 FloatTensor load_float(const Input& input);
 // The same for an input already open (and perhaps sniffed, see read_prefix).
 FloatTensor load_float(const Input& input, OpenInput& file, std::string_view consumed);
-// Reads int32 or int64 valid lengths as int64; float lengths are an error.
-Tensor<int64_t> load_valid_lens(const Input& input);
+// Valid lengths as read from a .npy file, in the file's integer type: the
+// library takes int32 and int64 views as they are.
+using LensTensor = std::variant<Tensor<int32_t>, Tensor<int64_t>>;
+
+// Reads int32 or int64 valid lengths; float lengths are an error.
+LensTensor load_valid_lens(const Input& input);
 
 // "float32", "float64"
 std::string dtype_name(const FloatTensor& tensor);
@@ -137,8 +161,15 @@ const Shape& shape_of(const FloatTensor& tensor);
 // (`against`, of shape `input_shape`) that is 3-D (B, Nq, .) or 2-D (Nq, .),
 // a batch of one. For 2-D inputs `lens` is a scalar or (1): one length, or
 // (Nq) or (1, Nq): one per query. Other shapes are an error naming both files.
-Tensor<int64_t> batch_valid_lens(const Tensor<int64_t>& lens, const Input& lens_input,
-                                 const Input& against, const Shape& input_shape);
+// A view of `lens` (reshaped, not copied), which must outlive it.
+ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
+                           const Shape& input_shape);
+
+// --valid-lens PATH read into `storage` (the lengths as in the file) and
+// returned as batch_valid_lens views them; absent (every key valid) when
+// `path` is empty, the option not given.
+ValidLens read_valid_lens(const std::string& path, const Input& against, const Shape& input_shape,
+                          LensTensor& storage);
 
 // An output file: the option that named it (for messages), where it goes,
 // and its complete contents.

@@ -182,6 +182,39 @@ void check_no_nul(std::string_view text, size_t from, size_t to, int64_t& line,
   }
 }
 
+// The data rows of a CSV body (from offset `body`, line `body_line`) under
+// the header `header`, for CsvFile::numbers and CsvFile::text: checks that
+// `selected` are columns of the header and that every row has the header's
+// field count, calls on_row(fields, line, tokens) for each row and returns
+// how many there were; a body without rows is an Error.
+template <class OnRow>
+int64_t for_each_row(std::string_view text, const std::string& name, size_t body,
+                     int64_t body_line, const std::vector<std::string>& header,
+                     const std::vector<int>& selected, OnRow on_row) {
+  const size_t width = header.size();
+  for (const int c : selected) {
+    if (c < 0 || static_cast<size_t>(c) >= width) {
+      throw Error(name + ": no column " + std::to_string(c) + " (the file has " +
+                  std::to_string(width) + ")");
+    }
+  }
+  Tokenizer tokens(text, name, body, body_line, &header);
+  std::vector<Field> fields;
+  int64_t rows = 0;
+  int64_t line = 0;
+  while (tokens.next(fields, line)) {
+    if (fields.size() != width) {
+      throw Error(name + ": line " + std::to_string(line) + " has " +
+                  std::to_string(fields.size()) + (fields.size() == 1 ? " field" : " fields") +
+                  " but the header has " + std::to_string(width));
+    }
+    on_row(fields, line, tokens);
+    ++rows;
+  }
+  if (rows == 0) throw Error(name + ": no data rows after the header");
+  return rows;
+}
+
 }  // namespace
 
 std::optional<double> parse_number(std::string_view text) {
@@ -293,64 +326,33 @@ std::optional<int> CsvFile::find(std::string_view column) const {
 }
 
 Tensor<double> CsvFile::numbers(const std::vector<int>& columns) const {
-  const size_t width = columns_.size();
-  for (const int c : columns) {
-    if (c < 0 || static_cast<size_t>(c) >= width) {
-      throw Error(name_ + ": no column " + std::to_string(c) + " (the file has " +
-                  std::to_string(width) + ")");
-    }
-  }
-  Tokenizer tokens(text_, name_, body_, body_line_, &columns_);
-  std::vector<Field> fields;
   std::vector<double> values;
-  int64_t rows = 0;
-  int64_t line = 0;
-  while (tokens.next(fields, line)) {
-    if (fields.size() != width) {
-      throw Error(name_ + ": line " + std::to_string(line) + " has " +
-                  std::to_string(fields.size()) + (fields.size() == 1 ? " field" : " fields") +
-                  " but the header has " + std::to_string(width));
-    }
-    for (const int c : columns) {
-      const std::string_view cell = fields[c].text;
-      const auto where = [&](const std::string& what) { tokens.fail(line, c + 1, what); };
-      if (cell.empty()) where("empty cell; expected a number");
-      const std::optional<double> value = parse_number(cell);
-      if (!value) where(quoted(cell) + " is not a number");
-      if (!std::isfinite(*value)) {
-        where(quoted(cell) + (std::isnan(*value) ? " is not a number" : " is not finite") +
-              "; the data must be finite numbers");
-      }
-      values.push_back(*value);
-    }
-    ++rows;
-  }
-  if (rows == 0) throw Error(name_ + ": no data rows after the header");
+  const int64_t rows = for_each_row(
+      text_, name_, body_, body_line_, columns_, columns,
+      [&](const std::vector<Field>& fields, int64_t line, const Tokenizer& tokens) {
+        for (const int c : columns) {
+          const std::string_view cell = fields[c].text;
+          const auto where = [&](const std::string& what) { tokens.fail(line, c + 1, what); };
+          if (cell.empty()) where("empty cell; expected a number");
+          const std::optional<double> value = parse_number(cell);
+          if (!value) where(quoted(cell) + " is not a number");
+          if (!std::isfinite(*value)) {
+            where(quoted(cell) + (std::isnan(*value) ? " is not a number" : " is not finite") +
+                  "; the data must be finite numbers");
+          }
+          values.push_back(*value);
+        }
+      });
   return Tensor<double>(Shape{rows, static_cast<int64_t>(columns.size())}, std::move(values));
 }
 
 std::vector<std::vector<std::string>> CsvFile::text(const std::vector<int>& columns) const {
-  const size_t width = columns_.size();
-  for (const int c : columns) {
-    if (c < 0 || static_cast<size_t>(c) >= width) {
-      throw Error(name_ + ": no column " + std::to_string(c) + " (the file has " +
-                  std::to_string(width) + ")");
-    }
-  }
-  Tokenizer tokens(text_, name_, body_, body_line_, &columns_);
-  std::vector<Field> fields;
   std::vector<std::vector<std::string>> rows;
-  int64_t line = 0;
-  while (tokens.next(fields, line)) {
-    if (fields.size() != width) {
-      throw Error(name_ + ": line " + std::to_string(line) + " has " +
-                  std::to_string(fields.size()) + (fields.size() == 1 ? " field" : " fields") +
-                  " but the header has " + std::to_string(width));
-    }
-    std::vector<std::string>& row = rows.emplace_back();
-    for (const int c : columns) row.emplace_back(fields[c].text);
-  }
-  if (rows.empty()) throw Error(name_ + ": no data rows after the header");
+  for_each_row(text_, name_, body_, body_line_, columns_, columns,
+               [&](const std::vector<Field>& fields, int64_t, const Tokenizer&) {
+                 std::vector<std::string>& row = rows.emplace_back();
+                 for (const int c : columns) row.emplace_back(fields[c].text);
+               });
   return rows;
 }
 

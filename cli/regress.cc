@@ -50,12 +50,6 @@ const char* const kBandwidthHelp =
     "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv "
     "or learn";
 
-std::string join(const std::vector<std::string>& items, const std::string& separator = ", ") {
-  std::string text;
-  for (size_t i = 0; i < items.size(); ++i) text += (i == 0 ? "" : separator) + items[i];
-  return text;
-}
-
 std::string quote(const std::string& text) { return "\"" + text + "\""; }
 
 // The comma-separated items of an option's value, spaces around them removed;

@@ -21,10 +21,8 @@ struct SoftmaxArgs {
 
 template <class T>
 std::string softmax_bytes(const Tensor<T>& scores, const ValidLens& lens) {
-  if (scores.rank() == 3) return npy_bytes(masked_softmax(scores.view(), lens).view());
-  // 2-D scores: run as (1, Nq, Nk), hand back (Nq, Nk).
-  return npy_bytes(
-      masked_softmax(scores.view().unsqueeze0(), lens).reshaped(scores.shape()).view());
+  const bool batched = scores.rank() == 3;
+  return npy_bytes(unbatched(masked_softmax(batch_view(scores, batched), lens), batched).view());
 }
 
 void run_softmax(const SoftmaxArgs& args) {
@@ -38,12 +36,8 @@ void run_softmax(const SoftmaxArgs& args) {
     throw UsageError(scores_input.describe() + " has shape " + shape.str() +
                      "; expected 2-D (Nq, Nk) or 3-D (B, Nq, Nk)");
   }
-  Tensor<int64_t> lens;
-  if (!args.valid_lens.empty()) {
-    const Input lens_input{"--valid-lens", args.valid_lens};
-    lens = batch_valid_lens(load_valid_lens(lens_input), lens_input, scores_input, shape);
-  }
-  const ValidLens valid_lens = lens.empty() ? ValidLens() : ValidLens(lens);
+  LensTensor lens;  // the lengths as read, int32 or int64, viewed by valid_lens (no copy)
+  const ValidLens valid_lens = read_valid_lens(args.valid_lens, scores_input, shape, lens);
 
   std::string bytes =
       std::visit([&](const auto& s) { return softmax_bytes(s, valid_lens); }, scores);

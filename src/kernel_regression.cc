@@ -17,6 +17,8 @@
 #include "check.h"
 #include "kernels/gauss1d_fast.h"
 #include "kernels/nadaraya_watson.h"
+#include "optimize.h"
+#include "qkv/threads.h"
 
 namespace qkv {
 namespace {
@@ -168,12 +170,48 @@ std::vector<double> inverse(const std::vector<double>& h) {
   return inv;
 }
 
+// The kernels' view of training data x (n, p) and y (n, m), contiguous, with
+// inverse bandwidths inv_h (p); every kernel call's NwData is built here.
+kernels::NwData nw_data(const Tensor<double>& x, const Tensor<double>& y,
+                        const std::vector<double>& inv_h, Kernel kernel) {
+  return {.x = x.data(),
+          .y = y.data(),
+          .n = x.size(0),
+          .p = x.size(1),
+          .m = y.size(1),
+          .inv_h = inv_h.data(),
+          .kernel = kernel};
+}
+
+// The exact fast kernel, its workspace allocated here: predictions at q
+// (t, p) into out (t, m), the weights (t, n) too when not null. Returns the
+// number of undefined (NaN) rows.
+int64_t predict_exact(const kernels::NwData& d, const Tensor<double>& q, double* out,
+                      double* weights) {
+  const int threads = num_threads();
+  std::vector<double> workspace(kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
+  return kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out, weights,
+                                        {.data = workspace.data(), .num_threads = threads});
+}
+
+// The chapter's parametric loss of x (n, p), y (n, m) at w, its workspace
+// allocated here.
+double parametric_loss_of(const Tensor<double>& x, const Tensor<double>& y, double w,
+                          double* grad) {
+  const int threads = num_threads();
+  const int64_t n = x.size(0), p = x.size(1), m = y.size(1);
+  std::vector<double> workspace(
+      kernels::fast::parametric_loss_workspace_size(n, p, m, grad != nullptr, threads));
+  return kernels::fast::parametric_loss(x.data(), y.data(), n, p, m, w, grad,
+                                        {.data = workspace.data(), .num_threads = threads});
+}
+
 // The 1-D Gaussian fast algorithm: keys sorted ascending, y (n, m) in the
 // same order, q (t, 1), out (t, m).
 void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& sorted_y,
                      const Tensor<double>& q, double h, Tensor<double>& out) {
-  kernels::gauss1d_fast(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
-                        q.data(), q.size(0), h, kFastPathRelTol, out.data());
+  kernels::fast::gauss1d(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
+                         q.data(), q.size(0), h, kFastPathRelTol, out.data());
 }
 
 // The power of two by which predictions divide y first (and multiply the
@@ -293,20 +331,18 @@ class LooObjective {
   double operator()(const std::vector<double>& theta, std::vector<double>* grad) const {
     std::vector<double> inv_h(theta.size());
     for (size_t c = 0; c < theta.size(); ++c) inv_h[c] = std::exp(-theta[c]);
-    const kernels::NwData d{.x = x_.data(),
-                            .y = y_.data(),
-                            .n = x_.size(0),
-                            .p = p_,
-                            .m = y_.size(1),
-                            .inv_h = inv_h.data(),
-                            .kernel = kernel_};
-    const kernels::LooSums sums = kernels::loo_sums(d, grad != nullptr);
+    const kernels::NwData d = nw_data(x_, y_, inv_h, kernel_);
+    const int threads = num_threads();
+    std::vector<double> g(grad ? theta.size() : 0);
+    std::vector<double> workspace(
+        kernels::fast::loo_sums_workspace_size(d, grad != nullptr, threads));
+    const kernels::LooSums sums = kernels::fast::loo_sums(
+        d, grad ? g.data() : nullptr, {.data = workspace.data(), .num_threads = threads});
     if (sums.defined == 0) return kInf;
     const double scale = 1.0 / static_cast<double>(sums.defined);
     if (grad) {
       grad->resize(theta.size());
-      for (size_t c = 0; c < theta.size(); ++c)
-        (*grad)[c] = sums.g[c] * inv_h[c] * inv_h[c] * scale;
+      for (size_t c = 0; c < theta.size(); ++c) (*grad)[c] = g[c] * inv_h[c] * inv_h[c] * scale;
     }
     return sums.sum_sq * scale;
   }
@@ -318,149 +354,6 @@ class LooObjective {
   std::vector<int> x_exp_;
   int y_exp_ = 0;
 };
-
-// The best point seen so far; every search below only ever moves to it, so
-// the result is never worse than the start.
-struct Best {
-  std::vector<double> theta;
-  double f = kInf;
-  void offer(const std::vector<double>& t, double v) {
-    if (v < f) {
-      f = v;
-      theta = t;
-    }
-  }
-};
-
-// Quasi-Newton (BFGS on the inverse Hessian) on log h with an Armijo
-// backtracking line search; steps capped at 2 in log h (a factor e^2).
-template <class Objective>
-int bfgs(const Objective& f, Best& best) {
-  const size_t p = best.theta.size();
-  std::vector<double> theta = best.theta, g, g_new, theta_new(p), s(p), yv(p), d(p), hy(p);
-  double fx = f(theta, &g);
-  best.offer(theta, fx);
-  std::vector<double> hinv(p * p, 0.0);
-  for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
-  bool scaled = false;
-  int iter = 0;
-  for (; iter < 200; ++iter) {
-    double gmax = 0.0;
-    for (double gc : g) gmax = std::max(gmax, std::abs(gc));
-    if (gmax <= 1e-12 * std::max(fx, 1e-300)) break;  // stationary to rounding
-    double slope = 0.0;
-    for (size_t a = 0; a < p; ++a) {
-      d[a] = 0.0;
-      for (size_t b = 0; b < p; ++b) d[a] -= hinv[a * p + b] * g[b];
-      slope += d[a] * g[a];
-    }
-    if (!(slope < 0.0)) {  // lost descent: restart from steepest descent
-      std::fill(hinv.begin(), hinv.end(), 0.0);
-      for (size_t c = 0; c < p; ++c) hinv[c * p + c] = 1.0;
-      scaled = false;
-      for (size_t a = 0; a < p; ++a) d[a] = -g[a];
-      slope = 0.0;
-      for (size_t a = 0; a < p; ++a) slope += d[a] * g[a];
-    }
-    double dmax = 0.0;
-    for (double v : d) dmax = std::max(dmax, std::abs(v));
-    if (!scaled && dmax > 0.0) {  // first step: at most a factor e^0.5 in h
-      const double k = std::min(1.0, 0.5 / dmax);
-      for (double& v : d) v *= k;
-      slope *= k;
-      dmax *= k;
-    }
-    if (dmax > 2.0) {
-      const double k = 2.0 / dmax;
-      for (double& v : d) v *= k;
-      slope *= k;
-    }
-    double alpha = 1.0, f_new = kInf;
-    bool accepted = false;
-    for (int back = 0; back < 60; ++back) {
-      for (size_t a = 0; a < p; ++a) theta_new[a] = theta[a] + alpha * d[a];
-      f_new = f(theta_new, nullptr);
-      best.offer(theta_new, f_new);
-      if (f_new <= fx + 1e-4 * alpha * slope) {
-        accepted = true;
-        break;
-      }
-      alpha *= 0.5;
-    }
-    if (!accepted) break;
-    f(theta_new, &g_new);
-    double sy = 0.0, yy = 0.0, smax = 0.0;
-    for (size_t a = 0; a < p; ++a) {
-      s[a] = theta_new[a] - theta[a];
-      yv[a] = g_new[a] - g[a];
-      sy += s[a] * yv[a];
-      yy += yv[a] * yv[a];
-      smax = std::max(smax, std::abs(s[a]));
-    }
-    const double f_old = fx;
-    theta = theta_new;
-    fx = f_new;
-    g = g_new;
-    if (sy > 1e-300 && yy > 0.0) {
-      if (!scaled) {  // Nocedal & Wright (6.20): H0 = (s.y / y.y) I
-        std::fill(hinv.begin(), hinv.end(), 0.0);
-        for (size_t c = 0; c < p; ++c) hinv[c * p + c] = sy / yy;
-        scaled = true;
-      }
-      // H <- (I - rho s y') H (I - rho y s') + rho s s'
-      const double rho = 1.0 / sy;
-      double yhy = 0.0;
-      for (size_t a = 0; a < p; ++a) {
-        hy[a] = 0.0;
-        for (size_t b = 0; b < p; ++b) hy[a] += hinv[a * p + b] * yv[b];
-        yhy += yv[a] * hy[a];
-      }
-      for (size_t a = 0; a < p; ++a) {
-        for (size_t b = 0; b < p; ++b) {
-          hinv[a * p + b] +=
-              -rho * (s[a] * hy[b] + hy[a] * s[b]) + (rho * rho * yhy + rho) * s[a] * s[b];
-        }
-      }
-    }
-    if (smax < 1e-10 || f_old - fx <= 1e-15 * f_old) {
-      ++iter;
-      break;
-    }
-  }
-  return iter;
-}
-
-// Golden-section search of theta[c] on [lo, hi] (coordinate descent step for
-// the compact kernels, whose objective is only piecewise smooth in h).
-template <class Objective>
-void golden_section(const Objective& f, Best& best, size_t c, double lo, double hi) {
-  const double kInvPhi = 0.6180339887498949;
-  std::vector<double> t = best.theta;
-  auto eval = [&](double v) {
-    t[c] = v;
-    const double fv = f(t, nullptr);
-    best.offer(t, fv);
-    return fv;
-  };
-  double a = lo, b = hi;
-  double x1 = b - kInvPhi * (b - a), x2 = a + kInvPhi * (b - a);
-  double f1 = eval(x1), f2 = eval(x2);
-  for (int it = 0; it < 40; ++it) {
-    if (f1 <= f2) {
-      b = x2;
-      x2 = x1;
-      f2 = f1;
-      x1 = b - kInvPhi * (b - a);
-      f1 = eval(x1);
-    } else {
-      a = x1;
-      x1 = x2;
-      f1 = f2;
-      x2 = a + kInvPhi * (b - a);
-      f2 = eval(x2);
-    }
-  }
-}
 
 }  // namespace
 
@@ -543,7 +436,7 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   const int64_t t = q.size(0);
   KernelPrediction result;
   Tensor<double> out(Shape{t, m_});
-  const bool fast_1d = kernel_ == Kernel::kGaussian && p_ == 1 && !exact &&
+  const bool fast_1d = kernels::fast::gauss1d_supports(kernel_, p_) && !exact &&
                        static_cast<double>(n_) * static_cast<double>(t) > kFastPathMinWork;
   const int y_exp = prediction_y_exponent(y_);
   if (fast_1d) {
@@ -553,14 +446,8 @@ KernelPrediction KernelRegression::predict(ConstView<double> queries, bool exact
   } else {
     const Tensor<double> y_scaled = y_exp == 0 ? Tensor<double>() : scaled_copy(y_, y_exp);
     const std::vector<double> inv_h = inverse(bandwidth_);
-    const kernels::NwData d{.x = x_.data(),
-                            .y = y_exp == 0 ? y_.data() : y_scaled.data(),
-                            .n = n_,
-                            .p = p_,
-                            .m = m_,
-                            .inv_h = inv_h.data(),
-                            .kernel = kernel_};
-    result.num_undefined = kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr);
+    const kernels::NwData d = nw_data(x_, y_exp == 0 ? y_ : y_scaled, inv_h, kernel_);
+    result.num_undefined = predict_exact(d, q, out.data(), nullptr);
   }
   if (y_exp != 0) {
     for (double& v : out.values()) v = std::ldexp(v, y_exp);
@@ -576,14 +463,7 @@ Tensor<double> KernelRegression::weights(ConstView<double> queries) const {
   Tensor<double> w(Shape{t, n_});
   Tensor<double> out(Shape{t, m_});
   const std::vector<double> inv_h = inverse(bandwidth_);
-  const kernels::NwData d{.x = x_.data(),
-                          .y = y_.data(),
-                          .n = n_,
-                          .p = p_,
-                          .m = m_,
-                          .inv_h = inv_h.data(),
-                          .kernel = kernel_};
-  kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), w.data());
+  predict_exact(nw_data(x_, y_, inv_h, kernel_), q, out.data(), w.data());
   return w;
 }
 
@@ -616,7 +496,7 @@ std::vector<double> scott_bandwidth(ConstView<double> x) {
 //    Compact kernels: coordinate descent, per feature a scan of +-2 in log h
 //    at steps of ln 2 / 8, then golden section between the best point's
 //    neighbours; up to 4 sweeps (1 for p = 1).
-// Every candidate goes through Best, so the result is never worse than the
+// Every candidate goes through BestPoint (src/optimize.h), so the result is never worse than the
 // start. iterations: BFGS iterations, or coordinate line searches.
 CvResult cv_bandwidth(const KernelRegression& model) {
   constexpr std::string_view kFn = "cv_bandwidth";
@@ -632,7 +512,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   const double ln2 = std::log(2.0);
   const double log_h_min = std::log(kMinBandwidth);
   const double log_h_max = std::log(std::numeric_limits<double>::max());
-  const auto f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
+  const Objective f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
     for (size_t c = 0; c < p; ++c) {
       const double log_h = theta[c] + scaled.x_exponent(c) * ln2;
       if (!(log_h >= log_h_min + 1e-9 && log_h <= log_h_max - 1e-9)) {
@@ -644,7 +524,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   };
   std::vector<double> theta0(p);
   for (size_t c = 0; c < p; ++c) theta0[c] = std::log(std::ldexp(h0[c], -scaled.x_exponent(c)));
-  Best best;
+  BestPoint best;
   best.offer(theta0, f(theta0, nullptr));
   const double kQuarterLn2 = 0.25 * ln2;
   std::vector<double> t(p);
@@ -665,7 +545,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   }
   CvResult result;
   if (model.kernel_ == Kernel::kGaussian) {
-    result.iterations = bfgs(f, best);
+    result.iterations = minimize_bfgs(f, best);
     // With p > 1 the common-factor scan can pick the wrong basin for one
     // feature (seen: a 2-D case 3.6 % above a fine grid's best). Scan each
     // feature alone around the optimum and restart BFGS from any improvement.
@@ -681,7 +561,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
         }
       }
       if (!(best.f < f_start * (1.0 - 1e-12))) break;
-      result.iterations += bfgs(f, best);
+      result.iterations += minimize_bfgs(f, best);
     }
   } else {
     const double step = std::log(2.0) / 8.0;
@@ -696,7 +576,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
           best.offer(t, f(t, nullptr));
         }
         const double mid = best.theta[c];
-        golden_section(f, best, c, mid - step, mid + step);
+        golden_section_search(f, best, c, mid - step, mid + step);
         ++result.iterations;
       }
       if (!(best.f < f_start * (1.0 - 1e-12))) break;
@@ -739,8 +619,7 @@ double parametric_loss(ConstView<double> x, ConstView<double> y, double w, doubl
   check_training_data(kFn, x, y, 2);
   if (!std::isfinite(w)) fail(kFn, "w = " + num(w) + "; expected a finite value");
   const Tensor<double> xm = as_matrix(x), ym = as_matrix(y);
-  return kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1), ym.size(1), w,
-                                  grad);
+  return parametric_loss_of(xm, ym, w, grad);
 }
 
 ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
@@ -771,8 +650,7 @@ ParametricResult train_parametric(ConstView<double> x, ConstView<double> y,
   ParametricResult result;
   for (int epoch = 0; epoch < options.epochs; ++epoch) {
     double grad = 0.0;
-    const double loss = kernels::parametric_loss(xm.data(), ym.data(), xm.size(0), xm.size(1),
-                                                 ym.size(1), w, &grad);
+    const double loss = parametric_loss_of(xm, ym, w, &grad);
     if (!std::isfinite(loss) || !std::isfinite(grad)) {
       // The loss sums squared errors of y, its gradient those times squared
       // differences of x: in float64 they overflow for |y| or |x_i - x_j|
@@ -808,15 +686,8 @@ Tensor<double> parametric_predict(ConstView<double> x, ConstView<double> y, doub
   const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
   const int y_exp = prediction_y_exponent(ym);
   const Tensor<double> y_scaled = scaled_copy(ym, y_exp);
-  const kernels::NwData d{.x = xm.data(),
-                          .y = y_scaled.data(),
-                          .n = xm.size(0),
-                          .p = p,
-                          .m = m,
-                          .inv_h = inv_h.data(),
-                          .kernel = Kernel::kGaussian};
   Tensor<double> out(Shape{q.size(0), m});
-  kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out.data(), nullptr);
+  predict_exact(nw_data(xm, y_scaled, inv_h, Kernel::kGaussian), q, out.data(), nullptr);
   if (y_exp != 0) {
     for (double& v : out.values()) v = std::ldexp(v, y_exp);
   }

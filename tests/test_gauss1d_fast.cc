@@ -17,7 +17,7 @@
 namespace qkv::test {
 namespace {
 
-using kernels::gauss1d_fast;
+using kernels::fast::gauss1d;
 
 struct Data {
   std::vector<double> keys;    // sorted
@@ -110,8 +110,8 @@ std::string check(const Data& d, const std::vector<double>& queries, double h, d
                " rel_tol=" + format_short(rel_tol));
   const int64_t t = static_cast<int64_t>(queries.size());
   std::vector<double> got(static_cast<size_t>(t * d.m), -12345.0);
-  const std::string method = gauss1d_fast(d.keys.data(), d.values.data(), d.n(), d.m,
-                                          queries.data(), t, h, rel_tol, got.data());
+  const std::string method = gauss1d(d.keys.data(), d.values.data(), d.n(), d.m,
+                                     queries.data(), t, h, rel_tol, got.data());
   if (!expect_method.empty()) EXPECT_EQ(method, expect_method);
   std::vector<double> ref, scale;
   reference(d, queries, h, ref, scale);
@@ -235,7 +235,7 @@ TEST(Gauss1dFast, FarQueriesGiveTheNearestKeysValue) {
     std::vector<double> got(queries.size() * static_cast<size_t>(m));
     const std::vector<double> far = {lo - 1e6, hi + 1e6};
     got.resize(far.size() * static_cast<size_t>(m));
-    gauss1d_fast(d.keys.data(), d.values.data(), d.n(), m, far.data(), 2, 0.01, 1e-7, got.data());
+    gauss1d(d.keys.data(), d.values.data(), d.n(), m, far.data(), 2, 0.01, 1e-7, got.data());
     const int64_t last = d.n() - 1;
     for (int64_t c = 0; c < m; ++c) {
       EXPECT_NEAR(got[c], d.values[c], 1e-12) << "c=" << c;
@@ -315,8 +315,8 @@ TEST(Gauss1dFast, NonFiniteQueries) {
   queries[4] = std::numeric_limits<double>::infinity();
   queries[5] = -std::numeric_limits<double>::infinity();
   std::vector<double> got(queries.size() * 2);
-  gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 2, queries.data(),
-               static_cast<int64_t>(queries.size()), 0.05, 1e-7, got.data());
+  gauss1d(d.keys.data(), d.values.data(), d.n(), 2, queries.data(),
+          static_cast<int64_t>(queries.size()), 0.05, 1e-7, got.data());
   const int64_t n = d.n();
   for (int c = 0; c < 2; ++c) {
     EXPECT_TRUE(std::isnan(got[3 * 2 + c]));
@@ -343,7 +343,7 @@ void expect_far_queries_get_the_nearest_keys_value(const Data& d, double h, doub
                         -std::numeric_limits<double>::max()};
   const int64_t n = d.n(), m = d.m;
   std::vector<double> got(4 * static_cast<size_t>(m));
-  gauss1d_fast(d.keys.data(), d.values.data(), n, m, far, 4, h, rel_tol, got.data());
+  gauss1d(d.keys.data(), d.values.data(), n, m, far, 4, h, rel_tol, got.data());
   for (int i = 0; i < 4; ++i) {
     const long double q = far[i];
     int64_t a = 0;  // the nearest key, as in reference()
@@ -456,13 +456,13 @@ TEST(Gauss1dFast, SameBitsForOneAndTwoThreads) {
     std::vector<double> one(queries.size()), two(queries.size());
     {
       ThreadCount threads(1);
-      gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
-                   static_cast<int64_t>(queries.size()), h, 1e-7, one.data());
+      gauss1d(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
+              static_cast<int64_t>(queries.size()), h, 1e-7, one.data());
     }
     {
       ThreadCount threads(2);
-      gauss1d_fast(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
-                   static_cast<int64_t>(queries.size()), h, 1e-7, two.data());
+      gauss1d(d.keys.data(), d.values.data(), d.n(), 1, queries.data(),
+              static_cast<int64_t>(queries.size()), h, 1e-7, two.data());
     }
     EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * sizeof(double))) << "h=" << h;
   }

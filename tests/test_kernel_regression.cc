@@ -19,6 +19,42 @@
 namespace qkv::test {
 namespace {
 
+// The exact kernels called as the front end calls them: the workspace sized
+// by their query for qkv's thread count, allocated here and handed in.
+template <class Size, class Run>
+int64_t run_nw(Size size, Run kernel, const kernels::NwData& d, const double* q, int64_t t,
+               double* out, double* weights) {
+  const int threads = num_threads();
+  std::vector<double> workspace(size(d, t, threads));
+  return kernel(d, q, t, out, weights, kernels::Workspace{workspace.data(), threads});
+}
+int64_t nw_ref(const kernels::NwData& d, const double* q, int64_t t, double* out, double* w) {
+  return run_nw(kernels::ref::nadaraya_watson_workspace_size, kernels::ref::nadaraya_watson, d, q,
+                t, out, w);
+}
+int64_t nw_fast(const kernels::NwData& d, const double* q, int64_t t, double* out, double* w) {
+  return run_nw(kernels::fast::nadaraya_watson_workspace_size, kernels::fast::nadaraya_watson, d,
+                q, t, out, w);
+}
+
+// kernels::fast::loo_sums with its workspace, and the gradient (p) when asked.
+struct LooResult {
+  double sum_sq = 0;
+  int64_t defined = 0;
+  std::vector<double> g;
+};
+LooResult loo_sums(const kernels::NwData& d, bool gradient) {
+  const int threads = num_threads();
+  std::vector<double> workspace(kernels::fast::loo_sums_workspace_size(d, gradient, threads));
+  LooResult result;
+  result.g.resize(gradient ? static_cast<size_t>(d.p) : 0);
+  const kernels::LooSums sums = kernels::fast::loo_sums(
+      d, gradient ? result.g.data() : nullptr, kernels::Workspace{workspace.data(), threads});
+  result.sum_sq = sums.sum_sq;
+  result.defined = sums.defined;
+  return result;
+}
+
 // ---- tolerances ------------------------------------------------------------------
 // Reference vs the plain loop here: the same formula in double, differing in
 // summation order over n <= 300 terms of |y| <= 10: a few 1e-15 relative.
@@ -330,11 +366,11 @@ TEST(KernelRegressionExact, FastMatchesReferenceAndPlainLoop) {
           Tensor<double> out_ref(Shape{t, m}), w_ref(Shape{t, n});
           Tensor<double> out_fast(Shape{t, m}), w_fast(Shape{t, n}), out_nw(Shape{t, m});
           const int64_t u_ref =
-              kernels::ref::nadaraya_watson(d, q.data(), t, out_ref.data(), w_ref.data());
+              nw_ref(d, q.data(), t, out_ref.data(), w_ref.data());
           const int64_t u_fast =
-              kernels::fast::nadaraya_watson(d, q.data(), t, out_fast.data(), w_fast.data());
+              nw_fast(d, q.data(), t, out_fast.data(), w_fast.data());
           const int64_t u_nw =
-              kernels::fast::nadaraya_watson(d, q.data(), t, out_nw.data(), nullptr);
+              nw_fast(d, q.data(), t, out_nw.data(), nullptr);
           const Tensor<double> w_plain = plain_weights(x, q, h, kernel);
           const Tensor<double> out_plain = plain_pool(w_plain, y);
           int64_t u_plain = 0;
@@ -463,8 +499,8 @@ TEST(KernelRegressionExact, FusedGaussianMatchesReferenceAtSmallBandwidths) {
                               .inv_h = inv_h.data(),
                               .kernel = Kernel::kGaussian};
       Tensor<double> out_ref(Shape{t, m}), out_fast(Shape{t, m});
-      EXPECT_EQ(kernels::ref::nadaraya_watson(d, q.data(), t, out_ref.data(), nullptr), 0);
-      EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out_fast.data(), nullptr), 0);
+      EXPECT_EQ(nw_ref(d, q.data(), t, out_ref.data(), nullptr), 0);
+      EXPECT_EQ(nw_fast(d, q.data(), t, out_fast.data(), nullptr), 0);
       KernelRegression model(x, y);
       model.set_bandwidth(h);
       const KernelPrediction pred = model.predict(q, true);
@@ -667,9 +703,9 @@ TEST(KernelRegressionLoo, AnalyticGradientMatchesFiniteDifferences) {
                                 .m = m,
                                 .inv_h = inv_h.data(),
                                 .kernel = Kernel::kGaussian};
-        return kernels::loo_sums(d, gradient);
+        return loo_sums(d, gradient);
       };
-      const kernels::LooSums s = sums(theta, true);
+      const LooResult s = sums(theta, true);
       EXPECT_EQ(s.defined, n);
       Tensor<double> analytic(Shape{p});
       for (int64_t c = 0; c < p; ++c) analytic(c) = s.g[c] * std::exp(-2 * theta(c));
@@ -1187,11 +1223,11 @@ void expect_all_paths_match_ld(const Tensor<double>& x, const Tensor<double>& y,
                           .inv_h = inv_h.data(),
                           .kernel = Kernel::kGaussian};
   Tensor<double> out(Shape{t, m}), w(Shape{t, n});
-  EXPECT_EQ(kernels::ref::nadaraya_watson(d, q.data(), t, out.data(), w.data()), 0) << what;
+  EXPECT_EQ(nw_ref(d, q.data(), t, out.data(), w.data()), 0) << what;
   expect_matches_ld(ref, y, out, &w, what + ", ref kernel");
-  EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), w.data()), 0) << what;
+  EXPECT_EQ(nw_fast(d, q.data(), t, out.data(), w.data()), 0) << what;
   expect_matches_ld(ref, y, out, &w, what + ", fast kernel with weights");
-  EXPECT_EQ(kernels::fast::nadaraya_watson(d, q.data(), t, out.data(), nullptr), 0) << what;
+  EXPECT_EQ(nw_fast(d, q.data(), t, out.data(), nullptr), 0) << what;
   expect_matches_ld(ref, y, out, nullptr, what + ", fast kernel");
   KernelRegression model(x, y);
   model.set_bandwidth(h);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "qkv/lookup.h"
 #include "test_util.h"
 
 namespace qkv::test {

@@ -14,6 +14,7 @@
 #include <functional>
 #include <thread>
 
+#include "qkv/plot.h"
 #include "test_util.h"
 
 namespace qkv {

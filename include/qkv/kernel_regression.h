@@ -12,15 +12,12 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/kernel_regression_types.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
 
-// Product kernels: K(u) = prod_c k(u_c) with u_c = (q_c - x_c) / h_c and the
-// profile k: gaussian exp(-u^2/2), boxcar 1{|u| <= 1}, epanechnikov
-// (1 - u^2) 1{|u| <= 1}, triangular (1 - |u|) 1{|u| <= 1}. (Constant factors
-// cancel in the ratio.)
-enum class Kernel { kGaussian, kBoxcar, kEpanechnikov, kTriangular };
+// Kernel (gaussian, boxcar, epanechnikov, triangular): qkv/kernel_regression_types.h.
 
 // "gaussian", "boxcar" (also "uniform"), "epanechnikov", "triangular";
 // throws Error naming the accepted names otherwise.

@@ -1,14 +1,14 @@
-// The whole public API of qkv in one include.
+// The public API of the kernels and ops (target qkv::qkv) in one include;
+// the chapter's extras, figures and the name lookup, are qkv/chapter.h
+// (target qkv::chapter).
 #pragma once
 
 #include "qkv/attention.h"
 #include "qkv/dropout.h"
 #include "qkv/error.h"
-#include "qkv/lookup.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/modules.h"
 #include "qkv/npy.h"
-#include "qkv/plot.h"
 #include "qkv/pooling.h"
 #include "qkv/simd.h"
 #include "qkv/staged_file.h"

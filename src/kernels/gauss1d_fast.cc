@@ -15,7 +15,7 @@
 #include "kernels/parallel.h"
 #include "kernels/vecmath.h"
 
-namespace qkv::kernels {
+namespace qkv::kernels::fast {
 namespace {
 
 // Problems with n * t at most this (or n at most kExactMaxKeys) take the
@@ -343,8 +343,8 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
 }  // namespace
 
 // keys: (Nk) sorted   values: (Nk, Dv)   queries: (Nq)   out: (Nq, Dv)
-const char* gauss1d_fast(const double* keys, const double* values, int64_t n, int64_t m,
-                         const double* queries, int64_t t, double h, double rel_tol, double* out) {
+const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
+                    const double* queries, int64_t t, double h, double rel_tol, double* out) {
   // The largest coordinate decides between rel_exponent and its careful
   // variant (one pass over the queries; keys are sorted).
   double coord_max = std::max(std::abs(keys[0]), std::abs(keys[n - 1]));
@@ -360,7 +360,7 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
     std::vector<double> k16(keys, keys + n), q16(queries, queries + t);
     for (double& v : k16) v *= 0.0625;
     for (double& v : q16) v *= 0.0625;
-    return gauss1d_fast(k16.data(), values, n, m, q16.data(), t, h * 0.0625, rel_tol, out);
+    return gauss1d(k16.data(), values, n, m, q16.data(), t, h * 0.0625, rel_tol, out);
   }
   const bool careful = !(coord_max < kPlainLimit && coord_max * inv_h < kPlainLimit);
   const Problem p{keys, values, n, m, h, inv_h, careful};
@@ -487,4 +487,4 @@ const char* gauss1d_fast(const double* keys, const double* values, int64_t n, in
   return taylor > 0 ? "taylor" : "window";
 }
 
-}  // namespace qkv::kernels
+}  // namespace qkv::kernels::fast

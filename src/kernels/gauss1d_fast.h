@@ -5,7 +5,15 @@
 
 #include <cstdint>
 
-namespace qkv::kernels {
+#include "qkv/kernel_regression_types.h"
+
+namespace qkv::kernels::fast {
+
+// Whether gauss1d serves this problem: the Gaussian kernel on one feature.
+// Other kernels and dimensions take the exact kernels (nadaraya_watson.h).
+inline bool gauss1d_supports(Kernel kernel, int64_t num_features) {
+  return kernel == Kernel::kGaussian && num_features == 1;
+}
 
 // Gaussian Nadaraya–Watson in 1-D, softmax form: out[i, c] = sum_j w_ij values[j, c] / sum_j w_ij,
 // w_ij = exp(-(queries[i] - keys[j])^2 / (2 h^2)). keys sorted ascending (n >= 1), values (n x m)
@@ -28,7 +36,10 @@ namespace qkv::kernels {
 // for rel_tol in [1e-12, 1e-9) only the analytic half is proven. rel_tol < 1e-12
 // (or NaN), n <= 32 or n * t <= 65536 take the exact path.
 // Deterministic for any thread count; throws nothing.
-const char* gauss1d_fast(const double* keys, const double* values, int64_t n, int64_t m,
-                         const double* queries, int64_t t, double h, double rel_tol, double* out);
+// Unlike the exact kernels it still allocates its own scratch (the sort
+// order, the boxes and their Taylor coefficients): not yet on the workspace
+// contract of nadaraya_watson.h.
+const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
+                    const double* queries, int64_t t, double h, double rel_tol, double* out);
 
-}  // namespace qkv::kernels
+}  // namespace qkv::kernels::fast

@@ -1,13 +1,15 @@
 // Nadaraya–Watson kernel regression kernels (DESIGN.md §3): exact evaluation
 // in two versions with one contract, ref (plain loops, double, the spec) and
 // fast (SIMD + threads), plus the leave-one-out objective with its analytic
-// gradient. Front end: src/kernel_regression.cc; kernels only assert.
+// gradient (fast only). Front end: src/kernel_regression.cc; kernels only
+// assert. Kernels allocate nothing: each op's scratch is sized by its
+// *_workspace_size function for the threads the call may use and handed in.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <vector>
 
-#include "qkv/kernel_regression.h"
+#include "qkv/kernel_regression_types.h"
 
 namespace qkv::kernels {
 
@@ -22,20 +24,30 @@ struct NwData {
   Kernel kernel = Kernel::kGaussian;
 };
 
+// Scratch handed to a kernel: `data` holds the doubles its *_workspace_size
+// asked for, sized for `num_threads` >= 1 (at most that many of the kernel's
+// tasks hold scratch at once; results do not depend on it).
+struct Workspace {
+  double* data = nullptr;
+  int num_threads = 1;
+};
+
 // q: (t, p)   out: (t, m)   weights: (t, n) or null (not wanted)
 // Gaussian rows are softmax(-sum_c u_c^2 / 2) for any finite q, x and inv_h:
 // scores are float64 sums; a row where they overflow is evaluated by
-// gaussian_row_scaled below, so a query far from every key gets its nearest
+// gaussian_row_far below, so a query far from every key gets its nearest
 // keys' values and a Gaussian row is never NaN (n >= 1). Compact rows are
 // prod_c k(u_c) / sum, or NaN (weights and out) when the sum is 0.
-// Returns the number of NaN rows.
+// Returns the number of NaN rows. The fast version covers every input.
 namespace ref {
+size_t nadaraya_watson_workspace_size(const NwData& data, int64_t t, int num_threads);
 int64_t nadaraya_watson(const NwData& data, const double* q, int64_t t, double* out,
-                        double* weights);
+                        double* weights, Workspace workspace);
 }  // namespace ref
 namespace fast {
+size_t nadaraya_watson_workspace_size(const NwData& data, int64_t t, int num_threads);
 int64_t nadaraya_watson(const NwData& data, const double* q, int64_t t, double* out,
-                        double* weights);
+                        double* weights, Workspace workspace);
 }  // namespace fast
 
 // True if every |v[i]| of the n values is below 2^1023, so that no
@@ -71,25 +83,31 @@ double gaussian_row_far(const NwData& d, const double* x, int64_t key_stride,
 
 // The leave-one-out sums: f_{-i}(x_i) from the other n - 1 points.
 struct LooSums {
-  double sum_sq = 0;      // sum over defined i of ||f_{-i}(x_i) - y_i||^2
-  int64_t defined = 0;    // points whose leave-one-out estimate is defined
-  std::vector<double> g;  // (p), Gaussian only, when asked: see loo_sums
+  double sum_sq = 0;    // sum over defined i of ||f_{-i}(x_i) - y_i||^2
+  int64_t defined = 0;  // points whose leave-one-out estimate is defined
 };
 
+namespace fast {
+
 // O(n^2 p), threaded over blocks of points, deterministic. With `gradient`
-// (Gaussian only; every point is defined when n >= 2), the derivative through
-// the scores s_ij = -sum_c E_ijc v_c / 2, E_ijc = (x_ic - x_jc)^2, v_c = inv_h_c^2.
-// With a_ij the leave-one-out softmax weights (a_ii = 0), f_i = f_{-i}(x_i) and
-// r_i = f_i - y_i, ds_ij / dv_c = -E_ijc / 2 gives
+// (p, written; Gaussian only; every point is defined when n >= 2), the
+// derivative through the scores s_ij = -sum_c E_ijc v_c / 2,
+// E_ijc = (x_ic - x_jc)^2, v_c = inv_h_c^2. With a_ij the leave-one-out
+// softmax weights (a_ii = 0), f_i = f_{-i}(x_i) and r_i = f_i - y_i,
+// ds_ij / dv_c = -E_ijc / 2 gives
 //   g[c] = -2 d sum_sq / d v_c = sum_i 2 r_i . sum_j a_ij E_ijc (y_j - f_i),
 // a weighted covariance of E and y under each point's weights. The chain rule
 // through v_c = h_c^-2 then gives d sum_sq / d log h_c = g[c] * v_c.
-LooSums loo_sums(const NwData& data, bool gradient);
+size_t loo_sums_workspace_size(const NwData& data, bool gradient, int num_threads);
+LooSums loo_sums(const NwData& data, double* gradient, Workspace workspace);
 
 // The chapter's parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 with scores
 // -w^2 ||x_i - x_j||^2 / 2 and d loss / d w (ds_ij / dw = -w ||x_i - x_j||^2);
 // x (n, p), y (n, m) contiguous, n >= 2.
+size_t parametric_loss_workspace_size(int64_t n, int64_t p, int64_t m, bool gradient,
+                                      int num_threads);
 double parametric_loss(const double* x, const double* y, int64_t n, int64_t p, int64_t m, double w,
-                       double* grad);
+                       double* grad, Workspace workspace);
 
+}  // namespace fast
 }  // namespace qkv::kernels

@@ -12,10 +12,10 @@
 #include <cassert>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "kernels/blas.h"
 #include "kernels/nadaraya_watson.h"
+#include "kernels/parallel.h"
 #include "kernels/small_dim_attention.h"
 #include "kernels/vecmath.h"
 
@@ -39,14 +39,26 @@ int64_t rows_per_task(int64_t n) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Keys feature-major: xt[c * n + j] = x[j * p + c].
-std::vector<double> transpose_keys(const NwData& d) {
-  std::vector<double> xt(static_cast<size_t>(d.n * d.p));
+// Keys feature-major into xt (n * p): xt[c * n + j] = x[j * p + c].
+void transpose_keys(const NwData& d, double* xt) {
   for (int64_t j = 0; j < d.n; ++j) {
     for (int64_t c = 0; c < d.p; ++c) xt[c * d.n + j] = d.x[j * d.p + c];
   }
-  return xt;
 }
+
+// Runs body(task, slot) for every task in [0, num_tasks): the tasks are dealt
+// round-robin to min(slots, num_tasks) groups that run in parallel, slot
+// being the group's share of the workspace. Task boundaries depend on the
+// shapes only, never on the slots, so neither do the results.
+template <class Body>
+void for_each_task(int64_t num_tasks, int slots, Body&& body) {
+  const int64_t groups = std::min<int64_t>(std::max(slots, 1), num_tasks);
+  kernels::parallel_for(groups, [&](int64_t g) {
+    for (int64_t task = g; task < num_tasks; task += groups) body(task, g);
+  });
+}
+
+size_t as_size(int64_t v) { return static_cast<size_t>(v); }
 
 // The unnormalised kernel row of query qi (p) over all keys, key `skip`
 // (or none if < 0) left out with weight 0: Gaussian exp(s_j - max s), so the
@@ -120,6 +132,28 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
   return sum;
 }
 
+// Whether gaussian_fused serves the call: the Gaussian kernel, p and m up to
+// 8, no difference q_c - x_jc that may overflow (`far`), and a normal,
+// finite scale max_c(1/h_c)^2 / 2.
+bool gaussian_fused_applies(const NwData& d, bool far) {
+  if (d.kernel != Kernel::kGaussian || d.p > fast::kSmallDimMaxDim ||
+      d.m > fast::kSmallDimMaxValueDim || far) {
+    return false;
+  }
+  double inv_max = 0.0;
+  for (int64_t c = 0; c < d.p; ++c) inv_max = std::max(inv_max, d.inv_h[c]);
+  const double scale = 0.5 * inv_max * inv_max;
+  return scale >= std::numeric_limits<double>::min() && std::isfinite(scale);
+}
+
+// Workspace of gaussian_fused: ratio and center (p each), the transformed
+// keys (n, p) and queries (t, p), lse (t), a row of weights (n) per slot and
+// a count per task.
+size_t gaussian_fused_workspace_size(const NwData& d, int64_t t, int slots) {
+  const int64_t tasks = ceil_div(t, rows_per_task(d.n));
+  return as_size(2 * d.p + d.n * d.p + t * d.p + t + slots * d.n + tasks);
+}
+
 // The Gaussian estimator through fast::small_dim_forward, or false (nothing
 // written) when it does not apply: p or m above 8, `far` (a difference
 // q_c - x_jc may overflow), or bandwidths so small that 1 / h^2 overflows
@@ -135,19 +169,24 @@ double kernel_row(const NwData& d, const double* xt, const double* qi, int64_t s
 // overflowed: the kernel then returns a zero row) are evaluated again by
 // gaussian_row_far, in parallel: the same rule as the reference's.
 bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, double* out,
-                    int64_t* undefined) {
-  if (d.kernel != Kernel::kGaussian || d.p > fast::kSmallDimMaxDim ||
-      d.m > fast::kSmallDimMaxValueDim || far) {
-    return false;
-  }
+                    int64_t* undefined, Workspace ws) {
+  if (!gaussian_fused_applies(d, far)) return false;
   double inv_max = 0.0;
   for (int64_t c = 0; c < d.p; ++c) inv_max = std::max(inv_max, d.inv_h[c]);
   const double scale = 0.5 * inv_max * inv_max;
-  if (!(scale >= std::numeric_limits<double>::min()) || !std::isfinite(scale)) return false;
-  std::vector<double> ratio(static_cast<size_t>(d.p)), center(static_cast<size_t>(d.p), 0.0);
+  const int64_t per_task = rows_per_task(d.n);
+  const int64_t tasks = ceil_div(t, per_task);
+  double* const ratio = ws.data;                      // (p)
+  double* const center = ratio + d.p;                 // (p)
+  double* const xs = center + d.p;                    // (n, p)
+  double* const qs = xs + d.n * d.p;                  // (t, p)
+  double* const lse = qs + t * d.p;                   // (t)
+  double* const rows = lse + t;                       // (slots, n)
+  double* const empty = rows + ws.num_threads * d.n;  // (tasks)
   bool rescale = false;
   for (int64_t c = 0; c < d.p; ++c) {
     ratio[c] = d.inv_h[c] / inv_max;
+    center[c] = 0.0;
     if (ratio[c] == 1.0) continue;
     rescale = true;
     double lo = kInf, hi = -kInf;
@@ -157,13 +196,11 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
     }
     center[c] = 0.5 * lo + 0.5 * hi;  // (hi - lo could overflow)
   }
-  std::vector<double> xs, qs;
   const double* x = d.x;
   const double* qp = q;
   if (rescale) {
-    auto transform = [&](const double* src, int64_t rows, std::vector<double>& dst) {
-      dst.resize(static_cast<size_t>(rows * d.p));
-      for (int64_t i = 0; i < rows; ++i) {
+    auto transform = [&](const double* src, int64_t num_rows, double* dst) {
+      for (int64_t i = 0; i < num_rows; ++i) {
         for (int64_t c = 0; c < d.p; ++c) {
           const double v = src[i * d.p + c];
           dst[i * d.p + c] = ratio[c] == 1.0 ? v : (v - center[c]) * ratio[c];
@@ -172,29 +209,28 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
     };
     transform(d.x, d.n, xs);
     transform(q, t, qs);
-    x = xs.data();
-    qp = qs.data();
+    x = xs;
+    qp = qs;
   }
   const ValidLens all_keys;
   const AttentionConfig config{.valid_lens = &all_keys, .scale = scale, .dropout = 0.0, .seed = 0};
-  std::vector<double> lse(static_cast<size_t>(t));
   fast::small_dim_forward<double>(
       ConstView<double>(qp, Shape{1, t, d.p}), ConstView<double>(x, Shape{1, d.n, d.p}),
       ConstView<double>(d.y, Shape{1, d.n, d.m}), nullptr, fast::ScoreKind::kNegSquaredDistance,
-      config, TensorView<double>(out, Shape{1, t, d.m}),
-      TensorView<double>(lse.data(), Shape{1, t}));
-  std::vector<int64_t> redo;
-  for (int64_t i = 0; i < t; ++i) {
-    if (!(std::isfinite(lse[i]) && lse[i] >= kFarRowLse)) redo.push_back(i);
-  }
-  const int64_t count = static_cast<int64_t>(redo.size());
-  const int64_t per_task = rows_per_task(d.n);
-  std::vector<int64_t> empty(static_cast<size_t>(ceil_div(count, per_task)), 0);
-  kernels::parallel_for(static_cast<int64_t>(empty.size()), [&](int64_t task) {
-    std::vector<double> w(static_cast<size_t>(d.n));
-    for (int64_t r = task * per_task; r < std::min(count, (task + 1) * per_task); ++r) {
-      const int64_t i = redo[r];
-      const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, true, w.data());
+      config, TensorView<double>(out, Shape{1, t, d.m}), TensorView<double>(lse, Shape{1, t}));
+  // Rows far from every key (or whose scores overflowed) again, exactly;
+  // ordinary queries have none, and then no threads are started.
+  *undefined = 0;
+  const auto is_far = [&](int64_t i) { return !(std::isfinite(lse[i]) && lse[i] >= kFarRowLse); };
+  bool any_far = false;
+  for (int64_t i = 0; i < t && !any_far; ++i) any_far = is_far(i);
+  if (!any_far) return true;
+  for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
+    double* const w = rows + slot * d.n;
+    empty[task] = 0;
+    for (int64_t i = task * per_task; i < std::min(t, (task + 1) * per_task); ++i) {
+      if (!is_far(i)) continue;
+      const double sum = gaussian_row_far(d, d.x, d.p, 1, q + i * d.p, -1, true, w);
       double* o = out + i * d.m;
       if (sum == 0.0) {  // n = 0
         ++empty[task];
@@ -208,42 +244,55 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
       }
     }
   });
-  *undefined = 0;
-  for (int64_t e : empty) *undefined += e;
+  for (int64_t task = 0; task < tasks; ++task) *undefined += static_cast<int64_t>(empty[task]);
   return true;
+}
+
+// Workspace of the general path: the keys feature-major (n, p); per slot a
+// task's weight rows (rows, n) when the caller wants none, and their sums
+// (rows); a count per task.
+size_t general_workspace_size(const NwData& d, int64_t t, int slots) {
+  const int64_t rows = rows_per_task(d.n);
+  return as_size(d.n * d.p + slots * (rows * d.n + rows) + ceil_div(t, rows));
 }
 
 }  // namespace
 
 namespace fast {
 
+size_t nadaraya_watson_workspace_size(const NwData& d, int64_t t, int num_threads) {
+  const int slots = std::max(num_threads, 1);
+  return std::max(gaussian_fused_workspace_size(d, t, slots), general_workspace_size(d, t, slots));
+}
+
 // q: (t, p)   x: (n, p)   y: (n, m)   ->   out: (t, m), weights: (t, n) or null
-int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights) {
+int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights,
+                        Workspace ws) {
+  assert(ws.num_threads >= 1);
   if (t == 0) return 0;
   // One pass over the inputs decides whether a difference can overflow
   // (coordinates beyond +-2^1023); then every Gaussian row is a far one.
   const bool far = !differences_fit(d.x, d.n * d.p) || !differences_fit(q, t * d.p);
   int64_t fused_undefined = 0;
-  if (!weights && gaussian_fused(d, q, t, far, out, &fused_undefined)) return fused_undefined;
+  if (!weights && gaussian_fused(d, q, t, far, out, &fused_undefined, ws)) return fused_undefined;
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const std::vector<double> xt = transpose_keys(d);
   const int64_t rows = rows_per_task(d.n);
   const int64_t tasks = ceil_div(t, rows);
-  std::vector<int64_t> undefined(static_cast<size_t>(tasks), 0);
-  kernels::parallel_for(tasks, [&](int64_t task) {
+  double* const xt = ws.data;            // (n, p)
+  double* const slots = xt + d.n * d.p;  // (threads, rows (n + 1))
+  double* const undefined = slots + ws.num_threads * (rows * d.n + rows);  // (tasks)
+  transpose_keys(d, xt);
+  for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
     const int64_t i0 = task * rows, r_end = std::min(rows, t - i0);
-    std::vector<double> scratch;
-    double* w = weights ? weights + i0 * d.n : nullptr;
-    if (!w) {
-      scratch.resize(static_cast<size_t>(r_end * d.n));
-      w = scratch.data();
-    }
-    std::vector<double> sums(static_cast<size_t>(r_end));
+    double* const scratch = slots + slot * (rows * d.n + rows);
+    double* const w = weights ? weights + i0 * d.n : scratch;
+    double* const sums = scratch + rows * d.n;
     for (int64_t r = 0; r < r_end; ++r) {
-      sums[r] = kernel_row(d, xt.data(), q + (i0 + r) * d.p, -1, far, w + r * d.n);
+      sums[r] = kernel_row(d, xt, q + (i0 + r) * d.p, -1, far, w + r * d.n);
     }
     double* o = out + i0 * d.m;
     kernels::gemm(false, false, r_end, d.m, d.n, 1.0, w, d.n, d.y, d.m, 0.0, o, d.m);
+    undefined[task] = 0;
     for (int64_t r = 0; r < r_end; ++r) {
       if (sums[r] == 0.0) {
         ++undefined[task];
@@ -257,37 +306,56 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
     }
   });
   int64_t total = 0;
-  for (int64_t u : undefined) total += u;
+  for (int64_t task = 0; task < tasks; ++task) total += static_cast<int64_t>(undefined[task]);
   return total;
 }
 
-}  // namespace fast
-
+namespace {
 // One task = rows points (>= 2^16 pairs, so small problems run as one task
 // without thread start-up); per task partial sums, added in task order, so
 // the result does not depend on the thread count.
-LooSums loo_sums(const NwData& d, bool gradient) {
-  const int64_t rows = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(d.n, 1));
-  assert(!gradient || d.kernel == Kernel::kGaussian);
-  const std::vector<double> xt = transpose_keys(d);
+int64_t loo_rows_per_task(int64_t n) {
+  return std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(n, 1));
+}
+}  // namespace
+
+// The keys feature-major (n, p); per slot a row of weights and of b (n each),
+// f and r (m each); per task its partial sums: sum_sq, defined, g (p).
+size_t loo_sums_workspace_size(const NwData& d, bool, int num_threads) {
+  const int64_t tasks = ceil_div(d.n, loo_rows_per_task(d.n));
+  return as_size(d.n * d.p + std::max(num_threads, 1) * (2 * d.n + 2 * d.m) + tasks * (2 + d.p));
+}
+
+LooSums loo_sums(const NwData& d, double* gradient, Workspace ws) {
+  assert(ws.num_threads >= 1);
+  const bool want_gradient = gradient != nullptr;
+  const int64_t rows = loo_rows_per_task(d.n);
+  assert(!want_gradient || d.kernel == Kernel::kGaussian);
   const int64_t n = d.n, p = d.p, m = d.m;
+  double* const xt = ws.data;                                      // (n, p)
+  double* const slots = xt + n * p;                                // (threads, 2n + 2m)
+  double* const parts = slots + ws.num_threads * (2 * n + 2 * m);  // (tasks, 2 + p)
+  transpose_keys(d, xt);
   const bool far = !differences_fit(d.x, n * p);
   const int64_t tasks = ceil_div(n, rows);
-  std::vector<LooSums> parts(static_cast<size_t>(tasks));
-  kernels::parallel_for(tasks, [&](int64_t task) {
-    LooSums& part = parts[task];
-    if (gradient) part.g.assign(static_cast<size_t>(p), 0.0);
-    std::vector<double> w(static_cast<size_t>(n)), b(gradient ? n : 0);
-    std::vector<double> f(static_cast<size_t>(m)), r(static_cast<size_t>(m));
+  for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
+    // sum_sq, defined (a count, exact in a double), then g.
+    double* const part = parts + task * (2 + p);
+    double* const g = part + 2;
+    std::fill(part, part + 2 + p, 0.0);
+    double* const w = slots + slot * (2 * n + 2 * m);
+    double* const b = w + n;
+    double* const f = b + n;
+    double* const r = f + m;
     const int64_t i_end = std::min(n, (task + 1) * rows);
     for (int64_t i = task * rows; i < i_end; ++i) {
       const double* xi = d.x + i * p;
       const double* yi = d.y + i * m;
-      const double sum = kernel_row(d, xt.data(), xi, i, far, w.data());
+      const double sum = kernel_row(d, xt, xi, i, far, w);
       if (sum == 0.0) continue;
       const double inv = 1.0 / sum;
-      fast::scale(w.data(), inv, n);  // a_ij
-      std::fill(f.begin(), f.end(), 0.0);
+      fast::scale(w, inv, n);  // a_ij
+      std::fill(f, f + m, 0.0);
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t k = 0; k < m; ++k) f[k] += w[j] * d.y[j * m + k];
       }
@@ -296,9 +364,9 @@ LooSums loo_sums(const NwData& d, bool gradient) {
         r[k] = f[k] - yi[k];
         sq += r[k] * r[k];
       }
-      part.sum_sq += sq;
-      ++part.defined;
-      if (!gradient) continue;
+      part[0] += sq;
+      part[1] += 1.0;
+      if (!want_gradient) continue;
       // b_j = 2 a_ij (y_j - f_i) . r_i, then g[c] += sum_j b_j E_ijc.
       for (int64_t j = 0; j < n; ++j) {
         double dot = 0.0;
@@ -306,7 +374,7 @@ LooSums loo_sums(const NwData& d, bool gradient) {
         b[j] = 2.0 * w[j] * dot;
       }
       for (int64_t c = 0; c < p; ++c) {
-        const double* xc = xt.data() + c * n;
+        const double* xc = xt + c * n;
         const double xic = xi[c];
         double acc = 0.0;
         for (int64_t j = 0; j < n; ++j) {
@@ -314,34 +382,46 @@ LooSums loo_sums(const NwData& d, bool gradient) {
           const double diff = xic - xc[j];
           acc += b[j] == 0.0 ? 0.0 : b[j] * diff * diff;
         }
-        part.g[c] += acc;
+        g[c] += acc;
       }
     }
   });
   LooSums total;
-  if (gradient) total.g.assign(static_cast<size_t>(p), 0.0);
-  for (const LooSums& part : parts) {
-    total.sum_sq += part.sum_sq;
-    total.defined += part.defined;
-    for (int64_t c = 0; c < static_cast<int64_t>(part.g.size()); ++c) total.g[c] += part.g[c];
+  if (want_gradient) std::fill(gradient, gradient + p, 0.0);
+  for (int64_t task = 0; task < tasks; ++task) {
+    const double* part = parts + task * (2 + p);
+    total.sum_sq += part[0];
+    total.defined += static_cast<int64_t>(part[1]);
+    for (int64_t c = 0; want_gradient && c < p; ++c) gradient[c] += part[2 + c];
   }
   return total;
+}
+
+// inv_h and g (p each), then loo_sums' workspace.
+size_t parametric_loss_workspace_size(int64_t n, int64_t p, int64_t m, bool gradient,
+                                      int num_threads) {
+  const NwData d{.n = n, .p = p, .m = m};
+  return as_size(2 * p) + loo_sums_workspace_size(d, gradient, num_threads);
 }
 
 // d loss / d w: every v_c = w^2, so d loss / d w = sum_c (d loss / d v_c) 2 w
 // = -w sum_c g[c] with loo_sums' g (regular at w = 0, unlike going through h).
 double parametric_loss(const double* x, const double* y, int64_t n, int64_t p, int64_t m, double w,
-                       double* grad) {
-  const std::vector<double> inv_h(static_cast<size_t>(p), std::abs(w));
+                       double* grad, Workspace ws) {
+  double* const inv_h = ws.data;
+  double* const g = inv_h + p;
+  std::fill(inv_h, inv_h + p, std::abs(w));
   const NwData d{
-      .x = x, .y = y, .n = n, .p = p, .m = m, .inv_h = inv_h.data(), .kernel = Kernel::kGaussian};
-  const LooSums sums = loo_sums(d, grad != nullptr);
+      .x = x, .y = y, .n = n, .p = p, .m = m, .inv_h = inv_h, .kernel = Kernel::kGaussian};
+  const LooSums sums =
+      loo_sums(d, grad ? g : nullptr, {.data = g + p, .num_threads = ws.num_threads});
   if (grad) {
-    double g = 0.0;
-    for (double gc : sums.g) g += gc;
-    *grad = -w * g;
+    double total = 0.0;
+    for (int64_t c = 0; c < p; ++c) total += g[c];
+    *grad = -w * total;
   }
   return sums.sum_sq;
 }
 
+}  // namespace fast
 }  // namespace qkv::kernels

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "kernels/nadaraya_watson.h"
 
@@ -245,10 +244,16 @@ double profile(Kernel kernel, double u) {
 
 }  // namespace
 
+// One row of weights (n).
+size_t nadaraya_watson_workspace_size(const NwData& d, int64_t, int) {
+  return static_cast<size_t>(d.n);
+}
+
 // q: (t, p)   x: (n, p)   y: (n, m)   ->   out: (t, m), weights: (t, n) or null
-int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights) {
+int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out, double* weights,
+                        Workspace workspace) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<double> w(static_cast<size_t>(d.n));
+  double* const w = workspace.data;  // (n)
   int64_t undefined = 0;
   for (int64_t i = 0; i < t; ++i) {
     const double* qi = q + i * d.p;
@@ -277,7 +282,7 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
       // Every score overflowed (-inf - -inf would be NaN), a difference did
       // (its key's weight need not be 0), or the row is far from every key.
       if (overflow || !(smax + std::log(sum) >= kFarRowLse)) {
-        sum = gaussian_row_far(d, d.x, d.p, 1, qi, -1, !overflow, w.data());
+        sum = gaussian_row_far(d, d.x, d.p, 1, qi, -1, !overflow, w);
       }
     } else {
       for (int64_t j = 0; j < d.n; ++j) {
@@ -301,7 +306,7 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
       for (int64_t j = 0; j < d.n; ++j) acc += w[j] * d.y[j * d.m + k];
       out[i * d.m + k] = acc;
     }
-    if (weights) std::copy(w.begin(), w.end(), weights + i * d.n);
+    if (weights) std::copy(w, w + d.n, weights + i * d.n);
   }
   return undefined;
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the built qkv into a temporary prefix, builds the README's example
-# against it with find_package(qkv), runs it and checks the chapter's answer.
+# (qkv::qkv) and a lookup example (qkv::chapter) against it with
+# find_package(qkv), runs them and checks their answers, and checks that the
+# core library holds none of the chapter's figure code (nothing spawns gnuplot).
 # Usage: check_install.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=$1 source=$2
@@ -18,5 +20,28 @@ if [ "$out" != "$expected" ]; then
   echo "$expected" >&2
   exit 1
 fi
+out=$("$work/consumer/chapter_example")
+echo "$out"
+if [ "$out" != "Aston" ]; then
+  echo "check_install: chapter_example printed \"$out\", expected \"Aston\"" >&2
+  exit 1
+fi
 [ -x "$work/prefix/bin/qkv" ] || { echo "check_install: qkv was not installed" >&2; exit 1; }
-echo "check_install: find_package(qkv) consumer built and printed the chapter's answer"
+# The core library (static or shared) defines no plot or lookup function and
+# refers to no process spawning; the chapter's library does.
+core=$(find "$work/prefix" -name 'libqkv.a' -o -name 'libqkv.so*' | head -1)
+chapter=$(find "$work/prefix" -name 'libqkv_chapter.a' -o -name 'libqkv_chapter.so*' | head -1)
+[ -n "$core" ] && [ -n "$chapter" ] || { echo "check_install: libqkv or libqkv_chapter missing" >&2; exit 1; }
+pattern='qkv::heatmaps|qkv::plot_|qkv::KeyValueDatabase|posix_spawn'
+# (Symbols to files first: grep -q would stop reading early, and nm's SIGPIPE
+# fail the pipeline under pipefail.)
+nm -C "$core" >"$work/core.syms"
+nm -C "$chapter" >"$work/chapter.syms"
+if grep -E "$pattern" "$work/core.syms" >&2; then
+  echo "check_install: $core holds the chapter's code (above)" >&2
+  exit 1
+fi
+grep -qE 'qkv::heatmaps' "$work/chapter.syms" ||
+  { echo "check_install: $chapter lacks qkv::heatmaps" >&2; exit 1; }
+echo "check_install: find_package(qkv) consumers of qkv::qkv and qkv::chapter built and printed" \
+  "the chapter's answers; $(basename "$core") holds no plot, lookup or spawn symbol"
