@@ -10,7 +10,7 @@
 
 namespace qkv::detail {
 
-// "queries has shape [2, 3]; expected rank 3 (batch, num_queries, head_dim)"
+// "queries has shape [2, 3]; expected rank 3 (B, Nq, D)"
 template <class T>
 void check_rank(std::string_view function, std::string_view name, const TensorView<T>& view,
                 int rank, std::string_view axes) {

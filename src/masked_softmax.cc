@@ -8,7 +8,7 @@
 namespace qkv {
 namespace {
 
-constexpr const char* kAxes = "(batch, num_queries, num_keys)";
+constexpr const char* kAxes = "(B, Nq, Nk)";
 
 template <class T>
 void check_scores(std::string_view function, const char* name, ConstView<T> scores,

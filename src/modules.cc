@@ -6,7 +6,7 @@
 #include <string>
 
 #include "check.h"
-#include "philox.h"
+#include "kernels/philox.h"
 
 namespace qkv {
 namespace {
@@ -54,9 +54,10 @@ Tensor<T> linear_init(Shape shape, uint64_t seed, uint32_t stream) {
   Tensor<T> w(shape);
   const int64_t fan_in = shape[shape.rank() - 1];
   const double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
-  const auto key = detail::philox_key(seed);
+  const auto key = kernels::philox_key(seed);
   for (int64_t n = 0; n < w.numel(); ++n) {
-    const auto bits = detail::philox4x32({static_cast<uint32_t>(n / 4), stream, 0x11ea5u, 0u}, key);
+    const auto bits =
+        kernels::philox4x32({static_cast<uint32_t>(n / 4), stream, 0x11ea5u, 0u}, key);
     const double u = static_cast<double>(bits[n % 4] >> 8) * 0x1p-24;  // [0, 1)
     w.data()[n] = static_cast<T>((2.0 * u - 1.0) * bound);
   }

@@ -341,7 +341,7 @@ void check_figsize(std::string_view function, std::string_view name,
 template <class T>
 void heatmaps_impl(ConstView<T> m, const std::string& path, const HeatmapOptions& options) {
   constexpr std::string_view kFn = "heatmaps";
-  detail::check_rank(kFn, "matrices", m, 4, "(rows, cols, num_queries, num_keys)");
+  detail::check_rank(kFn, "matrices", m, 4, "(rows, cols, Nq, Nk)");
   const int64_t rows = m.size(0), cols = m.size(1), nq = m.size(2), nk = m.size(3);
   if (m.numel() == 0) {
     fail(kFn, "matrices has shape " + m.shape().str() + "; expected every axis >= 1");

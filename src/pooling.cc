@@ -14,8 +14,8 @@ namespace {
 template <class T>
 Tensor<T> pool(ConstView<T> weights, ConstView<T> values) {
   constexpr std::string_view kFn = "attention_pooling";
-  detail::check_rank(kFn, "weights", weights, 3, "(batch, num_queries, num_keys)");
-  detail::check_rank(kFn, "values", values, 3, "(batch, num_keys, value_dim)");
+  detail::check_rank(kFn, "weights", weights, 3, "(B, Nq, Nk)");
+  detail::check_rank(kFn, "values", values, 3, "(B, Nk, Dv)");
   if (values.size(0) != weights.size(0) || values.size(1) != weights.size(2)) {
     fail(kFn, "values has shape " + values.shape().str() + " but weights has shape " +
                   weights.shape().str() + "; expected [" + std::to_string(weights.size(0)) + ", " +
@@ -53,7 +53,7 @@ Tensor<T> uniform(std::string_view fn, int64_t batch, int64_t nq, int64_t nk,
 template <class T>
 Tensor<T> average(ConstView<T> values, int64_t nq, const ValidLens& valid_lens) {
   constexpr std::string_view kFn = "average_pooling";
-  detail::check_rank(kFn, "values", values, 3, "(batch, num_keys, value_dim)");
+  detail::check_rank(kFn, "values", values, 3, "(B, Nk, Dv)");
   const int64_t batch = values.size(0), nk = values.size(1), dv = values.size(2);
   if (nq < 0) fail(kFn, "num_queries = " + std::to_string(nq) + " must be >= 0");
   valid_lens.check(kFn, "weights", Shape{batch, nq, nk}, batch, nq, nk);
@@ -72,7 +72,7 @@ Tensor<T> average(ConstView<T> values, int64_t nq, const ValidLens& valid_lens) 
 }
 
 void check_index(std::string_view fn, ConstView<int64_t> index, int64_t nk) {
-  detail::check_rank(fn, "index", index, 2, "(batch, num_queries)");
+  detail::check_rank(fn, "index", index, 2, "(B, Nq)");
   for (int64_t b = 0; b < index.size(0); ++b) {
     for (int64_t i = 0; i < index.size(1); ++i) {
       if (index(b, i) < 0 || index(b, i) >= nk) {
@@ -86,7 +86,7 @@ void check_index(std::string_view fn, ConstView<int64_t> index, int64_t nk) {
 template <class T>
 Tensor<T> lookup(ConstView<int64_t> index, ConstView<T> values) {
   constexpr std::string_view kFn = "one_hot_lookup";
-  detail::check_rank(kFn, "values", values, 3, "(batch, num_keys, value_dim)");
+  detail::check_rank(kFn, "values", values, 3, "(B, Nk, Dv)");
   check_index(kFn, index, values.size(1));
   if (index.size(0) != values.size(0)) {
     fail(kFn, "index has shape " + index.shape().str() + " but values has shape " +

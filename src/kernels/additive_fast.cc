@@ -20,8 +20,8 @@
 #include "kernels/attention_common.h"
 #include "kernels/blas.h"
 #include "kernels/kernels.h"
+#include "kernels/philox.h"
 #include "kernels/vecmath.h"
-#include "philox.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -36,7 +36,7 @@ template <class T>
 void dropout_row(const AttentionConfig& config, int64_t b, int64_t i, T* w, int64_t n,
                  std::vector<uint8_t>& keep) {
   keep.resize(static_cast<size_t>(n));
-  detail::dropout_row_mask(config.seed, config.dropout, b, i, 0, n, keep.data());
+  kernels::dropout_row_mask(config.seed, config.dropout, b, i, 0, n, keep.data());
   const T inv = config.dropout < 1.0 ? static_cast<T>(1.0 / (1.0 - config.dropout)) : T(0);
   for (int64_t j = 0; j < n; ++j) w[j] = keep[j] ? w[j] * inv : T(0);
 }
@@ -238,8 +238,8 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
         // D_r = sum_j P dP = dO_r . O_r (O already includes the dropout).
         d_row[r] = fast::dot(d_out_blk + r * dv, output.data() + (b * nq + i0 + r) * dv, dv);
         if (drop.empty()) continue;
-        detail::dropout_row_mask(config.seed, config.dropout, b, i0 + r, k0, n_valid[r],
-                                 keep.data());
+        kernels::dropout_row_mask(config.seed, config.dropout, b, i0 + r, k0, n_valid[r],
+                                  keep.data());
         T* drop_r = drop.data() + r * ld;
         for (int64_t j = 0; j < n_valid[r]; ++j) drop_r[j] = keep[j] ? inv_keep : T(0);
       }

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "kernels/kernels.h"
-#include "qkv/dropout.h"
 
 namespace qkv::kernels::ref {
 
@@ -18,7 +17,8 @@ using Matrix = std::vector<double>;  // row-major, sizes known from context
 // Dropout factor of weight (b, i, j): 0 if dropped, 1/(1-p) if kept, 1 without dropout.
 inline double dropout_factor(const AttentionConfig& config, int64_t b, int64_t i, int64_t j) {
   if (config.dropout == 0.0) return 1.0;
-  return dropout_keep(config.seed, config.dropout, b, i, j) ? 1.0 / (1.0 - config.dropout) : 0.0;
+  return kernels::dropout_kept(config.seed, config.dropout, b, i, j) ? 1.0 / (1.0 - config.dropout)
+                                                                     : 0.0;
 }
 
 // scores: (B, Nq, Nk)   v: (B, Nk, Dv)   out.output: (B, Nq, Dv)

@@ -52,10 +52,10 @@
 #include "kernels/block_gemm.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
+#include "kernels/philox.h"
 #include "kernels/small_dim_attention.h"
 #include "kernels/softmax_tile.h"
 #include "kernels/vecmath.h"
-#include "philox.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -215,7 +215,7 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, const In* v_b, i
   }
   if (config.dropout > 0.0 && len > 0) {
     std::vector<uint8_t> keep(static_cast<size_t>(len));
-    detail::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, keep.data());
+    kernels::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, keep.data());
     apply_dropout(w.data(), keep.data(), dropout_inverse<Acc>(config), len);
   }
   std::vector<In> buf;
@@ -295,8 +295,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       if (sc.correction[r] != Acc(1)) fast::scale(out + r * dv, sc.correction[r], dv);
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
         sc.keep.resize(static_cast<size_t>(sc.valid[r]));
-        detail::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r],
-                                 sc.keep.data());
+        kernels::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r],
+                                  sc.keep.data());
         apply_dropout(s + r * cols, sc.keep.data(), inv_keep, sc.valid[r]);
       }
     }
@@ -452,7 +452,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
       std::fill(p_row + valid, p_row + cols, Acc(0));
       if (dropout) {
         sc.keep.resize(static_cast<size_t>(valid));
-        detail::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep.data());
+        kernels::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep.data());
         apply_dropout(dp_row, sc.keep.data(), inv_keep, valid);
       }
       // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.

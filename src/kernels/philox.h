@@ -6,7 +6,7 @@
 #include <array>
 #include <cstdint>
 
-namespace qkv::detail {
+namespace qkv::kernels {
 
 inline std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> ctr,
                                           std::array<uint32_t, 2> key) {
@@ -40,6 +40,12 @@ inline std::array<uint32_t, 4> dropout_bits(std::array<uint32_t, 2> key, int64_t
       {static_cast<uint32_t>(c), static_cast<uint32_t>(i), static_cast<uint32_t>(b), 0u}, key);
 }
 
+// True if weight (b, i, j) survives dropout with probability p (qkv::dropout_keep
+// without its argument check).
+inline bool dropout_kept(uint64_t seed, double p, int64_t b, int64_t i, int64_t j) {
+  return dropout_bits(philox_key(seed), b, i, j / 4)[j % 4] >= dropout_threshold(p);
+}
+
 // Fills keep[0 .. n) for weights (b, i, j0 .. j0 + n): 1 kept, 0 dropped.
 inline void dropout_row_mask(uint64_t seed, double p, int64_t b, int64_t i, int64_t j0, int64_t n,
                              uint8_t* keep) {
@@ -54,4 +60,4 @@ inline void dropout_row_mask(uint64_t seed, double p, int64_t b, int64_t i, int6
   }
 }
 
-}  // namespace qkv::detail
+}  // namespace qkv::kernels
