@@ -202,9 +202,9 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
 // widening them block by block for every product, slower than float32 inputs
 // (issue 11). Widened, bf16 takes 1.09x float32's time on an AVX2 machine
 // (93.2 vs 85.2 ms, B = 2, Nq = Nk = 4096, D = 64; docs/performance-avx2.md),
-// where AVX-512 BF16 makes it 1.7x faster than float32. The copies cost 2 bytes per input
-// element; the results are float32 attention's on the widened inputs, within
-// the bf16 path's bounds (docs/semantics.md).
+// where AVX-512 BF16 makes it 1.7x faster than float32. The copies cost 2
+// bytes per input element; the results are float32 attention's on the
+// widened inputs, within the bf16 path's bounds (docs/semantics.md).
 bool bf16_through_float() { return !kernels::fast::bf16_native(); }
 
 Tensor<float> widened(ConstView<bfloat16> x) {

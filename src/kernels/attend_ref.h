@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/philox.h"
 
 namespace qkv::kernels::ref {
 
