@@ -3,12 +3,14 @@
 // fast (SIMD + threads), plus the leave-one-out objective with its analytic
 // gradient (fast only). Front end: src/kernel_regression.cc; kernels only
 // assert. Kernels allocate nothing: each op's scratch is sized by its
-// *_workspace_size function for the threads the call may use and handed in.
+// *_workspace_size function for the threads the call may use and handed in
+// (Workspace, kernels/workspace.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/workspace.h"
 #include "qkv/kernel_regression_types.h"
 
 namespace qkv::kernels {
@@ -22,14 +24,6 @@ struct NwData {
   int64_t n = 0, p = 0, m = 0;
   const double* inv_h = nullptr;
   Kernel kernel = Kernel::kGaussian;
-};
-
-// Scratch handed to a kernel: `data` holds the doubles its *_workspace_size
-// asked for, sized for `num_threads` >= 1 (at most that many of the kernel's
-// tasks hold scratch at once; results do not depend on it).
-struct Workspace {
-  double* data = nullptr;
-  int num_threads = 1;
 };
 
 // q: (t, p)   out: (t, m)   weights: (t, n) or null (not wanted)
