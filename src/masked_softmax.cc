@@ -1,9 +1,12 @@
 // Masked softmax front ends: validate, then run the fast or reference kernel.
 #include "qkv/masked_softmax.h"
 
+#include <vector>
+
 #include "check.h"
 #include "contiguous.h"
 #include "kernels/kernels.h"
+#include "qkv/threads.h"
 
 namespace qkv {
 namespace {
@@ -47,7 +50,14 @@ void forward_into(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T
     packed = Tensor<T>::copy_of(scores);
     rows = packed.view();
   }
-  into_rows(weights, [&](TensorView<T> out) { kernels::fast::masked_softmax(rows, valid_lens, out); });
+  // The kernel's scratch, allocated once per call (64-byte slices cut inside).
+  const int threads = num_threads();
+  std::vector<double> workspace(
+      kernels::fast::masked_softmax_workspace_size<T>(scores.size(2), threads));
+  into_rows(weights, [&](TensorView<T> out) {
+    kernels::fast::masked_softmax(rows, valid_lens, out,
+                                  {.data = workspace.data(), .num_threads = threads});
+  });
 }
 
 template <class T>

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/workspace.h"
 #include "qkv/bfloat16.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
@@ -113,8 +114,12 @@ bool supports(ConstView<T> q, ConstView<T> k, ConstView<T> v) {
   return q.is_contiguous() && k.is_contiguous() && v.is_contiguous();
 }
 
+// Scratch: one row of exp(x - max) per thread (Workspace, workspace.h).
 template <class T>
-void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights);
+size_t masked_softmax_workspace_size(int64_t nk, int num_threads);
+template <class T>
+void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights,
+                    Workspace workspace);
 template <class T>
 void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
                              const ValidLens& valid_lens, TensorView<T> d_scores);

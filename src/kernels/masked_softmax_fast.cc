@@ -3,13 +3,14 @@
 // weight written once, with non-temporal stores when the output is too big to
 // stay in cache. Rows are spread over threads in contiguous runs. Rows holding
 // NaN or ±inf take a scalar path that applies DESIGN.md §3's rules exactly.
+#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "kernels/kernels.h"
 #include "kernels/parallel.h"
 #include "kernels/vecmath.h"
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -97,13 +98,22 @@ double softmax_row(const double* x, int64_t len, int64_t n, double* w) {
 
 // scores: (B, Nq, Nk) with unit stride on the last axis   weights: contiguous (B, Nq, Nk)
 template <class T>
-void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights) {
+size_t masked_softmax_workspace_size(int64_t nk, int num_threads) {
+  return slice_words<T>(nk) * static_cast<size_t>(std::max(num_threads, 1));
+}
+
+template <class T>
+void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView<T> weights,
+                    Workspace workspace) {
   const int64_t nq = scores.size(1), nk = scores.size(2);
   const int64_t rows = scores.size(0) * nq;
   const int64_t block = rows_per_task(nk);
   const bool stream = rows * nk * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-  kernels::parallel_for((rows + block - 1) / block, [&](int64_t task) {
-    std::vector<T> scratch(static_cast<size_t>(nk));  // exp(x - max) of one row, in L1
+  const int slots = std::max(workspace.num_threads, 1);
+  parallel_for_slots((rows + block - 1) / block, slots, [&](int64_t task, int slot) {
+    // exp(x - max) of one row, in L1; the slot's own (written before read)
+    double* cursor = workspace.data + static_cast<size_t>(slot) * slice_words<T>(nk);
+    T* const scratch = take_slice<T>(&cursor, nk);
     const int64_t end = std::min(rows, (task + 1) * block);
     for (int64_t r = task * block; r < end; ++r) {
       const int64_t b = r / nq, i = r % nq;
@@ -115,7 +125,7 @@ void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView
       const int64_t len = valid_lens(b, i, nk);
       const T* x = &scores(b, i, 0);
       T* w = &weights(b, i, 0);
-      if (len == 0 || std::isnan(fast::softmax_row_once(x, len, nk, w, scratch.data(), stream))) {
+      if (len == 0 || std::isnan(fast::softmax_row_once(x, len, nk, w, scratch, stream))) {
         softmax_row_impl(x, len, nk, w);  // empty, or NaN / ±inf among the valid scores
       }
     }
@@ -141,8 +151,12 @@ void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
   });
 }
 
-template void masked_softmax<float>(ConstView<float>, const ValidLens&, TensorView<float>);
-template void masked_softmax<double>(ConstView<double>, const ValidLens&, TensorView<double>);
+template size_t masked_softmax_workspace_size<float>(int64_t, int);
+template size_t masked_softmax_workspace_size<double>(int64_t, int);
+template void masked_softmax<float>(ConstView<float>, const ValidLens&, TensorView<float>,
+                                    Workspace);
+template void masked_softmax<double>(ConstView<double>, const ValidLens&, TensorView<double>,
+                                     Workspace);
 template void masked_softmax_backward<float>(ConstView<float>, ConstView<float>, const ValidLens&,
                                              TensorView<float>);
 template void masked_softmax_backward<double>(ConstView<double>, ConstView<double>,
