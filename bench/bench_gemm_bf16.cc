@@ -94,10 +94,11 @@ void run_bf16(benchmark::State& state, const std::string& path) {
     state.SkipWithError(("path " + path + " not available here").c_str());
     return;
   }
+  std::vector<double> scratch(qkv::kernels::fast::gemm_bf16_scratch_words(s.m, s.n, s.k));
   for (auto _ : state) {
     if (path == "best") {
       qkv::kernels::fast::gemm_bf16(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(),
-                                    s.ldb(), s.beta, c.data(), s.n);
+                                    s.ldb(), s.beta, c.data(), s.n, scratch.data());
     } else {
       qkv::kernels::fast::gemm_bf16_on_path(path, s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(),
                                             s.lda(), b.data(), s.ldb(), s.beta, c.data(), s.n);

@@ -4,12 +4,14 @@
 #include "qkv/attention.h"
 
 #include <cmath>
+#include <memory>
 #include <string>
 
 #include "check.h"
 #include "contiguous.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
+#include "qkv/threads.h"
 
 namespace qkv {
 namespace {
@@ -20,6 +22,44 @@ constexpr std::string_view kAdditive = "additive_attention";
 constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
 
 enum class Version { kFast, kRef };
+
+// Runs a fast kernel with the scratch its size query asks for (size(threads)
+// doubles), allocated here once per call: kernels allocate nothing. Left
+// uninitialised (kernels write before they read): zeroing would cost a pass
+// over up to (groups, B, Nq, D) partial dQs, 16 MiB at B = 2, Nq = 4096.
+template <class Size, class Run>
+void with_workspace(Size&& size, Run&& run) {
+  const int threads = num_threads();
+  const auto words = std::make_unique_for_overwrite<double[]>(size(threads));
+  run(kernels::Workspace{.data = words.get(), .num_threads = threads});
+}
+
+// The fast SDPA kernels with their scratch; In is float, double or bfloat16
+// (then Acc is float).
+template <class In, class Acc>
+void fast_sdpa(ConstView<In> q, ConstView<In> k, ConstView<In> v,
+               const kernels::AttentionConfig& config, const kernels::ForwardViews<Acc>& out) {
+  with_workspace(
+      [&](int threads) {
+        return kernels::fast::sdpa_workspace_size(q, k, v, config, out, threads);
+      },
+      [&](kernels::Workspace ws) { kernels::fast::sdpa(q, k, v, config, out, ws); });
+}
+
+template <class In, class Acc>
+void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
+                        const kernels::AttentionConfig& config,
+                        const kernels::SavedViews<Acc>& saved, ConstView<Acc> d_output,
+                        const kernels::SdpaGradViews<Acc>& grads) {
+  with_workspace(
+      [&](int threads) {
+        return kernels::fast::sdpa_backward_workspace_size(q, k, v, config, saved, d_output, grads,
+                                                           threads);
+      },
+      [&](kernels::Workspace ws) {
+        kernels::fast::sdpa_backward(q, k, v, config, saved, d_output, grads, ws);
+      });
+}
 
 struct Dims {
   int64_t batch, nq, nk, dq, dk, dv;
@@ -165,7 +205,7 @@ AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k,
   if (version == Version::kFast) {
     const detail::Contiguous<T> qc(q), kc(k), vc(v);
     if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
-      kernels::fast::sdpa(qc.view(), kc.view(), vc.view(), config, out);
+      fast_sdpa(qc.view(), kc.view(), vc.view(), config, out);
       return result;
     }
   }
@@ -187,8 +227,8 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
     const detail::Contiguous<T> qc(q), kc(k), vc(v);
     if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
       const detail::Contiguous<T> oc(saved.output), lc(saved.lse), gc(d_output);
-      kernels::fast::sdpa_backward(qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()},
-                                   gc.view(), out);
+      fast_sdpa_backward(qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()}, gc.view(),
+                         out);
       return grads;
     }
   }
@@ -227,7 +267,7 @@ AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat
   const kernels::ForwardViews<float> out =
       destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
-  kernels::fast::sdpa(qc.view(), kc.view(), vc.view(), config, out);
+  fast_sdpa(qc.view(), kc.view(), vc.view(), config, out);
   return result;
 }
 
@@ -247,7 +287,7 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
                                Tensor<float>(v.shape())};
   const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
   const detail::Contiguous<float> oc(saved.output), lc(saved.lse), gc(d_output);
-  kernels::fast::sdpa_backward(
+  fast_sdpa_backward<bfloat16, float>(
       qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()}, gc.view(),
       {grads.d_queries.view(), grads.d_keys.view(), grads.d_values.view()});
   return grads;

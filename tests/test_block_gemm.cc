@@ -5,7 +5,9 @@
 // the same bits from any thread.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -91,6 +93,35 @@ bool compare(const std::string& note, int64_t m, int64_t n, int64_t ldc,
   return failures == 0;
 }
 
+// block_gemm's `pack` scratch as the attention kernels hand it over: exactly
+// block_gemm_scratch_floats(k) floats on a 64-byte boundary, NaN-filled,
+// with guard floats after it that must come back untouched.
+class PackScratch {
+ public:
+  explicit PackScratch(int64_t k)
+      : floats_(kernels::fast::block_gemm_scratch_floats(k)),
+        buf_(floats_ + kGuard + 16, std::numeric_limits<float>::quiet_NaN()) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
+    offset_ = ((p + 63) & ~uintptr_t{63}) - p;
+    offset_ /= sizeof(float);
+    std::fill_n(buf_.begin() + static_cast<std::ptrdiff_t>(offset_ + floats_), kGuard, kGuardValue);
+  }
+  float* data() { return buf_.data() + offset_; }
+  void expect_guards_intact() const {
+    for (size_t g = 0; g < kGuard; ++g) {
+      ASSERT_EQ(buf_[offset_ + floats_ + g], kGuardValue)
+          << "pack scratch written past its " << floats_ << " floats, at float " << g;
+    }
+  }
+
+ private:
+  static constexpr size_t kGuard = 32;
+  static constexpr float kGuardValue = -1234.5f;
+  size_t floats_;
+  std::vector<float> buf_;
+  size_t offset_ = 0;
+};
+
 // scores on random operands against float64; C prefilled with NaN, so a
 // read of C shows up as a NaN result.
 bool check_scores(Rng& rng, int64_t m, int64_t n, int64_t k) {
@@ -103,7 +134,10 @@ bool check_scores(Rng& rng, int64_t m, int64_t n, int64_t k) {
   const std::vector<float> b = random_floats(rng, span(n, k, ldb));
   const std::vector<float> before(span(m, n, ldc), std::numeric_limits<float>::quiet_NaN());
   std::vector<float> c = before;
-  kernels::fast::block_scores(m, n, k, alpha, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  PackScratch pack(k);
+  kernels::fast::block_scores(m, n, k, alpha, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                              pack.data());
+  pack.expect_guards_intact();
   std::vector<double> ref(static_cast<size_t>(m * n)), bound(ref.size());
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t j = 0; j < n; ++j) {
@@ -129,7 +163,10 @@ bool check_accumulate(Rng& rng, int64_t m, int64_t n, int64_t k) {
   const std::vector<float> b = random_floats(rng, span(k, n, ldb));
   const std::vector<float> before = random_floats(rng, span(m, n, ldc));
   std::vector<float> c = before;
-  kernels::fast::block_accumulate(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  PackScratch pack(k);
+  kernels::fast::block_accumulate(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                  pack.data());
+  pack.expect_guards_intact();
   std::vector<double> ref(static_cast<size_t>(m * n)), bound(ref.size());
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t j = 0; j < n; ++j) {
@@ -190,11 +227,13 @@ TEST(BlockGemm, SameBitsOnAnyThread) {
     const std::vector<float> c0 = random_floats(rng, static_cast<size_t>(s.m * s.n));
     const auto run = [&](std::vector<float>& s_out, std::vector<float>& o_out) {
       s_out.assign(c0.size(), std::numeric_limits<float>::quiet_NaN());
+      PackScratch pack(s.k);
       kernels::fast::block_scores(s.m, s.n, s.k, 0.125f, a.data(), s.k, b.data(), s.k, s_out.data(),
-                                  s.n);
+                                  s.n, pack.data());
       o_out = c0;
       kernels::fast::block_accumulate(s.m, s.n, s.k, a.data(), s.k, b.data(), s.n, o_out.data(),
-                                      s.n);
+                                      s.n, pack.data());
+      pack.expect_guards_intact();
     };
     std::vector<float> s1, o1, s2, o2, s3, o3;
     run(s1, o1);

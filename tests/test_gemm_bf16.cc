@@ -30,7 +30,7 @@ void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int6
                        int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
                        int64_t ldb, float beta, float* c, int64_t ldc);
 PackedBf16 pack_b_bf16_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
-                               const bfloat16* b, int64_t ldb);
+                               const bfloat16* b, int64_t ldb, std::vector<double>& storage);
 }  // namespace qkv::kernels::fast
 
 namespace qkv::test {
@@ -70,7 +70,8 @@ TEST(Bf16Convert, ToBf16MatchesConstructorOnEveryFloat) {
     static constexpr uint32_t kLow[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff};
     if (next >= (uint64_t{1} << 16) * 7) return false;
     const uint32_t upper = static_cast<uint32_t>(next / 7), which = next % 7;
-    const uint32_t low = which < 6 ? kLow[which] : static_cast<uint32_t>(rng.uniform_int(0, 0xffff));
+    const uint32_t low =
+        which < 6 ? kLow[which] : static_cast<uint32_t>(rng.uniform_int(0, 0xffff));
     input_bits[i] = upper << 16 | low;
     ++next;
     return true;
@@ -477,14 +478,21 @@ TEST_P(Bf16Gemm, PackedBMatchesUnpackedBitForBit) {
                                               : static_cast<float>(rng.uniform(-2, 2));
     Problem p = make_problem(rng, false, tb, m, n, k, alpha, beta, extra_ld);
     SCOPED_TRACE(GetParam() + " " + p.str());
+    std::vector<double> storage;
     const kernels::fast::PackedBf16 packed =
-        kernels::fast::pack_b_bf16_on_path(GetParam(), tb, n, k, p.b.data.data(), p.b.ld);
+        kernels::fast::pack_b_bf16_on_path(GetParam(), tb, n, k, p.b.data.data(), p.b.ld, storage);
     // Two different A against the one packed B.
     for (int round = 0; round < 2; ++round) {
       if (round == 1) p.a = random_matrix(rng, m, k, extra_ld);
       const std::vector<float> want = run(GetParam(), p);
       std::vector<float> got = p.c0;
-      kernels::fast::gemm_bf16(m, alpha, p.a.data.data(), p.a.ld, packed, beta, got.data(), p.ldc);
+      // Exactly the queried scratch, from an odd word, with guards after it.
+      const size_t words = kernels::fast::gemm_bf16_packed_scratch_words(m, k);
+      std::vector<double> scratch(1 + words + 8, -1234.5);
+      kernels::fast::gemm_bf16(m, alpha, p.a.data.data(), p.a.ld, packed, beta, got.data(), p.ldc,
+                               scratch.data() + 1);
+      for (size_t g = 0; g < 8; ++g) ASSERT_EQ(scratch[1 + words + g], -1234.5) << "guard " << g;
+      ASSERT_EQ(scratch[0], -1234.5);
       ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
           << "round " << round;
     }
@@ -510,9 +518,14 @@ TEST(Bf16GemmDispatch, PublicGemmIsTheBestPath) {
   Rng rng(seed);
   const Problem p = make_problem(rng, false, true, 37, 45, 70, 0.5f, 1.0f, 2);
   std::vector<float> c = p.c0;
+  const size_t words = kernels::fast::gemm_bf16_scratch_words(p.m, p.n, p.k);
+  std::vector<double> scratch(1 + words + 8, -1234.5);
   kernels::fast::gemm_bf16(p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha, p.a.data.data(), p.a.ld,
-                           p.b.data.data(), p.b.ld, p.beta, c.data(), p.ldc);
+                           p.b.data.data(), p.b.ld, p.beta, c.data(), p.ldc, scratch.data() + 1);
   EXPECT_TRUE(c == run(paths.front(), p));
+  // The scratch is exactly the queried size: the guards around it are untouched.
+  EXPECT_EQ(scratch[0], -1234.5);
+  for (size_t g = 0; g < 8; ++g) EXPECT_EQ(scratch[1 + words + g], -1234.5) << "guard " << g;
 }
 
 // A path is offered exactly when the CPU has its instructions (and, for AMX,

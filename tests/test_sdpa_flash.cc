@@ -9,8 +9,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "attention_testing.h"
+#include "kernels/kernels.h"
 #include "qkv/qkv.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -233,8 +238,7 @@ TEST(Bfloat16, RoundsToNearestEven) {
     }
     // The two bf16 neighbours of f by truncation, and which is nearer.
     const float down = static_cast<float>(bfloat16::from_bits(static_cast<uint16_t>(u >> 16)));
-    const float up =
-        static_cast<float>(bfloat16::from_bits(static_cast<uint16_t>((u >> 16) + 1)));
+    const float up = static_cast<float>(bfloat16::from_bits(static_cast<uint16_t>((u >> 16) + 1)));
     const float got = static_cast<float>(bfloat16(f));
     // Past the largest finite bf16, IEEE rounding treats inf as 2^128.
     const double up_value = std::isinf(up) ? std::copysign(0x1p128, f) : up;
@@ -256,7 +260,7 @@ TEST(Bfloat16, RoundsToNearestEven) {
   EXPECT_EQ(static_cast<float>(bfloat16(std::numeric_limits<float>::max())), inf);
   EXPECT_TRUE(std::isnan(static_cast<float>(bfloat16(std::nanf("")))));
   EXPECT_EQ(bfloat16(-0.0f).bits, 0x8000u);
-  EXPECT_EQ(static_cast<float>(bfloat16(1.0f + 0x1p-8f)), 1.0f);            // tie, even down
+  EXPECT_EQ(static_cast<float>(bfloat16(1.0f + 0x1p-8f)), 1.0f);                // tie, even down
   EXPECT_EQ(static_cast<float>(bfloat16(1.0f + 3 * 0x1p-8f)), 1.0f + 0x1p-6f);  // tie, even up
 }
 
@@ -367,6 +371,170 @@ TEST(FlashBf16, RejectsBadShapesLikeFloat) {
         scaled_dot_product_attention_backward(q, k, v, {}, {}, {out, lse}, out);
       },
       {"scaled_dot_product_attention_backward", "lse"});
+}
+
+// ---- the kernels' workspace contract -------------------------------------------
+
+// kernels::fast::sdpa and sdpa_backward called as a front end calls them:
+// scratch of exactly the queried size starting at an odd word (the kernel
+// aligns its own slices), NaN inside (a kernel that read scratch it had not
+// written would show it in its results), guard words around it that must
+// come back untouched. Results must be the same bits with 1 and 3 slots
+// (slot scratch reused across tasks carries nothing over) and, for float
+// and double, the public API's bits; bf16 (run here on every machine, though
+// the front end widens it to float without AVX-512 BF16) is held to the
+// float64 reference on the widened inputs, with FlashBf16's tolerances.
+class GuardedWorkspace {
+ public:
+  explicit GuardedWorkspace(size_t words)
+      : words_(words), buf_(words + 2 * kGuardWords + 1, std::numeric_limits<double>::quiet_NaN()) {
+    std::fill_n(buf_.begin(), kGuardWords + 1, kGuard);
+    std::fill_n(buf_.end() - kGuardWords, kGuardWords, kGuard);
+  }
+  double* data() { return buf_.data() + kGuardWords + 1; }
+  void expect_guards_intact(const std::string& what) const {
+    for (size_t g = 0; g < kGuardWords + 1; ++g) {
+      ASSERT_EQ(buf_[g], kGuard) << what << ": scratch written before its start";
+    }
+    for (size_t g = 0; g < kGuardWords; ++g) {
+      ASSERT_EQ(buf_[kGuardWords + 1 + words_ + g], kGuard)
+          << what << ": scratch written past its " << words_ << " words, at word " << g;
+    }
+  }
+
+ private:
+  static constexpr size_t kGuardWords = 16;
+  static constexpr double kGuard = -1234.5;
+  size_t words_;
+  std::vector<double> buf_;
+};
+
+template <class In>
+using AccOf = std::conditional_t<std::is_same_v<In, bfloat16>, float, In>;
+
+template <class In>
+struct KernelRun {
+  using Acc = AccOf<In>;
+  Tensor<Acc> output, weights, lse, d_queries, d_keys, d_values;
+};
+
+template <class In>
+KernelRun<In> run_kernels(const Tensor<In>& q, const Tensor<In>& k, const Tensor<In>& v,
+                          const Tensor<AccOf<In>>& d_out, const kernels::AttentionConfig& config,
+                          bool want_weights, int slots) {
+  using Acc = AccOf<In>;
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
+  KernelRun<In> r{Tensor<Acc>(Shape{batch, nq, dv}),
+                  want_weights ? Tensor<Acc>(Shape{batch, nq, nk}) : Tensor<Acc>(),
+                  Tensor<Acc>(Shape{batch, nq}),
+                  Tensor<Acc>(q.shape()),
+                  Tensor<Acc>(k.shape()),
+                  Tensor<Acc>(v.shape())};
+  const kernels::ForwardViews<Acc> out{
+      r.output.view(), want_weights ? r.weights.view() : TensorView<Acc>(), r.lse.view()};
+  GuardedWorkspace fwd(
+      kernels::fast::sdpa_workspace_size(q.view(), k.view(), v.view(), config, out, slots));
+  kernels::fast::sdpa(q.view(), k.view(), v.view(), config, out,
+                      {.data = fwd.data(), .num_threads = slots});
+  fwd.expect_guards_intact("forward");
+  const kernels::SavedViews<Acc> saved{r.output.view(), r.lse.view()};
+  const kernels::SdpaGradViews<Acc> grads{r.d_queries.view(), r.d_keys.view(), r.d_values.view()};
+  GuardedWorkspace bwd(kernels::fast::sdpa_backward_workspace_size(
+      q.view(), k.view(), v.view(), config, saved, d_out.view(), grads, slots));
+  kernels::fast::sdpa_backward(q.view(), k.view(), v.view(), config, saved, d_out.view(), grads,
+                               {.data = bwd.data(), .num_threads = slots});
+  bwd.expect_guards_intact("backward");
+  return r;
+}
+
+template <class In>
+Tensor<In> kernel_input(Rng& rng, const Shape& shape) {
+  if constexpr (std::is_same_v<In, bfloat16>) {
+    return to_bf16(random_tensor<float>(rng, shape));
+  } else {
+    return random_tensor<In>(rng, shape);
+  }
+}
+
+template <class In>
+void check_workspace_contract(Rng& rng) {
+  using Acc = AccOf<In>;
+  const FlashCase cases[] = {
+      // Several query blocks (bf16 packs K and V once per key block), per-query lengths.
+      {2, 300, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {1, 520, 900, 32, 32, LensForm::kPerBatch, Trend::kRandom, 0.3, true},
+      // Small heads without weights or dropout: the small-dimension kernel.
+      {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {2, 70, 300, 4, 4, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {1, 1, 1, 1, 1, LensForm::kNone, Trend::kRandom, 0.0, true},
+      // One batch element, many key blocks: the backward's key groups.
+      {1, 40, 2100, 16, 8, LensForm::kNone, Trend::kRandom, 0.1, false},
+  };
+  for (const FlashCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const Tensor<In> q = kernel_input<In>(rng, {c.batch, c.nq, c.dim});
+    const Tensor<In> k = kernel_input<In>(rng, {c.batch, c.nk, c.dim});
+    const Tensor<In> v = kernel_input<In>(rng, {c.batch, c.nk, c.dv});
+    const Tensor<Acc> d_out = random_tensor<Acc>(rng, {c.batch, c.nq, c.dv});
+    const OwnedLens lens = make_lens(rng, c.lens_form, false, c.batch, c.nq, c.nk, 0.05);
+    const ValidLens valid = lens.get();
+    AttentionOptions o = options_for(c, rng.next());
+    o.scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    const kernels::AttentionConfig config{
+        .valid_lens = &valid, .scale = *o.scale, .dropout = c.dropout, .seed = o.seed};
+    const KernelRun<In> one = run_kernels(q, k, v, d_out, config, c.want_weights, 1);
+    const KernelRun<In> three = run_kernels(q, k, v, d_out, config, c.want_weights, 3);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_bitwise_equal(three.output, one.output, "output, 3 slots vs 1");
+    expect_bitwise_equal(three.lse, one.lse, "lse, 3 slots vs 1");
+    if (c.want_weights) expect_bitwise_equal(three.weights, one.weights, "weights, 3 slots vs 1");
+    expect_bitwise_equal(three.d_queries, one.d_queries, "d_queries, 3 slots vs 1");
+    expect_bitwise_equal(three.d_keys, one.d_keys, "d_keys, 3 slots vs 1");
+    expect_bitwise_equal(three.d_values, one.d_values, "d_values, 3 slots vs 1");
+    if constexpr (std::is_same_v<In, bfloat16>) {
+      const Tensor<float> qw = widen(q), kw = widen(k), vw = widen(v);
+      const AttentionResult<float> ref = ref::scaled_dot_product_attention(qw, kw, vw, valid, o);
+      expect_close(one.output, ref.output, Tol{.atol = 4e-3 * max_abs(vw), .rtol = 0}, "output");
+      expect_close(one.lse, ref.lse, kSdpaLse, "lse");
+      const DotProductGrads<float> g = ref::scaled_dot_product_attention_backward(
+          qw, kw, vw, valid, o, {ref.output, ref.lse}, d_out);
+      for (const auto& [name, got, want] : {std::tuple{"d_queries", &one.d_queries, &g.d_queries},
+                                            std::tuple{"d_keys", &one.d_keys, &g.d_keys},
+                                            std::tuple{"d_values", &one.d_values, &g.d_values}}) {
+        expect_close(*got, *want, Tol{.atol = 2e-2 * max_abs(*want) + 1e-6, .rtol = 0}, name);
+      }
+    } else {
+      const AttentionResult<In> api = scaled_dot_product_attention(q, k, v, valid, o);
+      const DotProductGrads<In> g =
+          scaled_dot_product_attention_backward(q, k, v, valid, o, {api.output, api.lse}, d_out);
+      expect_bitwise_equal(one.output, api.output, "output vs the public API");
+      expect_bitwise_equal(one.lse, api.lse, "lse vs the public API");
+      if (c.want_weights)
+        expect_bitwise_equal(one.weights, api.weights, "weights vs the public API");
+      expect_bitwise_equal(one.d_queries, g.d_queries, "d_queries vs the public API");
+      expect_bitwise_equal(one.d_keys, g.d_keys, "d_keys vs the public API");
+      expect_bitwise_equal(one.d_values, g.d_values, "d_values vs the public API");
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(FlashWorkspace, ExactQueriedSizeGuardedAndSameBits) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  {
+    SCOPED_TRACE("float");
+    check_workspace_contract<float>(rng);
+  }
+  {
+    SCOPED_TRACE("double");
+    check_workspace_contract<double>(rng);
+  }
+  {
+    SCOPED_TRACE("bfloat16");
+    check_workspace_contract<bfloat16>(rng);
+  }
 }
 
 }  // namespace

@@ -5,8 +5,6 @@
 // rows, masked keys never read, thread-count independence and the exp's
 // error. CTest runs them once per SIMD target (the AVX-512 exp and the
 // generic one).
-#include "qkv/simd.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,6 +14,7 @@
 
 #include "kernels/kernels.h"
 #include "kernels/small_dim_attention.h"
+#include "qkv/simd.h"
 #include "test_util.h"
 
 namespace qkv::test {
@@ -119,9 +118,21 @@ Got run_kernel(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const
   const kernels::AttentionConfig config{
       .valid_lens = &lens, .scale = scale, .dropout = 0.0, .seed = 0};
   EXPECT_TRUE(kernels::fast::small_dim_applies(q.size(2), dv, config));
-  kernels::fast::small_dim_forward<T>(q.view(), k.view(), v.view(), bias ? bias->data() : nullptr,
-                                      kind, config, out.view(),
-                                      want_lse ? lse.view() : TensorView<T>());
+  // Exactly the queried scratch, from an odd word (so the kernel's own
+  // 64-byte alignment is exercised), with guard words after it that must
+  // come back untouched.
+  const size_t words =
+      kernels::fast::small_dim_workspace_size<T>(batch, k.size(1), q.size(2), dv, bias != nullptr);
+  constexpr size_t kGuard = 16;
+  constexpr double kSentinel = -1234.5;
+  std::vector<double> workspace(1 + words + kGuard, kSentinel);
+  kernels::fast::small_dim_forward<T>(
+      q.view(), k.view(), v.view(), bias ? bias->data() : nullptr, kind, config, out.view(),
+      want_lse ? lse.view() : TensorView<T>(), {.data = workspace.data() + 1, .num_threads = 1});
+  EXPECT_EQ(workspace[0], kSentinel) << "scratch written before its start";
+  for (size_t g = 0; g < kGuard; ++g) {
+    EXPECT_EQ(workspace[1 + words + g], kSentinel) << "scratch written past its size, word " << g;
+  }
   return {cast<double>(out), cast<double>(lse)};
 }
 

@@ -5,7 +5,6 @@
 #define HWY_TARGET_INCLUDE "kernels/block_gemm.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Highway's own headers must follow foreach_target.h.
-#include <hwy/aligned_allocator.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -13,7 +12,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <new>
 
 #include "kernels/block_gemm.h"
 #include "kernels/tail-inl.h"
@@ -44,17 +42,11 @@ constexpr int kOutMR = 6, kOutNV = 2;
 // keys, V being re-read from L2 for every row tile.
 constexpr int64_t kOutKc = 128;
 
-// One growing, vector-aligned buffer per thread (and target): packed panels.
-HWY_INLINE float* scratch(size_t n) {
-  thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
-  thread_local size_t capacity = 0;
-  if (capacity < n) {
-    buf = hwy::AllocateAligned<float>(n);
-    if (!buf) throw std::bad_alloc();
-    capacity = n;
-  }
-  return buf.get();
-}
+// Panels are at most kBlockGemmMaxPanel floats wide (block_gemm.h), which
+// sizes the caller's `pack` scratch for every target.
+static_assert(kScoreNV * (HWY_MAX_BYTES / sizeof(float)) <= kBlockGemmMaxPanel &&
+                  kOutNV * (HWY_MAX_BYTES / sizeof(float)) <= kBlockGemmMaxPanel,
+              "a panel wider than block_gemm_scratch_floats allows");
 
 using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
 using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
@@ -161,7 +153,7 @@ HWY_INLINE void pack_bt(const float* b, int64_t ldb, int64_t cols, int64_t k, in
 
 // C (m x n) = alpha A Bᵀ.
 void Scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-            const float* b, int64_t ldb, float* c, int64_t ldc) {
+            const float* b, int64_t ldb, float* c, int64_t ldc, float* pack) {
   assert(m >= 0 && n >= 0 && k >= 0);
   if (m <= 0 || n <= 0) return;
   if (k <= 0) {  // an empty sum, as sgemm with beta = 0
@@ -170,7 +162,7 @@ void Scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_
   }
   const D d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d)), nr = kScoreNV * lanes;
-  float* panel = scratch(static_cast<size_t>(k * nr));
+  float* panel = pack;  // k x nr
   // Panel outer: its k x NR floats (8 KiB at k = 64) stay in L1 while A's rows stream.
   for (int64_t c0 = 0; c0 < n; c0 += nr) {
     const int64_t cols = std::min(nr, n - c0);
@@ -186,7 +178,7 @@ void Scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_
 // each panel row NR contiguous floats); the last, narrower one is copied
 // into a zero-padded panel so no vector load reaches past B.
 void Accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                int64_t ldb, float* c, int64_t ldc) {
+                int64_t ldb, float* c, int64_t ldc, float* pack) {
   assert(m >= 0 && n >= 0 && k >= 0);
   if (m <= 0 || n <= 0 || k <= 0) return;
   const D d;
@@ -195,8 +187,7 @@ void Accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, co
   const int64_t tail = n - whole;
   const int64_t tail_nv = (tail + lanes - 1) / lanes;
   const size_t tail_last = static_cast<size_t>(tail - (tail_nv - 1) * lanes);
-  float* panel =
-      tail > 0 ? scratch(static_cast<size_t>(std::min(k, kOutKc) * tail_nv * lanes)) : nullptr;
+  float* panel = pack;  // min(k, kOutKc) x tail_nv * lanes, when there is a tail
   for (int64_t k0 = 0; k0 < k; k0 += kOutKc) {
     const int64_t kc = std::min(kOutKc, k - k0);
     const float* a_k = a + k0;
@@ -228,14 +219,18 @@ namespace qkv::kernels::fast {
 HWY_EXPORT(Scores);
 HWY_EXPORT(Accumulate);
 
+size_t block_gemm_scratch_floats(int64_t k) {
+  return static_cast<size_t>(std::max<int64_t>(k, 1) * kBlockGemmMaxPanel);
+}
+
 void block_scores(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                  const float* b, int64_t ldb, float* c, int64_t ldc) {
-  HWY_DYNAMIC_DISPATCH(Scores)(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+                  const float* b, int64_t ldb, float* c, int64_t ldc, float* pack) {
+  HWY_DYNAMIC_DISPATCH(Scores)(m, n, k, alpha, a, lda, b, ldb, c, ldc, pack);
 }
 
 void block_accumulate(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                      int64_t ldb, float* c, int64_t ldc) {
-  HWY_DYNAMIC_DISPATCH(Accumulate)(m, n, k, a, lda, b, ldb, c, ldc);
+                      int64_t ldb, float* c, int64_t ldc, float* pack) {
+  HWY_DYNAMIC_DISPATCH(Accumulate)(m, n, k, a, lda, b, ldb, c, ldc, pack);
 }
 
 }  // namespace qkv::kernels::fast

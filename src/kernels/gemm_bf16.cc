@@ -46,6 +46,7 @@
 
 #include "kernels/blas.h"
 #include "kernels/dispatch.h"
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -78,9 +79,8 @@ void scale_c(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 // the native paths only in summation order (and in keeping denormal inputs).
 
 // The rows x cols matrix x (leading dimension ld) as contiguous floats.
-void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols, std::vector<float>& out) {
-  out.resize(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out.data() + r * cols, cols);
+void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out + r * cols, cols);
 }
 
 #if defined(__x86_64__)
@@ -279,26 +279,6 @@ QKV_AVX512 void pack(const Operand& op, int64_t r_pad, int64_t kp, bool r_major,
   }
 }
 
-// Thread-local packing buffers, 64-byte aligned, grown as needed.
-class Scratch {
- public:
-  uint32_t* words(size_t n) {
-    if (n > capacity_) {
-      capacity_ = std::max(n, 2 * capacity_);
-      data_.reset(static_cast<uint32_t*>(std::aligned_alloc(64, round_up(capacity_ * 4, 64))));
-      if (!data_) throw std::bad_alloc();
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(uint32_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint32_t[], Free> data_;
-  size_t capacity_ = 0;
-};
-
 // The packed layouts' k: pairs of k, padded to whole 16-word tile rows.
 int64_t packed_kp(int64_t k) { return round_up(k, 2 * kTile) / 2; }
 
@@ -309,15 +289,13 @@ void pack_b_words(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t
   pack(op_b, round_up(n, kTile), kp, /*r_major=*/false, dst);
 }
 
-// op(A) (m x k) into the row layout with kp words per row, in thread-local scratch.
+// op(A) (m x k) into the row layout with kp words per row, in `dst`
+// (round_up(m, kTile) * kp words, a_storage below).
 const uint32_t* pack_a_words(bool trans_a, int64_t m, int64_t k, const bfloat16* a, int64_t lda,
-                             int64_t kp) {
-  thread_local Scratch scratch_a;
+                             int64_t kp, uint32_t* dst) {
   const Operand op_a{reinterpret_cast<const uint16_t*>(a), lda, m, k, !trans_a};
-  const int64_t m_pad = round_up(m, kTile);
-  uint32_t* pa = scratch_a.words(static_cast<size_t>(m_pad * kp));
-  pack(op_a, m_pad, kp, /*r_major=*/true, pa);
-  return pa;
+  pack(op_a, round_up(m, kTile), kp, /*r_major=*/true, dst);
+  return dst;
 }
 
 // op(A) as stored is already the row layout (word p of row r = the pair
@@ -372,11 +350,11 @@ QKV_AVX512_BF16 void dot_tile(const uint32_t* pa, int64_t a_stride, const uint32
 // reads 8 rows), else packed; only the k / 2 pairs A holds are summed (B's
 // padding rows are zero).
 QKV_AVX512_BF16 void gemm_avx512_bf16(bool trans_a, int64_t m, int64_t n, int64_t k, float alpha,
-                                      const bfloat16* a, int64_t lda, const uint32_t* b,
-                                      int64_t kp, float beta, float* c, int64_t ldc) {
+                                      const bfloat16* a, int64_t lda, const uint32_t* b, int64_t kp,
+                                      float beta, float* c, int64_t ldc, uint32_t* a_words) {
   const bool in_place = a_is_row_layout(trans_a, k, a, lda) && m % 8 == 0;
-  const uint32_t* pa =
-      in_place ? reinterpret_cast<const uint32_t*>(a) : pack_a_words(trans_a, m, k, a, lda, kp);
+  const uint32_t* pa = in_place ? reinterpret_cast<const uint32_t*>(a)
+                                : pack_a_words(trans_a, m, k, a, lda, kp, a_words);
   const int64_t a_stride = in_place ? lda / 2 : kp;
   const int64_t pairs = in_place ? k / 2 : kp;
   for (int64_t r0 = 0; r0 < m; r0 += 8) {
@@ -563,16 +541,38 @@ struct ReadyB {
   const float* wide = nullptr;
 };
 
-// C = alpha op(A) B + beta C for a B made ready for `path`; m, n, k > 0.
+// Storage for op(A) (m x k) on `path`: packed row words on the native
+// paths, A widened to float on the widening path; cut from `slicer` (or
+// counted). Sized for the larger of the two (both 4-byte elements), so the
+// size queries need not know which path a packed B was made for.
+struct AStorage {
+  uint32_t* words = nullptr;
+  float* wide = nullptr;
+};
+AStorage a_storage(Path path, int64_t m, int64_t k, Slicer& slicer) {
+  uint32_t* p = slicer.take<uint32_t>(std::max(round_up(m, kTile) * packed_kp(k), m * k));
+  AStorage st;
+  if (path == Path::kWiden) {
+    st.wide = reinterpret_cast<float*>(p);
+  } else {
+    st.words = p;
+  }
+  return st;
+}
+
+// C = alpha op(A) B + beta C for a B made ready for `path`; m, n, k > 0;
+// op(A) packed or widened into `a_st` (a_storage) when the path needs it.
 void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float alpha,
-              const bfloat16* a, int64_t lda, const ReadyB& b, float beta, float* c, int64_t ldc) {
+              const bfloat16* a, int64_t lda, const ReadyB& b, float beta, float* c, int64_t ldc,
+              const AStorage& a_st) {
 #if defined(__x86_64__)
   if (path == Path::kAmx) {
     // A as stored already has the A-tile layout when its rows hold whole
     // 64-byte tile rows and whole tiles: no packing (the common case, Q or P
     // with k = 64, 128, 256).
     const bool a_in_place = !trans_a && m % kTile == 0 && k % (2 * kTile) == 0;
-    const uint32_t* pa = a_in_place ? nullptr : pack_a_words(trans_a, m, k, a, lda, b.kp);
+    const uint32_t* pa =
+        a_in_place ? nullptr : pack_a_words(trans_a, m, k, a, lda, b.kp, a_st.words);
     const AmxProduct g{
         a_in_place ? reinterpret_cast<const char*>(a) : reinterpret_cast<const char*>(pa),
         a_in_place ? lda * 2 : b.kp * 4,
@@ -588,94 +588,148 @@ void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float al
     return;
   }
   if (path == Path::kAvx512Bf16) {
-    gemm_avx512_bf16(trans_a, m, n, k, alpha, a, lda, b.words, b.kp, beta, c, ldc);
+    gemm_avx512_bf16(trans_a, m, n, k, alpha, a, lda, b.words, b.kp, beta, c, ldc, a_st.words);
     return;
   }
 #endif
-  thread_local std::vector<float> wide_a;
-  widen_rows(a, lda, trans_a ? k : m, trans_a ? m : k, wide_a);
+  widen_rows(a, lda, trans_a ? k : m, trans_a ? m : k, a_st.wide);
   kernels::init_blas_threads();
-  kernels::gemm(trans_a, false, m, n, k, alpha, wide_a.data(), trans_a ? m : k, b.wide, n, beta, c,
+  kernels::gemm(trans_a, false, m, n, k, alpha, a_st.wide, trans_a ? m : k, b.wide, n, beta, c,
                 ldc);
 }
 
-// Puts op(B) into the form `path` multiplies with, in `words` or `wide`.
+// The storage op(B) (k x n) made ready for `path` takes: panel words on the
+// native paths, floats on the widening path; cut from `slicer` (or counted),
+// the larger of the two, as a_storage.
+void ready_storage(Path path, int64_t n, int64_t k, Slicer& slicer, uint32_t** words,
+                   float** wide) {
+  uint32_t* p = slicer.take<uint32_t>(std::max(round_up(n, kTile) * packed_kp(k), k * n));
+  *words = path == Path::kWiden ? nullptr : p;
+  *wide = path == Path::kWiden ? reinterpret_cast<float*>(p) : nullptr;
+}
+
+// Puts op(B) into the form `path` multiplies with, in `words` or `wide` (as
+// sized by ready_storage).
 ReadyB make_ready(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
-                  std::vector<uint32_t>& words, std::vector<float>& wide) {
+                  uint32_t* words, float* wide) {
   ReadyB ready;
   if (path == Path::kWiden) {
-    wide.resize(static_cast<size_t>(k * n));
     if (trans_b) {  // stored n x k: transpose while widening
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t kk = 0; kk < k; ++kk) wide[kk * n + j] = static_cast<float>(b[j * ldb + kk]);
       }
     } else {
-      for (int64_t kk = 0; kk < k; ++kk) to_float(b + kk * ldb, wide.data() + kk * n, n);
+      for (int64_t kk = 0; kk < k; ++kk) to_float(b + kk * ldb, wide + kk * n, n);
     }
-    ready.wide = wide.data();
+    ready.wide = wide;
     return ready;
   }
   ready.kp = packed_kp(k);
-  words.resize(static_cast<size_t>(round_up(n, kTile) * ready.kp));
-  pack_b_words(trans_b, n, k, b, ldb, ready.kp, words.data());
-  ready.words = words.data();
+  pack_b_words(trans_b, n, k, b, ldb, ready.kp, words);
+  ready.words = words;
   return ready;
+}
+
+// Scratch of a product on `path`: op(A) (m x k) packed or widened, then
+// op(B) (k x n) made ready.
+size_t gemm_scratch_words_on(Path path, int64_t m, int64_t n, int64_t k) {
+  if (m <= 0 || n <= 0 || k <= 0) return 0;
+  return counted_words([&](Slicer& count) {
+    a_storage(path, m, k, count);
+    uint32_t* words;
+    float* wide;
+    ready_storage(path, n, k, count, &words, &wide);
+  });
 }
 
 void gemm_on(Path path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
              const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
-             int64_t ldc) {
+             int64_t ldc, double* scratch) {
   assert(m >= 0 && n >= 0 && k >= 0);
   if (m == 0 || n == 0) return;
   if (k == 0) {
     scale_c(m, n, beta, c, ldc);
     return;
   }
-  thread_local std::vector<uint32_t> words;
-  thread_local std::vector<float> wide;
+  Slicer slicer(scratch);
+  const AStorage a_st = a_storage(path, m, k, slicer);
+  uint32_t* words;
+  float* wide;
+  ready_storage(path, n, k, slicer, &words, &wide);
   const ReadyB ready = make_ready(path, trans_b, n, k, b, ldb, words, wide);
-  multiply(path, trans_a, m, n, k, alpha, a, lda, ready, beta, c, ldc);
+  multiply(path, trans_a, m, n, k, alpha, a, lda, ready, beta, c, ldc, a_st);
 }
 
-PackedBf16 pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b,
-                     int64_t ldb) {
+size_t pack_b_words_on(Path path, int64_t n, int64_t k) {
+  if (n <= 0 || k <= 0) return 0;
+  return counted_words([&](Slicer& count) {
+    uint32_t* words;
+    float* wide;
+    ready_storage(path, n, k, count, &words, &wide);
+  });
+}
+
+PackedBf16 pack_b_on(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
+                     double* storage) {
   assert(n >= 0 && k >= 0);
   PackedBf16 packed;
   packed.n = n;
   packed.k = k;
   packed.path = static_cast<int>(path);
-  if (n > 0 && k > 0) packed.kp = make_ready(path, trans_b, n, k, b, ldb, packed.words, packed.wide).kp;
+  if (n > 0 && k > 0) {
+    Slicer slicer(storage);
+    uint32_t* words;
+    float* wide;
+    ready_storage(path, n, k, slicer, &words, &wide);
+    const ReadyB ready = make_ready(path, trans_b, n, k, b, ldb, words, wide);
+    packed.kp = ready.kp;
+    packed.words = ready.words;
+    packed.wide = ready.wide;
+  }
   return packed;
 }
 
 void gemm_packed(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
-                 float beta, float* c, int64_t ldc) {
+                 float beta, float* c, int64_t ldc, double* scratch) {
   assert(m >= 0);
   if (m == 0 || b.n == 0) return;
   if (b.k == 0) {
     scale_c(m, b.n, beta, c, ldc);
     return;
   }
-  const ReadyB ready{b.words.empty() ? nullptr : b.words.data(), b.kp,
-                     b.wide.empty() ? nullptr : b.wide.data()};
-  multiply(static_cast<Path>(b.path), false, m, b.n, b.k, alpha, a, lda, ready, beta, c, ldc);
+  const ReadyB ready{b.words, b.kp, b.wide};
+  Slicer slicer(scratch);
+  const AStorage a_st = a_storage(static_cast<Path>(b.path), m, b.k, slicer);
+  multiply(static_cast<Path>(b.path), false, m, b.n, b.k, alpha, a, lda, ready, beta, c, ldc, a_st);
 }
 
 }  // namespace
 
-void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-               const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
-               int64_t ldc) {
-  gemm_on(best_path(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+size_t gemm_bf16_scratch_words(int64_t m, int64_t n, int64_t k) {
+  return gemm_scratch_words_on(best_path(), m, n, k);
 }
 
-PackedBf16 pack_b_bf16(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb) {
-  return pack_b_on(best_path(), trans_b, n, k, b, ldb);
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c,
+               int64_t ldc, double* scratch) {
+  gemm_on(best_path(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, scratch);
+}
+
+size_t pack_b_bf16_words(int64_t n, int64_t k) { return pack_b_words_on(best_path(), n, k); }
+
+PackedBf16 pack_b_bf16(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
+                       double* storage) {
+  return pack_b_on(best_path(), trans_b, n, k, b, ldb, storage);
+}
+
+size_t gemm_bf16_packed_scratch_words(int64_t m, int64_t k) {
+  if (m <= 0 || k <= 0) return 0;
+  return counted_words([&](Slicer& count) { a_storage(best_path(), m, k, count); });
 }
 
 void gemm_bf16(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
-               float beta, float* c, int64_t ldc) {
-  gemm_packed(m, alpha, a, lda, b, beta, c, ldc);
+               float beta, float* c, int64_t ldc, double* scratch) {
+  gemm_packed(m, alpha, a, lda, b, beta, c, ldc, scratch);
 }
 
 void to_bf16(const float* x, bfloat16* out, int64_t n) {
@@ -710,7 +764,13 @@ void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int6
                        int64_t ldb, float beta, float* c, int64_t ldc) {
   for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
     if (path == path_name(p) && available(p)) {
-      return gemm_on(p, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      // A test and benchmark hook, not a kernel: it keeps the product's
+      // scratch itself, grown once per thread, so timed loops do not allocate.
+      thread_local std::vector<double> scratch;
+      const size_t words = gemm_scratch_words_on(p, m, n, k);
+      if (scratch.size() < words) scratch.resize(words);
+      return gemm_on(p, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                     scratch.data());
     }
   }
   throw std::invalid_argument("fast::gemm_bf16_on_path: path '" + path +
@@ -718,9 +778,12 @@ void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int6
 }
 
 PackedBf16 pack_b_bf16_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
-                               const bfloat16* b, int64_t ldb) {
+                               const bfloat16* b, int64_t ldb, std::vector<double>& storage) {
   for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
-    if (path == path_name(p) && available(p)) return pack_b_on(p, trans_b, n, k, b, ldb);
+    if (path == path_name(p) && available(p)) {
+      storage.assign(pack_b_words_on(p, n, k), 0.0);
+      return pack_b_on(p, trans_b, n, k, b, ldb, storage.data());
+    }
   }
   throw std::invalid_argument("fast::pack_b_bf16_on_path: path '" + path +
                               "' is not available on this machine");

@@ -123,13 +123,28 @@ void masked_softmax(ConstView<T> scores, const ValidLens& valid_lens, TensorView
 template <class T>
 void masked_softmax_backward(ConstView<T> weights, ConstView<T> d_weights,
                              const ValidLens& valid_lens, TensorView<T> d_scores);
+// Scratch (Workspace): per thread, a score tile and its rows' running
+// softmax state (forward) or the P and dS tiles with one key block's dK and
+// dV (backward); per call, bf16 key blocks packed once (forward), D and the
+// partial dQs (backward). Heads with D, Dv <= 4 take the small-dimension
+// kernel's copies of K and V instead. Each *_workspace_size takes the
+// kernel's own arguments and the thread count.
+template <class T>
+size_t sdpa_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                           const AttentionConfig& config, const ForwardViews<T>& out,
+                           int num_threads);
 template <class T>
 void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
-          const ForwardViews<T>& out);
+          const ForwardViews<T>& out, Workspace workspace);
+template <class T>
+size_t sdpa_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    const AttentionConfig& config, const SavedViews<T>& saved,
+                                    ConstView<T> d_output, const SdpaGradViews<T>& grads,
+                                    int num_threads);
 template <class T>
 void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
-                   const SavedViews<T>& saved, ConstView<T> d_output,
-                   const SdpaGradViews<T>& grads);
+                   const SavedViews<T>& saved, ConstView<T> d_output, const SdpaGradViews<T>& grads,
+                   Workspace workspace);
 template <class T>
 void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
               const AttentionConfig& config, const ForwardViews<T>& out);
@@ -140,11 +155,19 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                        const AdditiveGradViews<T>& grads);
 
 // bf16 queries, keys and values; float results and gradients.
+size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                           const AttentionConfig& config, const ForwardViews<float>& out,
+                           int num_threads);
 void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
-          const AttentionConfig& config, const ForwardViews<float>& out);
+          const AttentionConfig& config, const ForwardViews<float>& out, Workspace workspace);
+size_t sdpa_backward_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                    ConstView<bfloat16> v, const AttentionConfig& config,
+                                    const SavedViews<float>& saved, ConstView<float> d_output,
+                                    const SdpaGradViews<float>& grads, int num_threads);
 void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
                    const AttentionConfig& config, const SavedViews<float>& saved,
-                   ConstView<float> d_output, const SdpaGradViews<float>& grads);
+                   ConstView<float> d_output, const SdpaGradViews<float>& grads,
+                   Workspace workspace);
 
 // Softmax of one contiguous row of n elements with valid length len, into w
 // (may alias x); returns the log-sum-exp as ref::softmax_row does.

@@ -148,10 +148,11 @@ bool gaussian_fused_applies(const NwData& d, bool far) {
 
 // Workspace of gaussian_fused: ratio and center (p each), the transformed
 // keys (n, p) and queries (t, p), lse (t), a row of weights (n) per slot and
-// a count per task.
+// a count per task, then small_dim_forward's own scratch.
 size_t gaussian_fused_workspace_size(const NwData& d, int64_t t, int slots) {
   const int64_t tasks = ceil_div(t, rows_per_task(d.n));
-  return as_size(2 * d.p + d.n * d.p + t * d.p + t + slots * d.n + tasks);
+  return as_size(2 * d.p + d.n * d.p + t * d.p + t + slots * d.n + tasks) +
+         fast::small_dim_workspace_size<double>(1, d.n, d.p, d.m, false);
 }
 
 // The Gaussian estimator through fast::small_dim_forward, or false (nothing
@@ -182,7 +183,7 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   double* const qs = xs + d.n * d.p;                  // (t, p)
   double* const lse = qs + t * d.p;                   // (t)
   double* const rows = lse + t;                       // (slots, n)
-  double* const empty = rows + ws.num_threads * d.n;  // (tasks)
+  double* const empty = rows + ws.num_threads * d.n;  // (tasks), then small_dim_forward's
   bool rescale = false;
   for (int64_t c = 0; c < d.p; ++c) {
     ratio[c] = d.inv_h[c] / inv_max;
@@ -217,7 +218,8 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
   fast::small_dim_forward<double>(
       ConstView<double>(qp, Shape{1, t, d.p}), ConstView<double>(x, Shape{1, d.n, d.p}),
       ConstView<double>(d.y, Shape{1, d.n, d.m}), nullptr, fast::ScoreKind::kNegSquaredDistance,
-      config, TensorView<double>(out, Shape{1, t, d.m}), TensorView<double>(lse, Shape{1, t}));
+      config, TensorView<double>(out, Shape{1, t, d.m}), TensorView<double>(lse, Shape{1, t}),
+      {.data = empty + tasks, .num_threads = ws.num_threads});
   // Rows far from every key (or whose scores overflowed) again, exactly;
   // ordinary queries have none, and then no threads are started.
   *undefined = 0;

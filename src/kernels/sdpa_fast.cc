@@ -44,8 +44,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "kernels/attention_common.h"
 #include "kernels/blas.h"
@@ -56,6 +56,7 @@
 #include "kernels/small_dim_attention.h"
 #include "kernels/softmax_tile.h"
 #include "kernels/vecmath.h"
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -88,38 +89,52 @@ struct Flash {
   // here (flash_forward skips the preparation for an empty KeyBlock).
   struct KeyBlock {};
   static void scores(const KeyBlock*, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
-                     int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc) {
-    scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+                     int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc, double* scratch) {
+    scores(m, n, k, alpha, a, lda, b, ldb, c, ldc, scratch);
   }
-  static void accumulate(const KeyBlock*, int64_t m, int64_t n, int64_t k, const In* a,
-                         int64_t lda, const In* b, int64_t ldb, Acc* c, int64_t ldc) {
-    accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+  static void accumulate(const KeyBlock*, int64_t m, int64_t n, int64_t k, const In* a, int64_t lda,
+                         const In* b, int64_t ldb, Acc* c, int64_t ldc, double* scratch) {
+    accumulate(m, n, k, a, lda, b, ldb, c, ldc, scratch);
   }
+  // The BLAS, single-threaded inside our tasks: no scratch of ours.
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, Acc alpha, const In* a,
-                   int64_t lda, const In* b, int64_t ldb, Acc beta, Acc* c, int64_t ldc) {
+                   int64_t lda, const In* b, int64_t ldb, Acc beta, Acc* c, int64_t ldc, double*) {
     kernels::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   // The forward's S = alpha Q Kᵀ (c overwritten) and O += P V: float on
-  // block_gemm's Highway kernels, double on the BLAS (see the top of the file).
-  static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
-                     const In* b, int64_t ldb, Acc* c, int64_t ldc) {
+  // block_gemm's Highway kernels, whose packed panels go in `scratch`
+  // (forward_gemm_words doubles); double on the BLAS (see the top of the file).
+  static size_t forward_gemm_words(int64_t nk, int64_t d, int64_t dv) {
+    (void)dv;
     if constexpr (std::is_same_v<In, float>) {
-      fast::block_scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+      // Inner sizes D (scores) and up to a key block (O += P V).
+      const size_t floats = fast::block_gemm_scratch_floats(std::max(d, std::min(nk, kKeyBlock)));
+      return (floats + 1) / 2;
+    }
+    return 0;
+  }
+  static size_t backward_gemm_words(int64_t, int64_t) { return 0; }
+  static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
+                     const In* b, int64_t ldb, Acc* c, int64_t ldc, double* scratch) {
+    if constexpr (std::is_same_v<In, float>) {
+      fast::block_scores(m, n, k, alpha, a, lda, b, ldb, c, ldc, reinterpret_cast<float*>(scratch));
     } else {
-      gemm(false, true, m, n, k, alpha, a, lda, b, ldb, Acc(0), c, ldc);
+      gemm(false, true, m, n, k, alpha, a, lda, b, ldb, Acc(0), c, ldc, scratch);
     }
   }
   static void accumulate(int64_t m, int64_t n, int64_t k, const In* a, int64_t lda, const In* b,
-                         int64_t ldb, Acc* c, int64_t ldc) {
+                         int64_t ldb, Acc* c, int64_t ldc, double* scratch) {
     if constexpr (std::is_same_v<In, float>) {
-      fast::block_accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+      fast::block_accumulate(m, n, k, a, lda, b, ldb, c, ldc, reinterpret_cast<float*>(scratch));
     } else {
-      gemm(false, false, m, n, k, Acc(1), a, lda, b, ldb, Acc(1), c, ldc);
+      gemm(false, false, m, n, k, Acc(1), a, lda, b, ldb, Acc(1), c, ldc, scratch);
     }
   }
-  // An Acc matrix as a product operand: no conversion needed.
-  static const In* operand(const Acc* x, int64_t n, std::vector<In>&) {
+  // An Acc matrix as a product operand: no conversion, no buffer (null).
+  static constexpr bool kConverts = false;
+  static const In* operand(const Acc* x, int64_t n, In* buf) {
     (void)n;
+    (void)buf;
     return x;
   }
   // D_i = dO_i . O_i, with dO_i as the products see it.
@@ -135,46 +150,74 @@ struct Flash<bfloat16> {
   struct KeyBlock {
     fast::PackedBf16 k, v;  // Kᵀ (d x cols) and V (cols x dv) as B operands
   };
-  // k_blk: cols x d keys, v_blk: cols x dv values.
+  // Doubles of storage a block of up to `cols` keys packs into.
+  static size_t prepare_words(int64_t cols, int64_t d, int64_t dv) {
+    return fast::pack_b_bf16_words(cols, d) + fast::pack_b_bf16_words(dv, cols);
+  }
+  // k_blk: cols x d keys, v_blk: cols x dv values, packed into storage.
   static KeyBlock prepare(const bfloat16* k_blk, const bfloat16* v_blk, int64_t cols, int64_t d,
-                          int64_t dv) {
-    return {fast::pack_b_bf16(true, cols, d, k_blk, d),
-            fast::pack_b_bf16(false, dv, cols, v_blk, dv)};
+                          int64_t dv, double* storage) {
+    const fast::PackedBf16 packed_k = fast::pack_b_bf16(true, cols, d, k_blk, d, storage);
+    return {packed_k, fast::pack_b_bf16(false, dv, cols, v_blk, dv,
+                                        storage + fast::pack_b_bf16_words(cols, d))};
   }
   static void scores(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, float alpha,
                      const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float* c,
-                     int64_t ldc) {
+                     int64_t ldc, double* scratch) {
     if (kb && kb->k.n == n) {
-      fast::gemm_bf16(m, alpha, a, lda, kb->k, 0.0f, c, ldc);
+      fast::gemm_bf16(m, alpha, a, lda, kb->k, 0.0f, c, ldc, scratch);
     } else {
-      scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+      scores(m, n, k, alpha, a, lda, b, ldb, c, ldc, scratch);
     }
   }
   static void accumulate(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, const bfloat16* a,
-                         int64_t lda, const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
+                         int64_t lda, const bfloat16* b, int64_t ldb, float* c, int64_t ldc,
+                         double* scratch) {
     if (kb && kb->v.k == k) {
-      fast::gemm_bf16(m, 1.0f, a, lda, kb->v, 1.0f, c, ldc);
+      fast::gemm_bf16(m, 1.0f, a, lda, kb->v, 1.0f, c, ldc, scratch);
     } else {
-      accumulate(m, n, k, a, lda, b, ldb, c, ldc);
+      accumulate(m, n, k, a, lda, b, ldb, c, ldc, scratch);
     }
   }
   static void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const bfloat16* a, int64_t lda, const bfloat16* b, int64_t ldb, float beta,
-                   float* c, int64_t ldc) {
-    fast::gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+                   float* c, int64_t ldc, double* scratch) {
+    fast::gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, scratch);
+  }
+  // Scratch for the largest product of each kind a task makes (the sizes
+  // grow with m, n and k): the forward's tiles and, in exact_row, one query
+  // against all Nk keys; the backward's five tile products.
+  static size_t forward_gemm_words(int64_t nk, int64_t d, int64_t dv) {
+    const int64_t cols = std::min(nk, kKeyBlock);
+    const int64_t row = std::max<int64_t>(nk, 1);
+    return std::max({fast::gemm_bf16_scratch_words(kQueryBlock, cols, d),
+                     fast::gemm_bf16_scratch_words(kQueryBlock, dv, cols),
+                     fast::gemm_bf16_packed_scratch_words(kQueryBlock, d),
+                     fast::gemm_bf16_packed_scratch_words(kQueryBlock, cols),
+                     fast::gemm_bf16_scratch_words(1, row, d),
+                     fast::gemm_bf16_scratch_words(1, dv, row)});
+  }
+  static size_t backward_gemm_words(int64_t d, int64_t dv) {
+    constexpr int64_t kRows = kBackQueryBlock, kCols = kBackKeyBlock;
+    return std::max({fast::gemm_bf16_scratch_words(kRows, kCols, d),
+                     fast::gemm_bf16_scratch_words(kRows, kCols, dv),
+                     fast::gemm_bf16_scratch_words(kCols, dv, kRows),
+                     fast::gemm_bf16_scratch_words(kCols, d, kRows),
+                     fast::gemm_bf16_scratch_words(kRows, d, kCols)});
   }
   static void scores(int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a, int64_t lda,
-                     const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
-    gemm(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+                     const bfloat16* b, int64_t ldb, float* c, int64_t ldc, double* scratch) {
+    gemm(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc, scratch);
   }
   static void accumulate(int64_t m, int64_t n, int64_t k, const bfloat16* a, int64_t lda,
-                         const bfloat16* b, int64_t ldb, float* c, int64_t ldc) {
-    gemm(false, false, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc);
+                         const bfloat16* b, int64_t ldb, float* c, int64_t ldc, double* scratch) {
+    gemm(false, false, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc, scratch);
   }
-  static const bfloat16* operand(const float* x, int64_t n, std::vector<bfloat16>& buf) {
-    buf.resize(static_cast<size_t>(n));
-    fast::to_bf16(x, buf.data(), n);
-    return buf.data();
+  // A float matrix as a product operand: rounded to bf16 in buf (n elements).
+  static constexpr bool kConverts = true;
+  static const bfloat16* operand(const float* x, int64_t n, bfloat16* buf) {
+    fast::to_bf16(x, buf, n);
+    return buf;
   }
   // dP = dO Vᵀ uses dO rounded to bf16, so D must too, or the rows of
   // dS = P (dP - D) would not sum to 0.
@@ -196,6 +239,46 @@ void apply_dropout(Acc* x, const uint8_t* keep, Acc inv, int64_t n) {
   for (int64_t c = 0; c < n; ++c) x[c] = keep[c] ? x[c] * inv : Acc(0);
 }
 
+// Per-thread scratch of the forward, a slot of the workspace: the score
+// tile and each row's running state for one task, and one whole row for
+// exact_row.
+template <class In>
+struct ForwardScratch {
+  using Acc = typename Flash<In>::Acc;
+  Acc *s, *m, *l, *correction;  // s: kQueryBlock x kKeyBlock (+ SIMD tail pad)
+  int64_t *len, *valid;
+  uint8_t *special, *keep;
+  In* p_operand;  // bf16: P rounded for the product (null otherwise)
+  Acc* row;       // exact_row: one row of Nk scores
+  uint8_t* row_keep;
+  In* row_operand;  // bf16: that row rounded for the product (null otherwise)
+  double* gemm;     // the block products' own scratch (forward_gemm_words)
+};
+
+template <class In>
+ForwardScratch<In> forward_scratch(Slicer& slicer, int64_t nk, int64_t d, int64_t dv) {
+  using Acc = typename Flash<In>::Acc;
+  constexpr bool kConverts = Flash<In>::kConverts;
+  const int64_t row = std::max<int64_t>(nk, 1);
+  ForwardScratch<In> sc;
+  // Padded: SIMD tails on narrower targets may read a vector past the last row.
+  sc.s = slicer.take<Acc>(kQueryBlock * kKeyBlock + 64);
+  sc.m = slicer.take<Acc>(kQueryBlock);
+  sc.l = slicer.take<Acc>(kQueryBlock);
+  sc.correction = slicer.take<Acc>(kQueryBlock);
+  sc.len = slicer.take<int64_t>(kQueryBlock);
+  sc.valid = slicer.take<int64_t>(kQueryBlock);
+  sc.special = slicer.take<uint8_t>(kQueryBlock);
+  sc.keep = slicer.take<uint8_t>(kKeyBlock);
+  sc.p_operand = kConverts ? slicer.take<In>(kQueryBlock * kKeyBlock) : nullptr;
+  sc.row = slicer.take<Acc>(row);
+  sc.row_keep = slicer.take<uint8_t>(row);
+  sc.row_operand = kConverts ? slicer.take<In>(row) : nullptr;
+  const size_t gemm = Flash<In>::forward_gemm_words(nk, d, dv);
+  sc.gemm = gemm > 0 ? slicer.take<double>(static_cast<int64_t>(gemm)) : nullptr;
+  return sc;
+}
+
 // One query row the careful way (its valid scores are not all finite): all
 // its scores, the exact masked softmax, dropout, and the weighted sum of the
 // values. Writes out (Dv), the weights row (if wanted) and returns the lse.
@@ -203,43 +286,32 @@ template <class In>
 typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, const In* v_b, int64_t d,
                                   int64_t dv, int64_t len, int64_t nk, int64_t b, int64_t i,
                                   const AttentionConfig& config, typename Flash<In>::Acc* out,
-                                  typename Flash<In>::Acc* weights_row) {
+                                  typename Flash<In>::Acc* weights_row,
+                                  const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
-  std::vector<Acc> w(static_cast<size_t>(std::max<int64_t>(len, 1)));
-  Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, d, Acc(0),
-                  w.data(), len);
-  const Acc lse = softmax_row(w.data(), len, len, w.data());
+  Acc* w = sc.row;
+  Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, d, Acc(0), w,
+                  len, sc.gemm);
+  const Acc lse = softmax_row(w, len, len, w);
   if (weights_row) {
-    std::copy_n(w.data(), len, weights_row);
+    std::copy_n(w, len, weights_row);
     std::fill(weights_row + len, weights_row + nk, Acc(0));
   }
   if (config.dropout > 0.0 && len > 0) {
-    std::vector<uint8_t> keep(static_cast<size_t>(len));
-    kernels::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, keep.data());
-    apply_dropout(w.data(), keep.data(), dropout_inverse<Acc>(config), len);
+    kernels::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, sc.row_keep);
+    apply_dropout(w, sc.row_keep, dropout_inverse<Acc>(config), len);
   }
-  std::vector<In> buf;
-  Flash<In>::gemm(false, false, 1, dv, len, Acc(1), Flash<In>::operand(w.data(), len, buf), len,
-                  v_b, dv, Acc(0), out, dv);
+  Flash<In>::gemm(false, false, 1, dv, len, Acc(1), Flash<In>::operand(w, len, sc.row_operand), len,
+                  v_b, dv, Acc(0), out, dv, sc.gemm);
   return lse;
 }
-
-// Per-thread buffers of the forward, reused across its tasks.
-template <class In>
-struct ForwardScratch {
-  using Acc = typename Flash<In>::Acc;
-  std::vector<Acc> s, m, l, correction;
-  std::vector<int64_t> len, valid;
-  std::vector<uint8_t> special, keep;
-  std::vector<In> p_operand;
-};
 
 template <class In>
 void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
                   int64_t b, int64_t i0, int64_t rows, typename Flash<In>::Acc* out,
                   typename Flash<In>::Acc* weights, typename Flash<In>::Acc* lse,
                   const typename Flash<In>::KeyBlock* key_blocks, int64_t prepared_keys,
-                  ForwardScratch<In>& sc) {
+                  const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   const int64_t nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
@@ -250,14 +322,9 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   const bool dropout = config.dropout > 0.0;
   const Acc inv_keep = dropout_inverse<Acc>(config);
 
-  // Padded: SIMD tails on narrower targets may read a vector past the last row.
-  sc.s.resize(static_cast<size_t>(rows * kKeyBlock + 64));
-  sc.valid.resize(static_cast<size_t>(rows));
-  sc.correction.resize(static_cast<size_t>(rows));
-  sc.m.assign(static_cast<size_t>(rows), -kInf);
-  sc.l.assign(static_cast<size_t>(rows), Acc(0));
-  sc.len.resize(static_cast<size_t>(rows));
-  sc.special.assign(static_cast<size_t>(rows), 0);
+  std::fill_n(sc.m, rows, -kInf);
+  std::fill_n(sc.l, rows, Acc(0));
+  std::fill_n(sc.special, rows, uint8_t{0});
   int64_t n_eff = 0;
   for (int64_t r = 0; r < rows; ++r) {
     sc.len[r] = (*config.valid_lens)(b, i0 + r, nk);
@@ -267,41 +334,35 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
 
   for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n_eff - j0);
-    Acc* s = sc.s.data();
+    Acc* s = sc.s;
     // A prepared block serves only when this task needs the same keys (with
     // 2-D lengths the last block can be shorter here than for the batch).
-    const auto* prepared =
-        key_blocks && j0 + cols <= prepared_keys && (cols == kKeyBlock || j0 + cols == prepared_keys)
-            ? &key_blocks[j0 / kKeyBlock]
-            : nullptr;
-    Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols);
+    const auto* prepared = key_blocks && j0 + cols <= prepared_keys &&
+                                   (cols == kKeyBlock || j0 + cols == prepared_keys)
+                               ? &key_blocks[j0 / kKeyBlock]
+                               : nullptr;
+    Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols, sc.gemm);
     for (int64_t r = 0; r < rows; ++r) {
       sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
     }
     // bf16 without dropout: the softmax writes P as the bf16 operand itself.
     In* p_fused = nullptr;
     if constexpr (std::is_same_v<In, bfloat16>) {
-      if (!dropout) {
-        sc.p_operand.resize(static_cast<size_t>(rows * cols));
-        p_fused = sc.p_operand.data();
-      }
-      softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
-                          sc.correction.data(), sc.special.data(), p_fused);
+      if (!dropout) p_fused = sc.p_operand;
+      softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special, p_fused);
     } else {
-      softmax_tile_update(s, rows, cols, sc.valid.data(), sc.m.data(), sc.l.data(),
-                          sc.correction.data(), sc.special.data());
+      softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special);
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (sc.correction[r] != Acc(1)) fast::scale(out + r * dv, sc.correction[r], dv);
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
-        sc.keep.resize(static_cast<size_t>(sc.valid[r]));
-        kernels::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r],
-                                  sc.keep.data());
-        apply_dropout(s + r * cols, sc.keep.data(), inv_keep, sc.valid[r]);
+        kernels::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r], sc.keep);
+        apply_dropout(s + r * cols, sc.keep, inv_keep, sc.valid[r]);
       }
     }
     const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
-    Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv);
+    Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv,
+                          sc.gemm);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -319,7 +380,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
     for (int64_t r = 0; r < rows; ++r) std::fill(weights + r * nk, weights + (r + 1) * nk, Acc(0));
     for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
       const int64_t cols = std::min(kKeyBlock, n_eff - j0);
-      Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, weights + j0, nk);
+      Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, weights + j0, nk, sc.gemm);
       for (int64_t r = 0; r < rows; ++r) {
         Acc* row = weights + r * nk + j0;
         const int64_t valid = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
@@ -335,61 +396,133 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   for (int64_t r = 0; r < rows; ++r) {
     if (!sc.special[r]) continue;
     const Acc row_lse = exact_row(q_blk + r * d, k_b, v_b, d, dv, sc.len[r], nk, b, i0 + r, config,
-                                  out + r * dv, weights ? weights + r * nk : nullptr);
+                                  out + r * dv, weights ? weights + r * nk : nullptr, sc);
     if (lse) lse[r] = row_lse;
   }
+}
+
+// Doubles of one thread's forward scratch.
+template <class In>
+size_t forward_slot_words(int64_t nk, int64_t d, int64_t dv) {
+  return counted_words([&](Slicer& count) { forward_scratch<In>(count, nk, d, dv); });
+}
+
+// The forward's workspace: the key blocks prepared once for all query blocks
+// (bf16, more than one query block: K and V packed, in regions of
+// packed_words doubles), then one slot of forward_slot_words per thread.
+template <class In>
+struct ForwardWorkspace {
+  using KeyBlock = typename Flash<In>::KeyBlock;
+  KeyBlock* prepared = nullptr;      // (B * key blocks) or null
+  int64_t* prepared_keys = nullptr;  // (B): keys prepared per batch element, or null
+  double* packed = nullptr;
+  size_t packed_words = 0;
+  double* slots = nullptr;
+  size_t slot_words = 0;
+};
+
+template <class In>
+ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t batch, int64_t nq, int64_t nk,
+                                       int64_t d, int64_t dv, int num_threads) {
+  using KeyBlock = typename Flash<In>::KeyBlock;
+  ForwardWorkspace<In> ws;
+  if constexpr (!std::is_empty_v<KeyBlock>) {
+    if (ceil_div(nq, kQueryBlock) > 1) {
+      const int64_t blocks = batch * ceil_div(nk, kKeyBlock);
+      ws.prepared = slicer.take<KeyBlock>(blocks);
+      ws.prepared_keys = slicer.take<int64_t>(batch);
+      ws.packed_words = Flash<In>::prepare_words(std::min(nk, kKeyBlock), d, dv);
+      ws.packed = slicer.take<double>(blocks * static_cast<int64_t>(ws.packed_words));
+    }
+  }
+  ws.slot_words = forward_slot_words<In>(nk, d, dv);
+  ws.slots = slicer.take<double>(num_threads * static_cast<int64_t>(ws.slot_words));
+  return ws;
+}
+
+template <class In>
+size_t forward_workspace_size(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                              int num_threads) {
+  return counted_words(
+      [&](Slicer& count) { forward_workspace<In>(count, batch, nq, nk, d, dv, num_threads); });
 }
 
 template <class In>
 void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
                    TensorView<typename Flash<In>::Acc> output,
                    TensorView<typename Flash<In>::Acc> weights,
-                   TensorView<typename Flash<In>::Acc> lse) {
+                   TensorView<typename Flash<In>::Acc> lse, Workspace workspace) {
   using KeyBlock = typename Flash<In>::KeyBlock;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
   const int64_t key_blocks = ceil_div(nk, kKeyBlock);
+  Slicer slicer(workspace.data);
+  const ForwardWorkspace<In> ws =
+      forward_workspace<In>(slicer, batch, nq, nk, d, dv, workspace.num_threads);
   // Key blocks prepared once for all query blocks (bf16: packed K and V), up
   // to the longest valid length of each batch element: keys no query may see
   // are never read.
-  std::vector<KeyBlock> prepared;
-  std::vector<int64_t> prepared_keys(static_cast<size_t>(batch), 0);
   if constexpr (!std::is_empty_v<KeyBlock>) {
-    if (blocks > 1) {
-      prepared.resize(static_cast<size_t>(batch * key_blocks));
+    if (ws.prepared) {
+      std::uninitialized_default_construct_n(ws.prepared, batch * key_blocks);
       for (int64_t b = 0; b < batch; ++b) {
-        prepared_keys[b] = longest_len(*config.valid_lens, b, 0, nq, nk);
+        ws.prepared_keys[b] = longest_len(*config.valid_lens, b, 0, nq, nk);
       }
       kernels::parallel_for(batch * key_blocks, [&](int64_t task) {
         const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
-        if (j0 >= prepared_keys[b]) return;
-        const int64_t cols = std::min(kKeyBlock, prepared_keys[b] - j0);
-        prepared[task] = Flash<In>::prepare(k.data() + (b * nk + j0) * d,
-                                            v.data() + (b * nk + j0) * dv, cols, d, dv);
+        if (j0 >= ws.prepared_keys[b]) return;
+        const int64_t cols = std::min(kKeyBlock, ws.prepared_keys[b] - j0);
+        ws.prepared[task] =
+            Flash<In>::prepare(k.data() + (b * nk + j0) * d, v.data() + (b * nk + j0) * dv, cols, d,
+                               dv, ws.packed + task * ws.packed_words);
       });
     }
   }
-  kernels::parallel_for(batch * blocks, [&](int64_t task) {
-    thread_local ForwardScratch<In> scratch;
+  kernels::parallel_for_slots(batch * blocks, workspace.num_threads, [&](int64_t task, int slot) {
+    Slicer slot_slicer(ws.slots + slot * ws.slot_words);
+    const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
     const int64_t rows = std::min(kQueryBlock, nq - i0);
     forward_task(q, k, v, config, b, i0, rows, output.data() + (b * nq + i0) * dv,
                  weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
                  lse.data() ? lse.data() + b * nq + i0 : nullptr,
-                 prepared.empty() ? nullptr : prepared.data() + b * key_blocks, prepared_keys[b],
-                 scratch);
+                 ws.prepared ? ws.prepared + b * key_blocks : nullptr,
+                 ws.prepared ? ws.prepared_keys[b] : 0, scratch);
   });
 }
 
 // ---- backward ------------------------------------------------------------------
 
+// Per-thread scratch of the backward, a slot of the workspace: one key
+// block's P and dS tiles against a query block, its dK and dV, and (bf16)
+// the operands rounded for the products.
 template <class In>
 struct BackwardScratch {
   using Acc = typename Flash<In>::Acc;
-  std::vector<Acc> p, dp, dk, dv;
-  std::vector<uint8_t> keep;
-  std::vector<In> p_operand, ds_operand, d_out_operand;
+  Acc *p, *dp, *dk, *dv;
+  uint8_t* keep;
+  In *p_operand, *ds_operand, *d_out_operand;  // null unless bf16
+  double* gemm;  // the block products' own scratch (backward_gemm_words)
 };
+
+template <class In>
+BackwardScratch<In> backward_scratch(Slicer& slicer, int64_t d, int64_t dv) {
+  using Acc = typename Flash<In>::Acc;
+  constexpr bool kConverts = Flash<In>::kConverts;
+  constexpr int64_t kTile = kBackQueryBlock * kBackKeyBlock;
+  BackwardScratch<In> sc;
+  sc.p = slicer.take<Acc>(kTile);
+  sc.dp = slicer.take<Acc>(kTile);
+  sc.dk = slicer.take<Acc>(kBackKeyBlock * d);
+  sc.dv = slicer.take<Acc>(kBackKeyBlock * dv);
+  sc.keep = slicer.take<uint8_t>(kBackKeyBlock);
+  sc.p_operand = kConverts ? slicer.take<In>(kTile) : nullptr;
+  sc.ds_operand = kConverts ? slicer.take<In>(kTile) : nullptr;
+  sc.d_out_operand = kConverts ? slicer.take<In>(kBackQueryBlock * dv) : nullptr;
+  const size_t gemm = Flash<In>::backward_gemm_words(d, dv);
+  sc.gemm = gemm > 0 ? slicer.take<double>(static_cast<int64_t>(gemm)) : nullptr;
+  return sc;
+}
 
 // Everything the backward tasks share.
 template <class In>
@@ -397,10 +530,10 @@ struct BackwardProblem {
   using Acc = typename Flash<In>::Acc;
   ConstView<In> q, k, v;
   const AttentionConfig* config;
-  const Acc* lse;        // (B, Nq)
-  const Acc* d_out;      // (B, Nq, Dv)
-  const Acc* delta;      // (B, Nq): dO_i . O_i
-  int64_t groups;        // key groups per batch element
+  const Acc* lse;    // (B, Nq)
+  const Acc* d_out;  // (B, Nq, Dv)
+  const Acc* delta;  // (B, Nq): dO_i . O_i
+  int64_t groups;    // key groups per batch element
   int64_t blocks_per_group;
   Acc* d_queries_parts;  // (groups, B, Nq, D), or d_queries itself when groups == 1
   Acc* d_keys;           // (B, Nk, D)
@@ -410,7 +543,7 @@ struct BackwardProblem {
 // One key block [j0, j0 + cols) of batch element b against every query block.
 template <class In>
 void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int64_t j0,
-                        int64_t cols, BackwardScratch<In>& sc) {
+                        int64_t cols, const BackwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   const AttentionConfig& config = *pb.config;
@@ -422,10 +555,8 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
   const In* v_blk = pb.v.data() + (b * nk + j0) * dv;
   Acc* dq_part = pb.d_queries_parts + (g * pb.q.size(0) + b) * nq * d;
 
-  sc.dk.assign(static_cast<size_t>(cols * d), Acc(0));
-  sc.dv.assign(static_cast<size_t>(cols * dv), Acc(0));
-  sc.p.resize(static_cast<size_t>(kBackQueryBlock * cols));
-  sc.dp.resize(static_cast<size_t>(kBackQueryBlock * cols));
+  std::fill_n(sc.dk, cols * d, Acc(0));
+  std::fill_n(sc.dv, cols * dv, Acc(0));
 
   for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
     const int64_t rows = std::min(kBackQueryBlock, nq - i0);
@@ -433,10 +564,12 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
     const In* q_blk = pb.q.data() + (b * nq + i0) * d;
     const Acc* d_out_blk = pb.d_out + (b * nq + i0) * dv;
     const In* d_out_op = Flash<In>::operand(d_out_blk, rows * dv, sc.d_out_operand);
-    Acc* p = sc.p.data();
-    Acc* dp = sc.dp.data();
-    Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, d, k_blk, d, Acc(0), p, cols);
-    Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, dv, v_blk, dv, Acc(0), dp, cols);
+    Acc* p = sc.p;
+    Acc* dp = sc.dp;
+    Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, d, k_blk, d, Acc(0), p, cols,
+                    sc.gemm);
+    Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, dv, v_blk, dv, Acc(0), dp, cols,
+                    sc.gemm);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       const int64_t valid = std::clamp<int64_t>((*config.valid_lens)(b, i, nk) - j0, 0, cols);
@@ -451,64 +584,111 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
       fast::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
       std::fill(p_row + valid, p_row + cols, Acc(0));
       if (dropout) {
-        sc.keep.resize(static_cast<size_t>(valid));
-        kernels::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep.data());
-        apply_dropout(dp_row, sc.keep.data(), inv_keep, valid);
+        kernels::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep);
+        apply_dropout(dp_row, sc.keep, inv_keep, valid);
       }
       // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
       fast::softmax_grad(p_row, dp_row, pb.delta[b * nq + i], dp_row, valid);
       std::fill(dp_row + valid, dp_row + cols, Acc(0));
-      if (dropout) apply_dropout(p_row, sc.keep.data(), inv_keep, valid);
+      if (dropout) apply_dropout(p_row, sc.keep, inv_keep, valid);
     }
     const In* p_op = Flash<In>::operand(p, rows * cols, sc.p_operand);
     const In* ds_op = Flash<In>::operand(dp, rows * cols, sc.ds_operand);
-    Flash<In>::gemm(true, false, cols, dv, rows, Acc(1), p_op, cols, d_out_op, dv, Acc(1),
-                    sc.dv.data(), dv);
-    Flash<In>::gemm(true, false, cols, d, rows, scale, ds_op, cols, q_blk, d, Acc(1), sc.dk.data(),
-                    d);
+    Flash<In>::gemm(true, false, cols, dv, rows, Acc(1), p_op, cols, d_out_op, dv, Acc(1), sc.dv,
+                    dv, sc.gemm);
+    Flash<In>::gemm(true, false, cols, d, rows, scale, ds_op, cols, q_blk, d, Acc(1), sc.dk, d,
+                    sc.gemm);
     Flash<In>::gemm(false, false, rows, d, cols, scale, ds_op, cols, k_blk, d, Acc(1),
-                    dq_part + i0 * d, d);
+                    dq_part + i0 * d, d, sc.gemm);
   }
-  std::copy(sc.dk.begin(), sc.dk.end(), pb.d_keys + (b * nk + j0) * d);
-  std::copy(sc.dv.begin(), sc.dv.end(), pb.d_values + (b * nk + j0) * dv);
+  std::copy_n(sc.dk, cols * d, pb.d_keys + (b * nk + j0) * d);
+  std::copy_n(sc.dv, cols * dv, pb.d_values + (b * nk + j0) * dv);
+}
+
+// Key groups per batch element: enough (batch, group) tasks for the cores,
+// never more groups than key blocks; shapes only (determinism).
+int64_t backward_groups(int64_t batch, int64_t nk) {
+  const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
+  return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, batch), 1,
+                             std::max<int64_t>(key_blocks, 1));
+}
+
+// The backward's workspace: D (B, Nq), the partial dQs (groups, B, Nq, D)
+// when there is more than one group, then one slot per thread.
+template <class In>
+struct BackwardWorkspace {
+  using Acc = typename Flash<In>::Acc;
+  Acc* delta = nullptr;
+  Acc* parts = nullptr;
+  double* slots = nullptr;
+  size_t slot_words = 0;
+};
+
+template <class In>
+BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t batch, int64_t nq, int64_t nk,
+                                         int64_t d, int64_t dv, int num_threads) {
+  using Acc = typename Flash<In>::Acc;
+  BackwardWorkspace<In> ws;
+  const int64_t groups = backward_groups(batch, nk);
+  ws.delta = slicer.take<Acc>(batch * nq);
+  if (groups > 1) ws.parts = slicer.take<Acc>(groups * batch * nq * d);
+  ws.slot_words = counted_words([&](Slicer& count) { backward_scratch<In>(count, d, dv); });
+  ws.slots = slicer.take<double>(num_threads * static_cast<int64_t>(ws.slot_words));
+  return ws;
+}
+
+template <class In>
+size_t backward_workspace_size(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                               int num_threads) {
+  return counted_words(
+      [&](Slicer& count) { backward_workspace<In>(count, batch, nq, nk, d, dv, num_threads); });
 }
 
 template <class In>
 void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                     const AttentionConfig& config, const SavedViews<typename Flash<In>::Acc>& saved,
                     ConstView<typename Flash<In>::Acc> d_output,
-                    const SdpaGradViews<typename Flash<In>::Acc>& grads) {
+                    const SdpaGradViews<typename Flash<In>::Acc>& grads, Workspace workspace) {
   using Acc = typename Flash<In>::Acc;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
   const int64_t dv = v.size(2);
   const ConstView<Acc> output = saved.output, lse = saved.lse;
+  Slicer slicer(workspace.data);
+  const BackwardWorkspace<In> ws =
+      backward_workspace<In>(slicer, batch, nq, nk, d, dv, workspace.num_threads);
   // Keys no query sees get no gradient, and dQ is accumulated into.
   std::fill_n(grads.d_queries.data(), grads.d_queries.numel(), Acc(0));
   std::fill_n(grads.d_keys.data(), grads.d_keys.numel(), Acc(0));
   std::fill_n(grads.d_values.data(), grads.d_values.numel(), Acc(0));
 
   // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
-  Tensor<Acc> delta(Shape{batch, nq});
   const int64_t rows = batch * nq;
   kernels::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
     for (int64_t r = task * 1024; r < std::min(rows, (task + 1) * 1024); ++r) {
-      delta.data()[r] = Flash<In>::delta(d_output.data() + r * dv, output.data() + r * dv, dv);
+      ws.delta[r] = Flash<In>::delta(d_output.data() + r * dv, output.data() + r * dv, dv);
     }
   });
 
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
-  const int64_t groups =
-      std::clamp<int64_t>(ceil_div(kMinBackwardTasks, batch), 1, std::max<int64_t>(key_blocks, 1));
+  const int64_t groups = backward_groups(batch, nk);
   const int64_t blocks_per_group = ceil_div(key_blocks, groups);
-  Tensor<Acc> parts;
-  if (groups > 1) parts = Tensor<Acc>(Shape{groups, batch, nq, d});
-  const BackwardProblem<In> pb{q, k, v, &config, lse.data(), d_output.data(), delta.data(),
-                               groups, blocks_per_group,
-                               groups > 1 ? parts.data() : grads.d_queries.data(),
-                               grads.d_keys.data(), grads.d_values.data()};
+  if (groups > 1) std::fill_n(ws.parts, groups * batch * nq * d, Acc(0));
+  const BackwardProblem<In> pb{q,
+                               k,
+                               v,
+                               &config,
+                               lse.data(),
+                               d_output.data(),
+                               ws.delta,
+                               groups,
+                               blocks_per_group,
+                               groups > 1 ? ws.parts : grads.d_queries.data(),
+                               grads.d_keys.data(),
+                               grads.d_values.data()};
 
-  kernels::parallel_for(batch * groups, [&](int64_t task) {
-    thread_local BackwardScratch<In> scratch;
+  kernels::parallel_for_slots(batch * groups, workspace.num_threads, [&](int64_t task, int slot) {
+    Slicer slot_slicer(ws.slots + slot * ws.slot_words);
+    const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
     const int64_t b = task / groups, g = task % groups;
     const int64_t seen = longest_len(*config.valid_lens, b, 0, nq, nk);
     const int64_t first = g * blocks_per_group;
@@ -527,13 +707,21 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     kernels::parallel_for(ceil_div(n, chunk), [&](int64_t task) {
       const int64_t e0 = task * chunk, e1 = std::min(n, e0 + chunk);
       Acc* dq = grads.d_queries.data();
-      std::copy(parts.data() + e0, parts.data() + e1, dq + e0);
+      std::copy(ws.parts + e0, ws.parts + e1, dq + e0);
       for (int64_t g = 1; g < groups; ++g) {
-        const Acc* part = parts.data() + g * n;
+        const Acc* part = ws.parts + g * n;
         for (int64_t e = e0; e < e1; ++e) dq[e] += part[e];
       }
     });
   }
+}
+
+// Heads up to kSmallHead, without weights, go to the small-dimension kernel.
+template <class T>
+bool small_head(ConstView<T> q, ConstView<T> v, const AttentionConfig& config,
+                const ForwardViews<T>& out) {
+  return out.weights.data() == nullptr && q.size(2) <= kSmallHead && v.size(2) <= kSmallHead &&
+         small_dim_applies(q.size(2), v.size(2), config);
 }
 
 }  // namespace
@@ -541,44 +729,102 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
 // q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
 // out.output: (B, Nq, Dv)   out.weights: (B, Nq, Nk) or null   out.lse: (B, Nq) or null
 template <class T>
+size_t sdpa_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                           const AttentionConfig& config, const ForwardViews<T>& out,
+                           int num_threads) {
+  if (small_head(q, v, config, out)) {
+    return small_dim_workspace_size<T>(q.size(0), k.size(1), q.size(2), v.size(2), false);
+  }
+  return forward_workspace_size<T>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
+                                   num_threads);
+}
+
+template <class T>
 void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
-          const ForwardViews<T>& out) {
-  if (out.weights.data() == nullptr && q.size(2) <= kSmallHead && v.size(2) <= kSmallHead &&
-      small_dim_applies(q.size(2), v.size(2), config)) {
+          const ForwardViews<T>& out, Workspace workspace) {
+  if (small_head(q, v, config, out)) {
     small_dim_forward(q, k, v, static_cast<const T*>(nullptr), ScoreKind::kDotProduct, config,
-                      out.output, out.lse);
+                      out.output, out.lse, workspace);
     return;
   }
-  flash_forward(q, k, v, config, out.output, out.weights, out.lse);
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse, workspace);
+}
+
+size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
+                           const AttentionConfig& config, const ForwardViews<float>& out,
+                           int num_threads) {
+  (void)config;
+  (void)out;
+  return forward_workspace_size<bfloat16>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
+                                          num_threads);
 }
 
 void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
-          const AttentionConfig& config, const ForwardViews<float>& out) {
-  flash_forward(q, k, v, config, out.output, out.weights, out.lse);
+          const AttentionConfig& config, const ForwardViews<float>& out, Workspace workspace) {
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse, workspace);
+}
+
+template <class T>
+size_t sdpa_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    const AttentionConfig& config, const SavedViews<T>& saved,
+                                    ConstView<T> d_output, const SdpaGradViews<T>& grads,
+                                    int num_threads) {
+  (void)config;
+  (void)saved;
+  (void)d_output;
+  (void)grads;
+  return backward_workspace_size<T>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
+                                    num_threads);
 }
 
 template <class T>
 void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
-                   const SavedViews<T>& saved, ConstView<T> d_output,
-                   const SdpaGradViews<T>& grads) {
-  flash_backward(q, k, v, config, saved, d_output, grads);
+                   const SavedViews<T>& saved, ConstView<T> d_output, const SdpaGradViews<T>& grads,
+                   Workspace workspace) {
+  flash_backward(q, k, v, config, saved, d_output, grads, workspace);
+}
+
+size_t sdpa_backward_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k,
+                                    ConstView<bfloat16> v, const AttentionConfig& config,
+                                    const SavedViews<float>& saved, ConstView<float> d_output,
+                                    const SdpaGradViews<float>& grads, int num_threads) {
+  (void)config;
+  (void)saved;
+  (void)d_output;
+  (void)grads;
+  return backward_workspace_size<bfloat16>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
+                                           num_threads);
 }
 
 void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
                    const AttentionConfig& config, const SavedViews<float>& saved,
-                   ConstView<float> d_output, const SdpaGradViews<float>& grads) {
-  flash_backward(q, k, v, config, saved, d_output, grads);
+                   ConstView<float> d_output, const SdpaGradViews<float>& grads,
+                   Workspace workspace) {
+  flash_backward(q, k, v, config, saved, d_output, grads, workspace);
 }
 
+template size_t sdpa_workspace_size<float>(ConstView<float>, ConstView<float>, ConstView<float>,
+                                           const AttentionConfig&, const ForwardViews<float>&, int);
 template void sdpa<float>(ConstView<float>, ConstView<float>, ConstView<float>,
-                          const AttentionConfig&, const ForwardViews<float>&);
-template void sdpa<double>(ConstView<double>, ConstView<double>, ConstView<double>,
-                           const AttentionConfig&, const ForwardViews<double>&);
+                          const AttentionConfig&, const ForwardViews<float>&, Workspace);
+template size_t sdpa_backward_workspace_size<float>(ConstView<float>, ConstView<float>,
+                                                    ConstView<float>, const AttentionConfig&,
+                                                    const SavedViews<float>&, ConstView<float>,
+                                                    const SdpaGradViews<float>&, int);
 template void sdpa_backward<float>(ConstView<float>, ConstView<float>, ConstView<float>,
                                    const AttentionConfig&, const SavedViews<float>&,
-                                   ConstView<float>, const SdpaGradViews<float>&);
+                                   ConstView<float>, const SdpaGradViews<float>&, Workspace);
+template size_t sdpa_workspace_size<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                                            const AttentionConfig&, const ForwardViews<double>&,
+                                            int);
+template void sdpa<double>(ConstView<double>, ConstView<double>, ConstView<double>,
+                           const AttentionConfig&, const ForwardViews<double>&, Workspace);
+template size_t sdpa_backward_workspace_size<double>(ConstView<double>, ConstView<double>,
+                                                     ConstView<double>, const AttentionConfig&,
+                                                     const SavedViews<double>&, ConstView<double>,
+                                                     const SdpaGradViews<double>&, int);
 template void sdpa_backward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
                                     const AttentionConfig&, const SavedViews<double>&,
-                                    ConstView<double>, const SdpaGradViews<double>&);
+                                    ConstView<double>, const SdpaGradViews<double>&, Workspace);
 
 }  // namespace qkv::kernels::fast

@@ -23,16 +23,13 @@
 #include <cassert>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
-#include <memory>
-#include <new>
 
 #include "kernels/attention_common.h"
 #include "kernels/exp-inl.h"
 #include "kernels/parallel.h"
 #include "kernels/small_dim_attention.h"
+#include "kernels/workspace.h"
 
 #ifndef QKV_SMALL_DIM_SHARED_
 #define QKV_SMALL_DIM_SHARED_
@@ -375,20 +372,11 @@ HWY_EXPORT(ExpRowF64);
 
 namespace {
 
-// Zero-filled storage aligned to 64 bytes, the widest vector, for the
-// kernel's aligned loads.
-struct FreeAligned {
-  void operator()(void* p) const { std::free(p); }
-};
+// Keys per feature row of the transposed copies: whole 64-byte vectors.
 template <class T>
-std::unique_ptr<T[], FreeAligned> aligned_zeros(int64_t n) {
-  const int64_t align = kSmallDimPadBytes;
-  const size_t bytes = static_cast<size_t>(
-      ceil_div(std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(T)), align) * align);
-  void* p = std::aligned_alloc(static_cast<size_t>(align), bytes);
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, bytes);
-  return std::unique_ptr<T[], FreeAligned>(static_cast<T*>(p));
+int64_t padded_keys(int64_t nk) {
+  constexpr int64_t kPad = kSmallDimPadBytes / sizeof(T);
+  return std::max<int64_t>(kPad, ceil_div(nk, kPad) * kPad);
 }
 
 void run_blocks(const SmallDimProblem<float>& pr, int64_t first, int64_t count) {
@@ -403,6 +391,24 @@ void run_blocks(const SmallDimProblem<double>& pr, int64_t first, int64_t count)
 // Depends on the shapes only (determinism).
 int64_t blocks_per_task(int64_t block_rows, int64_t nk) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, block_rows * nk));
+}
+
+// Feature-major keys and values, zero padded, and the padded bias: B (D +
+// Dv + 1) nk_pad elements, the size of the inputs; no (Nq, Nk) buffer.
+template <class T>
+struct SmallDimScratch {
+  T *kt, *vt, *bias;
+};
+
+template <class T>
+SmallDimScratch<T> small_dim_scratch(Slicer& slicer, int64_t batch, int64_t nk, int64_t dim,
+                                     int64_t dv, bool key_bias) {
+  const int64_t nk_pad = padded_keys<T>(nk);
+  SmallDimScratch<T> sc;
+  sc.kt = slicer.take<T>(batch * dim * nk_pad);
+  sc.vt = slicer.take<T>(batch * dv * nk_pad);
+  sc.bias = key_bias ? slicer.take<T>(batch * nk_pad) : nullptr;
+  return sc;
 }
 
 }  // namespace
@@ -420,9 +426,15 @@ bool small_dim_applies(int64_t d, int64_t dv, const AttentionConfig& config) {
 }
 
 template <class T>
+size_t small_dim_workspace_size(int64_t batch, int64_t nk, int64_t dim, int64_t dv, bool key_bias) {
+  return counted_words(
+      [&](Slicer& count) { small_dim_scratch<T>(count, batch, nk, dim, dv, key_bias); });
+}
+
+template <class T>
 void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias,
                        ScoreKind kind, const AttentionConfig& config, TensorView<T> output,
-                       TensorView<T> lse) {
+                       TensorView<T> lse, Workspace workspace) {
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dim = q.size(2);
   const int64_t dv = v.size(2);
   assert(small_dim_applies(dim, dv, config));
@@ -432,27 +444,26 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
   // The Gaussian exponent: scale > 0 (pass 1 looks for the nearest key).
   assert(kind == ScoreKind::kDotProduct || config.scale > 0);
   if (batch == 0 || nq == 0) return;
-  constexpr int64_t kPad = kSmallDimPadBytes / sizeof(T);
-  const int64_t nk_pad = std::max<int64_t>(kPad, ceil_div(nk, kPad) * kPad);
-  // Feature-major keys and values (zero padded): B (D + Dv + 1) nk_pad
-  // elements, the size of the inputs; no (Nq, Nk) buffer.
-  const auto kt = aligned_zeros<T>(batch * dim * nk_pad);
-  const auto vt = aligned_zeros<T>(batch * dv * nk_pad);
-  std::unique_ptr<T[], FreeAligned> bias;
+  const int64_t nk_pad = padded_keys<T>(nk);
+  Slicer slicer(workspace.data);
+  const SmallDimScratch<T> sc =
+      small_dim_scratch<T>(slicer, batch, nk, dim, dv, key_bias != nullptr);
+  std::fill_n(sc.kt, batch * dim * nk_pad, T(0));
+  std::fill_n(sc.vt, batch * dv * nk_pad, T(0));
   for (int64_t b = 0; b < batch; ++b) {
     const T* kb = k.data() + b * nk * dim;
     const T* vb = v.data() + b * nk * dv;
-    T* ktb = kt.get() + b * dim * nk_pad;
-    T* vtb = vt.get() + b * dv * nk_pad;
+    T* ktb = sc.kt + b * dim * nk_pad;
+    T* vtb = sc.vt + b * dv * nk_pad;
     for (int64_t j = 0; j < nk; ++j) {
       for (int64_t c = 0; c < dim; ++c) ktb[c * nk_pad + j] = kb[j * dim + c];
       for (int64_t c = 0; c < dv; ++c) vtb[c * nk_pad + j] = vb[j * dv + c];
     }
   }
   if (key_bias) {
-    bias = aligned_zeros<T>(batch * nk_pad);
+    std::fill_n(sc.bias, batch * nk_pad, T(0));
     for (int64_t b = 0; b < batch; ++b) {
-      std::copy(key_bias + b * nk, key_bias + (b + 1) * nk, bias.get() + b * nk_pad);
+      std::copy(key_bias + b * nk, key_bias + (b + 1) * nk, sc.bias + b * nk_pad);
     }
   }
   SmallDimProblem<T> pr;
@@ -463,9 +474,9 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
   pr.d = dim;
   pr.dv = dv;
   pr.q = q.data();
-  pr.kt = kt.get();
-  pr.vt = vt.get();
-  pr.bias = bias.get();
+  pr.kt = sc.kt;
+  pr.vt = sc.vt;
+  pr.bias = sc.bias;
   pr.kind = kind;
   pr.scale = static_cast<T>(config.scale);
   pr.lens = config.valid_lens;
@@ -484,10 +495,12 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
 
 template void small_dim_forward<float>(ConstView<float>, ConstView<float>, ConstView<float>,
                                        const float*, ScoreKind, const AttentionConfig&,
-                                       TensorView<float>, TensorView<float>);
+                                       TensorView<float>, TensorView<float>, Workspace);
 template void small_dim_forward<double>(ConstView<double>, ConstView<double>, ConstView<double>,
                                         const double*, ScoreKind, const AttentionConfig&,
-                                        TensorView<double>, TensorView<double>);
+                                        TensorView<double>, TensorView<double>, Workspace);
+template size_t small_dim_workspace_size<float>(int64_t, int64_t, int64_t, int64_t, bool);
+template size_t small_dim_workspace_size<double>(int64_t, int64_t, int64_t, int64_t, bool);
 
 }  // namespace qkv::kernels::fast
 #endif  // HWY_ONCE

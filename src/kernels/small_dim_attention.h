@@ -6,9 +6,11 @@
 // Gaussian Nadaraya-Watson estimator (kernel_regression.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/kernels.h"
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 
@@ -33,9 +35,13 @@ bool small_dim_applies(int64_t d, int64_t dv, const AttentionConfig& config);
 // Valid lengths as everywhere (1-D or 2-D; keys past a query's length are
 // never read for it); DESIGN.md §3's rules for empty and non-finite rows.
 // Results do not depend on the thread count.
+// Scratch (Workspace, workspace.h): feature-major, zero-padded copies of the
+// keys and values (and of key_bias when given), about the inputs' size.
+template <class T>
+size_t small_dim_workspace_size(int64_t batch, int64_t nk, int64_t d, int64_t dv, bool key_bias);
 template <class T>
 void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* key_bias,
                        ScoreKind kind, const AttentionConfig& config, TensorView<T> output,
-                       TensorView<T> lse);
+                       TensorView<T> lse, Workspace workspace);
 
 }  // namespace qkv::kernels::fast

@@ -44,6 +44,33 @@ T* take_slice(double** cursor, int64_t n) {
   return reinterpret_cast<T*>(aligned);
 }
 
+// Cuts slices one after another from `at`, or, with at == nullptr, only
+// counts their words: one layout function then both sizes a workspace (the
+// *_workspace_size query) and cuts it (the kernel), so the two cannot drift.
+class Slicer {
+ public:
+  explicit Slicer(double* at) : at_(at) {}
+  template <class T>
+  T* take(int64_t n) {
+    words_ += slice_words<T>(n);
+    return at_ ? take_slice<T>(&at_, n) : nullptr;
+  }
+  size_t words() const { return words_; }
+
+ private:
+  double* at_;
+  size_t words_ = 0;
+};
+
+// The words a layout function cuts, run on a counting Slicer: the size
+// query of a kernel whose layout(Slicer&) is also what cuts its workspace.
+template <class Layout>
+size_t counted_words(Layout&& layout) {
+  Slicer count(nullptr);
+  layout(count);
+  return count.words();
+}
+
 // parallel_for whose body also gets a slot in [0, num_slots): the OpenMP
 // thread running the task, so that no two tasks running at once share a
 // slot's scratch. At most num_slots threads run. Which slot a task gets
