@@ -182,7 +182,9 @@ TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
         std::vector<float> s(static_cast<size_t>(rows * ldk), sentinel);
         const kernels::fast::AdditiveFeatures<float> f{fq.data(), hidden,    fkt.data(),
                                                        ldk,       wv.data(), hidden};
-        kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk);
+        std::vector<double> scratch(
+            kernels::fast::additive_scores_scratch_words<float>(hidden, keys));
+        kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk, scratch.data());
         double wv_abs = 0;
         for (const float w : wv) wv_abs += std::fabs(w);
         for (int64_t r = 0; r < rows; ++r) {
