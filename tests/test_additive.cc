@@ -1,8 +1,8 @@
 // GoogleTest suite of additive attention's own behaviour (qkv/attention.h);
 // the contract every scoring function meets is in test_attention.cc. Here:
 // w_v as (H) and (1, H), H = 0, the fused kernels' pieces (tanh accuracy,
-// tile scores, tile edges, large features, NaN keys seen by one query only)
-// and the parameters' errors.
+// tile scores, tile edges, large features, NaN keys seen by one query only),
+// the kernels' workspace size query and the parameters' errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include "attention_suite.h"
 #include "attention_testing.h"
 #include "kernels/additive_tile.h"
+#include "kernels/kernels.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -182,7 +183,9 @@ TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
         std::vector<float> s(static_cast<size_t>(rows * ldk), sentinel);
         const kernels::fast::AdditiveFeatures<float> f{fq.data(), hidden,    fkt.data(),
                                                        ldk,       wv.data(), hidden};
-        kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk);
+        std::vector<double> scratch(
+            kernels::fast::additive_scores_scratch_words<float>(hidden, keys));
+        kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk, scratch.data());
         double wv_abs = 0;
         for (const float w : wv) wv_abs += std::fabs(w);
         for (int64_t r = 0; r < rows; ++r) {
@@ -239,6 +242,128 @@ TYPED_TEST(Additive, FusedTileEdges) {
       check_forward<AdditiveScoring, T>(rng, c);
       check_backward<AdditiveScoring, T>(rng, c);
       if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// The fast kernels called directly, as the front end calls them, on a
+// workspace of exactly the size their query asks for between guard words:
+// the guards stay untouched; the workspace starts as NaN (the front end's
+// zeroed vector would hide a slice read before it is written); the results
+// are bitwise those of the public call and close to the reference. Odd
+// shapes, weights wanted or not, dropout, slots for 1 thread (one slot, so
+// any overrun of it reaches the trailing guard) and for 3.
+TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  constexpr size_t kGuard = 32;
+  const double guard = -1.2345678e300;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  // Runs `kernel` on a workspace of `size` doubles and checks the guards.
+  const auto run_guarded = [&](size_t size, int threads, const auto& kernel) {
+    std::vector<double> buf(size + 2 * kGuard, nan);
+    std::fill_n(buf.begin(), kGuard, guard);
+    std::fill_n(buf.end() - kGuard, kGuard, guard);
+    kernel(kernels::Workspace{buf.data() + kGuard, threads});
+    for (size_t g = 0; g < kGuard; ++g) {
+      EXPECT_EQ(std::memcmp(&buf[g], &guard, sizeof guard), 0)
+          << "guard word " << kGuard - g << " before the workspace was written";
+      EXPECT_EQ(std::memcmp(&buf[kGuard + size + g], &guard, sizeof guard), 0)
+          << "guard word " << g << " after the workspace (" << size << " doubles) was written";
+    }
+  };
+  struct Dims {
+    int64_t batch, nq, nk, hidden;
+  };
+  const Dims shapes[] = {
+      {1, 1, 1, 1}, {2, 5, 17, 13}, {3, 65, 37, 17}, {1, 70, 100, 7}, {2, 3, 130, 16}};
+  int n = 0;
+  for (const Dims& s : shapes) {
+    for (const bool want_weights : {false, true}) {
+      for (const double dropout : {0.0, 0.3}) {
+        Case c;
+        c.batch = s.batch;
+        c.nq = s.nq;
+        c.nk = s.nk;
+        c.hidden = s.hidden;
+        c.dq = 3 + n % 3;
+        c.dk = 2 + n % 4;
+        c.dv = 1 + n % 3;
+        c.lens_form = static_cast<LensForm>(n % 3);
+        c.dropout = dropout;
+        c.training = dropout > 0.0;
+        c.want_weights = want_weights;
+        ++n;
+        SCOPED_TRACE(AdditiveScoring::describe(c));
+        const Inputs<AdditiveScoring, T> in(rng, c);
+        const Tensor<T>&w_q = in.params[0], &w_k = in.params[1], &w_v = in.params[2];
+        const ValidLens lens = in.valid_lens();
+        const AttentionOptions opt = c.options(rng.next());
+        const kernels::AttentionConfig config{&lens, 1.0, dropout, opt.seed};
+        const kernels::AdditiveParams<T> params{w_q.view(), w_k.view(), w_v.view()};
+        const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
+        const Tensor<double> qd = cast<double>(in.q), kd = cast<double>(in.k),
+                             vd = cast<double>(in.v), wqd = cast<double>(w_q),
+                             wkd = cast<double>(w_k), wvd = cast<double>(w_v);
+        const AttentionResult<double> ref =
+            ref::additive_attention(qd, kd, vd, {wqd, wkd, wvd}, lens, opt);
+        const AdditiveGrads<double> ref_g = ref::additive_attention_backward(
+            qd, kd, vd, {wqd, wkd, wvd}, lens, opt, {ref.output, ref.lse}, cast<double>(d_out));
+        for (const int threads : {1, 3}) {
+          SCOPED_TRACE("workspace for " + std::to_string(threads) + " threads");
+          const ThreadCount count(threads);
+          const T t_nan = std::numeric_limits<T>::quiet_NaN();
+          Tensor<T> out(Shape{c.batch, c.nq, c.dv}, t_nan), lse(Shape{c.batch, c.nq}, t_nan);
+          Tensor<T> weights(Shape{c.batch, c.nq, c.nk}, t_nan);
+          const kernels::ForwardViews<T> views{
+              out.view(), want_weights ? weights.view() : TensorView<T>(), lse.view()};
+          run_guarded(kernels::fast::additive_workspace_size<T>(in.q, in.k, in.v, params, config,
+                                                                views, threads),
+                      threads, [&](kernels::Workspace ws) {
+                        kernels::fast::additive<T>(in.q, in.k, in.v, params, config, views, ws);
+                      });
+          const AttentionResult<T> pub =
+              additive_attention(in.q, in.k, in.v, {w_q, w_k, w_v}, lens, opt);
+          EXPECT_TRUE(bitwise_equal(out, pub.output, "output vs the public call", "b q d"));
+          expect_close(out, ref.output, kTol<T>.out, "output", "b q d");
+          expect_close(lse, ref.lse, kTol<T>.lse, "lse", "b q");
+          if (want_weights) {
+            EXPECT_TRUE(bitwise_equal(weights, pub.weights, "weights vs the public call", "b q k"));
+            expect_close(weights, ref.weights, kTol<T>.weights, "weights", "b q k");
+          }
+
+          AdditiveGrads<T> g{Tensor<T>(in.q.shape(), t_nan), Tensor<T>(in.k.shape(), t_nan),
+                             Tensor<T>(in.v.shape(), t_nan), Tensor<T>(w_q.shape(), t_nan),
+                             Tensor<T>(w_k.shape(), t_nan),  Tensor<T>(w_v.shape(), t_nan)};
+          const kernels::SavedViews<T> saved{out.view(), lse.view()};
+          const kernels::AdditiveGradViews<T> grads{g.d_queries.view(), g.d_keys.view(),
+                                                    g.d_values.view(),  g.d_w_q.view(),
+                                                    g.d_w_k.view(),     g.d_w_v.view()};
+          run_guarded(kernels::fast::additive_backward_workspace_size<T>(
+                          in.q, in.k, in.v, params, config, saved, d_out, grads, threads),
+                      threads, [&](kernels::Workspace ws) {
+                        kernels::fast::additive_backward<T>(in.q, in.k, in.v, params, config, saved,
+                                                            d_out, grads, ws);
+                      });
+          const AdditiveGrads<T> pub_g = additive_attention_backward(
+              in.q, in.k, in.v, {w_q, w_k, w_v}, lens, opt, {out, lse}, d_out);
+          EXPECT_TRUE(bitwise_equal(g.d_queries, pub_g.d_queries, "d_queries vs public", "b q d"));
+          EXPECT_TRUE(bitwise_equal(g.d_keys, pub_g.d_keys, "d_keys vs public", "b k d"));
+          EXPECT_TRUE(bitwise_equal(g.d_values, pub_g.d_values, "d_values vs public", "b k d"));
+          EXPECT_TRUE(bitwise_equal(g.d_w_q, pub_g.d_w_q, "d_w_q vs public", "h d"));
+          EXPECT_TRUE(bitwise_equal(g.d_w_k, pub_g.d_w_k, "d_w_k vs public", "h d"));
+          EXPECT_TRUE(bitwise_equal(g.d_w_v, pub_g.d_w_v, "d_w_v vs public", "h"));
+          expect_close(g.d_queries, ref_g.d_queries, kTol<T>.grad, "d_queries", "b q d");
+          expect_close(g.d_keys, ref_g.d_keys, kTol<T>.grad, "d_keys", "b k d");
+          expect_close(g.d_values, ref_g.d_values, kTol<T>.grad, "d_values", "b k d");
+          expect_close(g.d_w_q, ref_g.d_w_q, kTol<T>.grad, "d_w_q", "h d");
+          expect_close(g.d_w_k, ref_g.d_w_k, kTol<T>.grad, "d_w_k", "h d");
+          expect_close(g.d_w_v, ref_g.d_w_v, kTol<T>.grad, "d_w_v", "h");
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
     }
   }
 }

@@ -5,14 +5,12 @@
 #define HWY_TARGET_INCLUDE "kernels/additive_tile.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Highway's own headers must follow foreach_target.h.
-#include <hwy/aligned_allocator.h>
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "kernels/additive_tile.h"
 #include "kernels/exp-inl.h"
@@ -98,10 +96,9 @@ void TanhRow(const T* x, T* out, int64_t n_signed) {
 // Score: sum_h wv t = sum_h wv - 2 sum_h wv r. Backward: 1 - t^2 = 4 r (1 - r),
 // sum ds t = sum ds - 2 sum ds r.
 
-// Queries per tile: 4 independent chains per h step hide the reciprocal's
-// latency, and one load of the key features serves all four.
-constexpr int64_t kAdditiveRows = 4;
 constexpr float kExpRange = 20.0f;
+// The scratch sizes (additive_tile.h) count on at most kAdditivePad lanes.
+static_assert(HWY_MAX_BYTES / sizeof(float) <= kAdditivePad, "vectors longer than the key padding");
 
 template <class T>
 constexpr bool kExpProduct = sizeof(T) == 4;
@@ -159,9 +156,27 @@ bool QueryExps(const T* const* fq, int64_t rows, int64_t hidden, T* eq) {
   return ok;
 }
 
+// The float fast path's scratch, cut from `cursor`: exp(2 fk) for keys
+// [0, n_all), exp(2 fq) of one query group, and which key vectors are in range
+// (additive_scores_scratch_words counts the same slices).
+template <class T>
+struct ExpScratch {
+  T* ekt = nullptr;
+  T* eq = nullptr;
+  uint8_t* key_ok = nullptr;
+};
+template <class T>
+ExpScratch<T> TakeExpScratch(double** cursor, int64_t hidden, int64_t n_all) {
+  ExpScratch<T> e;
+  e.ekt = take_slice<T>(cursor, hidden * n_all + 1);
+  e.eq = take_slice<T>(cursor, kAdditiveRows * hidden + 1);
+  e.key_ok = take_slice<uint8_t>(cursor, n_all);
+  return e;
+}
+
 template <class T>
 void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* lens, T* s,
-                    int64_t lds) {
+                    int64_t lds, double* scratch) {
   const hn::ScalableTag<T> d;
   using V = hn::Vec<decltype(d)>;
   constexpr int64_t R = kAdditiveRows;
@@ -173,13 +188,10 @@ void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* l
   T wv_sum = 0;
   for (int64_t h = 0; h < hidden; ++h) wv_sum += f.wv[h];
   // exp(2 fk) for every key a query here sees (1/64 of the work at 64 queries).
-  hwy::AlignedFreeUniquePtr<T[]> ekt, eq;
-  std::vector<uint8_t> key_ok;
+  ExpScratch<T> e;
   if constexpr (kExpProduct<T>) {
-    ekt = hwy::AllocateAligned<T>(static_cast<size_t>(hidden * n_all + 1));
-    eq = hwy::AllocateAligned<T>(static_cast<size_t>(R * hidden + 1));
-    key_ok.resize(static_cast<size_t>(n_all / lanes));
-    KeyExps(d, f, n_all, ekt.get(), key_ok.data());
+    e = TakeExpScratch<T>(&scratch, hidden, n_all);
+    KeyExps(d, f, n_all, e.ekt, e.key_ok);
   }
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     // A short last group repeats its last query; those scores are not stored.
@@ -190,18 +202,18 @@ void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* l
       if (r0 + r < rows) n_max = std::max(n_max, lens[r0 + r]);
     }
     bool queries_ok = false;
-    if constexpr (kExpProduct<T>) queries_ok = QueryExps(fq, R, hidden, eq.get());
+    if constexpr (kExpProduct<T>) queries_ok = QueryExps(fq, R, hidden, e.eq);
     for (int64_t j = 0; j < n_max; j += lanes) {
       V acc[R];  // sum_h wv r
       for (auto& a : acc) a = hn::Zero(d);
-      if (queries_ok && key_ok[j / lanes]) {
-        const T* ek = ekt.get() + j;
+      if (queries_ok && e.key_ok[j / lanes]) {
+        const T* ek = e.ekt + j;
         for (int64_t h = 0; h < hidden; ++h) {
           const V ek_h = hn::Load(d, ek + h * n_all);
           const V w = hn::Set(d, f.wv[h]);
 #pragma GCC unroll 4
           for (int64_t r = 0; r < R; ++r) {
-            acc[r] = hn::MulAdd(w, RFromExps(d, hn::Set(d, eq[r * hidden + h]), ek_h), acc[r]);
+            acc[r] = hn::MulAdd(w, RFromExps(d, hn::Set(d, e.eq[r * hidden + h]), ek_h), acc[r]);
           }
         }
       } else {
@@ -230,7 +242,8 @@ void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* l
 }
 
 template <class T>
-void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T>& tile) {
+void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T>& tile,
+                          double* scratch) {
   const hn::ScalableTag<T> d;
   using V = hn::Vec<decltype(d)>;
   constexpr int64_t R = kAdditiveRows;
@@ -244,19 +257,15 @@ void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T
   // Per thread, in L1 at H = 64 (float, 16 lanes): r for R queries (16 KiB),
   // their d_fq partial sums by lane (16 KiB) and d_wv's (4 KiB).
   const auto hl = static_cast<size_t>(hidden * lanes);
-  auto scratch = hwy::AllocateAligned<T>((2 * R + 1) * hl + 1);
-  T* r_buf = scratch.get();
+  T* r_buf = take_slice<T>(&scratch, static_cast<int64_t>((2 * R + 1) * hl + 1));
   T* dfq_acc = r_buf + R * hl;
   T* dwv_acc = dfq_acc + R * hl;  // sum ds r
   for (int64_t h = 0; h < hidden; ++h) hn::Store(hn::Zero(d), d, dwv_acc + h * lanes);
   V ds_total = hn::Zero(d);  // sum ds, for sum ds t = sum ds - 2 sum ds r
-  hwy::AlignedFreeUniquePtr<T[]> ekt, eq;
-  std::vector<uint8_t> key_ok;
+  ExpScratch<T> e;
   if constexpr (kExpProduct<T>) {
-    ekt = hwy::AllocateAligned<T>(static_cast<size_t>(hidden * n_all + 1));
-    eq = hwy::AllocateAligned<T>(static_cast<size_t>(R * hidden + 1));
-    key_ok.resize(static_cast<size_t>(n_all / lanes));
-    KeyExps(d, f, n_all, ekt.get(), key_ok.data());
+    e = TakeExpScratch<T>(&scratch, hidden, n_all);
+    KeyExps(d, f, n_all, e.ekt, e.key_ok);
   }
 
   for (int64_t r0 = 0; r0 < tile.rows; r0 += R) {
@@ -269,21 +278,21 @@ void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T
       n_max = std::max(n_max, len[r]);
     }
     bool queries_ok = false;
-    if constexpr (kExpProduct<T>) queries_ok = QueryExps(fq, R, hidden, eq.get());
+    if constexpr (kExpProduct<T>) queries_ok = QueryExps(fq, R, hidden, e.eq);
     for (int64_t i = 0; i < R * hidden; ++i) hn::Store(hn::Zero(d), d, dfq_acc + i * lanes);
 
     for (int64_t j = 0; j < n_max; j += lanes) {
       // Scores, keeping r.
       V acc[R];
       for (auto& a : acc) a = hn::Zero(d);
-      if (queries_ok && key_ok[j / lanes]) {
-        const T* ek = ekt.get() + j;
+      if (queries_ok && e.key_ok[j / lanes]) {
+        const T* ek = e.ekt + j;
         for (int64_t h = 0; h < hidden; ++h) {
           const V ek_h = hn::Load(d, ek + h * n_all);
           const V w = hn::Set(d, f.wv[h]);
 #pragma GCC unroll 4
           for (int64_t r = 0; r < R; ++r) {
-            const V rv = RFromExps(d, hn::Set(d, eq[r * hidden + h]), ek_h);
+            const V rv = RFromExps(d, hn::Set(d, e.eq[r * hidden + h]), ek_h);
             hn::Store(rv, d, r_buf + (r * hidden + h) * lanes);
             acc[r] = hn::MulAdd(w, rv, acc[r]);
           }
@@ -370,18 +379,20 @@ void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T
 void TanhRowF32(const float* x, float* o, int64_t n) { TanhRow(x, o, n); }
 void TanhRowF64(const double* x, double* o, int64_t n) { TanhRow(x, o, n); }
 void AdditiveScoresF32(const AdditiveFeatures<float>& f, int64_t rows, const int64_t* lens,
-                       float* s, int64_t lds) {
-  AdditiveScores(f, rows, lens, s, lds);
+                       float* s, int64_t lds, double* scratch) {
+  AdditiveScores(f, rows, lens, s, lds, scratch);
 }
 void AdditiveScoresF64(const AdditiveFeatures<double>& f, int64_t rows, const int64_t* lens,
-                       double* s, int64_t lds) {
-  AdditiveScores(f, rows, lens, s, lds);
+                       double* s, int64_t lds, double* scratch) {
+  AdditiveScores(f, rows, lens, s, lds, scratch);
 }
-void AdditiveGradTileF32(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& t) {
-  AdditiveGradTileImpl(f, t);
+void AdditiveGradTileF32(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& t,
+                         double* scratch) {
+  AdditiveGradTileImpl(f, t, scratch);
 }
-void AdditiveGradTileF64(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& t) {
-  AdditiveGradTileImpl(f, t);
+void AdditiveGradTileF64(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& t,
+                         double* scratch) {
+  AdditiveGradTileImpl(f, t, scratch);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -401,18 +412,20 @@ HWY_EXPORT(AdditiveGradTileF64);
 void tanh_row(const float* x, float* o, int64_t n) { HWY_DYNAMIC_DISPATCH(TanhRowF32)(x, o, n); }
 void tanh_row(const double* x, double* o, int64_t n) { HWY_DYNAMIC_DISPATCH(TanhRowF64)(x, o, n); }
 void additive_scores(const AdditiveFeatures<float>& f, int64_t rows, const int64_t* lens, float* s,
-                     int64_t lds) {
-  HWY_DYNAMIC_DISPATCH(AdditiveScoresF32)(f, rows, lens, s, lds);
+                     int64_t lds, double* scratch) {
+  HWY_DYNAMIC_DISPATCH(AdditiveScoresF32)(f, rows, lens, s, lds, scratch);
 }
 void additive_scores(const AdditiveFeatures<double>& f, int64_t rows, const int64_t* lens,
-                     double* s, int64_t lds) {
-  HWY_DYNAMIC_DISPATCH(AdditiveScoresF64)(f, rows, lens, s, lds);
+                     double* s, int64_t lds, double* scratch) {
+  HWY_DYNAMIC_DISPATCH(AdditiveScoresF64)(f, rows, lens, s, lds, scratch);
 }
-void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& t) {
-  HWY_DYNAMIC_DISPATCH(AdditiveGradTileF32)(f, t);
+void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& t,
+                        double* scratch) {
+  HWY_DYNAMIC_DISPATCH(AdditiveGradTileF32)(f, t, scratch);
 }
-void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& t) {
-  HWY_DYNAMIC_DISPATCH(AdditiveGradTileF64)(f, t);
+void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& t,
+                        double* scratch) {
+  HWY_DYNAMIC_DISPATCH(AdditiveGradTileF64)(f, t, scratch);
 }
 
 }  // namespace qkv::kernels::fast

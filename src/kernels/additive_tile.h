@@ -4,7 +4,10 @@
 // dispatched at run time.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 
@@ -27,6 +30,32 @@ void tanh_row(const double* x, double* out, int64_t n);
 // it, so no vector of one tile reaches into the next.
 inline constexpr int64_t kAdditivePad = 16;
 
+// Queries per group inside a tile: 4 independent chains per h step hide the
+// reciprocal's latency, and one load of the key features serves all four.
+inline constexpr int64_t kAdditiveRows = 4;
+
+// The tiles allocate nothing: their scratch is `scratch`, that many doubles
+// (workspace.h), cut into 64-byte slices inside. For keys [0, n) (n the
+// longest of the tile's lens), float keeps exp(2 fk) of the keys (H x n
+// rounded up to kAdditivePad, so it serves any lane count up to 16), which
+// of those vectors are in range, and exp(2 fq) of one query group; double
+// (always the tanh path) needs none of it. The "+ 1" are the padding the
+// tiles' own allocations had.
+template <class T>
+size_t additive_scores_scratch_words(int64_t hidden, int64_t n) {
+  if constexpr (sizeof(T) != 4) return 0;
+  const int64_t n_all = (n + kAdditivePad - 1) / kAdditivePad * kAdditivePad;
+  return slice_words<T>(hidden * n_all + 1) + slice_words<T>(kAdditiveRows * hidden + 1) +
+         slice_words<uint8_t>(n_all);
+}
+// The backward tile's: the above plus r, d_fq's and d_wv's partial sums by
+// lane, (2 kAdditiveRows + 1) H vectors of at most kAdditivePad lanes.
+template <class T>
+size_t additive_grad_tile_scratch_words(int64_t hidden, int64_t n) {
+  return slice_words<T>((2 * kAdditiveRows + 1) * hidden * kAdditivePad + 1) +
+         additive_scores_scratch_words<T>(hidden, n);
+}
+
 // One batch element's projected features, offset to a tile's first query and key.
 template <class T>
 struct AdditiveFeatures {
@@ -39,11 +68,12 @@ struct AdditiveFeatures {
 };
 
 // s[r * lds + j] = score(r, j) for r < rows, j < lens[r]; nothing else is
-// written. fkt is read up to lens rounded up to kAdditivePad.
+// written. fkt is read up to lens rounded up to kAdditivePad. scratch holds
+// additive_scores_scratch_words<T>(f.hidden, longest of lens) doubles.
 void additive_scores(const AdditiveFeatures<float>& f, int64_t rows, const int64_t* lens, float* s,
-                     int64_t lds);
+                     int64_t lds, double* scratch);
 void additive_scores(const AdditiveFeatures<double>& f, int64_t rows, const int64_t* lens,
-                     double* s, int64_t lds);
+                     double* s, int64_t lds, double* scratch);
 
 // The backward of one (queries x keys) tile, scores recomputed and tanh
 // evaluated once per (query, key, h). With P = exp(score - lse[r]) the
@@ -69,7 +99,11 @@ struct AdditiveGradTile {
   T* d_fkt;  // (H, keys), row stride f.ldk, accumulated
   T* d_wv;   // (H), accumulated
 };
-void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& tile);
-void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& tile);
+// scratch holds additive_grad_tile_scratch_words<T>(f.hidden, longest of
+// tile.lens) doubles.
+void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& tile,
+                        double* scratch);
+void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& tile,
+                        double* scratch);
 
 }  // namespace qkv::kernels::fast

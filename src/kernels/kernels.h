@@ -147,12 +147,26 @@ void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const Attenti
                    Workspace workspace);
 template <class T>
 void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
-              const AttentionConfig& config, const ForwardViews<T>& out);
+              const AttentionConfig& config, const ForwardViews<T>& out, Workspace workspace);
 template <class T>
 void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                        const AdditiveParams<T>& params, const AttentionConfig& config,
                        const SavedViews<T>& saved, ConstView<T> d_output,
-                       const AdditiveGradViews<T>& grads);
+                       const AdditiveGradViews<T>& grads, Workspace workspace);
+// Scratch of additive / additive_backward (Workspace, workspace.h), for the
+// arguments they will get (out.weights with null data when not wanted): the
+// projections W_q q and (W_k k)^T, the backward's partial sums, and one query
+// block's or key chunk's scratch per thread.
+template <class T>
+size_t additive_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                               const AdditiveParams<T>& params, const AttentionConfig& config,
+                               const ForwardViews<T>& out, int num_threads);
+template <class T>
+size_t additive_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                        const AdditiveParams<T>& params,
+                                        const AttentionConfig& config, const SavedViews<T>& saved,
+                                        ConstView<T> d_output, const AdditiveGradViews<T>& grads,
+                                        int num_threads);
 
 // bf16 queries, keys and values; float results and gradients.
 size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
