@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,7 +18,16 @@
 namespace qkv::test {
 namespace {
 
-using kernels::fast::gauss1d;
+// gauss1d as the front end calls it: a workspace of the queried size for
+// the threads qkv runs.
+const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
+                    const double* queries, int64_t t, double h, double rel_tol, double* out) {
+  const int threads = num_threads();
+  std::vector<double> workspace(
+      kernels::fast::gauss1d_workspace_size(keys, n, m, queries, t, h, rel_tol, threads));
+  return kernels::fast::gauss1d(keys, values, n, m, queries, t, h, rel_tol, out,
+                                {.data = workspace.data(), .num_threads = threads});
+}
 
 struct Data {
   std::vector<double> keys;    // sorted
@@ -110,8 +120,8 @@ std::string check(const Data& d, const std::vector<double>& queries, double h, d
                " rel_tol=" + format_short(rel_tol));
   const int64_t t = static_cast<int64_t>(queries.size());
   std::vector<double> got(static_cast<size_t>(t * d.m), -12345.0);
-  const std::string method = gauss1d(d.keys.data(), d.values.data(), d.n(), d.m,
-                                     queries.data(), t, h, rel_tol, got.data());
+  const std::string method = gauss1d(d.keys.data(), d.values.data(), d.n(), d.m, queries.data(), t,
+                                     h, rel_tol, got.data());
   if (!expect_method.empty()) EXPECT_EQ(method, expect_method);
   std::vector<double> ref, scale;
   reference(d, queries, h, ref, scale);
