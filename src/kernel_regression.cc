@@ -207,11 +207,16 @@ double parametric_loss_of(const Tensor<double>& x, const Tensor<double>& y, doub
 }
 
 // The 1-D Gaussian fast algorithm: keys sorted ascending, y (n, m) in the
-// same order, q (t, 1), out (t, m).
+// same order, q (t, 1), out (t, m); its workspace, sized from the same data
+// (gauss1d_workspace_size counts the Taylor boxes), allocated here.
 void predict_gauss1d(const std::vector<double>& sorted_x, const Tensor<double>& sorted_y,
                      const Tensor<double>& q, double h, Tensor<double>& out) {
-  kernels::fast::gauss1d(sorted_x.data(), sorted_y.data(), sorted_y.size(0), sorted_y.size(1),
-                         q.data(), q.size(0), h, kFastPathRelTol, out.data());
+  const int threads = num_threads();
+  const int64_t n = sorted_y.size(0), m = sorted_y.size(1), t = q.size(0);
+  std::vector<double> workspace(kernels::fast::gauss1d_workspace_size(
+      sorted_x.data(), n, m, q.data(), t, h, kFastPathRelTol, threads));
+  kernels::fast::gauss1d(sorted_x.data(), sorted_y.data(), n, m, q.data(), t, h, kFastPathRelTol,
+                         out.data(), {.data = workspace.data(), .num_threads = threads});
 }
 
 // The power of two by which predictions divide y first (and multiply the

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,16 @@
 namespace qkv::test {
 namespace {
 
-using kernels::fast::gauss1d;
+// gauss1d as the front end calls it: a workspace of the queried size for
+// the threads qkv runs.
+const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
+                    const double* queries, int64_t t, double h, double rel_tol, double* out) {
+  const int threads = num_threads();
+  std::vector<double> workspace(
+      kernels::fast::gauss1d_workspace_size(keys, n, m, queries, t, h, rel_tol, threads));
+  return kernels::fast::gauss1d(keys, values, n, m, queries, t, h, rel_tol, out,
+                                {.data = workspace.data(), .num_threads = threads});
+}
 
 struct Data {
   std::vector<double> keys;    // sorted
@@ -110,8 +121,8 @@ std::string check(const Data& d, const std::vector<double>& queries, double h, d
                " rel_tol=" + format_short(rel_tol));
   const int64_t t = static_cast<int64_t>(queries.size());
   std::vector<double> got(static_cast<size_t>(t * d.m), -12345.0);
-  const std::string method = gauss1d(d.keys.data(), d.values.data(), d.n(), d.m,
-                                     queries.data(), t, h, rel_tol, got.data());
+  const std::string method = gauss1d(d.keys.data(), d.values.data(), d.n(), d.m, queries.data(), t,
+                                     h, rel_tol, got.data());
   if (!expect_method.empty()) EXPECT_EQ(method, expect_method);
   std::vector<double> ref, scale;
   reference(d, queries, h, ref, scale);
@@ -465,6 +476,127 @@ TEST(Gauss1dFast, SameBitsForOneAndTwoThreads) {
               static_cast<int64_t>(queries.size()), h, 1e-7, two.data());
     }
     EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * sizeof(double))) << "h=" << h;
+  }
+}
+
+// The size the header documents, in doubles, as an upper bound from the
+// arguments alone: 5 t (sorted queries, their merge, the 1/16 copies), n
+// (1/16 keys), m + t / 256, the boxes (B <= n / 12, moments <= 2 (m + 1) n,
+// P <= 60), per thread a query's scratch and the boxes' moments, and 64
+// bytes of alignment slack (9 words with rounding) for each of the at most
+// 13 + 6 T slices.
+double documented_bound(int64_t n, int64_t m, int64_t t, int threads) {
+  const double nd = static_cast<double>(n), md = static_cast<double>(m);
+  const double td = static_cast<double>(t), b = nd / 12.0;
+  const double per_thread =
+      2.0 * (md + 1) * 60 + std::max(1024.0, b) + b + std::max(md, b) + md + 1;
+  return 5 * td + nd + md + td / 256 + 1 + (b + 1) + nd / 2 + 2 * b + 2 * (md + 1) * nd +
+         threads * per_thread + 9.0 * (13 + 6 * threads);
+}
+
+// The size query is honoured: a workspace of exactly gauss1d_workspace_size
+// doubles, filled with a sentinel, at every offset from a cache line (the
+// kernel cuts 64-byte aligned slices), with guard words on both sides, gives
+// the bits of a call with a generous zeroed workspace and leaves the guards
+// alone. Workspaces sized for 1, 2 and 3 threads, run on 1 and 2; random
+// sizes, bandwidths and tolerances that reach every path: exact, window,
+// Taylor with few and many boxes, coordinates beyond 2^1020 (the 1/16
+// copies), tiny h far from 0 (the careful exponents), NaN and infinite
+// queries. The kernel cannot see a workspace's size (Workspace carries
+// none), so a short one is caught here, by the guards, not by the kernel.
+TEST(Gauss1dFast, WorkspaceOfTheQueriedSizeSuffices) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  constexpr int64_t kGuard = 64;
+  constexpr uint64_t kSentinel = 0x7FF4DEADBEEF1234ull;  // a signalling NaN's bits
+  double sentinel;
+  std::memcpy(&sentinel, &kSentinel, sizeof sentinel);
+  auto untouched = [&](const double* p, int64_t len) {
+    return std::memcmp(p, std::vector<double>(static_cast<size_t>(len), sentinel).data(),
+                       static_cast<size_t>(len) * sizeof(double)) == 0;
+  };
+  std::set<std::string> methods;
+  const int num_problems = kSanitized ? 12 : 48;
+  for (int problem = 0; problem < num_problems; ++problem) {
+    const int kind = problem % 6;
+    int64_t n = static_cast<int64_t>(std::pow(10.0, rng.uniform(0.0, 4.3)));
+    int64_t t = static_cast<int64_t>(std::pow(10.0, rng.uniform(0.0, 3.3)));
+    const int64_t m = rng.uniform_int(1, 4);
+    const double tols[] = {1e-6, 1e-7, 1e-9, 1e-13};
+    double rel_tol = tols[rng.uniform_int(0, 3)];
+    if (kind == 3 || kind == 5) {  // sure to take the fast paths: window and Taylor
+      n = rng.uniform_int(5000, 20000);
+      t = rng.uniform_int(100, 2000);
+      rel_tol = tols[rng.uniform_int(0, 2)];
+    }
+    if (rel_tol < 1e-12) t = std::min<int64_t>(t, 200);  // the exact path: n t exps
+    Data d = uniform_data(rng, n, m, 0.0, 1.0);
+    std::vector<double> queries = uniform_queries(rng, t, -0.2, 1.2);
+    double h = std::pow(10.0, rng.uniform(-5.5, 1.5));
+    if (kind == 1) {  // duplicates and a run of equal keys
+      for (double& x : d.keys) x = std::floor(x * 40.0) / 40.0;
+    } else if (kind == 2) {  // beyond 2^1020: the 1/16 copies
+      for (double& x : d.keys) x *= 0x1p1021;
+      for (double& q : queries) q *= 0x1p1021;
+      h = std::min(h, 4.0) * 0x1p1021;  // finite
+    } else if (kind == 3) {             // h below 2^-1020 of the largest coordinate: careful
+      d.keys.back() = 1e300;
+      h = 1e-8;
+    } else if (kind == 4 && t >= 3) {  // non-finite queries
+      queries[0] = std::numeric_limits<double>::quiet_NaN();
+      queries[1] = std::numeric_limits<double>::infinity();
+      queries[2] = -std::numeric_limits<double>::infinity();
+    } else if (kind == 5) {  // typical Taylor problems: many keys per box
+      h = rng.uniform(0.02, 0.5);
+    }
+    const std::string label = "problem " + std::to_string(problem) + " n=" + std::to_string(n) +
+                              " t=" + std::to_string(t) + " m=" + std::to_string(m) +
+                              " h=" + format_short(h) + " rel_tol=" + format_short(rel_tol);
+    SCOPED_TRACE(label);
+
+    std::vector<double> want(static_cast<size_t>(t * m));
+    std::string want_method;
+    {
+      const size_t size = kernels::fast::gauss1d_workspace_size(d.keys.data(), n, m, queries.data(),
+                                                                t, h, rel_tol, 2);
+      std::vector<double> generous(2 * size + 4096, 0.0);
+      want_method = kernels::fast::gauss1d(d.keys.data(), d.values.data(), n, m, queries.data(), t,
+                                           h, rel_tol, want.data(), {generous.data(), 2});
+    }
+    methods.insert(want_method);
+    for (int ws_threads : {1, 2, 3}) {
+      const size_t size = kernels::fast::gauss1d_workspace_size(d.keys.data(), n, m, queries.data(),
+                                                                t, h, rel_tol, ws_threads);
+      EXPECT_LE(static_cast<double>(size), documented_bound(n, m, t, ws_threads))
+          << "threads " << ws_threads;
+      for (int running : {1, 2}) {
+        ThreadCount threads(running);
+        const int64_t offset = rng.uniform_int(0, 7);  // words past a 64-byte line
+        // Up to 7 words to the cache line, kGuard, 7 of offset, size, kGuard.
+        std::vector<double> buffer(static_cast<size_t>(14 + 2 * kGuard) + size, sentinel);
+        double* const start = reinterpret_cast<double*>(
+            (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+        double* const data = start + kGuard + offset;
+        std::vector<double> got(static_cast<size_t>(t * m), -12345.0);
+        const std::string method =
+            kernels::fast::gauss1d(d.keys.data(), d.values.data(), n, m, queries.data(), t, h,
+                                   rel_tol, got.data(), {data, ws_threads});
+        const std::string where = "workspace for " + std::to_string(ws_threads) +
+                                  " threads, run on " + std::to_string(running) + ", offset " +
+                                  std::to_string(offset) + ", size " + std::to_string(size);
+        EXPECT_TRUE(untouched(data - kGuard, kGuard)) << "guard before overwritten, " << where;
+        EXPECT_TRUE(untouched(data + size, kGuard)) << "guard after overwritten, " << where;
+        EXPECT_EQ(method, want_method) << where;
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(double)))
+            << "results differ from the generous workspace's, " << where;
+      }
+    }
+  }
+  // Every method was reached (kinds 3 and 5 take the window and Taylor paths).
+  if (!kSanitized) {
+    EXPECT_TRUE(methods.count("exact") && methods.count("window") && methods.count("taylor"))
+        << "methods seen: " << methods.size();
   }
 }
 

@@ -5,15 +5,15 @@
 #include "kernels/gauss1d_fast.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <utility>
-#include <vector>
 
 #include "kernels/parallel.h"
 #include "kernels/vecmath.h"
+#include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -107,37 +107,180 @@ struct Problem {
   bool careful;  // kPlainLimit does not hold: rel_exponent_careful, no Taylor boxes
 };
 
-struct Boxes {
+// The largest |coordinate| among the end keys and the finite queries, each
+// taken times `scale` (1, or 1/16 for the size query of a rescaled call, so
+// that it sees the very numbers the rescaled call computes).
+double coord_max_of(const double* keys, int64_t n, const double* queries, int64_t t, double scale) {
+  double coord_max = std::max(std::abs(keys[0] * scale), std::abs(keys[n - 1] * scale));
+  for (int64_t i = 0; i < t; ++i) {
+    if (std::isfinite(queries[i])) coord_max = std::max(coord_max, std::abs(queries[i] * scale));
+  }
+  return coord_max;
+}
+
+// Coordinates beyond 2^1020 but an h that is not tiny: the same problem at
+// 1/16 of the scale (exact for coordinates above 2^-1018; below, the scaling
+// moves u by < 2^-1070 / h <= 2^-70) keeps the plain path and its Taylor
+// boxes. At 1/16 the coordinates are below 2^1020, so it is never needed twice.
+bool needs_rescale(double coord_max, double h, double inv_h) {
+  return !(coord_max < kPlainLimit) && h >= 0x1p-1000 && coord_max * inv_h < kPlainLimit;
+}
+
+// Greedy boxes of width `width` over the sorted keys (each times `scale`, as
+// in coord_max_of): how many there are. O(boxes log n).
+int64_t count_boxes(const double* keys, int64_t n, double width, double scale) {
   int64_t count = 0;
-  int order = 0;                // P: Taylor terms 0 .. P-1
-  double z_limit = 0;           // queries with max |s| r above it use the window
-  std::vector<int64_t> first;   // first key of each box, plus n at the end
-  std::vector<int32_t> of_key;  // box of each key
-  std::vector<double> centre;
-  std::vector<double> radius;  // max |x - centre| / h over the box, rounded up
-  // coef[(col * P + k) * count + b] = sum_{x in b} v_col e^{-t^2/2} t^k / k!,
-  // t = (x - centre) / h, col 0 the weights (v = 1), col 1..m the values.
-  std::vector<double> coef;
+  for (int64_t j = 0; j < n;) {
+    const double end = keys[j] * scale + width;
+    ++count;
+    j = std::upper_bound(keys + j, keys + n, end,
+                         [scale](double e, double k) { return e < k * scale; }) -
+        keys;
+  }
+  return count;
+}
+
+// The Taylor order P and the z limit for a truncation error <= tau per key:
+// smallest P with z^P / P! e^z <= tau (Lagrange remainder of e^{z} relative
+// to e^{z}, worst sign). A query whose nearest key is within h sees box
+// centres up to sqrt(1 + 2 (cutoff + 1)) + 1.5 width/h away, of half-width
+// <= width/2h. With rel_tol >= 1e-12 and n <= 2^40, z <= 3.2 and P <= 32;
+// past kMaxOrder the limit shrinks instead (queries then fall to the window),
+// so the bound holds for any tau. Depends on n and rel_tol alone.
+int taylor_order(double cutoff, double tau, double* z_limit) {
+  const double reach = std::sqrt(1.0 + 2.0 * (cutoff + 1.0)) + 1.5 * kBoxWidth;
+  *z_limit = reach * 0.5 * kBoxWidth;
+  int order = 0;
+  for (;;) {
+    double term = std::exp(*z_limit);  // z^0/0! e^z
+    order = 0;
+    while (term > tau && order < kMaxOrder) {
+      ++order;
+      term *= *z_limit / order;
+    }
+    if (term <= tau) break;
+    *z_limit *= 0.5;
+  }
+  return std::max(order, 1);
+}
+
+// What a call does, decided from the arguments and a cheap look at the data
+// (the coordinates' range, the number of boxes): shared by the kernel and
+// gauss1d_workspace_size, so the two cannot disagree on the scratch.
+struct Plan {
+  bool careful = false;
+  bool exact = false;
+  double tau = 0;
+  double cutoff = 0;
+  int64_t num_boxes = 0;  // Taylor boxes built (0: none, the windows serve)
+  int order = 0;          // P: Taylor terms 0 .. P-1, when num_boxes > 0
+  double z_limit = 0;     // queries with max |s| r above it use the window
 };
 
+// keys times key_scale are the call's keys (see coord_max_of); h and inv_h
+// the call's own.
+Plan make_plan(const double* keys, int64_t n, int64_t t, double coord_max, double h, double inv_h,
+               double rel_tol, double key_scale) {
+  Plan plan;
+  plan.careful = !(coord_max < kPlainLimit && coord_max * inv_h < kPlainLimit);
+  plan.exact = !(rel_tol >= 1e-12) || n <= kExactMaxKeys || n * t <= kExactMaxWork;
+  const double tol = std::min(rel_tol, 0.5);
+  // Analytic budget: tau for the Taylor remainder and tau for the dropped
+  // keys, each a relative perturbation of both sums; the ratio then moves by
+  // at most 2 (2 tau) / (1 - 2 tau) <= rel_tol / 2 of sum w|v| / sum w.
+  plan.tau = tol / 8.0;
+  plan.cutoff = std::log(static_cast<double>(n) / plan.tau) + kCutoffMargin;
+  if (!plan.exact && !plan.careful) {
+    // Boxes are worth building only if they hold several keys each: count
+    // them first (cheap), then build the moments when count * 12 <= n and
+    // count * P <= 2 n (the Taylor path's condition: boxes that fail it are
+    // not built, and would not be used). Careful calls (h below 2^-1020 of
+    // the largest coordinate) skip the boxes: their moments' t = (x - c) / h
+    // and Horner sums are formed plainly; they sum windows, exact but slow
+    // only if many keys lie within a few such bandwidths (keys packed near 0
+    // far below the largest).
+    const int64_t count = count_boxes(keys, n, kBoxWidth * h, key_scale);
+    if (count * 24 <= 2 * n) {
+      const int order = taylor_order(plan.cutoff, plan.tau, &plan.z_limit);
+      if (count * order <= 2 * n) {
+        plan.num_boxes = count;
+        plan.order = order;
+      }
+    }
+  }
+  return plan;
+}
+
+// A query and its position, ordered as std::pair orders them (ties by
+// position, so the order is the same for any thread count); trivially
+// copyable, to live in a workspace slice.
+struct SortedQuery {
+  double q;
+  int64_t pos;
+};
+inline bool operator<(const SortedQuery& a, const SortedQuery& b) {
+  return a.q < b.q || (!(b.q < a.q) && a.pos < b.pos);
+}
+
+// Per-slot scratch of the query loop: a chunk's (or the boxes') exponents
+// and weights, the boxes' scaled distances, accumulators, and the sums.
+size_t query_slot_words(int64_t m, int64_t num_boxes) {
+  return slice_words<double>(std::max(kChunk, num_boxes)) + slice_words<double>(num_boxes) +
+         slice_words<double>(std::max(m, num_boxes)) + slice_words<double>(m + 1);
+}
+
+// Per-slot scratch of build_boxes: a box's moment totals and a key block's
+// partial moments, (m + 1) P each.
+size_t box_slot_words(int64_t m, int order) { return 2 * slice_words<double>((m + 1) * order); }
+
+// Scratch of a call that needs no rescaling (gauss1d_workspace_size's
+// accounting of gauss1d_plain, slice by slice in the same order).
+size_t plain_workspace_words(const Plan& plan, int64_t n, int64_t m, int64_t t, int slots) {
+  const int64_t tasks = (t + kQueryBlock - 1) / kQueryBlock;
+  size_t words = slice_words<SortedQuery>(t);             // order
+  if (!plan.exact) words += slice_words<SortedQuery>(t);  // the merged order
+  words += slice_words<double>(m);                        // abs_sum
+  words += slice_words<int64_t>(tasks);                   // taylor_count
+  const int64_t nb = plan.num_boxes;
+  if (nb > 0) {
+    words += slice_words<int64_t>(nb + 1) + slice_words<int32_t>(n) + 2 * slice_words<double>(nb) +
+             slice_words<double>((m + 1) * plan.order * nb);
+    words += static_cast<size_t>(slots) * box_slot_words(m, plan.order);
+  }
+  words += static_cast<size_t>(slots) * query_slot_words(m, nb);
+  return words;
+}
+
+struct Boxes {
+  int64_t count = 0;
+  int order = 0;              // P: Taylor terms 0 .. P-1
+  double z_limit = 0;         // queries with max |s| r above it use the window
+  int64_t* first = nullptr;   // first key of each box, plus n at the end (count + 1)
+  int32_t* of_key = nullptr;  // box of each key (n)
+  double* centre = nullptr;   // (count)
+  double* radius = nullptr;   // max |x - centre| / h over the box, rounded up (count)
+  // coef[(col * P + k) * count + b] = sum_{x in b} v_col e^{-t^2/2} t^k / k!,
+  // t = (x - centre) / h, col 0 the weights (v = 1), col 1..m the values.
+  double* coef = nullptr;  // ((m + 1) P count)
+};
+
+// The query loop's per-slot scratch (query_slot_words), written before read.
 struct Scratch {
-  std::vector<double> a;  // exponents, then weights
-  std::vector<double> b;
-  std::vector<double> acc;
+  double* a;    // exponents, then weights: max(kChunk, boxes)
+  double* b;    // boxes
+  double* acc;  // max(m, boxes)
 };
 
 // W = sum_j w_j and N[c] = sum_j w_j v[j, c] over keys [lo, hi), with the
 // weights relative to the nearest key xa. sums has m + 1 entries.
-void window_sums(const Problem& p, double q, double xa, int64_t lo, int64_t hi, Scratch& s,
+void window_sums(const Problem& p, double q, double xa, int64_t lo, int64_t hi, const Scratch& s,
                  double* sums) {
   const int64_t m = p.m;
   std::fill(sums, sums + m + 1, 0.0);
-  s.a.resize(kChunk);
-  s.acc.resize(static_cast<size_t>(m));
   const TwoDiff qa = two_diff(q, xa);
   for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
     const int64_t len = std::min(kChunk, hi - j0);
-    double* w = s.a.data();
+    double* w = s.a;
     if (p.careful) {
       for (int64_t j = 0; j < len; ++j) {
         w[j] = -rel_exponent_careful(p.keys[j0 + j], xa, qa, q, p.inv_h);
@@ -149,7 +292,7 @@ void window_sums(const Problem& p, double q, double xa, int64_t lo, int64_t hi, 
     if (m == 1) {
       sums[1] += fast::dot(w, p.values + j0, len);
     } else {
-      std::fill(s.acc.begin(), s.acc.end(), 0.0);
+      std::fill(s.acc, s.acc + m, 0.0);
       const double* v = p.values + j0 * m;
       for (int64_t j = 0; j < len; ++j) {
         for (int64_t c = 0; c < m; ++c) s.acc[c] += w[j] * v[j * m + c];
@@ -166,7 +309,6 @@ int64_t nearest_key(const double* keys, int64_t n, double q) {
   if (j == n) return n - 1;
   return (q - keys[j - 1] <= keys[j] - q) ? j - 1 : j;
 }
-
 // Keys [lo, hi) holding every key whose relative exponent is <= cutoff (and
 // a few more). Keys on xa's far side are bounded by xa -/+ delta, with
 // delta (2 dmin + delta) = 2 h^2 cutoff solved without cancellation; keys
@@ -208,81 +350,65 @@ std::pair<int64_t, int64_t> window_range(const Problem& p, double q, int64_t a, 
   return {lo, hi};
 }
 
-// Greedy boxes of width kBoxWidth * h over the sorted keys, their Taylor
-// moments, the order P and the z limit for a truncation error <= tau per key.
-Boxes build_boxes(const Problem& p, double cutoff, double tau) {
-  Boxes bx;
+// Greedy boxes of width kBoxWidth * h over the sorted keys (plan.num_boxes of
+// them, as count_boxes found) and their Taylor moments, into bx's slices;
+// `slots` holds num_slots box_slot_words regions.
+void build_boxes(const Problem& p, Boxes& bx, double* slots, int num_slots) {
   const double width = kBoxWidth * p.h;
-  for (int64_t j = 0; j < p.n;) {
+  int64_t b = 0;
+  for (int64_t j = 0; j < p.n; ++b) {
     const int64_t j0 = j;
     const double end = p.keys[j0] + width;
     while (j < p.n && p.keys[j] <= end) ++j;
-    bx.first.push_back(j0);
+    bx.first[b] = j0;
   }
-  bx.count = static_cast<int64_t>(bx.first.size());
-  bx.first.push_back(p.n);
-  bx.of_key.resize(static_cast<size_t>(p.n));
-  bx.centre.resize(static_cast<size_t>(bx.count));
-  bx.radius.resize(static_cast<size_t>(bx.count));
-  for (int64_t b = 0; b < bx.count; ++b) {
+  assert(b == bx.count);
+  bx.first[bx.count] = p.n;
+  for (b = 0; b < bx.count; ++b) {
     const double lo = p.keys[bx.first[b]], hi = p.keys[bx.first[b + 1] - 1];
     const double c = lo + 0.5 * (hi - lo);
     bx.centre[b] = c;
     bx.radius[b] = std::max(c - lo, hi - c) * p.inv_h * (1.0 + 1e-15);
     for (int64_t j = bx.first[b]; j < bx.first[b + 1]; ++j) bx.of_key[j] = static_cast<int32_t>(b);
   }
-  // A query whose nearest key is within h sees box centres up to
-  // sqrt(1 + 2 (cutoff + 1)) + 1.5 width/h away, of half-width <= width/2h.
-  const double reach = std::sqrt(1.0 + 2.0 * (cutoff + 1.0)) + 1.5 * kBoxWidth;
-  bx.z_limit = reach * 0.5 * kBoxWidth;
-  // P: smallest with z^P / P! e^z <= tau (Lagrange remainder of e^{z} relative
-  // to e^{z}, worst sign). With rel_tol >= 1e-12 and n <= 2^40, z <= 3.2 and
-  // P <= 32; past kMaxOrder the limit shrinks instead (queries then fall to
-  // the window), so the bound holds for any tau.
-  int order = 0;
-  for (;;) {
-    double term = std::exp(bx.z_limit);  // z^0/0! e^z
-    order = 0;
-    while (term > tau && order < kMaxOrder) {
-      ++order;
-      term *= bx.z_limit / order;
-    }
-    if (term <= tau) break;
-    bx.z_limit *= 0.5;
-  }
-  bx.order = std::max(order, 1);
   const int P = bx.order;
   const int64_t cols = p.m + 1, nb = bx.count;
-  bx.coef.assign(static_cast<size_t>(cols * P * nb), 0.0);
+  std::fill(bx.coef, bx.coef + cols * P * nb, 0.0);
   // 64 boxes per task; inside a box, keys in blocks of 256 summed apart and
   // then added (rounding ~ (256 + keys/256) ulps instead of keys).
   constexpr int64_t kBoxesPerTask = 64, kKeyBlock = 256;
-  kernels::parallel_for((nb + kBoxesPerTask - 1) / kBoxesPerTask, [&](int64_t task) {
-    std::vector<double> total(static_cast<size_t>(cols * P)), part(total.size());
-    const int64_t b_end = std::min(nb, (task + 1) * kBoxesPerTask);
-    for (int64_t b = task * kBoxesPerTask; b < b_end; ++b) {
-      std::fill(total.begin(), total.end(), 0.0);
-      for (int64_t j0 = bx.first[b]; j0 < bx.first[b + 1]; j0 += kKeyBlock) {
-        const int64_t j1 = std::min(bx.first[b + 1], j0 + kKeyBlock);
-        std::fill(part.begin(), part.end(), 0.0);
-        for (int64_t j = j0; j < j1; ++j) {
-          const double t = (p.keys[j] - bx.centre[b]) * p.inv_h;
-          double pw = std::exp(-0.5 * t * t);
-          const double* v = p.values + j * p.m;
-          for (int k = 0; k < P; ++k) {
-            part[k] += pw;
-            for (int64_t c = 0; c < p.m; ++c) part[(1 + c) * P + k] += pw * v[c];
-            pw *= t / (k + 1);
-          }
-        }
-        for (size_t i = 0; i < total.size(); ++i) total[i] += part[i];
-      }
-      for (int64_t col = 0; col < cols; ++col) {
-        for (int k = 0; k < P; ++k) bx.coef[(col * P + k) * nb + b] = total[col * P + k];
-      }
-    }
-  });
-  return bx;
+  const size_t slot_words = box_slot_words(p.m, P);
+  const int64_t size = cols * P;
+  parallel_for_slots((nb + kBoxesPerTask - 1) / kBoxesPerTask, num_slots,
+                     [&](int64_t task, int slot) {
+                       double* cursor = slots + static_cast<size_t>(slot) * slot_words;
+                       double* const total = take_slice<double>(&cursor, size);
+                       double* const part = take_slice<double>(&cursor, size);
+                       const int64_t b_end = std::min(nb, (task + 1) * kBoxesPerTask);
+                       for (int64_t bi = task * kBoxesPerTask; bi < b_end; ++bi) {
+                         std::fill(total, total + size, 0.0);
+                         for (int64_t j0 = bx.first[bi]; j0 < bx.first[bi + 1]; j0 += kKeyBlock) {
+                           const int64_t j1 = std::min(bx.first[bi + 1], j0 + kKeyBlock);
+                           std::fill(part, part + size, 0.0);
+                           for (int64_t j = j0; j < j1; ++j) {
+                             const double t = (p.keys[j] - bx.centre[bi]) * p.inv_h;
+                             double pw = std::exp(-0.5 * t * t);
+                             const double* v = p.values + j * p.m;
+                             for (int k = 0; k < P; ++k) {
+                               part[k] += pw;
+                               for (int64_t c = 0; c < p.m; ++c) part[(1 + c) * P + k] += pw * v[c];
+                               pw *= t / (k + 1);
+                             }
+                           }
+                           for (int64_t i = 0; i < size; ++i) total[i] += part[i];
+                         }
+                         for (int64_t col = 0; col < cols; ++col) {
+                           for (int k = 0; k < P; ++k) {
+                             bx.coef[(col * P + k) * nb + bi] = total[col * P + k];
+                           }
+                         }
+                       }
+                     });
 }
 
 // acc[i] = sum_k cf[k * nb + i] sv[i]^k for k < P, by Horner, vectorised over
@@ -301,17 +427,14 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void horner_boxes(
 
 // Taylor evaluation over boxes [b0, b1]: the same sums as window_sums over
 // those boxes' keys, each weight within a factor (1 +/- tau) when it returns
-// true; false (nothing written) when a box is too far for the bound.
+// true; false (nothing written to sums) when a box is too far for the bound.
 bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t b0, int64_t b1,
-                 Scratch& s, double* sums) {
+                 const Scratch& s, double* sums) {
   const int64_t nbq = b1 - b0 + 1, m = p.m, nb = bx.count;
   const int P = bx.order;
-  s.a.resize(static_cast<size_t>(nbq));
-  s.b.resize(static_cast<size_t>(nbq));
-  s.acc.resize(static_cast<size_t>(nbq));
-  double* e = s.a.data();
-  double* sv = s.b.data();
-  double* acc = s.acc.data();
+  double* e = s.a;
+  double* sv = s.b;
+  double* acc = s.acc;
   const TwoDiff qa = two_diff(q, xa);
   for (int64_t i = 0; i < nbq; ++i) {
     const double c = bx.centre[b0 + i];
@@ -327,7 +450,7 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
     fast::exp_shift_sum(e, 0.0, e, nbq);
   }
   for (int64_t col = 0; col <= m; ++col) {
-    const double* cf = bx.coef.data() + col * P * nb + b0;
+    const double* cf = bx.coef + col * P * nb + b0;
     horner_boxes(cf, nb, P, sv, nbq, acc);
     if (few) {
       double total = 0;
@@ -340,99 +463,82 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
   return true;
 }
 
-}  // namespace
-
-// keys: (Nk) sorted   values: (Nk, Dv)   queries: (Nq)   out: (Nq, Dv)
-const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
-                    const double* queries, int64_t t, double h, double rel_tol, double* out) {
-  // The largest coordinate decides between rel_exponent and its careful
-  // variant (one pass over the queries; keys are sorted).
-  double coord_max = std::max(std::abs(keys[0]), std::abs(keys[n - 1]));
-  for (int64_t i = 0; i < t; ++i) {
-    if (std::isfinite(queries[i])) coord_max = std::max(coord_max, std::abs(queries[i]));
-  }
+// gauss1d for coordinates that need no rescaling (needs_rescale false).
+const char* gauss1d_plain(const double* keys, const double* values, int64_t n, int64_t m,
+                          const double* queries, int64_t t, double h, double* out, const Plan& plan,
+                          Workspace workspace) {
   const double inv_h = 1.0 / h;
-  if (!(coord_max < kPlainLimit) && h >= 0x1p-1000 && coord_max * inv_h < kPlainLimit) {
-    // Coordinates beyond 2^1020 but an h that is not tiny: the same problem
-    // at 1/16 of the scale (exact for coordinates above 2^-1018; below, the
-    // scaling moves u by < 2^-1070 / h <= 2^-70) keeps the plain path and
-    // its Taylor boxes.
-    std::vector<double> k16(keys, keys + n), q16(queries, queries + t);
-    for (double& v : k16) v *= 0.0625;
-    for (double& v : q16) v *= 0.0625;
-    return gauss1d(k16.data(), values, n, m, q16.data(), t, h * 0.0625, rel_tol, out);
-  }
-  const bool careful = !(coord_max < kPlainLimit && coord_max * inv_h < kPlainLimit);
-  const Problem p{keys, values, n, m, h, inv_h, careful};
-  const bool exact = !(rel_tol >= 1e-12) || n <= kExactMaxKeys || n * t <= kExactMaxWork;
-  const double tol = std::min(rel_tol, 0.5);
-  // Analytic budget: tau for the Taylor remainder and tau for the dropped
-  // keys, each a relative perturbation of both sums; the ratio then moves by
-  // at most 2 (2 tau) / (1 - 2 tau) <= rel_tol / 2 of sum w|v| / sum w.
-  const double tau = tol / 8.0;
-  const double cutoff = std::log(static_cast<double>(n) / tau) + kCutoffMargin;
+  const Problem p{keys, values, n, m, h, inv_h, plan.careful};
+  const bool exact = plan.exact;
+  const double tau = plan.tau, cutoff = plan.cutoff;
   const double drop_factor = std::exp(-cutoff);
+  const int slots = workspace.num_threads;
+  double* cursor = workspace.data;
 
   // Queries in ascending order with their positions (NaN ones apart: their
   // outputs are NaN). Sorting (value, position) pairs, not positions, keeps
   // the query loop's reads sequential: the indirect version spent 60% of a
   // 1.1 s run at h = 10 x spread on cache misses reading queries[order[i]].
-  // Two halves sort in parallel and merge; ties break by position, so the
-  // order is the same for any thread count.
-  std::vector<std::pair<double, int64_t>> order;
-  order.reserve(static_cast<size_t>(t));
+  // Two halves sort in parallel and merge into a second slice; ties break by
+  // position, so the order is the same for any thread count.
+  SortedQuery* order = take_slice<SortedQuery>(&cursor, t);
+  int64_t tq = 0;
   for (int64_t i = 0; i < t; ++i) {
     if (std::isnan(queries[i])) {
       std::fill(out + i * m, out + (i + 1) * m, std::numeric_limits<double>::quiet_NaN());
     } else {
-      order.emplace_back(queries[i], i);
+      order[tq++] = {queries[i], i};
     }
   }
   if (!exact) {
-    const auto mid = order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2);
+    SortedQuery* const mid = order + tq / 2;
     kernels::parallel_for(2, [&](int64_t half) {
       if (half == 0) {
-        std::sort(order.begin(), mid);
+        std::sort(order, mid);
       } else {
-        std::sort(mid, order.end());
+        std::sort(mid, order + tq);
       }
     });
-    std::inplace_merge(order.begin(), mid, order.end());
+    SortedQuery* const merged = take_slice<SortedQuery>(&cursor, t);
+    std::merge(order, mid, mid, order + tq, merged);
+    order = merged;
   }
-  const int64_t tq = static_cast<int64_t>(order.size());
 
   // sum_j |v[j, c]|, for the numerator's share of the dropped keys.
-  std::vector<double> abs_sum(static_cast<size_t>(m), 0.0);
+  double* const abs_sum = take_slice<double>(&cursor, m);
+  std::fill(abs_sum, abs_sum + m, 0.0);
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t c = 0; c < m; ++c) abs_sum[c] += std::abs(values[j * m + c]);
   }
+  int64_t* const taylor_count = take_slice<int64_t>(&cursor, (t + kQueryBlock - 1) / kQueryBlock);
 
   Boxes bx;
-  bool use_taylor = false;
-  if (!exact && !careful) {
-    // Boxes are worth building only if they hold several keys each: count
-    // them first (cheap), then build the moments when count * P <= 2 n.
-    // Careful calls (h below 2^-1020 of the largest coordinate) skip the
-    // boxes: their moments' t = (x - c) / h and Horner sums are formed
-    // plainly; they sum windows, exact but slow only if many keys lie within
-    // a few such bandwidths (keys packed near 0 far below the largest).
-    int64_t count = 0;
-    for (int64_t j = 0; j < n;) {
-      const double end = keys[j] + kBoxWidth * h;
-      ++count;
-      j = std::upper_bound(keys + j, keys + n, end) - keys;
-    }
-    if (count * 24 <= 2 * n) {
-      bx = build_boxes(p, cutoff, tau);
-      use_taylor = bx.count * bx.order <= 2 * n;
-    }
+  const bool use_taylor = plan.num_boxes > 0;
+  if (use_taylor) {
+    bx.count = plan.num_boxes;
+    bx.order = plan.order;
+    bx.z_limit = plan.z_limit;
+    bx.first = take_slice<int64_t>(&cursor, bx.count + 1);
+    bx.of_key = take_slice<int32_t>(&cursor, n);
+    bx.centre = take_slice<double>(&cursor, bx.count);
+    bx.radius = take_slice<double>(&cursor, bx.count);
+    bx.coef = take_slice<double>(&cursor, (m + 1) * bx.order * bx.count);
+    double* const box_slots = cursor;
+    cursor += static_cast<size_t>(slots) * box_slot_words(m, bx.order);
+    build_boxes(p, bx, box_slots, slots);
   }
 
+  double* const query_slots = cursor;
+  const size_t slot_words = query_slot_words(m, plan.num_boxes);
   const int64_t tasks = (tq + kQueryBlock - 1) / kQueryBlock;
-  std::vector<int64_t> taylor_count(static_cast<size_t>(tasks), 0);
-  kernels::parallel_for(tasks, [&](int64_t task) {
+  parallel_for_slots(tasks, slots, [&](int64_t task, int slot) {
+    double* slot_cursor = query_slots + static_cast<size_t>(slot) * slot_words;
     Scratch s;
-    std::vector<double> sums(static_cast<size_t>(m + 1));
+    s.a = take_slice<double>(&slot_cursor, std::max(kChunk, plan.num_boxes));
+    s.b = take_slice<double>(&slot_cursor, plan.num_boxes);
+    s.acc = take_slice<double>(&slot_cursor, std::max(m, plan.num_boxes));
+    double* const sums = take_slice<double>(&slot_cursor, m + 1);
+    taylor_count[task] = 0;
     const int64_t i_end = std::min(tq, (task + 1) * kQueryBlock);
     for (int64_t i = task * kQueryBlock; i < i_end; ++i) {
       const auto [q, qi] = order[i];
@@ -452,7 +558,7 @@ const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t
       const double xa = keys[a];
       bool done = false;
       if (exact) {
-        window_sums(p, q, xa, 0, n, s, sums.data());
+        window_sums(p, q, xa, 0, n, s, sums);
         done = true;
       } else {
         const auto [lo, hi] = window_range(p, q, a, cutoff);
@@ -463,11 +569,11 @@ const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t
           const double taylor_cost =
               static_cast<double>(b1 - b0 + 1) * static_cast<double>((m + 1) * bx.order + 12);
           if (taylor_cost < window_cost) {
-            ok = taylor_sums(p, bx, q, xa, b0, b1, s, sums.data());
+            ok = taylor_sums(p, bx, q, xa, b0, b1, s, sums);
             if (ok) ++taylor_count[task];
           }
         }
-        if (!ok) window_sums(p, q, xa, lo, hi, s, sums.data());
+        if (!ok) window_sums(p, q, xa, lo, hi, s, sums);
         // The dropped keys' share of the numerator, e^{-L} sum|v|, must be
         // <= tau sum w|v|; |N| / 2 is a lower bound of that sum.
         done = true;
@@ -477,14 +583,57 @@ const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t
       }
       if (!done) {  // every key whose float64 weight is not 0
         const auto [lo, hi] = window_range(p, q, a, kUnderflowCutoff);
-        window_sums(p, q, xa, lo, hi, s, sums.data());
+        window_sums(p, q, xa, lo, hi, s, sums);
       }
       for (int64_t c = 0; c < m; ++c) o[c] = sums[1 + c] / sums[0];
     }
   });
   if (exact) return "exact";
-  const int64_t taylor = std::accumulate(taylor_count.begin(), taylor_count.end(), int64_t{0});
+  int64_t taylor = 0;
+  for (int64_t task = 0; task < tasks; ++task) taylor += taylor_count[task];
   return taylor > 0 ? "taylor" : "window";
+}
+
+}  // namespace
+
+size_t gauss1d_workspace_size(const double* keys, int64_t n, int64_t m, const double* queries,
+                              int64_t t, double h, double rel_tol, int num_threads) {
+  const int slots = std::max(num_threads, 1);
+  double scale = 1.0;
+  size_t words = 0;
+  if (needs_rescale(coord_max_of(keys, n, queries, t, 1.0), h, 1.0 / h)) {
+    // The keys and queries at 1/16 (k16, q16), then the rescaled call's.
+    words = slice_words<double>(n) + slice_words<double>(t);
+    scale = 0.0625;
+    h *= 0.0625;
+  }
+  const Plan plan =
+      make_plan(keys, n, t, coord_max_of(keys, n, queries, t, scale), h, 1.0 / h, rel_tol, scale);
+  return words + plain_workspace_words(plan, n, m, t, slots);
+}
+
+// keys: (Nk) sorted   values: (Nk, Dv)   queries: (Nq)   out: (Nq, Dv)
+const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
+                    const double* queries, int64_t t, double h, double rel_tol, double* out,
+                    Workspace workspace) {
+  assert(workspace.num_threads >= 1 && n >= 1);
+  // The largest coordinate decides between rel_exponent and its careful
+  // variant (one pass over the queries; keys are sorted).
+  double coord_max = coord_max_of(keys, n, queries, t, 1.0);
+  if (needs_rescale(coord_max, h, 1.0 / h)) {
+    double* cursor = workspace.data;
+    double* const k16 = take_slice<double>(&cursor, n);
+    double* const q16 = take_slice<double>(&cursor, t);
+    for (int64_t j = 0; j < n; ++j) k16[j] = keys[j] * 0.0625;
+    for (int64_t i = 0; i < t; ++i) q16[i] = queries[i] * 0.0625;
+    keys = k16;
+    queries = q16;
+    h *= 0.0625;
+    coord_max = coord_max_of(keys, n, queries, t, 1.0);
+    workspace.data = cursor;
+  }
+  const Plan plan = make_plan(keys, n, t, coord_max, h, 1.0 / h, rel_tol, 1.0);
+  return gauss1d_plain(keys, values, n, m, queries, t, h, out, plan, workspace);
 }
 
 }  // namespace qkv::kernels::fast

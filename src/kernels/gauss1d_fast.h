@@ -3,8 +3,10 @@
 // error. Algorithms, bounds and measured figures: docs/regression-fast-path.md.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
+#include "kernels/workspace.h"
 #include "qkv/kernel_regression_types.h"
 
 namespace qkv::kernels::fast {
@@ -36,10 +38,33 @@ inline bool gauss1d_supports(Kernel kernel, int64_t num_features) {
 // for rel_tol in [1e-12, 1e-9) only the analytic half is proven. rel_tol < 1e-12
 // (or NaN), n <= 32 or n * t <= 65536 take the exact path.
 // Deterministic for any thread count; throws nothing.
-// Unlike the exact kernels it still allocates its own scratch (the sort
-// order, the boxes and their Taylor coefficients): not yet on the workspace
-// contract of nadaraya_watson.h.
+//
+// Scratch: allocates nothing. The caller asks gauss1d_workspace_size, with the
+// same keys, queries, h, rel_tol and the thread count, and hands in a
+// Workspace of that many doubles (any 8-byte alignment). The query does the
+// cheap part of the kernel's set-up again: a pass over the queries (their
+// range decides a 1/16 rescaling) and, when the fast paths may build Taylor
+// boxes, counting them (O(boxes log n)). Its size, for t queries, n keys, m
+// value columns, B boxes, P Taylor terms (P = 19 at n = 10^6 and rel_tol =
+// 1e-7; at most 60) and T threads, in doubles, plus up to 9 words of
+// alignment slack per slice:
+//   4 t          the sorted (query, position) pairs and their merge (2 t on
+//                the exact path)
+//   n + t        the keys and queries at 1/16 (only for coordinates beyond
+//                2^1020)
+//   m + t / 256  the sums of |values|, a count per task
+//   n / 2 + B ((m + 1) P + 3) + T 2 (m + 1) P
+//                the boxes, only when the Taylor path is taken, which needs
+//                B <= n / 12 and B P <= 2 n: the moments are at most 2 (m + 1) n
+//   T (max(1024, B) + B + max(m, B) + m + 1)
+//                a query's exponents, weights and sums per thread
+// At n = t = 10^6, m = 1, T = 2, h = 0.01 x spread (B = 200): 36 MB, of which
+// 32 MB the sorted queries, 4 MB the keys' box numbers and 0.06 MB the
+// moments (h = 0.001 x spread, B = 2000: 36.8 MB).
+size_t gauss1d_workspace_size(const double* keys, int64_t n, int64_t m, const double* queries,
+                              int64_t t, double h, double rel_tol, int num_threads);
 const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
-                    const double* queries, int64_t t, double h, double rel_tol, double* out);
+                    const double* queries, int64_t t, double h, double rel_tol, double* out,
+                    Workspace workspace);
 
 }  // namespace qkv::kernels::fast
