@@ -6,7 +6,6 @@
 #include <cmath>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "check.h"
 #include "contiguous.h"
@@ -312,12 +311,14 @@ AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T
     if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
       const detail::Contiguous<T> wqc(params.w_q), wkc(params.w_k), wvc(params.w_v);
       const kernels::AdditiveParams<T> fast_params{wqc.view(), wkc.view(), wvc.view()};
-      // The kernel's scratch, allocated once per call (64-byte slices cut inside).
-      const int threads = num_threads();
-      std::vector<double> workspace(kernels::fast::additive_workspace_size(
-          qc.view(), kc.view(), vc.view(), fast_params, config, out, threads));
-      kernels::fast::additive(qc.view(), kc.view(), vc.view(), fast_params, config, out,
-                              {.data = workspace.data(), .num_threads = threads});
+      with_workspace(
+          [&](int threads) {
+            return kernels::fast::additive_workspace_size(qc.view(), kc.view(), vc.view(),
+                                                          fast_params, config, out, threads);
+          },
+          [&](kernels::Workspace ws) {
+            kernels::fast::additive(qc.view(), kc.view(), vc.view(), fast_params, config, out, ws);
+          });
       return result;
     }
   }
@@ -349,14 +350,16 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
       const detail::Contiguous<T> oc(saved.output), lc(saved.lse), gc(d_output);
       const kernels::AdditiveParams<T> fast_params{wqc.view(), wkc.view(), wvc.view()};
       const kernels::SavedViews<T> fast_saved{oc.view(), lc.view()};
-      // The kernel's scratch, allocated once per call (64-byte slices cut inside).
-      const int threads = num_threads();
-      std::vector<double> workspace(kernels::fast::additive_backward_workspace_size(
-          qc.view(), kc.view(), vc.view(), fast_params, config, fast_saved, gc.view(), out,
-          threads));
-      kernels::fast::additive_backward(qc.view(), kc.view(), vc.view(), fast_params, config,
-                                       fast_saved, gc.view(), out,
-                                       {.data = workspace.data(), .num_threads = threads});
+      with_workspace(
+          [&](int threads) {
+            return kernels::fast::additive_backward_workspace_size(qc.view(), kc.view(), vc.view(),
+                                                                   fast_params, config, fast_saved,
+                                                                   gc.view(), out, threads);
+          },
+          [&](kernels::Workspace ws) {
+            kernels::fast::additive_backward(qc.view(), kc.view(), vc.view(), fast_params, config,
+                                             fast_saved, gc.view(), out, ws);
+          });
       done = true;
     }
   }
