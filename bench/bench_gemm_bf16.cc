@@ -73,7 +73,7 @@ void BM_Sgemm(benchmark::State& state) {
   const Shape s = shape_of(state);
   const std::vector<float> a = random_floats(s.m * s.k, 1), b = random_floats(s.k * s.n, 2);
   std::vector<float> c(static_cast<size_t>(s.m * s.n), 0.0f);
-  qkv::kernels::init_blas_threads();
+  const qkv::kernels::BlasSingleThreaded blas;  // for the whole loop: each gemm then only counts
   for (auto _ : state) {
     qkv::kernels::gemm(s.ta, s.tb, s.m, s.n, s.k, s.alpha, a.data(), s.lda(), b.data(), s.ldb(),
                        s.beta, c.data(), s.n);

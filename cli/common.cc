@@ -294,34 +294,20 @@ const Shape& shape_of(const FloatTensor& tensor) {
 
 ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
                            const Shape& input_shape) {
-  return std::visit(
-      [&](const auto& tensor) -> ValidLens {
-        const Shape& shape = tensor.shape();
-        const auto mismatch = [&](const std::string& expected) {
-          throw UsageError(lens_input.describe() + " has shape " + shape.str() + " but " +
-                           against.describe() + " has shape " + input_shape.str() +
-                           "; expected " + expected);
-        };
-        if (input_shape.rank() == 3) {
-          // Sizes and values are the library's to check; only the rank is ours.
-          if (shape.rank() != 1 && shape.rank() != 2) {
-            mismatch(Shape{input_shape[0]}.str() + " or " +
+  const ValidLens given = std::visit([](const auto& tensor) -> ValidLens { return tensor.view(); },
+                                     lens);
+  if (input_shape.rank() != 3) {
+    return given.for_batch_of_one("", lens_input.describe(), against.describe(), input_shape);
+  }
+  // Sizes and values are the library's to check; only the rank is ours.
+  const Shape shape = given.shape();
+  if (shape.rank() != 1 && shape.rank() != 2) {
+    throw UsageError(lens_input.describe() + " has shape " + shape.str() + " but " +
+                     against.describe() + " has shape " + input_shape.str() + "; expected " +
+                     Shape{input_shape[0]}.str() + " or " +
                      Shape{input_shape[0], input_shape[1]}.str());
-          }
-          return tensor.view();
-        }
-        const int64_t num_queries = input_shape[0];
-        using View = decltype(tensor.view());
-        if (shape.rank() == 0 || shape == Shape{1}) return View(tensor.data(), Shape{1});
-        // (1, Nq) is the batched form of one length per query, for a batch of one.
-        if (shape == Shape{num_queries} || shape == Shape{1, num_queries}) {
-          return View(tensor.data(), Shape{1, num_queries});
-        }
-        mismatch(std::string("[] or [1] (one length), or ") + Shape{num_queries}.str() + " or " +
-                 Shape{1, num_queries}.str() + " (one per query)");
-        return {};  // unreachable: mismatch throws
-      },
-      lens);
+  }
+  return given;
 }
 
 ValidLens read_valid_lens(const std::string& path, const Input& against, const Shape& input_shape,

@@ -159,8 +159,9 @@ const Shape& shape_of(const FloatTensor& tensor);
 
 // The valid lengths as the library takes them, (B) or (B, Nq), for an input
 // (`against`, of shape `input_shape`) that is 3-D (B, Nq, .) or 2-D (Nq, .),
-// a batch of one. For 2-D inputs `lens` is a scalar or (1): one length, or
-// (Nq) or (1, Nq): one per query. Other shapes are an error naming both files.
+// a batch of one. For 2-D inputs ValidLens::for_batch_of_one's rule (a
+// scalar or (1): one length; (Nq) or (1, Nq): one per query). Other shapes are
+// an error naming both files.
 // A view of `lens` (reshaped, not copied), which must outlive it.
 ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
                            const Shape& input_shape);

@@ -1,6 +1,8 @@
 // ValidLens: shape checks and the owning copy.
 #include "qkv/valid_lens.h"
 
+#include <string>
+
 #include "qkv/error.h"
 
 namespace qkv {
@@ -49,6 +51,42 @@ Tensor<int64_t> ValidLens::to_tensor() const {
     for (int64_t i = 0; i < rows; ++i) out.data()[b * rows + i] = (*this)(b, i, 0);
   }
   return out;
+}
+
+namespace {
+
+template <class I>
+ValidLens batch_of_one(ConstView<I> lens, std::string_view function, std::string_view lens_name,
+                       std::string_view input_name, const Shape& input_shape) {
+  const Shape& shape = lens.shape();
+  const int64_t num_queries = input_shape[0];
+  // One length: a scalar, or (1) (which is also (Nq) when Nq = 1: the same meaning).
+  if (shape.rank() == 0 || shape == Shape{1}) {
+    return ConstView<I>(lens.data(), Shape{1}, Shape{0});
+  }
+  // (1, Nq) is the batched form of one length per query.
+  if (shape == Shape{num_queries} || shape == Shape{1, num_queries}) {
+    const int64_t stride = lens.stride(lens.rank() - 1);
+    return ConstView<I>(lens.data(), Shape{1, num_queries}, Shape{0, stride});
+  }
+  fail(function, std::string(lens_name) + " has shape " + shape.str() + " but " +
+                     std::string(input_name) + " has shape " + input_shape.str() +
+                     "; expected [] or [1] (one length), or " + Shape{num_queries}.str() + " or " +
+                     Shape{1, num_queries}.str() + " (one per query)");
+}
+
+}  // namespace
+
+ValidLens ValidLens::for_batch_of_one(std::string_view function, std::string_view lens_name,
+                                      std::string_view input_name,
+                                      const Shape& input_shape) const {
+  if (const auto* v32 = std::get_if<ConstView<int32_t>>(&lens_)) {
+    return batch_of_one(*v32, function, lens_name, input_name, input_shape);
+  }
+  if (const auto* v64 = std::get_if<ConstView<int64_t>>(&lens_)) {
+    return batch_of_one(*v64, function, lens_name, input_name, input_shape);
+  }
+  return {};
 }
 
 }  // namespace qkv

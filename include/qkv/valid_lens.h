@@ -50,6 +50,17 @@ class ValidLens {
   // An owning copy as int64 (B) or (B, Nq); empty Tensor when absent.
   Tensor<int64_t> to_tensor() const;
 
+  // The lengths of a batch of one: 2-D inputs (scores (Nq, Nk), queries
+  // (Nq, D)) stand for a batch of one, as in the qkv command and the Python
+  // bindings. A scalar or (1) is one length; (Nq) or (1, Nq) one per query.
+  // Returns the same memory viewed as (1) or (1, Nq) (absent stays absent);
+  // the values are checked later, by check(). Throws Error otherwise:
+  //   "<function>: <lens_name> has shape [4] but <input_name> has shape
+  //    [3, 5]; expected [] or [1] (one length), or [3] or [1, 3] (one per query)"
+  // (the message alone when `function` is empty).
+  ValidLens for_batch_of_one(std::string_view function, std::string_view lens_name,
+                             std::string_view input_name, const Shape& input_shape) const;
+
  private:
   std::variant<std::monostate, ConstView<int32_t>, ConstView<int64_t>> lens_;
 };

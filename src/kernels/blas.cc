@@ -10,9 +10,28 @@
 
 namespace qkv::kernels {
 
-void init_blas_threads() {
-  static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
+namespace {
+
+// The live guards and the OpenBLAS thread count before the first of them.
+std::mutex blas_threads_mutex;
+int blas_guards = 0;
+int blas_threads_before = 1;
+
+}  // namespace
+
+BlasSingleThreaded::BlasSingleThreaded() {
+  const std::lock_guard<std::mutex> lock(blas_threads_mutex);
+  if (blas_guards++ == 0) {
+    blas_threads_before = openblas_get_num_threads();
+    if (blas_threads_before != 1) openblas_set_num_threads(1);
+  }
+}
+
+BlasSingleThreaded::~BlasSingleThreaded() {
+  const std::lock_guard<std::mutex> lock(blas_threads_mutex);
+  if (--blas_guards == 0 && blas_threads_before != 1) {
+    openblas_set_num_threads(blas_threads_before);
+  }
 }
 
 int current_num_threads() { return qkv::num_threads(); }
@@ -39,6 +58,7 @@ int64_t ld(int64_t given, int64_t row_length) { return std::max<int64_t>({given,
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (trivial_gemm(m, n, k, beta, c, ldc)) return;
+  const BlasSingleThreaded blas;
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, ld(lda, trans_a ? m : k), b,
               ld(ldb, trans_b ? k : n), beta, c, ld(ldc, n));
@@ -48,6 +68,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double al
           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
           int64_t ldc) {
   if (trivial_gemm(m, n, k, beta, c, ldc)) return;
+  const BlasSingleThreaded blas;
   cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, ld(lda, trans_a ? m : k), b,
               ld(ldb, trans_b ? k : n), beta, c, ld(ldc, n));

@@ -593,7 +593,6 @@ void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float al
   }
 #endif
   widen_rows(a, lda, trans_a ? k : m, trans_a ? m : k, a_st.wide);
-  kernels::init_blas_threads();
   kernels::gemm(trans_a, false, m, n, k, alpha, a_st.wide, trans_a ? m : k, b.wide, n, beta, c,
                 ldc);
 }

@@ -9,16 +9,28 @@
 
 namespace qkv::kernels {
 
-// Makes OpenBLAS single-threaded (once per process); called before any task
-// runs (kernels/blas.cc).
-void init_blas_threads();
+// Keeps OpenBLAS single-threaded while it lives (kernels/blas.cc): qkv calls
+// the BLAS from inside its own tasks, and OpenBLAS's threads would fight
+// them for the cores. The first of any number of live guards (nested, or on
+// other threads) sets OpenBLAS to one thread and the last restores the count
+// it had, so a program that also uses OpenBLAS itself (NumPy and PyTorch in
+// a Python process load the same libopenblas) keeps its threads between qkv
+// calls. parallel_for and every BLAS call of qkv hold one.
+class BlasSingleThreaded {
+ public:
+  BlasSingleThreaded();
+  ~BlasSingleThreaded();
+  BlasSingleThreaded(const BlasSingleThreaded&) = delete;
+  BlasSingleThreaded& operator=(const BlasSingleThreaded&) = delete;
+};
+
 int current_num_threads();
 
 // Runs body(task) for task in [0, num_tasks), in parallel when there is more
 // than one thread. body must not throw.
 template <class Body>
 void parallel_for(int64_t num_tasks, Body&& body) {
-  init_blas_threads();
+  const BlasSingleThreaded blas;
   const int threads = current_num_threads();
   if (threads <= 1 || num_tasks <= 1) {
     for (int64_t t = 0; t < num_tasks; ++t) body(t);

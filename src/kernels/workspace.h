@@ -78,7 +78,7 @@ size_t counted_words(Layout&& layout) {
 // later task reads.
 template <class Body>
 void parallel_for_slots(int64_t num_tasks, int num_slots, Body&& body) {
-  init_blas_threads();
+  const BlasSingleThreaded blas;
   const int threads = std::min(current_num_threads(), std::max(num_slots, 1));
   if (threads <= 1 || num_tasks <= 1) {
     for (int64_t t = 0; t < num_tasks; ++t) body(t, 0);

@@ -1,0 +1,78 @@
+"""qkv: attention pooling in fast, exact C++, for NumPy (and, in qkv.torch, PyTorch).
+
+The functions here take NumPy arrays (float32 or float64, any strides: they
+are read in place, never copied) and return new arrays:
+
+    masked_softmax, masked_softmax_backward
+    scaled_dot_product_attention, scaled_dot_product_attention_backward
+    additive_attention, additive_attention_backward
+    attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
+    nadaraya_watson, KernelRegression, silverman_bandwidth, scott_bandwidth, train_parametric
+    set_num_threads, get_num_threads, simd_target, simd_targets, set_simd_target
+
+Shapes are d2l's: queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv),
+valid_lens None, (B) or (B, Nq); 2-D inputs are a batch of one. Bad
+arguments raise qkv.Error (a ValueError) with the C++ library's message, or
+a TypeError for a wrong dtype. The computing calls release the GIL.
+
+`import qkv.torch` for autograd functions and d2l's modules on the same
+kernels. docs/python.md has the whole story.
+"""
+
+from ._qkv import (  # noqa: F401  (the public API, re-exported)
+    AdditiveAttentionGrads,
+    Error,
+    IoError,
+    KernelRegression,
+    ScaledDotProductAttentionGrads,
+    __version__,
+    additive_attention,
+    additive_attention_backward,
+    attention_pooling,
+    average_pooling,
+    get_num_threads,
+    masked_softmax,
+    masked_softmax_backward,
+    nadaraya_watson,
+    one_hot_lookup,
+    one_hot_weights,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+    scott_bandwidth,
+    set_num_threads,
+    set_simd_target,
+    silverman_bandwidth,
+    simd_target,
+    simd_targets,
+    train_parametric,
+    uniform_weights,
+)
+
+__all__ = [
+    "AdditiveAttentionGrads",
+    "Error",
+    "IoError",
+    "KernelRegression",
+    "ScaledDotProductAttentionGrads",
+    "__version__",
+    "additive_attention",
+    "additive_attention_backward",
+    "attention_pooling",
+    "average_pooling",
+    "get_num_threads",
+    "masked_softmax",
+    "masked_softmax_backward",
+    "nadaraya_watson",
+    "one_hot_lookup",
+    "one_hot_weights",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "scott_bandwidth",
+    "set_num_threads",
+    "set_simd_target",
+    "silverman_bandwidth",
+    "simd_target",
+    "simd_targets",
+    "train_parametric",
+    "uniform_weights",
+]

@@ -1,0 +1,403 @@
+"""qkv.torch: qkv's fused attention kernels for PyTorch.
+
+Autograd functions whose forward and backward run qkv's kernels (no (B, Nq,
+Nk) buffer in either, dropout replayed in the backward from its seed), and
+d2l's attention modules on them:
+
+    masked_softmax(X, valid_lens=None)
+    scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, *, valid_lens=None, seed=None)
+    additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
+                       dropout_p=0.0, seed=None)
+    DotProductAttention(dropout), AdditiveAttention(key_size, query_size, num_hiddens, dropout)
+
+CPU tensors, float32 and float64 (and torch.bfloat16 for scaled dot-product
+attention). Tensors reach the kernels as views of their memory; results are
+new tensors. docs/python.md maps this module to the book's code.
+"""
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import _qkv
+
+__all__ = [
+    "AdditiveAttention",
+    "DotProductAttention",
+    "additive_attention",
+    "masked_softmax",
+    "scaled_dot_product_attention",
+]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def _check(fn, name, tensor, dtypes=_FLOATS):
+    """A CPU tensor of one of `dtypes`, or a clear error naming it."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn}: {name} is a {type(tensor).__name__}; expected a torch.Tensor")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} is on {tensor.device}; qkv computes on the CPU "
+                         f"(move the tensors there with .cpu())")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{fn}: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                        f"expected {names}")
+    return tensor
+
+
+def _same_dtype(fn, first, tensors):
+    for name, t in tensors:
+        if t.dtype != first[1].dtype:
+            raise TypeError(f"{fn}: {name} has dtype {str(t.dtype).removeprefix('torch.')} but "
+                            f"{first[0]} has {str(first[1].dtype).removeprefix('torch.')}; "
+                            f"pass all of them in one dtype")
+
+
+def _array(tensor):
+    """The tensor's memory as a NumPy array (no copy); bf16 as its int16 bits."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
+
+
+def _lens(fn, valid_lens):
+    """valid_lens for the kernels: None, or an integer array (no copy of a CPU tensor)."""
+    if valid_lens is None:
+        return None
+    if isinstance(valid_lens, torch.Tensor):
+        if valid_lens.device.type != "cpu":
+            raise ValueError(f"{fn}: valid_lens is on {valid_lens.device}; qkv computes on the CPU")
+        if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
+            raise TypeError(f"{fn}: valid_lens has dtype "
+                            f"{str(valid_lens.dtype).removeprefix('torch.')}; expected integers")
+        return valid_lens.detach().numpy()
+    return valid_lens
+
+
+def _draw_seed():
+    """A dropout seed from torch's default generator: torch.manual_seed makes runs repeatable."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ---- masked softmax -------------------------------------------------------------
+
+class _MaskedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, lens):
+        weights = torch.from_numpy(_qkv.masked_softmax(_array(X), lens))
+        ctx.lens = lens
+        ctx.save_for_backward(weights)
+        return weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_weights):
+        (weights,) = ctx.saved_tensors
+        d_scores = _qkv.masked_softmax_backward(_array(weights), _array(d_weights), ctx.lens)
+        return torch.from_numpy(d_scores), None
+
+
+def masked_softmax(X, valid_lens=None):
+    """Softmax over the last axis with the keys past each row's valid length masked
+    exactly (d2l's masked_softmax, without its -1e6 sentinel: a row with length 0
+    is all zeros). Differentiable in X.
+
+    Arguments:
+        X: the scores, (B, Nq, Nk) or (Nq, Nk), float32 or float64, CPU.
+        valid_lens: None, (B) or (B, Nq) integers (tensor, array or list).
+
+    Returns:
+        The weights, a new tensor of X's shape and dtype.
+
+    Raises:
+        TypeError: X not a float32/float64 tensor, valid_lens not integers.
+        ValueError: a tensor not on the CPU; qkv.Error (a ValueError) for
+            shapes that do not fit or lengths outside [0, Nk].
+
+    >>> import torch, qkv.torch
+    >>> qkv.torch.masked_softmax(torch.zeros(1, 2, 4), torch.tensor([3]))
+    tensor([[[0.3333, 0.3333, 0.3333, 0.0000],
+             [0.3333, 0.3333, 0.3333, 0.0000]]])
+    """
+    _check("masked_softmax", "X", X)
+    return _MaskedSoftmax.apply(X, _lens("masked_softmax", valid_lens))
+
+
+# ---- scaled dot-product attention ------------------------------------------------
+
+class _Sdpa(torch.autograd.Function):
+    """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) -> (output, weights)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, need_grad):
+        ctx.config = (lens, scale, dropout_p, seed)
+        if query.dtype == torch.bfloat16:
+            out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
+                _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
+                want_weights, need_grad)
+            output = torch.from_numpy(out)  # float32, as the bf16 backward wants it saved
+            result = output.to(torch.bfloat16)
+            weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
+        else:
+            parts = _qkv.scaled_dot_product_attention(
+                _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
+                seed=seed, return_weights=want_weights, return_lse=need_grad)
+            parts = list(parts) if want_weights or need_grad else [parts]
+            output = result = torch.from_numpy(parts.pop(0))
+            weights = torch.from_numpy(parts.pop(0)) if want_weights else None
+            lse = parts.pop(0) if need_grad else None
+        if need_grad:
+            ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
+        if weights is None:
+            weights = query.new_empty(0)
+        ctx.mark_non_differentiable(weights)
+        return result, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_output, _d_weights):
+        query, key, value, output, lse = ctx.saved_tensors
+        lens, scale, dropout_p, seed = ctx.config
+        if query.dtype == torch.bfloat16:
+            grads = _qkv._scaled_dot_product_attention_bf16_backward(
+                _array(query), _array(key), _array(value), _array(output), _array(lse),
+                _array(d_output.float()), lens, scale, dropout_p, seed)
+            grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
+        else:
+            grads = _qkv.scaled_dot_product_attention_backward(
+                _array(query), _array(key), _array(value), _array(output), _array(lse),
+                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed)
+            grads = [torch.from_numpy(g) for g in grads]
+        return (*grads, None, None, None, None, None, None)
+
+
+def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights):
+    """Checks, folds leading axes into one batch axis, runs _Sdpa; (output, weights)."""
+    dtypes = _FLOATS + (torch.bfloat16,)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check(fn, name, t, dtypes)
+    _same_dtype(fn, ("query", query), (("key", key), ("value", value)))
+    if query.dim() < 2 or not query.dim() == key.dim() == value.dim():
+        raise ValueError(f"{fn}: query, key and value must have the same rank, at least 2 "
+                         f"((..., Nq, D), (..., Nk, D), (..., Nk, Dv)); got shapes "
+                         f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    lead = query.shape[:-2]
+    if key.shape[:-2] != lead or value.shape[:-2] != lead:
+        raise ValueError(f"{fn}: query, key and value must share their leading axes; got "
+                         f"shapes {list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    if valid_lens is not None and query.dim() > 3:
+        raise ValueError(f"{fn}: valid_lens takes 3-D (B, Nq, D) or 2-D inputs; got query "
+                         f"{list(query.shape)} (fold the heads into the batch, as d2l's "
+                         f"MultiHeadAttention does)")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
+    lens = _lens(fn, valid_lens)
+    if dropout_p > 0 and seed is None:
+        seed = _draw_seed()
+    need_grad = _needs_grad(query, key, value)
+    # 2-D inputs go as they are (the kernels take them as a batch of one);
+    # more leading axes are folded into one batch axis (a copy where their
+    # strides do not fold).
+    q, k, v = (t if t.dim() == 2 else t.reshape(-1, *t.shape[-2:]) for t in (query, key, value))
+    output, weights = _Sdpa.apply(q, k, v, lens, scale, float(dropout_p), seed or 0,
+                                  want_weights, need_grad)
+    output = output.reshape(*lead, *output.shape[-2:])
+    if want_weights:
+        weights = weights.reshape(*lead, *weights.shape[-2:])
+    return output, weights if want_weights else None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, *, valid_lens=None, seed=None):
+    """softmax(Q K^T * scale) V on qkv's fused kernels, differentiable in query, key, value.
+
+    torch 2.x's torch.nn.functional.scaled_dot_product_attention signature (a
+    drop-in where Debian's torch 1.13 has none), plus d2l's valid_lens.
+
+    Arguments:
+        query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
+            tensors of one dtype: float32, float64 or bfloat16 (bf16 computes
+            in float32 and rounds the result). Any strides.
+        attn_mask, is_causal: not supported yet (issue 15 brings masks); a
+            value other than the default raises NotImplementedError.
+        dropout_p: drop probability on the weights, applied whenever > 0 (as
+            in torch); kept weights scaled by 1/(1 - p).
+        scale: multiplies Q K^T; default 1/sqrt(D).
+        valid_lens: d2l's lengths for 3-D inputs, (B) or (B, Nq) integers:
+            keys j >= the length get weight 0 (a query with length 0 gives 0).
+        seed: the dropout mask's seed; None draws one from torch's default
+            generator (torch.manual_seed makes the run repeatable).
+
+    Returns:
+        The output (..., Nq, Dv), query's dtype.
+
+    Raises:
+        NotImplementedError: attn_mask or is_causal given.
+        TypeError: a dtype qkv does not compute in, or mixed dtypes.
+        ValueError: tensors not on the CPU, shapes that do not fit,
+            dropout_p outside [0, 1] (qkv.Error, a ValueError, from the kernels).
+
+    >>> q = torch.ones(2, 1, 2); k = torch.ones(2, 10, 2)
+    >>> v = torch.arange(40.0).reshape(1, 10, 4).repeat(2, 1, 1)
+    >>> qkv.torch.scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([2, 6]))
+    tensor([[[ 2.,  3.,  4.,  5.]],
+    <BLANKLINE>
+            [[10., 11., 12., 13.]]])
+    """
+    fn = "scaled_dot_product_attention"
+    if attn_mask is not None:
+        raise NotImplementedError(f"qkv.torch.{fn}: attn_mask is not supported yet (masks "
+                                  f"arrive with issue 15); use valid_lens for d2l's lengths")
+    if is_causal:
+        raise NotImplementedError(f"qkv.torch.{fn}: is_causal is not supported yet (masks "
+                                  f"arrive with issue 15)")
+    return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False)[0]
+
+
+# ---- additive attention ------------------------------------------------------------
+
+class _Additive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights,
+                need_grad):
+        ctx.config = (lens, dropout_p, seed)
+        parts = _qkv.additive_attention(
+            _array(queries), _array(keys), _array(values), _array(W_q), _array(W_k), _array(w_v),
+            lens, dropout=dropout_p, seed=seed, return_weights=want_weights,
+            return_lse=need_grad)
+        parts = list(parts) if want_weights or need_grad else [parts]
+        output = torch.from_numpy(parts.pop(0))
+        weights = torch.from_numpy(parts.pop(0)) if want_weights else queries.new_empty(0)
+        if need_grad:
+            ctx.save_for_backward(queries, keys, values, W_q, W_k, w_v, output,
+                                  torch.from_numpy(parts.pop(0)))
+        ctx.mark_non_differentiable(weights)
+        return output, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_output, _d_weights):
+        saved = ctx.saved_tensors
+        lens, dropout_p, seed = ctx.config
+        grads = _qkv.additive_attention_backward(*(_array(t) for t in saved), _array(d_output),
+                                                 lens, dropout=dropout_p, seed=seed)
+        return (*(torch.from_numpy(g) for g in grads), None, None, None, None, None)
+
+
+def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed,
+              want_weights):
+    named = (("queries", queries), ("keys", keys), ("values", values), ("W_q", W_q),
+             ("W_k", W_k), ("w_v", w_v))
+    for name, t in named:
+        _check(fn, name, t)
+    _same_dtype(fn, named[0], named[1:])
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
+    if dropout_p > 0 and seed is None:
+        seed = _draw_seed()
+    need_grad = _needs_grad(*(t for _, t in named))
+    output, weights = _Additive.apply(queries, keys, values, W_q, W_k, w_v,
+                                      _lens(fn, valid_lens), float(dropout_p), seed or 0,
+                                      want_weights, need_grad)
+    return output, weights if want_weights else None
+
+
+def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *, dropout_p=0.0,
+                       seed=None):
+    """Additive attention, score = w_v^T tanh(W_q q + W_k k), on qkv's fused kernels;
+    differentiable in the inputs and the three parameters.
+
+    Arguments:
+        queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
+            2-D, a batch of one); W_q (H, Dq), W_k (H, Dk), w_v (1, H) or (H):
+            nn.Linear weights. float32 or float64 CPU tensors, one dtype.
+        valid_lens: None, (B) or (B, Nq) integers.
+        dropout_p: drop probability on the weights, applied whenever > 0.
+        seed: the dropout mask's seed; None draws one from torch's generator.
+
+    Returns:
+        The output (B, Nq, Dv).
+
+    >>> W_q, W_k, w_v = torch.randn(8, 20), torch.randn(8, 2), torch.randn(1, 8)
+    >>> qkv.torch.additive_attention(torch.randn(2, 1, 20), k, v, W_q, W_k, w_v,
+    ...                              torch.tensor([2, 6])).shape
+    torch.Size([2, 1, 4])
+    """
+    return _additive("additive_attention", queries, keys, values, W_q, W_k, w_v, valid_lens,
+                     dropout_p, seed, False)[0]
+
+
+# ---- d2l's modules ---------------------------------------------------------------------
+
+class DotProductAttention(nn.Module):
+    """d2l's DotProductAttention on qkv's fused kernels: same constructor, forward,
+    attention_weights and (empty) state_dict.
+
+    Dropout follows the module's training mode, with a fresh mask per forward
+    drawn from torch's default generator. attention_weights (the weights
+    before dropout, detached) is set by each forward; keep_attention_weights=False
+    skips computing it, for speed.
+
+    >>> attention = qkv.torch.DotProductAttention(dropout=0.5)
+    >>> attention.eval()
+    DotProductAttention(
+      (dropout): Dropout(p=0.5, inplace=False)
+    )
+    >>> attention(q, k, v, torch.tensor([2, 6]))
+    tensor([[[ 2.,  3.,  4.,  5.]],
+    <BLANKLINE>
+            [[10., 11., 12., 13.]]])
+    """
+
+    def __init__(self, dropout, keep_attention_weights=True, **kwargs):
+        super().__init__(**kwargs)
+        # The probability lives where d2l keeps it (module.dropout.p); qkv's
+        # kernel applies it.
+        self.dropout = nn.Dropout(dropout)
+        self.keep_attention_weights = keep_attention_weights
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        p = self.dropout.p if self.training else 0.0
+        output, weights = _sdpa("DotProductAttention", queries, keys, values, valid_lens, None,
+                                p, None, self.keep_attention_weights)
+        self.attention_weights = weights
+        return output
+
+
+class AdditiveAttention(nn.Module):
+    """d2l's AdditiveAttention on qkv's fused kernels: the same constructor and
+    parameters (W_k, W_q, w_v as nn.Linear without bias), so a state_dict of the
+    book's module loads into this one and gives the same outputs and gradients.
+
+    >>> attention = qkv.torch.AdditiveAttention(key_size=2, query_size=20, num_hiddens=8,
+    ...                                         dropout=0.1)
+    >>> attention.eval()(torch.randn(2, 1, 20), k, v, torch.tensor([2, 6])).shape
+    torch.Size([2, 1, 4])
+    """
+
+    def __init__(self, key_size, query_size, num_hiddens, dropout, keep_attention_weights=True,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
+        self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
+        self.w_v = nn.Linear(num_hiddens, 1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.keep_attention_weights = keep_attention_weights
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        p = self.dropout.p if self.training else 0.0
+        output, weights = _additive("AdditiveAttention", queries, keys, values, self.W_q.weight,
+                                    self.W_k.weight, self.w_v.weight, valid_lens, p, None,
+                                    self.keep_attention_weights)
+        self.attention_weights = weights
+        return output
+

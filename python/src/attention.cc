@@ -1,0 +1,487 @@
+// Scaled dot-product and additive attention, forward and backward, for
+// NumPy arrays (float32, float64), and the bf16 entry points qkv.torch uses
+// for torch.bfloat16 tensors. Inputs are views over the caller's arrays;
+// forward results are new arrays qkv writes into; gradients are the
+// library's tensors handed to NumPy without a copy.
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "arrays.h"
+#include "bindings.h"
+#include "qkv/attention.h"
+
+namespace qkv::python {
+namespace {
+
+constexpr std::string_view kSdpa = "scaled_dot_product_attention";
+constexpr std::string_view kSdpaBackward = "scaled_dot_product_attention_backward";
+constexpr std::string_view kAdditive = "additive_attention";
+constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
+
+// The gradient tuples (namedtuples made at import, attributes of the module).
+py::handle sdpa_grads_type, additive_grads_type;
+
+AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_t seed) {
+  AttentionOptions options;
+  options.scale = scale;
+  options.dropout = dropout;
+  // The functional form has no training mode: dropout applies when p > 0,
+  // as in torch.nn.functional.
+  options.training = dropout > 0.0;
+  options.seed = seed;
+  return options;
+}
+
+// 2-D inputs are a batch of one: every tensor whose rank is its unbatched
+// rank gets a leading axis of 1 (one of another rank is left for the
+// library's shape check to name).
+template <class V>
+V batched(const V& view, bool batch_of_one, int unbatched_rank) {
+  return batch_of_one && view.rank() == unbatched_rank ? view.unsqueeze0() : view;
+}
+
+Shape result_shape(const Shape& batched_shape, bool batch_of_one) {
+  return batch_of_one ? without_batch(batched_shape) : batched_shape;
+}
+
+// The queries, keys and values of a call, as float arrays of one dtype and
+// one rank (3, or 2 for a batch of one).
+struct Tensors {
+  std::vector<py::array> arrays;
+  Dtype dtype;
+  bool batch_of_one;
+};
+
+Tensors float_arrays(std::string_view fn, const std::vector<std::pair<const char*, py::handle>>& args,
+                     int num_inputs, bool additive = false) {
+  Tensors t;
+  for (const auto& [name, obj] : args) t.arrays.push_back(float_array(obj, fn, name));
+  t.dtype = dtype_of(t.arrays[0]);
+  for (size_t i = 1; i < args.size(); ++i) {
+    check_same_dtype(t.arrays[i], t.dtype, fn, args[i].first, args[0].first);
+  }
+  check_rank_2_or_3(t.arrays[0], fn, args[0].first, additive ? "(B, Nq, Dq)" : "(B, Nq, D)",
+                    additive ? "(Nq, Dq)" : "(Nq, D)");
+  std::vector<std::pair<std::string_view, const py::array*>> inputs;
+  for (int i = 0; i < num_inputs; ++i) inputs.emplace_back(args[i].first, &t.arrays[i]);
+  check_same_rank(inputs, fn);
+  t.batch_of_one = t.arrays[0].ndim() == 2;
+  return t;
+}
+
+ValidLens lens_of(py::handle obj, std::string_view fn, bool batch_of_one, const Shape& q_shape,
+                  py::object& storage) {
+  const ValidLens lens = valid_lens_of(obj, fn, storage);
+  return batch_of_one ? lens.for_batch_of_one(fn, "valid_lens", "queries", q_shape) : lens;
+}
+
+py::object forward_result(py::object output, std::optional<py::object> weights,
+                          std::optional<py::object> lse) {
+  if (!weights && !lse) return output;
+  py::list parts;
+  parts.append(output);
+  if (weights) parts.append(*weights);
+  if (lse) parts.append(*lse);
+  return py::tuple(parts);
+}
+
+// ---- forward (float, double): into new arrays -----------------------------
+
+template <class T>
+py::object forward(std::string_view fn, Tensors& t, const std::optional<AdditiveWeights<T>>& additive,
+                   py::handle lens_obj, const AttentionOptions& options, bool want_weights,
+                   bool want_lse) {
+  const bool one = t.batch_of_one;
+  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  py::object lens_storage;
+  const ValidLens lens = lens_of(lens_obj, fn, one, shape_of(t.arrays[0]), lens_storage);
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
+  auto [output, output_view] = new_array<T>(result_shape(Shape{batch, nq, dv}, one));
+  AttentionOutputs<T> outputs{batched(output_view, one, 2), std::nullopt, std::nullopt};
+  std::optional<py::object> weights, lse;
+  if (want_weights) {
+    auto [array, view] = new_array<T>(result_shape(Shape{batch, nq, nk}, one));
+    weights = array;
+    outputs.weights = batched(view, one, 2);
+  }
+  if (want_lse) {
+    auto [array, view] = new_array<T>(result_shape(Shape{batch, nq}, one));
+    lse = array;
+    outputs.lse = batched(view, one, 1);
+  }
+  {
+    py::gil_scoped_release release;
+    if (additive) {
+      additive_attention(q, k, v, *additive, lens, options, outputs);
+    } else {
+      scaled_dot_product_attention(q, k, v, lens, options, outputs);
+    }
+  }
+  return forward_result(output, weights, lse);
+}
+
+py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
+                   std::optional<double> scale, double dropout, py::handle seed,
+                   bool return_weights, bool return_lse) {
+  Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpa));
+  if (t.dtype == Dtype::kFloat32) {
+    return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse);
+  }
+  return forward<double>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse);
+}
+
+template <class T>
+AdditiveWeights<T> additive_weights(Tensors& t) {
+  return {view_of<T>(t.arrays[3]), view_of<T>(t.arrays[4]), view_of<T>(t.arrays[5])};
+}
+
+py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q, py::handle w_k,
+                       py::handle w_v, py::handle valid_lens, double dropout, py::handle seed,
+                       bool return_weights, bool return_lse) {
+  Tensors t = float_arrays(
+      kAdditive,
+      {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3,
+      true);
+  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive));
+  if (t.dtype == Dtype::kFloat32) {
+    return forward<float>(kAdditive, t, additive_weights<float>(t), valid_lens, options,
+                          return_weights, return_lse);
+  }
+  return forward<double>(kAdditive, t, additive_weights<double>(t), valid_lens, options,
+                         return_weights, return_lse);
+}
+
+// ---- backward (float, double) ---------------------------------------------
+
+// The saved forward and d_output of a backward call: arrays 3, 4, 5 of `t`
+// for SDPA (after queries, keys, values), 6, 7, 8 for additive.
+template <class T>
+struct Saved {
+  SavedForward<T> saved;
+  ConstView<T> d_output;
+};
+
+template <class T>
+Saved<T> saved_of(Tensors& t, size_t first) {
+  const bool one = t.batch_of_one;
+  return {{batched(view_of<T>(t.arrays[first]), one, 2),
+           batched(view_of<T>(t.arrays[first + 1]), one, 1)},
+          batched(view_of<T>(t.arrays[first + 2]), one, 2)};
+}
+
+template <class T>
+py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
+  const bool one = t.batch_of_one;
+  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  const Saved<T> s = saved_of<T>(t, 3);
+  py::object lens_storage;
+  const ValidLens lens =
+      lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
+  DotProductGrads<T> g;
+  {
+    py::gil_scoped_release release;
+    g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output);
+  }
+  return sdpa_grads_type(to_numpy(std::move(g.d_queries), result_shape(q.shape(), one)),
+                         to_numpy(std::move(g.d_keys), result_shape(k.shape(), one)),
+                         to_numpy(std::move(g.d_values), result_shape(v.shape(), one)));
+}
+
+py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
+                            py::handle lse, py::handle d_output, py::handle valid_lens,
+                            std::optional<double> scale, double dropout, py::handle seed) {
+  Tensors t = float_arrays(kSdpaBackward,
+                           {{"queries", q},
+                            {"keys", k},
+                            {"values", v},
+                            {"output", output},
+                            {"lse", lse},
+                            {"d_output", d_output}},
+                           3);
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward));
+  return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
+                                    : sdpa_backward<double>(t, valid_lens, options);
+}
+
+template <class T>
+py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
+  const bool one = t.batch_of_one;
+  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  const AdditiveWeights<T> w = additive_weights<T>(t);
+  const Saved<T> s = saved_of<T>(t, 6);
+  py::object lens_storage;
+  const ValidLens lens =
+      lens_of(lens_obj, kAdditiveBackward, one, shape_of(t.arrays[0]), lens_storage);
+  AdditiveGrads<T> g;
+  {
+    py::gil_scoped_release release;
+    g = additive_attention_backward(q, k, v, w, lens, options, s.saved, s.d_output);
+  }
+  return additive_grads_type(to_numpy(std::move(g.d_queries), result_shape(q.shape(), one)),
+                             to_numpy(std::move(g.d_keys), result_shape(k.shape(), one)),
+                             to_numpy(std::move(g.d_values), result_shape(v.shape(), one)),
+                             to_numpy(std::move(g.d_w_q)), to_numpy(std::move(g.d_w_k)),
+                             to_numpy(std::move(g.d_w_v)));
+}
+
+py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
+                                py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
+                                py::handle d_output, py::handle valid_lens, double dropout,
+                                py::handle seed) {
+  Tensors t = float_arrays(kAdditiveBackward,
+                           {{"queries", q},
+                            {"keys", k},
+                            {"values", v},
+                            {"W_q", w_q},
+                            {"W_k", w_k},
+                            {"w_v", w_v},
+                            {"output", output},
+                            {"lse", lse},
+                            {"d_output", d_output}},
+                           3, true);
+  const AttentionOptions options =
+      options_of(std::nullopt, dropout, seed_of(seed, kAdditiveBackward));
+  return t.dtype == Dtype::kFloat32 ? additive_backward<float>(t, valid_lens, options)
+                                    : additive_backward<double>(t, valid_lens, options);
+}
+
+// ---- bf16 (qkv.torch's torch.bfloat16): bits in, float32 out ---------------
+
+// bf16 inputs of one rank, 3 or 2 (a batch of one), viewed with the batch
+// axis; and the lengths for them.
+struct Bf16Inputs {
+  ConstView<bfloat16> q, k, v;
+  bool batch_of_one;
+  ValidLens lens;
+  py::object lens_storage;
+};
+
+Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, py::handle v_obj,
+                       py::handle lens_obj) {
+  Bf16Inputs in;
+  const ConstView<bfloat16> q = bf16_view_of(q_obj, fn, "queries");
+  const ConstView<bfloat16> k = bf16_view_of(k_obj, fn, "keys");
+  const ConstView<bfloat16> v = bf16_view_of(v_obj, fn, "values");
+  in.batch_of_one = q.rank() == 2 && k.rank() == 2 && v.rank() == 2;
+  in.q = batched(q, in.batch_of_one, 2);
+  in.k = batched(k, in.batch_of_one, 2);
+  in.v = batched(v, in.batch_of_one, 2);
+  in.lens = lens_of(lens_obj, fn, in.batch_of_one, q.shape(), in.lens_storage);
+  return in;
+}
+
+py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
+                       std::optional<double> scale, double dropout, py::handle seed,
+                       bool return_weights, bool return_lse) {
+  const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
+  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpa));
+  options.want_weights = return_weights;
+  options.want_lse = return_lse;
+  AttentionResult<float> r;
+  {
+    py::gil_scoped_release release;
+    r = scaled_dot_product_attention(in.q, in.k, in.v, in.lens, options);
+  }
+  const bool one = in.batch_of_one;
+  auto result = [&](Tensor<float>& t) -> py::object {
+    const Shape shape = t.shape();
+    return to_numpy(std::move(t), result_shape(shape, one));
+  };
+  return py::make_tuple(result(r.output), return_weights ? result(r.weights) : py::none(),
+                        return_lse ? result(r.lse) : py::none());
+}
+
+py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
+                                py::handle lse, py::handle d_output, py::handle valid_lens,
+                                std::optional<double> scale, double dropout, py::handle seed) {
+  const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
+  std::vector<py::array> saved;
+  for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
+           {"output", output}, {"lse", lse}, {"d_output", d_output}}) {
+    saved.push_back(float_array(obj, kSdpaBackward, name));
+    check_same_dtype(saved.back(), Dtype::kFloat32, kSdpaBackward, name, "the bf16 path");
+  }
+  const bool one = in.batch_of_one;
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward));
+  const SavedForward<float> s{batched(view_of<float>(saved[0]), one, 2),
+                              batched(view_of<float>(saved[1]), one, 1)};
+  const ConstView<float> g = batched(view_of<float>(saved[2]), one, 2);
+  DotProductGrads<float> grads;
+  {
+    py::gil_scoped_release release;
+    grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g);
+  }
+  return py::make_tuple(to_numpy(std::move(grads.d_queries), result_shape(in.q.shape(), one)),
+                        to_numpy(std::move(grads.d_keys), result_shape(in.k.shape(), one)),
+                        to_numpy(std::move(grads.d_values), result_shape(in.v.shape(), one)));
+}
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+  const py::object namedtuple = py::module_::import("collections").attr("namedtuple");
+  m.attr("ScaledDotProductAttentionGrads") = namedtuple(
+      "ScaledDotProductAttentionGrads", py::make_tuple("d_queries", "d_keys", "d_values"));
+  m.attr("AdditiveAttentionGrads") =
+      namedtuple("AdditiveAttentionGrads",
+                 py::make_tuple("d_queries", "d_keys", "d_values", "d_W_q", "d_W_k", "d_w_v"));
+  m.attr("ScaledDotProductAttentionGrads").attr("__module__") = "qkv";
+  m.attr("AdditiveAttentionGrads").attr("__module__") = "qkv";
+  // Borrowed from the module, which lives as long as the interpreter.
+  sdpa_grads_type = m.attr("ScaledDotProductAttentionGrads");
+  additive_grads_type = m.attr("AdditiveAttentionGrads");
+
+  m.def("scaled_dot_product_attention", &sdpa_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("return_weights") = false, py::arg("return_lse") = false,
+        R"(Scaled dot-product attention: softmax(Q K^T * scale) V, masked and fused.
+
+No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
+Masked keys are never read; a query with valid length 0 gets a zero output.
+
+Arguments:
+    queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv); or all three
+        2-D, (Nq, D), (Nk, D), (Nk, Dv), a batch of one. float32 or float64
+        (one dtype for all), any strides; read in place, never copied by the
+        binding.
+    valid_lens: None, (B) or (B, Nq) integers (2-D inputs: a scalar, (1),
+        (Nq) or (1, Nq)); keys j >= the length get weight 0.
+    scale: multiplies Q K^T; default 1/sqrt(D).
+    dropout: probability p in [0, 1] of dropping each weight (kept weights
+        are scaled by 1/(1-p)); applied whenever p > 0.
+    seed: selects the dropout mask, a pure function of (seed, b, i, j): the
+        backward given the same seed replays it.
+    return_weights: also return the weights (B, Nq, Nk), before dropout.
+    return_lse: also return lse (B, Nq), the log-sum-exp of each query's
+        valid scaled scores (-inf for length 0); the backward needs it.
+
+Returns:
+    output (B, Nq, Dv), or the tuple (output[, weights][, lse]) when a
+    return_ flag is set; arrays of the inputs' dtype (2-D inputs: no batch axis).
+
+Raises:
+    TypeError: an input that is not float32/float64, mixed dtypes, or
+        valid_lens that are not integers.
+    qkv.Error (a ValueError): shapes that do not fit, a length outside
+        [0, Nk], dropout outside [0, 1], a scale that is not finite.
+
+>>> import numpy as np, qkv
+>>> q = np.ones((2, 1, 2), np.float32); k = np.ones((2, 10, 2), np.float32)
+>>> v = np.tile(np.arange(40, dtype=np.float32).reshape(1, 10, 4), (2, 1, 1))
+>>> qkv.scaled_dot_product_attention(q, k, v, [2, 6])
+array([[[ 2.,  3.,  4.,  5.]],
+<BLANKLINE>
+       [[10., 11., 12., 13.]]], dtype=float32)
+)");
+
+  m.def("scaled_dot_product_attention_backward", &sdpa_backward_py, py::arg("queries"),
+        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
+        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        R"(Gradients of scaled_dot_product_attention with respect to its inputs.
+
+Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
+from the seed, not stored.
+
+Arguments:
+    queries, keys, values, valid_lens, scale, dropout, seed: exactly as the
+        forward got them.
+    output, lse: the forward's output and lse (return_lse=True).
+    d_output: the gradient of the loss with respect to output.
+
+Returns:
+    qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), a
+    named tuple of new arrays shaped like the inputs.
+
+Raises:
+    TypeError, qkv.Error (a ValueError): as the forward; also output, lse
+        or d_output of the wrong shape.
+
+>>> out, lse = qkv.scaled_dot_product_attention(q, k, v, [2, 6], return_lse=True)
+>>> g = qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, np.ones_like(out), [2, 6])
+>>> g.d_values[0, :3, 0]
+array([0.5, 0.5, 0. ], dtype=float32)
+)");
+
+  m.def("additive_attention", &additive_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
+        py::arg("seed") = 0, py::arg("return_weights") = false, py::arg("return_lse") = false,
+        R"(Additive attention: score(q, k) = w_v^T tanh(W_q q + W_k k), masked softmax, times V.
+
+Fused: the (B, Nq, Nk, H) features are never formed. Parameters are laid out
+like torch.nn.Linear weights (no biases), as in d2l's AdditiveAttention.
+
+Arguments:
+    queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv); or all
+        three 2-D (a batch of one). float32 or float64, any strides.
+    W_q: (H, Dq), W_k: (H, Dk), w_v: (H) or (1, H); the inputs' dtype.
+    valid_lens, dropout, seed, return_weights, return_lse: as in
+        scaled_dot_product_attention.
+
+Returns:
+    output (B, Nq, Dv), or (output[, weights][, lse]) when a return_ flag is set.
+
+Raises:
+    TypeError: as scaled_dot_product_attention.
+    qkv.Error (a ValueError): shapes that do not fit (the message names
+        them), a length outside [0, Nk], dropout outside [0, 1].
+
+>>> rng = np.random.default_rng(0)
+>>> q = rng.normal(size=(2, 1, 20)); k = np.ones((2, 10, 2)); v = np.ones((2, 10, 4))
+>>> W_q, W_k, w_v = rng.normal(size=(8, 20)), rng.normal(size=(8, 2)), rng.normal(size=(1, 8))
+>>> qkv.additive_attention(q, k, v, W_q, W_k, w_v, [2, 6]).shape
+(2, 1, 4)
+)");
+
+  m.def("additive_attention_backward", &additive_backward_py, py::arg("queries"),
+        py::arg("keys"), py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
+        py::arg("output"), py::arg("lse"), py::arg("d_output"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
+        py::arg("seed") = 0,
+        R"(Gradients of additive_attention with respect to its inputs and parameters.
+
+Arguments:
+    queries, keys, values, W_q, W_k, w_v, valid_lens, dropout, seed: as the
+        forward got them.
+    output, lse: the forward's output and lse (return_lse=True).
+    d_output: the gradient of the loss with respect to output.
+
+Returns:
+    qkv.AdditiveAttentionGrads(d_queries, d_keys, d_values, d_W_q, d_W_k,
+    d_w_v), new arrays shaped like what they differentiate (d_w_v like w_v).
+
+Raises:
+    TypeError, qkv.Error (a ValueError): as the forward.
+
+>>> out, lse = qkv.additive_attention(q, k, v, W_q, W_k, w_v, [2, 6], return_lse=True)
+>>> g = qkv.additive_attention_backward(q, k, v, W_q, W_k, w_v, out, lse, np.ones_like(out), [2, 6])
+>>> g.d_w_v.shape
+(1, 8)
+)");
+
+  // qkv.torch's path for torch.bfloat16: the tensors' bits as int16 arrays
+  // (3-D, or 2-D for a batch of one); float32 results.
+  m.def("_scaled_dot_product_attention_bf16", &sdpa_bf16_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout"),
+        py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"),
+        "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
+        "(output, weights or None, lse or None) out.");
+  m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
+        py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
+        py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
+        py::arg("dropout"), py::arg("seed"),
+        "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
+        "d_values).");
+}
+
+}  // namespace qkv::python

@@ -1,0 +1,89 @@
+// The runtime: version, errors, thread count and SIMD target.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "qkv/error.h"
+#include "qkv/simd.h"
+#include "qkv/threads.h"
+#include "qkv/version.h"
+
+namespace qkv::python {
+
+namespace py = pybind11;
+
+void register_runtime(py::module_& m) {
+  m.attr("__version__") = kVersion;
+
+  // qkv::Error (bad arguments or input) is a ValueError, qkv::IoError (the
+  // system failed the call) an OSError; both keep the library's message.
+  py::register_exception<Error>(m, "Error", PyExc_ValueError).doc() =
+      "Bad arguments or input: qkv::Error, a ValueError. The message names the function, the "
+      "argument and the shapes, e.g. 'scaled_dot_product_attention: keys has D = 3 but queries "
+      "has D = 2 (keys [2, 5, 3], queries [2, 4, 2])'.";
+  py::register_exception<IoError>(m, "IoError", PyExc_OSError).doc() =
+      "The system failed a call whose arguments were fine (qkv::IoError, an OSError).";
+  m.attr("Error").attr("__module__") = "qkv";
+  m.attr("IoError").attr("__module__") = "qkv";
+
+  m.def("set_num_threads", &set_num_threads, py::arg("n"),
+        R"(Sets the number of threads qkv's ops use from now on.
+
+Results are bitwise the same for any thread count: work is split into blocks
+fixed by the shapes alone.
+
+Arguments:
+    n: 1 to 1024 threads, or 0 for the default (the QKV_NUM_THREADS
+        environment variable if it holds such a number, else every core).
+
+Raises:
+    qkv.Error (a ValueError): n < 0 or n > 1024.
+
+>>> qkv.set_num_threads(1)
+>>> qkv.get_num_threads()
+1
+>>> qkv.set_num_threads(0)  # back to the default
+)");
+  m.def("get_num_threads", &num_threads,
+        R"(The number of threads qkv's ops use (see set_num_threads).
+
+>>> qkv.get_num_threads() >= 1
+True
+)");
+
+  m.def("simd_targets", &simd_targets,
+        R"(The SIMD targets this build has and this CPU supports, best first.
+
+Returns:
+    A list such as ['avx512', 'avx2', 'sse4', 'scalar'].
+
+>>> 'scalar' in qkv.simd_targets()
+True
+)");
+  m.def("simd_target", &simd_target,
+        R"(The SIMD target qkv's kernels run on now: the best of simd_targets(), or
+the cap set by set_simd_target or the QKV_SIMD_TARGET environment variable.
+
+>>> qkv.simd_target() in qkv.simd_targets()
+True
+)");
+  m.def("set_simd_target", &set_simd_target, py::arg("name"),
+        R"(Caps the kernels at one SIMD target (and those below it), e.g. to see on
+an AVX-512 machine what an AVX2-only machine computes; "" lifts the cap.
+Call it while no qkv op runs on another thread.
+
+Arguments:
+    name: one of simd_targets(), or "".
+
+Raises:
+    qkv.Error (a ValueError): a name not in simd_targets(); the message lists them.
+
+>>> qkv.set_simd_target('scalar'); qkv.simd_target()
+'scalar'
+>>> qkv.set_simd_target('')
+)");
+  // The qkv command, the tests and benchmarks honour QKV_SIMD_TARGET at
+  // start-up; so does the module, when it is imported.
+  set_simd_target_from_env();
+}
+
+}  // namespace qkv::python
