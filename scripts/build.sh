@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two set-up commands of the README:
 #   scripts/build.sh demo [qkv demo options]  install what is missing, build (Release), run `qkv demo`
+#                                             and show the Python package working
 #   scripts/build.sh test                     install what is missing, build and run every test:
 #                                             Release, Debug + ASan/UBSan, and a one-minute fuzz
 #                                             run of the .npy reader
@@ -24,7 +25,19 @@ case "$what" in
     scripts/install-deps.sh build
     configure_and_build build/release -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=OFF \
       -DQKV_BUILD_BENCH=OFF
-    exec build/release/qkv demo "$@"
+    build/release/qkv demo "$@"
+    # The Python package was built too: show it working, and how to use it.
+    python_dir=$(pwd)/build/release/python
+    echo
+    echo "Python: the package qkv is built in $python_dir:"
+    PYTHONPATH=$python_dir /usr/bin/python3 -c 'import numpy as np, qkv
+q, k = np.ones((2, 1, 2), np.float32), np.ones((2, 10, 2), np.float32)
+v = np.tile(np.arange(40, dtype=np.float32).reshape(1, 10, 4), (2, 1, 1))
+print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_attention(q, k, v, [2, 6]) =",
+      qkv.scaled_dot_product_attention(q, k, v, [2, 6]).tolist())'
+    echo "  use it:     PYTHONPATH=$python_dir /usr/bin/python3 -c 'import qkv; help(qkv)'"
+    echo "  PyTorch:    PYTHONPATH=$python_dir /usr/bin/python3 examples/book_examples.py   (needs python3-torch)"
+    echo "  install it: cmake --install build/release   (then import qkv from /usr/bin/python3; docs/python.md)"
     ;;
   test)
     scripts/install-deps.sh test

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages qkv needs, and nothing if they are all
 # there already (idempotent). Usage: scripts/install-deps.sh [build|test]
-#   build: the compiler, CMake and the libraries the qkv library and command use
-#   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer and
-#          the peers the tests compare against (PyTorch, NumPy)
+#   build: the compiler, CMake and the libraries the qkv library, command and
+#          Python package use (pybind11 and NumPy for /usr/bin/python3)
+#   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer, pytest,
+#          venv/pip/setuptools/wheel (the package's pip install is tested) and
+#          the peers the tests compare against (PyTorch, statsmodels)
 set -euo pipefail
 
-build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox)
+build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
+                python3 python3-dev python3-numpy pybind11-dev)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
-               python3 python3-numpy python3-torch python3-statsmodels chromium)
+               python3-pytest python3-venv python3-pip python3-setuptools python3-wheel
+               python3-torch python3-statsmodels chromium)
 
 packages=("${build_packages[@]}")
 if [ "${1:-build}" = test ]; then packages+=("${test_packages[@]}"); fi

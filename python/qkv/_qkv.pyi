@@ -1,0 +1,184 @@
+"""Type stubs of qkv._qkv, the compiled half of the qkv package (re-exported by qkv).
+
+Shapes follow d2l: queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv);
+2-D arrays are a batch of one. Arrays are float32 or float64 (one dtype per
+call); valid lengths are integers. help(qkv.<name>) has the full docstrings.
+"""
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.floating[Any]]
+ArrayLike = npt.ArrayLike
+ValidLens = Optional[ArrayLike]
+Bandwidth = Union[float, Sequence[float], npt.NDArray[np.floating[Any]], str]
+
+__version__: str
+
+class Error(ValueError):
+    """Bad arguments or input (qkv::Error); the message names the function, argument and shapes."""
+
+class IoError(OSError):
+    """The system failed a call whose arguments were fine (qkv::IoError)."""
+
+class ScaledDotProductAttentionGrads(NamedTuple):
+    d_queries: FloatArray
+    d_keys: FloatArray
+    d_values: FloatArray
+
+class AdditiveAttentionGrads(NamedTuple):
+    d_queries: FloatArray
+    d_keys: FloatArray
+    d_values: FloatArray
+    d_W_q: FloatArray
+    d_W_k: FloatArray
+    d_w_v: FloatArray
+
+# ---- runtime ----
+def set_num_threads(n: int) -> None: ...
+def get_num_threads() -> int: ...
+def simd_targets() -> list[str]: ...
+def simd_target() -> str: ...
+def set_simd_target(name: str) -> None: ...
+
+# ---- masked softmax ----
+def masked_softmax(X: ArrayLike, valid_lens: ValidLens = None) -> FloatArray: ...
+def masked_softmax_backward(
+    weights: ArrayLike, d_weights: ArrayLike, valid_lens: ValidLens = None
+) -> FloatArray: ...
+
+# ---- attention ----
+def scaled_dot_product_attention(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    scale: Optional[float] = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
+def scaled_dot_product_attention_backward(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    output: ArrayLike,
+    lse: ArrayLike,
+    d_output: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    scale: Optional[float] = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> ScaledDotProductAttentionGrads: ...
+def additive_attention(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    W_q: ArrayLike,
+    W_k: ArrayLike,
+    w_v: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    dropout: float = 0.0,
+    seed: int = 0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
+def additive_attention_backward(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    W_q: ArrayLike,
+    W_k: ArrayLike,
+    w_v: ArrayLike,
+    output: ArrayLike,
+    lse: ArrayLike,
+    d_output: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> AdditiveAttentionGrads: ...
+
+# ---- pooling with given weights ----
+def attention_pooling(weights: ArrayLike, values: ArrayLike) -> FloatArray: ...
+def average_pooling(
+    values: ArrayLike, num_queries: int, valid_lens: ValidLens = None
+) -> FloatArray: ...
+def one_hot_lookup(index: ArrayLike, values: ArrayLike) -> FloatArray: ...
+def one_hot_weights(index: ArrayLike, num_keys: int) -> npt.NDArray[np.float32]: ...
+def uniform_weights(
+    batch: int, num_queries: int, num_keys: int, valid_lens: ValidLens = None
+) -> npt.NDArray[np.float32]: ...
+
+# ---- Nadaraya-Watson ----
+def nadaraya_watson(
+    x_train: ArrayLike,
+    y_train: ArrayLike,
+    x_query: ArrayLike,
+    *,
+    kernel: str = "gaussian",
+    bandwidth: Bandwidth = 1.0,
+    exact: bool = False,
+) -> npt.NDArray[np.float64]: ...
+
+class KernelRegression:
+    def __init__(self, kernel: str = "gaussian", bandwidth: Bandwidth = 1.0) -> None: ...
+    def fit(self, x: ArrayLike, y: ArrayLike) -> "KernelRegression": ...
+    def predict(self, x_query: ArrayLike, exact: bool = False) -> npt.NDArray[np.float64]: ...
+    def weights(self, x_query: ArrayLike) -> npt.NDArray[np.float64]: ...
+    def loo_error(self, bandwidth: Optional[Union[float, Sequence[float]]] = None) -> float: ...
+    @property
+    def kernel(self) -> str: ...
+    @property
+    def bandwidth(self) -> Union[float, npt.NDArray[np.float64], str]: ...
+    @property
+    def bandwidth_(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def cv_loo_error_(self) -> Optional[float]: ...
+    @property
+    def cv_iterations_(self) -> Optional[int]: ...
+    @property
+    def n_features_in_(self) -> int: ...
+
+def silverman_bandwidth(x: ArrayLike) -> npt.NDArray[np.float64]: ...
+def scott_bandwidth(x: ArrayLike) -> npt.NDArray[np.float64]: ...
+def train_parametric(
+    x: ArrayLike,
+    y: ArrayLike,
+    *,
+    epochs: int = 5,
+    lr: float = 0.5,
+    initial_w: Optional[float] = None,
+    seed: int = 0,
+) -> Tuple[float, npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+
+# qkv.torch's bf16 path (int16 bits in, float32 out); not part of the public API.
+def _scaled_dot_product_attention_bf16(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    valid_lens: ValidLens,
+    scale: Optional[float],
+    dropout: float,
+    seed: int,
+    return_weights: bool,
+    return_lse: bool,
+) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
+def _scaled_dot_product_attention_bf16_backward(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    output: ArrayLike,
+    lse: ArrayLike,
+    d_output: ArrayLike,
+    valid_lens: ValidLens,
+    scale: Optional[float],
+    dropout: float,
+    seed: int,
+) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
