@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "check.h"
@@ -27,11 +28,25 @@ enum class Version { kFast, kRef };
 // doubles), allocated here once per call: kernels allocate nothing. Left
 // uninitialised (kernels write before they read): zeroing would cost a pass
 // over up to (groups, B, Nq, D) partial dQs, 16 MiB at B = 2, Nq = 4096.
+// `flops` estimates the call's arithmetic: below kParallelMinFlops (~5 us of
+// one core's work) the kernel runs on the calling thread alone
+// (kernels::SerialScope), since waking a second thread would cost more.
 template <class Size, class Run>
-void with_workspace(Size&& size, Run&& run) {
-  const int threads = num_threads();
+void with_workspace(double flops, Size&& size, Run&& run) {
+  constexpr double kParallelMinFlops = 1 << 18;
+  std::optional<kernels::SerialScope> serial;
+  if (flops < kParallelMinFlops) serial.emplace();
+  const int threads = serial ? 1 : num_threads();
   const auto words = std::make_unique_for_overwrite<double[]>(size(threads));
   run(kernels::Workspace{.data = words.get(), .num_threads = threads});
+}
+
+// The arithmetic of an attention call: `per_pair` flops for each (query,
+// key) pair, e.g. 2 (D + Dv) for SDPA's two products.
+template <class T>
+double pair_flops(ConstView<T> q, ConstView<T> k, double per_pair) {
+  return static_cast<double>(q.size(0)) * static_cast<double>(q.size(1)) *
+         static_cast<double>(k.size(1)) * per_pair;
 }
 
 // The fast SDPA kernels with their scratch; In is float, double or bfloat16
@@ -40,6 +55,7 @@ template <class In, class Acc>
 void fast_sdpa(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                const kernels::AttentionConfig& config, const kernels::ForwardViews<Acc>& out) {
   with_workspace(
+      pair_flops(q, k, 2.0 * static_cast<double>(q.size(2) + v.size(2))),
       [&](int threads) {
         return kernels::fast::sdpa_workspace_size(q, k, v, config, out, threads);
       },
@@ -52,6 +68,7 @@ void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                         const kernels::SavedViews<Acc>& saved, ConstView<Acc> d_output,
                         const kernels::SdpaGradViews<Acc>& grads) {
   with_workspace(
+      pair_flops(q, k, 5.0 * static_cast<double>(q.size(2) + v.size(2))),
       [&](int threads) {
         return kernels::fast::sdpa_backward_workspace_size(q, k, v, config, saved, d_output, grads,
                                                            threads);
@@ -312,6 +329,8 @@ AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T
       const detail::Contiguous<T> wqc(params.w_q), wkc(params.w_k), wvc(params.w_v);
       const kernels::AdditiveParams<T> fast_params{wqc.view(), wkc.view(), wvc.view()};
       with_workspace(
+          pair_flops(qc.view(), kc.view(),
+                     4.0 * static_cast<double>(params.w_q.size(0) + dims.dv)),
           [&](int threads) {
             return kernels::fast::additive_workspace_size(qc.view(), kc.view(), vc.view(),
                                                           fast_params, config, out, threads);
@@ -351,6 +370,7 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
       const kernels::AdditiveParams<T> fast_params{wqc.view(), wkc.view(), wvc.view()};
       const kernels::SavedViews<T> fast_saved{oc.view(), lc.view()};
       with_workspace(
+          pair_flops(qc.view(), kc.view(), 8.0 * static_cast<double>(hidden + dims.dv)),
           [&](int threads) {
             return kernels::fast::additive_backward_workspace_size(qc.view(), kc.view(), vc.view(),
                                                                    fast_params, config, fast_saved,

@@ -37,7 +37,7 @@ def _check(fn, name, tensor, dtypes=_FLOATS):
     """A CPU tensor of one of `dtypes`, or a clear error naming it."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{fn}: {name} is a {type(tensor).__name__}; expected a torch.Tensor")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"{fn}: {name} is on {tensor.device}; qkv computes on the CPU "
                          f"(move the tensors there with .cpu())")
     if tensor.dtype not in dtypes:
@@ -57,7 +57,8 @@ def _same_dtype(fn, first, tensors):
 
 def _array(tensor):
     """The tensor's memory as a NumPy array (no copy); bf16 as its int16 bits."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # detach() costs ~1 us a call: only where numpy() needs it
+        tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy()
@@ -68,12 +69,12 @@ def _lens(fn, valid_lens):
     if valid_lens is None:
         return None
     if isinstance(valid_lens, torch.Tensor):
-        if valid_lens.device.type != "cpu":
+        if not valid_lens.is_cpu:
             raise ValueError(f"{fn}: valid_lens is on {valid_lens.device}; qkv computes on the CPU")
         if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
             raise TypeError(f"{fn}: valid_lens has dtype "
                             f"{str(valid_lens.dtype).removeprefix('torch.')}; expected integers")
-        return valid_lens.detach().numpy()
+        return _array(valid_lens)
     return valid_lens
 
 
@@ -132,29 +133,38 @@ def masked_softmax(X, valid_lens=None):
 
 # ---- scaled dot-product attention ------------------------------------------------
 
+def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, need_lse):
+    """One forward through the kernels: (result, weights or None, output, lse or
+    None); output is float32 for bf16 inputs (the backward takes it so), result
+    has query's dtype."""
+    if query.dtype == torch.bfloat16:
+        out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
+            _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
+            want_weights, need_lse)
+        output = torch.from_numpy(out)
+        weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
+        return output.to(torch.bfloat16), weights, output, lse
+    parts = _qkv.scaled_dot_product_attention(
+        _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
+        seed=seed, return_weights=want_weights, return_lse=need_lse)
+    if not (want_weights or need_lse):
+        output = torch.from_numpy(parts)
+        return output, None, output, None
+    parts = list(parts)
+    output = torch.from_numpy(parts.pop(0))
+    weights = torch.from_numpy(parts.pop(0)) if want_weights else None
+    return output, weights, output, parts.pop(0) if need_lse else None
+
+
 class _Sdpa(torch.autograd.Function):
-    """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) -> (output, weights)."""
+    """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D) -> (output, weights)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, need_grad):
+    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights):
         ctx.config = (lens, scale, dropout_p, seed)
-        if query.dtype == torch.bfloat16:
-            out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
-                _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-                want_weights, need_grad)
-            output = torch.from_numpy(out)  # float32, as the bf16 backward wants it saved
-            result = output.to(torch.bfloat16)
-            weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
-        else:
-            parts = _qkv.scaled_dot_product_attention(
-                _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
-                seed=seed, return_weights=want_weights, return_lse=need_grad)
-            parts = list(parts) if want_weights or need_grad else [parts]
-            output = result = torch.from_numpy(parts.pop(0))
-            weights = torch.from_numpy(parts.pop(0)) if want_weights else None
-            lse = parts.pop(0) if need_grad else None
-        if need_grad:
-            ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
+        result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
+                                                     seed, want_weights, True)
+        ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
         if weights is None:
             weights = query.new_empty(0)
         ctx.mark_non_differentiable(weights)
@@ -175,42 +185,50 @@ class _Sdpa(torch.autograd.Function):
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed)
             grads = [torch.from_numpy(g) for g in grads]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights):
-    """Checks, folds leading axes into one batch axis, runs _Sdpa; (output, weights)."""
+    """Checks, folds leading axes into one batch axis, runs the kernels (through
+    _Sdpa when a gradient is wanted); (output, weights or None)."""
     dtypes = _FLOATS + (torch.bfloat16,)
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check(fn, name, t, dtypes)
     _same_dtype(fn, ("query", query), (("key", key), ("value", value)))
-    if query.dim() < 2 or not query.dim() == key.dim() == value.dim():
+    rank = query.dim()
+    if rank < 2 or not rank == key.dim() == value.dim():
         raise ValueError(f"{fn}: query, key and value must have the same rank, at least 2 "
                          f"((..., Nq, D), (..., Nk, D), (..., Nk, Dv)); got shapes "
                          f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
-    lead = query.shape[:-2]
-    if key.shape[:-2] != lead or value.shape[:-2] != lead:
-        raise ValueError(f"{fn}: query, key and value must share their leading axes; got "
-                         f"shapes {list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
-    if valid_lens is not None and query.dim() > 3:
-        raise ValueError(f"{fn}: valid_lens takes 3-D (B, Nq, D) or 2-D inputs; got query "
-                         f"{list(query.shape)} (fold the heads into the batch, as d2l's "
-                         f"MultiHeadAttention does)")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     lens = _lens(fn, valid_lens)
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
-    need_grad = _needs_grad(query, key, value)
-    # 2-D inputs go as they are (the kernels take them as a batch of one);
-    # more leading axes are folded into one batch axis (a copy where their
-    # strides do not fold).
-    q, k, v = (t if t.dim() == 2 else t.reshape(-1, *t.shape[-2:]) for t in (query, key, value))
-    output, weights = _Sdpa.apply(q, k, v, lens, scale, float(dropout_p), seed or 0,
-                                  want_weights, need_grad)
-    output = output.reshape(*lead, *output.shape[-2:])
-    if want_weights:
-        weights = weights.reshape(*lead, *weights.shape[-2:])
+    lead = None
+    if rank > 3:
+        # More leading axes are folded into one batch axis (a copy where
+        # their strides do not fold); 2-D and 3-D inputs go as they are (2-D
+        # is a batch of one for the kernels).
+        lead = query.shape[:-2]
+        if key.shape[:-2] != lead or value.shape[:-2] != lead:
+            raise ValueError(f"{fn}: query, key and value must share their leading axes; got "
+                             f"shapes {list(query.shape)}, {list(key.shape)}, "
+                             f"{list(value.shape)}")
+        if lens is not None:
+            raise ValueError(f"{fn}: valid_lens takes 3-D (B, Nq, D) or 2-D inputs; got query "
+                             f"{list(query.shape)} (fold the heads into the batch, as d2l's "
+                             f"MultiHeadAttention does)")
+        query, key, value = (t.reshape(-1, *t.shape[-2:]) for t in (query, key, value))
+    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights)
+    if _needs_grad(query, key, value):
+        output, weights = _Sdpa.apply(*args)
+    else:
+        output, weights = _sdpa_forward(*args, False)[:2]
+    if lead is not None:
+        output = output.reshape(*lead, *output.shape[-2:])
+        if want_weights:
+            weights = weights.reshape(*lead, *weights.shape[-2:])
     return output, weights if want_weights else None
 
 
@@ -263,21 +281,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 # ---- additive attention ------------------------------------------------------------
 
+def _additive_forward(queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights,
+                      need_lse):
+    """One forward through the kernels: (output, weights or None, lse or None)."""
+    parts = _qkv.additive_attention(
+        _array(queries), _array(keys), _array(values), _array(W_q), _array(W_k), _array(w_v),
+        lens, dropout=dropout_p, seed=seed, return_weights=want_weights, return_lse=need_lse)
+    if not (want_weights or need_lse):
+        return torch.from_numpy(parts), None, None
+    parts = list(parts)
+    output = torch.from_numpy(parts.pop(0))
+    weights = torch.from_numpy(parts.pop(0)) if want_weights else None
+    return output, weights, parts.pop(0) if need_lse else None
+
+
 class _Additive(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights,
-                need_grad):
+    def forward(ctx, queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights):
         ctx.config = (lens, dropout_p, seed)
-        parts = _qkv.additive_attention(
-            _array(queries), _array(keys), _array(values), _array(W_q), _array(W_k), _array(w_v),
-            lens, dropout=dropout_p, seed=seed, return_weights=want_weights,
-            return_lse=need_grad)
-        parts = list(parts) if want_weights or need_grad else [parts]
-        output = torch.from_numpy(parts.pop(0))
-        weights = torch.from_numpy(parts.pop(0)) if want_weights else queries.new_empty(0)
-        if need_grad:
-            ctx.save_for_backward(queries, keys, values, W_q, W_k, w_v, output,
-                                  torch.from_numpy(parts.pop(0)))
+        output, weights, lse = _additive_forward(queries, keys, values, W_q, W_k, w_v, lens,
+                                                 dropout_p, seed, want_weights, True)
+        ctx.save_for_backward(queries, keys, values, W_q, W_k, w_v, output, torch.from_numpy(lse))
+        if weights is None:
+            weights = queries.new_empty(0)
         ctx.mark_non_differentiable(weights)
         return output, weights
 
@@ -288,7 +314,7 @@ class _Additive(torch.autograd.Function):
         lens, dropout_p, seed = ctx.config
         grads = _qkv.additive_attention_backward(*(_array(t) for t in saved), _array(d_output),
                                                  lens, dropout=dropout_p, seed=seed)
-        return (*(torch.from_numpy(g) for g in grads), None, None, None, None, None)
+        return (*(torch.from_numpy(g) for g in grads), None, None, None, None)
 
 
 def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed,
@@ -302,10 +328,12 @@ def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, s
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
-    need_grad = _needs_grad(*(t for _, t in named))
-    output, weights = _Additive.apply(queries, keys, values, W_q, W_k, w_v,
-                                      _lens(fn, valid_lens), float(dropout_p), seed or 0,
-                                      want_weights, need_grad)
+    args = (queries, keys, values, W_q, W_k, w_v, _lens(fn, valid_lens), float(dropout_p),
+            seed or 0, want_weights)
+    if _needs_grad(queries, keys, values, W_q, W_k, w_v):
+        output, weights = _Additive.apply(*args)
+    else:
+        output, weights = _additive_forward(*args, False)[:2]
     return output, weights if want_weights else None
 
 

@@ -34,7 +34,14 @@ BlasSingleThreaded::~BlasSingleThreaded() {
   }
 }
 
-int current_num_threads() { return qkv::num_threads(); }
+namespace {
+thread_local int serial_scopes = 0;  // live SerialScopes of this thread
+}  // namespace
+
+SerialScope::SerialScope() { ++serial_scopes; }
+SerialScope::~SerialScope() { --serial_scopes; }
+
+int current_num_threads() { return serial_scopes > 0 ? 1 : qkv::num_threads(); }
 
 namespace {
 

@@ -24,7 +24,23 @@ class BlasSingleThreaded {
   BlasSingleThreaded& operator=(const BlasSingleThreaded&) = delete;
 };
 
+// The threads a parallel_for of this thread may use: qkv::num_threads(), or
+// 1 while a SerialScope of this thread lives.
 int current_num_threads();
+
+// Runs every parallel_for of the calling thread on that thread alone while
+// it lives. The front ends open one for problems too small to pay for a
+// parallel region: waking a second OpenMP thread costs ~10 us with
+// OMP_WAIT_POLICY=passive, where d2l's toy attention (B = 2, Nq = 1,
+// Nk = 10) computes in under 1 us. Task cuts depend on the shapes alone, so
+// the results are the same bits either way.
+class SerialScope {
+ public:
+  SerialScope();
+  ~SerialScope();
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+};
 
 // Runs body(task) for task in [0, num_tasks), in parallel when there is more
 // than one thread. body must not throw.
