@@ -260,8 +260,17 @@ TYPED_TEST_P(AttentionContract, ZeroSizes) {
       EXPECT_EQ(r.lse.shape(), Shape({2, 0}));
       c.batch = 0;
       c.nq = 2;
-      const AttentionResult<T> e = attend(Inputs<Op, T>(rng, c).views);
+      const Inputs<Op, T> empty(rng, c);
+      const AttentionResult<T> e = attend(empty.views);
       EXPECT_EQ(e.output.shape(), Shape({0, 2, 5}));
+      // The backward of an empty batch: empty gradients (B = 0 once divided
+      // the backward's task count by zero).
+      const Tensor<T> d_out(Shape{0, 2, 5});
+      const Grads<T> g = use_ref ? Op::ref_backward(empty.views, {}, opt, e, d_out)
+                                 : Op::backward(empty.views, {}, opt, e, d_out);
+      for (int n = 0; n < empty.views.size(); ++n) {
+        EXPECT_EQ(g[static_cast<size_t>(n)].numel(), empty.views[n].numel()) << "gradient " << n;
+      }
     }
     {
       SCOPED_TRACE("Dv = 0");

@@ -16,6 +16,9 @@ attention). Tensors reach the kernels as views of their memory; results are
 new tensors. docs/python.md maps this module to the book's code.
 """
 
+import math
+
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -78,6 +81,12 @@ def _lens(fn, valid_lens):
     return valid_lens
 
 
+def _kept(lens):
+    """The lengths a backward will use: a copy, so that changing the caller's
+    tensor between forward and backward cannot change the gradients."""
+    return None if lens is None else np.array(lens)
+
+
 def _draw_seed():
     """A dropout seed from torch's default generator: torch.manual_seed makes runs repeatable."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
@@ -93,7 +102,7 @@ class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, lens):
         weights = torch.from_numpy(_qkv.masked_softmax(_array(X), lens))
-        ctx.lens = lens
+        ctx.lens = _kept(lens)
         ctx.save_for_backward(weights)
         return weights
 
@@ -161,7 +170,7 @@ class _Sdpa(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights):
-        ctx.config = (lens, scale, dropout_p, seed)
+        ctx.config = (_kept(lens), scale, dropout_p, seed)
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
                                                      seed, want_weights, True)
         ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
@@ -219,7 +228,8 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
             raise ValueError(f"{fn}: valid_lens takes 3-D (B, Nq, D) or 2-D inputs; got query "
                              f"{list(query.shape)} (fold the heads into the batch, as d2l's "
                              f"MultiHeadAttention does)")
-        query, key, value = (t.reshape(-1, *t.shape[-2:]) for t in (query, key, value))
+        batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
+        query, key, value = (t.reshape(batch, *t.shape[-2:]) for t in (query, key, value))
     args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights)
     if _needs_grad(query, key, value):
         output, weights = _Sdpa.apply(*args)
@@ -298,7 +308,7 @@ def _additive_forward(queries, keys, values, W_q, W_k, w_v, lens, dropout_p, see
 class _Additive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights):
-        ctx.config = (lens, dropout_p, seed)
+        ctx.config = (_kept(lens), dropout_p, seed)
         output, weights, lse = _additive_forward(queries, keys, values, W_q, W_k, w_v, lens,
                                                  dropout_p, seed, want_weights, True)
         ctx.save_for_backward(queries, keys, values, W_q, W_k, w_v, output, torch.from_numpy(lse))
@@ -393,6 +403,8 @@ class DotProductAttention(nn.Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None):
+        """queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv), valid_lens None,
+        (B) or (B, Nq) -> (B, Nq, Dv); sets attention_weights (B, Nq, Nk)."""
         p = self.dropout.p if self.training else 0.0
         output, weights = _sdpa("DotProductAttention", queries, keys, values, valid_lens, None,
                                 p, None, self.keep_attention_weights)
@@ -422,6 +434,8 @@ class AdditiveAttention(nn.Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None):
+        """queries (B, Nq, query_size), keys (B, Nk, key_size), values (B, Nk, Dv),
+        valid_lens None, (B) or (B, Nq) -> (B, Nq, Dv); sets attention_weights."""
         p = self.dropout.p if self.training else 0.0
         output, weights = _additive("AdditiveAttention", queries, keys, values, self.W_q.weight,
                                     self.W_k.weight, self.w_v.weight, valid_lens, p, None,

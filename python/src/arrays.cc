@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "qkv/error.h"
+
 namespace qkv::python {
 namespace {
 
@@ -109,9 +111,8 @@ std::string shape_str(const py::array& array) {
 void check_rank_2_or_3(const py::array& array, std::string_view fn, std::string_view name,
                        std::string_view axes3, std::string_view axes2) {
   if (array.ndim() == 2 || array.ndim() == 3) return;
-  throw py::value_error(prefix(fn, name) + " has shape " + shape_str(array) + "; expected rank 3 " +
-                        std::string(axes3) + " or rank 2 " + std::string(axes2) +
-                        ", a batch of one");
+  throw Error(prefix(fn, name) + " has shape " + shape_str(array) + "; expected rank 3 " +
+              std::string(axes3) + " or rank 2 " + std::string(axes2) + ", a batch of one");
 }
 
 void check_same_rank(const std::vector<std::pair<std::string_view, const py::array*>>& arrays,
@@ -128,8 +129,7 @@ void check_same_rank(const std::vector<std::pair<std::string_view, const py::arr
     names.append(arrays[i].first);
     ranks.append(std::to_string(arrays[i].second->ndim()));
   }
-  throw py::value_error(std::string(fn) + ": " + names + " must be all 2-D or all 3-D; got ranks " +
-                        ranks);
+  throw Error(std::string(fn) + ": " + names + " must be all 2-D or all 3-D; got ranks " + ranks);
 }
 
 uint64_t seed_of(py::handle obj, std::string_view fn) {

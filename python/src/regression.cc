@@ -5,7 +5,10 @@
 // float32 arrays are converted (a copy, like the C++ class's own).
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <variant>
 #include <vector>
@@ -25,6 +28,57 @@ py::array float64_array(py::handle obj, std::string_view fn, std::string_view na
   return array;
 }
 
+// A float64 array of data: finite everywhere. The library checks that too,
+// but names its own arguments; this names the Python call's:
+// "nadaraya_watson: x_train[5] is nan (x_train has shape [20]); ...".
+py::array data_array(py::handle obj, std::string_view fn, std::string_view name) {
+  py::array array = float64_array(obj, fn, name);
+  const ConstView<double> v = view_of<double>(array);
+  const int rank = v.rank();
+  std::vector<int64_t> at(static_cast<size_t>(rank), 0);
+  for (int64_t n = 0; n < v.numel(); ++n) {
+    int64_t offset = 0;
+    for (int a = 0; a < rank; ++a) offset += at[static_cast<size_t>(a)] * v.stride(a);
+    const double x = v.data()[offset];
+    if (!std::isfinite(x)) {
+      std::string index;
+      for (int a = 0; a < rank; ++a) {
+        if (a > 0) index.append(", ");
+        index.append(std::to_string(at[static_cast<size_t>(a)]));
+      }
+      throw Error(std::string(fn) + ": " + std::string(name) + "[" + index + "] is " +
+                  (std::isnan(x) ? "nan" : x > 0 ? "inf" : "-inf") + " (" + std::string(name) +
+                  " has shape " + v.shape().str() + "); every element must be finite");
+    }
+    for (int a = rank - 1; a >= 0 && ++at[static_cast<size_t>(a)] == v.size(a); --a) {
+      at[static_cast<size_t>(a)] = 0;
+    }
+  }
+  return array;
+}
+
+// The kernel named `name`, or an Error naming the Python call.
+Kernel kernel_of(const std::string& name, std::string_view fn) {
+  try {
+    return kernel_from_name(name);
+  } catch (const Error&) {
+    throw Error(std::string(fn) + ": kernel = '" + name +
+                "' is not a kernel; expected 'gaussian', 'boxcar' (or 'uniform'), "
+                "'epanechnikov' or 'triangular'");
+  }
+}
+
+// Runs a library call; its Error gets the Python call's name in front
+// ("KernelRegression.fit: silverman_bandwidth: feature 0 is constant ...").
+template <class F>
+auto calling(std::string_view fn, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(std::string(fn) + ": " + e.what());
+  }
+}
+
 // A bandwidth as Python gives it: a number (every feature), one per feature,
 // or the name of a rule applied to the training data at fit.
 enum class Rule { kSilverman, kScott, kCv };
@@ -40,19 +94,30 @@ Bandwidth bandwidth_of(py::handle obj, std::string_view fn) {
                 "' is not a rule; expected a number, one number per feature, 'silverman', "
                 "'scott' or 'cv'");
   }
-  if (!PyBool_Check(obj.ptr()) && (py::isinstance<py::float_>(obj) || PyIndex_Check(obj.ptr()))) {
-    return py::cast<double>(py::float_(py::reinterpret_borrow<py::object>(obj)));
-  }
-  try {
-    py::array values = float64_array(obj, fn, "bandwidth");
-    if (values.ndim() == 0) return *static_cast<const double*>(values.data());
-    if (values.ndim() == 1) {
-      std::vector<double> h(static_cast<size_t>(values.shape(0)));
-      const ConstView<double> view = view_of<double>(values);
-      for (size_t c = 0; c < h.size(); ++c) h[c] = view(static_cast<int64_t>(c));
-      return h;
+  // A number (Python's or NumPy's), or numbers: np.asarray says which.
+  std::optional<py::array> values;
+  if (!PyBool_Check(obj.ptr())) {
+    py::array array = py::array::ensure(obj);
+    if (array && (array.dtype().kind() == 'f' || array.dtype().kind() == 'i' ||
+                  array.dtype().kind() == 'u')) {
+      values = py::array(array.attr("astype")("float64"));
     }
-  } catch (const py::type_error&) {
+  }
+  auto checked = [&](double h) {
+    if (!(std::isfinite(h) && h >= std::numeric_limits<double>::min())) {
+      std::ostringstream os;
+      os << fn << ": bandwidth = " << h << " is not a bandwidth; expected a finite value >= "
+         << std::numeric_limits<double>::min() << " (the smallest normal double)";
+      throw Error(os.str());
+    }
+    return h;
+  };
+  if (values && values->ndim() == 0) return checked(*static_cast<const double*>(values->data()));
+  if (values && values->ndim() == 1) {
+    const ConstView<double> view = view_of<double>(*values);
+    std::vector<double> h(static_cast<size_t>(view.size(0)));
+    for (size_t c = 0; c < h.size(); ++c) h[c] = checked(view(static_cast<int64_t>(c)));
+    return h;
   }
   throw py::type_error(std::string(fn) + ": bandwidth is a " +
                        std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
@@ -93,12 +158,12 @@ Fitted fit_model(ConstView<double> x, ConstView<double> y, Kernel kernel,
 
 py::array predictions(const KernelRegression& model, py::handle queries_obj, bool exact,
                       std::string_view fn) {
-  py::array queries = float64_array(queries_obj, fn, "x_query");
+  py::array queries = data_array(queries_obj, fn, "x_query");
   const ConstView<double> q = view_of<double>(queries);
   KernelPrediction p;
   {
     py::gil_scoped_release release;
-    p = model.predict(q, exact);
+    p = calling(fn, [&] { return model.predict(q, exact); });
   }
   return to_numpy(std::move(p.values));
 }
@@ -106,15 +171,15 @@ py::array predictions(const KernelRegression& model, py::handle queries_obj, boo
 py::array nadaraya_watson_py(py::handle x_obj, py::handle y_obj, py::handle queries_obj,
                              const std::string& kernel, py::handle bandwidth_obj, bool exact) {
   constexpr std::string_view kFn = "nadaraya_watson";
-  py::array x = float64_array(x_obj, kFn, "x_train");
-  py::array y = float64_array(y_obj, kFn, "y_train");
-  const Kernel k = kernel_from_name(kernel);
+  py::array x = data_array(x_obj, kFn, "x_train");
+  py::array y = data_array(y_obj, kFn, "y_train");
+  const Kernel k = kernel_of(kernel, kFn);
   const Bandwidth bandwidth = bandwidth_of(bandwidth_obj, kFn);
   const ConstView<double> xv = view_of<double>(x), yv = view_of<double>(y);
   std::optional<Fitted> fitted;
   {
     py::gil_scoped_release release;
-    fitted.emplace(fit_model(xv, yv, k, bandwidth));
+    fitted.emplace(calling(kFn, [&] { return fit_model(xv, yv, k, bandwidth); }));
   }
   return predictions(fitted->model, queries_obj, exact, kFn);
 }
@@ -129,17 +194,18 @@ py::array vector_array(const std::vector<double>& values) {
 class PyKernelRegression {
  public:
   PyKernelRegression(const std::string& kernel, py::handle bandwidth)
-      : kernel_(kernel_from_name(kernel)),
+      : kernel_(kernel_of(kernel, "KernelRegression")),
         bandwidth_spec_(bandwidth_of(bandwidth, "KernelRegression")) {}
 
   void fit(py::handle x_obj, py::handle y_obj) {
-    py::array x = float64_array(x_obj, "KernelRegression.fit", "x");
-    py::array y = float64_array(y_obj, "KernelRegression.fit", "y");
+    constexpr std::string_view kFn = "KernelRegression.fit";
+    py::array x = data_array(x_obj, kFn, "x");
+    py::array y = data_array(y_obj, kFn, "y");
     const ConstView<double> xv = view_of<double>(x), yv = view_of<double>(y);
     std::optional<Fitted> fitted;
     {
       py::gil_scoped_release release;
-      fitted.emplace(fit_model(xv, yv, kernel_, bandwidth_spec_));
+      fitted.emplace(calling(kFn, [&] { return fit_model(xv, yv, kernel_, bandwidth_spec_); }));
     }
     fitted_ = std::move(fitted);
   }
@@ -158,12 +224,13 @@ class PyKernelRegression {
 
   py::array weights(py::handle queries_obj) const {
     const KernelRegression& model = fitted("weights").model;
-    py::array queries = float64_array(queries_obj, "KernelRegression.weights", "x_query");
+    constexpr std::string_view kFn = "KernelRegression.weights";
+    py::array queries = data_array(queries_obj, kFn, "x_query");
     const ConstView<double> q = view_of<double>(queries);
     Tensor<double> w;
     {
       py::gil_scoped_release release;
-      w = model.weights(q);
+      w = calling(kFn, [&] { return model.weights(q); });
     }
     return to_numpy(std::move(w));
   }
@@ -183,7 +250,7 @@ class PyKernelRegression {
                                                              std::get<double>(h))
                                        : std::get<std::vector<double>>(h);
     py::gil_scoped_release release;
-    return model.loo_error(hs);
+    return calling("KernelRegression.loo_error", [&] { return model.loo_error(hs); });
   }
 
   std::string kernel() const { return std::string(kernel_name(kernel_)); }
@@ -237,7 +304,7 @@ Raises:
 
 >>> x = np.linspace(0, 5, 50); y = 2 * np.sin(x) + x ** 0.8
 >>> qkv.nadaraya_watson(x, y, np.array([2.5]), bandwidth=0.3).round(3)
-array([3.3])
+array([3.223])
 )");
 
   py::class_<PyKernelRegression>(m, "KernelRegression", R"(Nadaraya-Watson kernel regression as an estimator: fit, then predict.
@@ -323,26 +390,26 @@ at the fitted bandwidth or the one given (numbers, not a rule).
   m.def(
       "silverman_bandwidth",
       [](py::handle x_obj) {
-        py::array x = float64_array(x_obj, "silverman_bandwidth", "x");
+        py::array x = data_array(x_obj, "silverman_bandwidth", "x");
         return vector_array(silverman_bandwidth(view_of<double>(x)));
       },
       py::arg("x"),
       R"(Silverman's rule, 0.9 min(s, IQR / 1.349) n^(-1/5), per feature of x (n) or (n, p).
 
 >>> qkv.silverman_bandwidth(np.arange(10.0)).round(4)
-array([1.6352])
+array([1.7193])
 )");
   m.def(
       "scott_bandwidth",
       [](py::handle x_obj) {
-        py::array x = float64_array(x_obj, "scott_bandwidth", "x");
+        py::array x = data_array(x_obj, "scott_bandwidth", "x");
         return vector_array(scott_bandwidth(view_of<double>(x)));
       },
       py::arg("x"),
       R"(Scott's rule, 1.059 s n^(-1/(p + 4)), per feature of x (n) or (n, p).
 
 >>> qkv.scott_bandwidth(np.arange(10.0)).round(4)
-array([2.0246])
+array([2.023])
 )");
 
   m.def(
@@ -350,8 +417,8 @@ array([2.0246])
       [](py::handle x_obj, py::handle y_obj, int epochs, double lr,
          std::optional<double> initial_w, py::handle seed) {
         constexpr std::string_view kFn = "train_parametric";
-        py::array x = float64_array(x_obj, kFn, "x");
-        py::array y = float64_array(y_obj, kFn, "y");
+        py::array x = data_array(x_obj, kFn, "x");
+        py::array y = data_array(y_obj, kFn, "y");
         ParametricOptions options;
         options.epochs = epochs;
         options.lr = lr;

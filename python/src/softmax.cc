@@ -9,10 +9,13 @@ namespace {
 constexpr std::string_view kSoftmax = "masked_softmax";
 constexpr std::string_view kSoftmaxBackward = "masked_softmax_backward";
 
-// The scores' lengths as the library takes them: 2-D scores are a batch of one.
-ValidLens lens_for(const ValidLens& lens, const Shape& scores_shape, std::string_view fn) {
-  return scores_shape.rank() == 3 ? lens
-                                  : lens.for_batch_of_one(fn, "valid_lens", "X", scores_shape);
+// The lengths as the library takes them: 2-D scores (named `scores_name`)
+// are a batch of one.
+ValidLens lens_for(const ValidLens& lens, const Shape& scores_shape, std::string_view fn,
+                   std::string_view scores_name) {
+  return scores_shape.rank() == 3
+             ? lens
+             : lens.for_batch_of_one(fn, "valid_lens", scores_name, scores_shape);
 }
 
 template <class T>
@@ -29,7 +32,7 @@ py::array forward(py::array& x, py::handle lens_obj) {
   const ConstView<T> scores = view_of<T>(x);
   py::object lens_storage;
   const ValidLens lens =
-      lens_for(valid_lens_of(lens_obj, kSoftmax, lens_storage), scores.shape(), kSoftmax);
+      lens_for(valid_lens_of(lens_obj, kSoftmax, lens_storage), scores.shape(), kSoftmax, "X");
   auto [weights, out] = new_array<T>(scores.shape());
   {
     py::gil_scoped_release release;
@@ -43,7 +46,7 @@ py::array backward(py::array& w, py::array& g, py::handle lens_obj) {
   const ConstView<T> weights = view_of<T>(w), d_weights = view_of<T>(g);
   py::object lens_storage;
   const ValidLens lens = lens_for(valid_lens_of(lens_obj, kSoftmaxBackward, lens_storage),
-                                  weights.shape(), kSoftmaxBackward);
+                                  weights.shape(), kSoftmaxBackward, "weights");
   auto [d_scores, out] = new_array<T>(weights.shape());
   {
     py::gil_scoped_release release;

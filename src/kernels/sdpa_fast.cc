@@ -606,10 +606,11 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
 }
 
 // Key groups per batch element: enough (batch, group) tasks for the cores,
-// never more groups than key blocks; shapes only (determinism).
+// never more groups than key blocks; shapes only (determinism). B = 0 has
+// nothing to split (one group).
 int64_t backward_groups(int64_t batch, int64_t nk) {
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
-  return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, batch), 1,
+  return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, std::max<int64_t>(batch, 1)), 1,
                              std::max<int64_t>(key_blocks, 1));
 }
 

@@ -3,9 +3,10 @@
 
 Runs one op (--op softmax, dot or additive) of the `qkv` command on fresh
 random cases and compares its outputs with d2l's PyTorch implementations of
-masked softmax, DotProductAttention and AdditiveAttention, written out below
-from the chapter's formulas. The seed is printed first and in every failure;
-`--seed S` replays a run and `--case N` one case of it.
+masked softmax, DotProductAttention and AdditiveAttention, written out from
+the chapter's formulas in d2l_reference.py (next to this file, shared with
+the Python package's peer tests). The seed is printed first and in every
+failure; `--seed S` replays a run and `--case N` one case of it.
 
 Pass if max|got - ref| / max(max|ref|, tiny) <= 1e-5 (float32) or 1e-12
 (float64), with torch computing in the same float type as qkv. Outputs are
@@ -55,94 +56,28 @@ except ImportError as exc:
         f"and must run under /usr/bin/python3 (running: {sys.executable})")
 try:
     import torch
-    from torch import nn
 except ImportError as exc:
     die(f"cannot import torch ({exc}); this test needs Debian's python3-torch "
         f"and must run under /usr/bin/python3 (running: {sys.executable})")
 
-TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
-TINY = 1e-30
 NP_DTYPE = {"float32": np.float32, "float64": np.float64}
 TORCH_DTYPE = {"float32": torch.float32, "float64": torch.float64}
 NP_INT = {"int32": np.int32, "int64": np.int64}
 
-
-# ---- d2l's implementations (from the chapter's formulas) --------------------
-
-def d2l_masked_softmax(x, valid_lens):
-    """Softmax over the last axis after overwriting every position at or beyond
-    the row's valid length with -1e6, as d2l does. x: (B, Nq, Nk); valid_lens:
-    None, (B) (shared by the batch element's queries) or (B, Nq)."""
-    if valid_lens is None:
-        return nn.functional.softmax(x, dim=-1)
-    batch, num_queries, num_keys = x.shape
-    if valid_lens.dim() == 1:
-        per_row = torch.repeat_interleave(valid_lens.long(), num_queries)
-    else:
-        per_row = valid_lens.long().reshape(-1)
-    rows = x.reshape(-1, num_keys)
-    inside = torch.arange(num_keys)[None, :] < per_row[:, None]
-    sentinel = torch.full_like(rows, -1e6)
-    rows = torch.where(inside, rows, sentinel)
-    return nn.functional.softmax(rows.reshape(x.shape), dim=-1)
-
-
-class D2lDotProductAttention(nn.Module):
-    """softmax(Q K^T / sqrt(d)) V with d2l's masked softmax and dropout on the
-    weights. `scale`, when given, multiplies Q K^T instead (qkv's --scale)."""
-
-    def __init__(self, dropout, scale=None):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-        self.scale = scale
-
-    def forward(self, queries, keys, values, valid_lens=None):
-        products = torch.bmm(queries, keys.transpose(1, 2))
-        if self.scale is None:
-            self.scores = products / math.sqrt(queries.shape[-1])
-        else:
-            self.scores = products * self.scale
-        self.attention_weights = d2l_masked_softmax(self.scores, valid_lens)
-        return torch.bmm(self.dropout(self.attention_weights), values)
-
-
-class D2lAdditiveAttention(nn.Module):
-    """score(q, k) = w_v^T tanh(W_q q + W_k k), bias-free linear layers, then
-    d2l's masked softmax, dropout on the weights, and the weighted sum of V."""
-
-    def __init__(self, key_size, query_size, num_hiddens, dropout):
-        super().__init__()
-        self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
-        self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
-        self.w_v = nn.Linear(num_hiddens, 1, bias=False)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, queries, keys, values, valid_lens):
-        # (B, Nq, 1, H) + (B, 1, Nk, H): every query meets every key.
-        hidden = torch.tanh(self.W_q(queries).unsqueeze(2) + self.W_k(keys).unsqueeze(1))
-        self.scores = self.w_v(hidden).squeeze(-1)
-        self.attention_weights = d2l_masked_softmax(self.scores, valid_lens)
-        return torch.bmm(self.dropout(self.attention_weights), values)
-
-
-def exact_lse(scores, valid_lens):
-    """log sum_{j < L} exp(scores[b, i, j]) as float64 numpy, -inf when L = 0."""
-    scores = scores.detach().to(torch.float64)
-    lens = row_lengths(valid_lens, *scores.shape)
-    inside = torch.arange(scores.shape[-1])[None, None, :] < torch.from_numpy(lens)[..., None]
-    masked = torch.where(inside, scores, torch.full_like(scores, -math.inf))
-    return torch.logsumexp(masked, dim=-1).numpy()
-
-
-def row_lengths(valid_lens, batch, num_queries, num_keys):
-    """Valid length of every row (b, i) as an int64 numpy (B, Nq) array."""
-    if valid_lens is None:
-        return np.full((batch, num_queries), num_keys, dtype=np.int64)
-    lens = np.asarray(valid_lens.numpy() if torch.is_tensor(valid_lens) else valid_lens)
-    lens = lens.astype(np.int64)
-    if lens.ndim == 1:
-        return np.repeat(lens[:, None], num_queries, axis=1)
-    return lens
+# d2l's implementations (from the chapter's formulas) and the comparison rule
+# live next to this file, shared with the Python package's peer tests.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from d2l_reference import (  # noqa: E402
+    TOLERANCE,
+    D2lAdditiveAttention,
+    D2lDotProductAttention,
+    d2l_masked_softmax,
+    exact_lse,
+    lse_scale,
+    pooled_scale,
+    relative_error,
+    row_lengths,
+)
 
 
 # ---- the harness ------------------------------------------------------------
@@ -197,18 +132,10 @@ class Runner:
     def compare(self, what, got, ref, dtype, axes, scale=None):
         """Relative error max|got - ref| / max(max|ref|, scale, tiny); records
         the worst per dtype; raises Failure past the tolerance."""
-        got64 = got.astype(np.float64)
-        ref64 = np.asarray(ref, dtype=np.float64)
-        diff = np.abs(got64 - ref64)
-        both_equal = (got64 == ref64) | (np.isnan(got64) & np.isnan(ref64))
-        diff = np.where(both_equal, 0.0, diff)
-        diff = np.where(np.isnan(diff), math.inf, diff)
-        finite_ref = np.abs(ref64[np.isfinite(ref64)])
-        denom = max(finite_ref.max() if finite_ref.size else 0.0, scale or 0.0, TINY)
-        err = float(diff.max()) / denom if diff.size else 0.0
+        err, at, denom = relative_error(got, ref, scale)
         self.worst[dtype] = max(self.worst[dtype], err)
         if err > TOLERANCE[dtype]:
-            at = np.unravel_index(int(np.argmax(diff)), diff.shape)
+            got64, ref64 = got.astype(np.float64), np.asarray(ref, dtype=np.float64)
             where = " ".join(f"{name}={index}" for name, index in zip(axes, at))
             raise Failure(f"{what}: rel err {err:.3g} > {TOLERANCE[dtype]:g} at {where}: "
                           f"got {got64[at]!r}, ref {ref64[at]!r} (denominator {denom:.6g})")
@@ -441,12 +368,6 @@ def attention_reference(module, queries, keys, values, lens):
     return out.numpy(), module.attention_weights.numpy(), module.scores
 
 
-def pooled_scale(weights, values):
-    """max_{b,i,d} sum_j |w_bij| |v_bjd|: the size of the terms an output sums."""
-    return float(np.matmul(np.abs(weights.astype(np.float64)),
-                           np.abs(values.astype(np.float64))).max())
-
-
 def attention_case(runner, index, rng):
     op = runner.op
     desc, module, inputs, args, two_d, dtype = attention_inputs(runner, index, rng, op)
@@ -475,15 +396,10 @@ def attention_case(runner, index, rng):
         runner.compare("weights", got_w, unbatch(ref_weights), dtype, prefix + ("q", "k"))
         ref_lse = exact_lse(scores, lens)
         got_lse = runner.load(lse_path, dtype, unbatch(ref_lse).shape, "lse")
-        # lse's rounding error scales with the scores it sums, not with lse itself
-        # (which can be near 0 while the scores are not); and an absolute error
-        # e in lse is a relative error e in the normaliser exp(lse), so the
-        # denominator is at least 1.
-        lengths = row_lengths(lens, *scores.shape)
-        inside = np.arange(scores.shape[-1])[None, None, :] < lengths[..., None]
-        score_scale = float(np.abs(scores.detach().double().numpy()[inside]).max())
+        # The denominator takes the size of the valid scores, at least 1
+        # (d2l_reference.lse_scale says why).
         runner.compare("lse", got_lse, unbatch(ref_lse), dtype, prefix + ("q",),
-                       scale=max(score_scale, 1.0))
+                       scale=lse_scale(scores, lens))
 
 
 def fixed_attention_inputs(op, dtype, seed, batch, num_queries, num_keys, value_dim,

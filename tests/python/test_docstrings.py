@@ -1,0 +1,143 @@
+"""The docstrings are the API's documentation: each public callable has one with
+an example, and every example runs and prints what it shows.
+
+- Every public function and class of qkv (qkv.__all__) and qkv.torch
+  (qkv.torch.__all__) has a docstring with a `>>>` example; the exception
+  classes and the gradient named tuples (types, not operations) have a
+  docstring; the estimator's methods and properties each have one.
+- The examples run with doctest (NORMALIZE_WHITESPACE) in the order they
+  appear in the sources, since later examples use names (q, k, v, x, y)
+  defined by earlier ones: python/src/softmax.cc, attention.cc, pooling.cc,
+  regression.cc, runtime.cc (the order of their m.def / py::class_
+  registrations), then python/qkv/torch.py, all in one globals dict holding
+  np, torch and qkv (with qkv.torch imported). Each docstring is one test.
+"""
+
+import doctest
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+import qkv.torch
+
+SOURCE = os.environ.get("QKV_SOURCE_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BINDING_FILES = ["softmax.cc", "attention.cc", "pooling.cc", "regression.cc", "runtime.cc"]
+
+
+def binding_order():
+    """Public names registered by python/src's files, in the order of the sources."""
+    names = []
+    for name in BINDING_FILES:
+        with open(os.path.join(SOURCE, "python", "src", name)) as f:
+            text = f.read()
+        for m in re.finditer(r'm\.def\(\s*"(\w+)"|py::class_<[^>]*>\(\s*m\s*,\s*"(\w+)"', text):
+            found = m.group(1) or m.group(2)
+            if not found.startswith("_"):
+                names.append(found)
+    return names
+
+
+def torch_order():
+    """qkv.torch's public functions and classes in the order of python/qkv/torch.py."""
+    with open(os.path.join(SOURCE, "python", "qkv", "torch.py")) as f:
+        text = f.read()
+    return [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M) if not n.startswith("_")]
+
+
+ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
+IDS = [f"{module}.{name}" for module, name in ORDER]
+TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "AdditiveAttentionGrads"}
+
+
+def resolve(module, name):
+    return getattr(qkv if module == "qkv" else qkv.torch, name)
+
+
+def test_the_order_covers_the_public_api():
+    scanned = {name for module, name in ORDER if module == "qkv"}
+    callables = {n for n in qkv.__all__ if n not in TYPES and n != "__version__"}
+    assert scanned == callables, (scanned ^ callables)
+    assert [n for m, n in ORDER if m == "qkv.torch"] and \
+        {n for m, n in ORDER if m == "qkv.torch"} == set(qkv.torch.__all__)
+    assert len(ORDER) == len(set(ORDER))
+
+
+@pytest.mark.parametrize("module,name", ORDER, ids=IDS)
+def test_public_callable_has_a_docstring_with_an_example(module, name):
+    obj = resolve(module, name)
+    assert callable(obj)
+    doc = obj.__doc__ or ""
+    examples = doctest.DocTestParser().get_examples(doc)
+    assert examples, f"{module}.{name} has no >>> example in its docstring"
+    # More than a signature: a sentence saying what it does.
+    assert len(doc.split(">>>")[0].strip()) > 40, f"{module}.{name}: {doc[:200]!r}"
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_types_have_docstrings(name):
+    assert getattr(qkv, name).__doc__, name
+
+
+@pytest.mark.parametrize("member", ["fit", "predict", "weights", "loo_error", "kernel",
+                                    "bandwidth", "bandwidth_", "cv_loo_error_", "cv_iterations_",
+                                    "n_features_in_"])
+def test_estimator_members_have_docstrings(member):
+    doc = getattr(qkv.KernelRegression, member).__doc__
+    assert doc and len(doc.strip()) > 10, member
+
+
+class Recorder(doctest.DocTestRunner):
+    """Keeps each failing example: its source, what the docstring shows and what it printed."""
+
+    def __init__(self):
+        super().__init__(optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
+        self.recorded = []
+
+    def report_failure(self, out, test, example, got):
+        self.recorded.append((test.name, example.source.strip(), example.want.rstrip(),
+                              got.rstrip()))
+
+    def report_unexpected_exception(self, out, test, example, exc_info):
+        error = "".join(doctest.traceback.format_exception_only(*exc_info[:2])).strip()
+        self.recorded.append((test.name, example.source.strip(), example.want.rstrip(),
+                              f"raised {error}"))
+
+
+@pytest.fixture(scope="module")
+def doctest_runs():
+    """Runs every docstring's examples in source order in one globals dict; returns
+    {id: (examples run, failures)}."""
+    threads, target = qkv.get_num_threads(), qkv.simd_target()
+    shared = {"np": np, "torch": torch, "qkv": qkv}
+    parser = doctest.DocTestParser()
+    runs = {}
+    torch_state = torch.random.get_rng_state()
+    try:
+        for (module, name), test_id in zip(ORDER, IDS):
+            obj = resolve(module, name)
+            test = parser.get_doctest(obj.__doc__ or "", shared, test_id, None, 0)
+            test.globs = shared  # share names with the examples that follow
+            runner = Recorder()
+            runner.run(test, out=lambda text: None, clear_globs=False)
+            runs[test_id] = (len(test.examples), runner.recorded)
+    finally:
+        torch.random.set_rng_state(torch_state)
+        qkv.set_num_threads(threads)
+        qkv.set_simd_target(os.environ.get("QKV_SIMD_TARGET", ""))
+        if qkv.simd_target() != target:
+            qkv.set_simd_target(target)
+    return runs
+
+
+@pytest.mark.parametrize("test_id", IDS)
+def test_docstring_examples_print_what_they_show(doctest_runs, test_id):
+    count, failures = doctest_runs[test_id]
+    assert count > 0
+    assert not failures, "\n\n".join(
+        f"{name}:\n>>> {source}\nthe docstring shows:\n{want}\nit printed:\n{got}"
+        for name, source, want, got in failures)

@@ -1,0 +1,199 @@
+"""qkv.torch's errors (no CUDA needed): tensors off the CPU ('meta' device),
+dtypes qkv does not compute in, mixed dtypes, unsupported torch arguments,
+dropout_p outside [0, 1], shapes that do not fit (the message holds them) and
+non-integer valid_lens; each with its exception type and a message that says
+what is wrong.
+"""
+
+import re
+
+import pytest
+import torch
+
+import qkv
+import qkv.torch
+
+
+def sdpa(q, k, v, **kw):
+    return qkv.torch.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def additive(q, k, v, W_q, W_k, w_v, lens=None, **kw):
+    return qkv.torch.additive_attention(q, k, v, W_q, W_k, w_v, lens, **kw)
+
+
+def good_args(op, dtype=torch.float32, device="cpu"):
+    """Arguments that work, as (name, tensor) pairs (names as the messages use them)."""
+    make = lambda *shape: torch.ones(shape, dtype=dtype, device=device)  # noqa: E731
+    if op == "masked_softmax":
+        return [("X", make(2, 3, 4))]
+    if op == "sdpa":
+        return [("query", make(2, 3, 4)), ("key", make(2, 5, 4)), ("value", make(2, 5, 6))]
+    return [("queries", make(2, 3, 4)), ("keys", make(2, 5, 2)), ("values", make(2, 5, 6)),
+            ("W_q", make(7, 4)), ("W_k", make(7, 2)), ("w_v", make(1, 7))]
+
+
+CALLS = {
+    "masked_softmax": lambda X, lens=None: qkv.torch.masked_softmax(X, lens),
+    "sdpa": lambda q, k, v, lens=None: sdpa(q, k, v, valid_lens=lens),
+    "additive": lambda *a, lens=None: additive(*a, lens),
+    "DotProductAttention": lambda q, k, v, lens=None: qkv.torch.DotProductAttention(0.1)(
+        q, k, v, lens),
+}
+OPS = ["masked_softmax", "sdpa", "additive"]
+
+
+def replace(args, index, tensor):
+    return [tensor if i == index else t for i, (_, t) in enumerate(args)]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_tensor_on_another_device_is_a_value_error_naming_the_cpu(op):
+    args = good_args(op)
+    CALLS[op](*[t for _, t in args])  # these arguments work on the CPU
+    for index, (name, t) in enumerate(args):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        with pytest.raises(ValueError, match="CPU") as info:
+            CALLS[op](*replace(args, index, meta))
+        assert name in str(info.value) and "meta" in str(info.value)
+    with pytest.raises(ValueError, match="CPU") as info:
+        CALLS[op](*[t for _, t in args], lens=torch.ones(2, dtype=torch.int64, device="meta"))
+    assert "valid_lens" in str(info.value)
+
+
+def test_modules_on_another_device():
+    args = [t for _, t in good_args("sdpa", device="meta")]
+    with pytest.raises(ValueError, match="CPU"):
+        qkv.torch.DotProductAttention(0.1)(*args)
+    module = qkv.torch.AdditiveAttention(2, 4, 7, 0.1)
+    q, k, v = (t for _, t in good_args("additive", device="meta")[:3])
+    with pytest.raises(ValueError, match="CPU"):
+        module(q, k, v, None)
+    with pytest.raises(ValueError, match="CPU"):
+        module.to("meta")(q, k, v, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.int64, torch.bool,
+                                   torch.complex64])
+@pytest.mark.parametrize("op", OPS)
+def test_dtypes_qkv_does_not_compute_in_are_type_errors(op, dtype):
+    args = good_args(op, dtype)
+    with pytest.raises(TypeError) as info:
+        CALLS[op](*[t for _, t in args])
+    message = str(info.value)
+    assert args[0][0] in message and str(dtype).removeprefix("torch.") in message
+    assert "float32" in message  # says what it takes
+
+
+@pytest.mark.parametrize("op", ["masked_softmax", "additive"])
+def test_bf16_only_for_scaled_dot_product_attention(op):
+    with pytest.raises(TypeError, match="bfloat16"):
+        CALLS[op](*[t for _, t in good_args(op, torch.bfloat16)])
+    sdpa(*[t for _, t in good_args("sdpa", torch.bfloat16)])
+
+
+@pytest.mark.parametrize("op", ["sdpa", "additive"])
+def test_mixed_dtypes_are_type_errors(op):
+    args = good_args(op)
+    for index, (name, t) in enumerate(args[1:], start=1):
+        for other in (torch.float64, torch.bfloat16):
+            with pytest.raises(TypeError) as info:
+                CALLS[op](*replace(args, index, t.to(other)))
+            assert name in str(info.value)
+
+
+def test_attn_mask_and_is_causal_are_not_implemented():
+    q, k, v = (t for _, t in good_args("sdpa"))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        qkv.torch.scaled_dot_product_attention(q, k, v, torch.zeros(3, 5))
+    with pytest.raises(NotImplementedError, match="is_causal"):
+        sdpa(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("p", [1.5, -0.1, float("nan"), float("inf")])
+@pytest.mark.parametrize("op", ["sdpa", "additive"])
+def test_dropout_outside_0_1_is_a_value_error(op, p):
+    args = [t for _, t in good_args(op)]
+    call = sdpa if op == "sdpa" else additive
+    with pytest.raises(ValueError, match="dropout"):
+        call(*args, dropout_p=p)
+
+
+def _shapes_in(message, *tensors):
+    for t in tensors:
+        assert str(list(t.shape)) in message, f"{list(t.shape)} not in {message!r}"
+
+
+def test_bad_shapes_are_value_errors_holding_the_shapes():
+    q, k, v = (t for _, t in good_args("sdpa"))
+    bad = [
+        (q, torch.ones(2, 5, 3), v),          # D differs
+        (q, k, torch.ones(2, 4, 6)),          # Nk differs
+        (q, k, torch.ones(3, 5, 6)),          # batch differs
+        (q, torch.ones(5, 4), torch.ones(5, 6)),  # ranks differ
+        (torch.ones(4), torch.ones(4), torch.ones(4)),  # rank 1
+    ]
+    for args in bad:
+        with pytest.raises(ValueError) as info:
+            sdpa(*args)
+        message = str(info.value)
+        assert "scaled_dot_product_attention" in message
+        # The message names the shapes of the arguments that disagree.
+        shapes = [list(t.shape) for t in args]
+        assert sum(str(s) in message for s in shapes) >= 2, message
+    # From the kernels: qkv.Error, a ValueError.
+    with pytest.raises(qkv.Error) as info:
+        sdpa(q, torch.ones(2, 5, 3), v)
+    _shapes_in(str(info.value), q, torch.ones(2, 5, 3))
+    A = [t for _, t in good_args("additive")]
+    for index, shape in ((3, (7, 5)), (4, (7, 3)), (5, (1, 6)), (2, (2, 4, 6))):
+        args = list(A)
+        args[index] = torch.ones(shape)
+        with pytest.raises(qkv.Error) as info:
+            additive(*args)
+        assert isinstance(info.value, ValueError)
+        assert str(list(shape)) in str(info.value), str(info.value)
+    with pytest.raises(ValueError) as info:
+        qkv.torch.masked_softmax(torch.ones(2, 2, 3, 4))
+    _shapes_in(str(info.value), torch.ones(2, 2, 3, 4))
+
+
+@pytest.mark.parametrize("op", OPS + ["DotProductAttention"])
+def test_valid_lens_that_do_not_fit(op):
+    args = [t for _, t in good_args(op if op != "DotProductAttention" else "sdpa")]
+    call = CALLS[op]
+    scores_shape = "[2, 3, 5]" if op != "masked_softmax" else "[2, 3, 4]"
+    nk = 5 if op != "masked_softmax" else 4
+    with pytest.raises(qkv.Error) as info:
+        call(*args, lens=torch.tensor([1, 2, 3]))
+    assert "[3]" in str(info.value) and scores_shape in str(info.value)
+    with pytest.raises(qkv.Error) as info:
+        call(*args, lens=torch.tensor([1, nk + 1]))
+    assert re.search(rf"\b{nk + 1}\b", str(info.value)) and "valid_lens" in str(info.value)
+    with pytest.raises(qkv.Error):
+        call(*args, lens=torch.tensor([1, -1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+@pytest.mark.parametrize("op", OPS + ["DotProductAttention"])
+def test_valid_lens_not_integers_are_type_errors(op, dtype):
+    args = [t for _, t in good_args(op if op != "DotProductAttention" else "sdpa")]
+    with pytest.raises(TypeError, match="valid_lens") as info:
+        CALLS[op](*args, lens=torch.tensor([1, 2]).to(dtype))
+    assert str(dtype).removeprefix("torch.") in str(info.value)
+
+
+def test_4d_inputs_with_valid_lens_are_a_value_error():
+    q, k, v = (torch.ones(2, 3, 4, 5) for _ in range(3))
+    with pytest.raises(ValueError, match=re.escape("[2, 3, 4, 5]")):
+        sdpa(q, k, v, valid_lens=torch.tensor([1, 2]))
+
+
+def test_not_a_tensor_is_a_type_error():
+    q, k, v = (t for _, t in good_args("sdpa"))
+    with pytest.raises(TypeError, match="query"):
+        sdpa(q.numpy(), k, v)
+    with pytest.raises(TypeError, match="X"):
+        qkv.torch.masked_softmax([[1.0, 2.0]])
