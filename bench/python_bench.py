@@ -258,6 +258,17 @@ def sdpa_cases(np, torch, qkv, qkv_torch, book, batch, n, dim):
         lambda: qkv_torch.scaled_dot_product_attention(qg, kg, vg)))
     cases[("fwdbwd", "module")] = (clear_grads(module_train),
                                    forward_backward(lambda: module_train(qg, kg, vg, None)))
+
+    # The same work through the NumPy binding, in this process: what the
+    # qkv.torch rows cost beyond it is autograd's and the binding's share.
+    qgn, kgn, vgn, gn = (t.detach().numpy() for t in (qg, kg, vg, g))
+
+    def numpy_forward_backward():
+        out, lse = qkv.scaled_dot_product_attention(qgn, kgn, vgn, return_lse=True)
+        grads = qkv.scaled_dot_product_attention_backward(qgn, kgn, vgn, out, lse, gn)
+        return tuple(torch.from_numpy(a) for a in (out, *grads))
+
+    cases[("fwdbwd", "numpy")] = (None, numpy_forward_backward)
     return cases
 
 
@@ -636,7 +647,8 @@ def measure(args, shapes):
             memory = {}
             for op, variant in (("fwd", "book"), ("fwd", "functional"), ("fwd", "module"),
                                 ("fwd", "numpy"), ("fwdbwd", "book"),
-                                ("fwdbwd", "functional"), ("fwdbwd", "module")):
+                                ("fwdbwd", "functional"), ("fwdbwd", "module"),
+                                ("fwdbwd", "numpy")):
                 memory[f"{op}/{variant}"] = run_worker(
                     {"kind": "sdpa_memory", "shape": shapes["sdpa"], "op": op,
                      "variant": variant}, module_dir)["extra_bytes"]
@@ -772,6 +784,10 @@ def sdpa_tables(run):
         if op == "fwd":
             variants.insert(0, ("numpy", "`qkv.scaled_dot_product_attention` on the tensors' "
                                          "NumPy views"))
+        else:
+            variants.insert(0, ("numpy", "`qkv.scaled_dot_product_attention(..., "
+                                         "return_lse=True)` and `_backward` on the tensors' "
+                                         "NumPy views"))
         variants.append(("book", "the book's `DotProductAttention(0.0)`"))
         for variant, label in variants:
             t = seconds[f"{op}/{variant}"]
@@ -843,11 +859,16 @@ def targets(run):
     for op, name, label in (("fwd", shapes["cxx_fwd"], "forward"),
                             ("fwdbwd", shapes["cxx_fwdbwd"], "forward + backward")):
         cxx, _ = cxx_sdpa(run, name)
-        t = run["sdpa"]["seconds"][f"{op}/functional"]
+        seconds = run["sdpa"]["seconds"]
+        t = seconds[f"{op}/functional"]
         r = perf.ratio(t, cxx)
+        same_process = seconds.get(f"{op}/numpy")
+        note = (f" (the NumPy binding's same calls, interleaved in the same process: "
+                f"{perf.fmt_s(same_process)}, qkv.torch / that "
+                f"{perf.fmt_x(perf.ratio(t, same_process))})" if same_process else "")
         rows.append((f"qkv.torch SDPA {label} within {100 * (BINDING_RATIO_TARGET - 1):.0f} % "
                      f"of the C++ library (B={batch}, N={n}, d={dim})",
-                     f"{perf.fmt_s(t)} vs {perf.fmt_s(cxx)}: {perf.fmt_x(r)}" if r else
+                     f"{perf.fmt_s(t)} vs {perf.fmt_s(cxx)}: {perf.fmt_x(r)}{note}" if r else
                      "C++ not measured at this shape",
                      None if r is None else r <= BINDING_RATIO_TARGET))
     diff = loss_diff(run["train"]["book"], run["train"]["qkv"])
