@@ -763,6 +763,14 @@ def cxx_sdpa(run, name):
     return (min(valid) if valid else None), each
 
 
+def repo_path(path):
+    """A path as the page shows it: relative to the checkout the run measured, whose
+    absolute location is this machine's business."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.abspath(path)
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+
+
 def sdpa_tables(run):
     shapes, sdpa, memory = run["shapes"], run["sdpa"], run["sdpa_memory"]
     seconds = sdpa["seconds"]
@@ -986,7 +994,8 @@ def render_block(run):
               f"- qkv {winfo['qkv_version']} (checkout {info.get('qkv_commit', '?')}), "
               f"SIMD target `{winfo['simd_target']}`, "
               f"{winfo['qkv_threads']} threads; module from "
-              f"`{winfo['qkv_module']}`; C++ benchmark `{run['bench_perf'] or 'none'}`.",
+              f"`{repo_path(winfo['qkv_module'])}`; C++ benchmark "
+              f"`{repo_path(run['bench_perf']) if run['bench_perf'] else 'none'}`.",
               f"- PyTorch {winfo['torch']} (Debian python3-torch {info['torch_pkg']}), "
               f"{winfo['torch_threads']} threads; NumPy {winfo['numpy']}; Python "
               f"{winfo['python']}; {info['gxx']}.",
