@@ -1,5 +1,5 @@
 // The qkv command: parses the command line with CLI11 and runs one
-// subcommand (softmax, attend, demo, regress, lookup, heatmap); each lives in
+// subcommand (softmax, attend, demo, regress, lookup, heatmap, info); each lives in
 // its own file. Errors and exit statuses follow DESIGN.md §4 (common.cc maps
 // exceptions to them).
 #include <unistd.h>
@@ -18,6 +18,7 @@ namespace qkv::cli {
 Command add_regress_command(CLI::App& parent);  // regress.cc
 Command add_lookup_command(CLI::App& parent);   // lookup.cc
 Command add_heatmap_command(CLI::App& parent);  // heatmap.cc
+Command add_info_command(CLI::App& parent);     // info.cc
 }  // namespace qkv::cli
 
 namespace {
@@ -53,7 +54,8 @@ int main(int argc, char** argv) {
   const Command commands[] = {
       qkv::cli::add_softmax_command(app), qkv::cli::add_attend_command(app),
       qkv::cli::add_demo_command(app),    qkv::cli::add_regress_command(app),
-      qkv::cli::add_lookup_command(app),  qkv::cli::add_heatmap_command(app)};
+      qkv::cli::add_lookup_command(app),  qkv::cli::add_heatmap_command(app),
+      qkv::cli::add_info_command(app)};
   const auto selected = [&]() -> const Command* {
     for (const Command& command : commands) {
       if (command.app->parsed()) return &command;

@@ -127,6 +127,45 @@ TEST(Simd, UnknownOrUnsupportedTargetsAreErrors) {
   EXPECT_EQ(simd_target(), first) << "a rejected name must not change the cap";
 }
 
+// simd_info: the compiled targets hold the supported ones in order, the
+// chosen one and the cap follow set_simd_target, the CPU features agree with
+// the compiler's own probe, and bf16 products follow the cap.
+TEST(Simd, InfoDescribesTheBuildTheCpuAndTheCap) {
+  LiftCapAtEnd lift;
+  const SimdInfo info = simd_info();
+  EXPECT_EQ(info.supported, simd_targets());
+  std::vector<std::string> kept;
+  for (const std::string& t : info.compiled) {
+    if (std::find(info.supported.begin(), info.supported.end(), t) != info.supported.end()) {
+      kept.push_back(t);
+    }
+  }
+  EXPECT_EQ(kept, info.supported) << "supported targets are compiled ones, in the same order";
+  EXPECT_EQ(info.chosen, info.supported.front());
+  EXPECT_EQ(info.cap, "");
+  EXPECT_EQ(info.bf16_products != "widen", kernels::fast::bf16_native());
+  EXPECT_EQ(info.blas.rfind("OpenBLAS", 0), 0u) << info.blas;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  ASSERT_EQ(info.cpu_features.size(), 10u);
+  for (const auto& [name, present] : info.cpu_features) {
+    if (name == "avx2") EXPECT_EQ(present, __builtin_cpu_supports("avx2") != 0);
+    if (name == "avx512f") EXPECT_EQ(present, __builtin_cpu_supports("avx512f") != 0);
+    if (name == "avx512bf16") EXPECT_EQ(present, __builtin_cpu_supports("avx512bf16") != 0);
+  }
+#endif
+  for (const std::string& target : info.supported) {
+    set_simd_target(target);
+    const SimdInfo capped = simd_info();
+    EXPECT_EQ(capped.chosen, target);
+    EXPECT_EQ(capped.cap, target);
+    EXPECT_EQ(capped.supported, info.supported) << "the cap does not change the CPU's list";
+    if (target.rfind("avx512", 0) != 0) EXPECT_EQ(capped.bf16_products, "widen") << target;
+  }
+  set_simd_target("");
+  EXPECT_EQ(simd_info().cap, "");
+}
+
 TEST(Simd, EnvironmentVariable) {
   LiftCapAtEnd lift;
   const char* saved = std::getenv("QKV_SIMD_TARGET");

@@ -9,6 +9,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace qkv {
@@ -24,8 +25,27 @@ std::string simd_target();
 // it; "" lifts the cap. At a cap below avx512 the hand-written AVX-512 paths
 // (the bf16 products and conversions) are off too. Call it while no qkv op
 // runs on another thread. Throws Error for a name not in simd_targets(),
-// listing them.
+// listing them, and saying so when the build has the target but this CPU
+// cannot run it.
 void set_simd_target(std::string_view name);
+
+// What this build and this CPU offer, and what runs: `qkv info` prints it.
+struct SimdInfo {
+  std::vector<std::string> compiled;   // the targets this build has, best first
+  std::vector<std::string> supported;  // those this CPU runs (simd_targets())
+  std::string chosen;                  // simd_target()
+  std::string cap;                     // the cap in force ("" for none)
+  // The CPU features the kernels look for (x86-64: "sse4.2", "avx2", "fma",
+  // "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "amx-tile",
+  // "amx-bf16"), each with whether this CPU has it.
+  std::vector<std::pair<std::string, bool>> cpu_features;
+  // How bf16 products run now: "amx", "avx512_bf16", or "widen" (bf16
+  // widened to float32 for the float32 kernels: no BF16 instructions, or a
+  // cap below avx512).
+  std::string bf16_products;
+  std::string blas;  // the BLAS's own description (OpenBLAS's build configuration)
+};
+SimdInfo simd_info();
 
 // set_simd_target($QKV_SIMD_TARGET) when that variable is set and not empty;
 // a bad value is an Error naming the variable. The qkv command, the

@@ -8,7 +8,7 @@ are read in place, never copied) and return new arrays:
     additive_attention, additive_attention_backward
     attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
     nadaraya_watson, KernelRegression, silverman_bandwidth, scott_bandwidth, train_parametric
-    set_num_threads, get_num_threads, simd_target, simd_targets, set_simd_target
+    set_num_threads, get_num_threads, simd_target, simd_targets, set_simd_target, simd_info
 
 Shapes are d2l's: queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv),
 valid_lens None, (B) or (B, Nq); 2-D inputs are a batch of one. Bad
@@ -42,6 +42,7 @@ from ._qkv import (  # noqa: F401  (the public API, re-exported)
     set_num_threads,
     set_simd_target,
     silverman_bandwidth,
+    simd_info,
     simd_target,
     simd_targets,
     train_parametric,
@@ -71,6 +72,7 @@ __all__ = [
     "set_num_threads",
     "set_simd_target",
     "silverman_bandwidth",
+    "simd_info",
     "simd_target",
     "simd_targets",
     "train_parametric",

@@ -81,6 +81,36 @@ Raises:
 'scalar'
 >>> qkv.set_simd_target('')
 )");
+  m.def(
+      "simd_info",
+      [] {
+        const SimdInfo info = simd_info();
+        py::dict d;
+        d["simd_targets_compiled"] = info.compiled;
+        d["simd_targets_supported"] = info.supported;
+        d["simd_target"] = info.chosen;
+        d["simd_cap"] = info.cap.empty() ? py::object(py::none()) : py::str(info.cap);
+        py::dict features;
+        for (const auto& [name, present] : info.cpu_features) features[py::str(name)] = present;
+        d["cpu_features"] = features;
+        d["bf16_products"] = info.bf16_products;
+        d["blas"] = info.blas;
+        return d;
+      },
+      R"(What this build and this CPU offer, and what the kernels run on (as `qkv info`).
+
+Returns:
+    A dict: simd_targets_compiled and simd_targets_supported (best first),
+    simd_target (the one in use), simd_cap (None without a cap),
+    cpu_features ({name: bool} for the features the kernels look for, e.g.
+    'avx2', 'avx512f', 'avx512bf16'), bf16_products ('amx', 'avx512_bf16' or
+    'widen') and blas (OpenBLAS's configuration).
+
+>>> info = qkv.simd_info()
+>>> info['simd_target'] == qkv.simd_target()
+True
+)");
+
   // The qkv command, the tests and benchmarks honour QKV_SIMD_TARGET at
   // start-up; so does the module, when it is imported.
   set_simd_target_from_env();

@@ -41,6 +41,8 @@ thread_local int serial_scopes = 0;  // live SerialScopes of this thread
 SerialScope::SerialScope() { ++serial_scopes; }
 SerialScope::~SerialScope() { --serial_scopes; }
 
+const char* blas_config() { return openblas_get_config(); }
+
 int current_num_threads() { return serial_scopes > 0 ? 1 : qkv::num_threads(); }
 
 namespace {

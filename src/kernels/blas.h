@@ -17,6 +17,10 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double al
           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
           int64_t ldc);
 
+// The BLAS's description of itself (OpenBLAS: version, build options, the
+// core type its kernels were chosen for).
+const char* blas_config();
+
 // Rows of C per parallel_gemm task: enough work per BLAS call to reach its
 // full rate, small enough that 2 threads balance on a few hundred rows.
 inline constexpr int64_t kGemmRowBlock = 64;

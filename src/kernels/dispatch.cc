@@ -40,16 +40,28 @@ int64_t target_by_name(const std::string& name) {
   return 0;
 }
 
+namespace {
+
+// The targets of `mask`, best (lowest bit) first.
+std::vector<int64_t> targets_of(int64_t mask) {
+  std::vector<int64_t> list;
+  for (int64_t rest = mask; rest != 0; rest &= rest - 1) list.push_back(rest & -rest);
+  return list;
+}
+
+int64_t cap = 0;  // cap_at's last target
+
+}  // namespace
+
+std::vector<int64_t> compiled_targets() { return targets_of(HWY_TARGETS); }
+
+int64_t cap_target() { return cap; }
+
 std::vector<int64_t> available_targets() {
   // Computed once, before any cap (cap_at asks for this list before it caps):
   // hwy::SupportedTargets() is the CPU's list less the disabled targets.
   static const std::vector<int64_t> targets = [] {
-    const int64_t supported = hwy::SupportedTargets();
-    std::vector<int64_t> list;
-    for (int64_t rest = HWY_TARGETS & supported; rest != 0; rest &= rest - 1) {
-      list.push_back(rest & -rest);  // lowest bit first: best target first
-    }
-    return list;
+    return targets_of(HWY_TARGETS & hwy::SupportedTargets());
   }();
   return targets;
 }
@@ -61,6 +73,7 @@ void cap_at(int64_t target) {
   // Highway's bits: a better target has a lower bit, so the targets above
   // the cap are exactly the bits below it.
   hwy::DisableTargets(target == 0 ? 0 : target - 1);
+  cap = target;
 }
 
 bool avx512_allowed() {

@@ -16,9 +16,15 @@ namespace qkv::kernels {
 std::string target_name(int64_t target);
 int64_t target_by_name(const std::string& name);
 
+// Targets compiled into this build (for this architecture), best first.
+std::vector<int64_t> compiled_targets();
+
 // Targets compiled in and supported by this CPU, best first; the cap does
 // not change this list.
 std::vector<int64_t> available_targets();
+
+// The cap set by cap_at (0: none).
+int64_t cap_target();
 
 // The target the kernels run on now, found by dispatching through the same
 // table mechanism they use.

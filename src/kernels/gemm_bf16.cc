@@ -747,6 +747,8 @@ void to_float(const bfloat16* x, float* out, int64_t n) {
 
 bool bf16_native() { return best_path() != Path::kWiden; }
 
+const char* bf16_path() { return path_name(best_path()); }
+
 // For tests and benchmarks: every path this CPU can run, on demand, whatever
 // the SIMD cap.
 

@@ -52,5 +52,8 @@ void to_float(const bfloat16* x, float* out, int64_t n);
 
 // True when gemm_bf16 runs on the AVX-512 BF16 instructions.
 bool bf16_native();
+// The path the bf16 products take now: "amx", "avx512_bf16" or "widen"
+// (bf16 widened to float32 for the float32 kernels).
+const char* bf16_path();
 
 }  // namespace qkv::kernels::fast

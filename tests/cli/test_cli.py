@@ -167,6 +167,81 @@ class CliTest(unittest.TestCase):
                 "--wv", self.save("wv.npy", w_v), "--out", self.path(out)]
 
 
+# ---- qkv info --------------------------------------------------------------------
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (the reference for qkv info)."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+class InfoTest(CliTest):
+    """`qkv info`: the CPU's features, the SIMD targets compiled and supported, the
+    one chosen (QKV_SIMD_TARGET caps it), the bf16 path; text and --json."""
+
+    def info(self, target=None):
+        env = dict(os.environ)
+        env.pop("QKV_SIMD_TARGET", None)
+        if target is not None:
+            env["QKV_SIMD_TARGET"] = target
+        r = run("info", "--json", env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return __import__("json").loads(r.stdout)
+
+    def test_json_describes_this_machine(self):
+        info = self.info()
+        self.assertEqual(info["version"], self.ok("--version").stdout.split()[1])
+        flags = cpu_flags()
+        # /proc/cpuinfo spells them sse4_2, avx512_bf16, amx_tile; qkv the compiler's way.
+        spelled = {"sse4.2": "sse4_2", "avx512bf16": "avx512_bf16", "amx-tile": "amx_tile",
+                   "amx-bf16": "amx_bf16"}
+        for feature in info["cpu_features"]:
+            self.assertIn(spelled.get(feature, feature), flags, feature)
+        for feature in info["cpu_features_missing"]:
+            self.assertNotIn(spelled.get(feature, feature), flags, feature)
+        compiled, supported = info["simd_targets_compiled"], info["simd_targets_supported"]
+        self.assertEqual([t for t in compiled if t in supported], supported)
+        self.assertEqual(supported[-1], "scalar")
+        self.assertEqual("avx2" in supported, {"avx2", "fma"} <= flags)
+        self.assertEqual(info["simd_target"], supported[0])
+        self.assertIsNone(info["simd_cap"])
+        native = "avx512_bf16" in flags and "avx512" in supported
+        self.assertEqual(info["bf16_products"] != "widen", native)
+        self.assertTrue(info["blas"].startswith("OpenBLAS"), info["blas"])
+        self.assertGreaterEqual(info["threads"], 1)
+
+    def test_the_cap_chooses_the_target(self):
+        supported = self.info()["simd_targets_supported"]
+        for target in supported:
+            info = self.info(target)
+            self.assertEqual(info["simd_target"], target)
+            self.assertEqual(info["simd_cap"], target)
+            if not target.startswith("avx512"):
+                self.assertEqual(info["bf16_products"], "widen", target)
+
+    def test_text(self):
+        r = self.ok("info")
+        for label in ("CPU:", "CPU features qkv uses:", "SIMD targets compiled:",
+                      "this CPU runs:", "chosen:", "bf16 products:", "threads:", "BLAS:"):
+            self.assertIn(label, r.stdout)
+        chosen = next(line for line in r.stdout.splitlines() if "chosen:" in line)
+        self.assertIn("the best this CPU supports", chosen)
+
+    def test_an_unknown_target_is_a_usage_error(self):
+        for target in ("avx3", "neon", "AVX2"):
+            env = dict(os.environ, QKV_SIMD_TARGET=target)
+            r = run("info", env=env)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertTrue(r.stderr.startswith("qkv info: error: "), r.stderr)
+            self.assertIn(f'QKV_SIMD_TARGET is "{target}"', r.stderr)
+            self.assertIn("expected one of: " + ", ".join(self.info()["simd_targets_supported"]),
+                          r.stderr)
+            self.assertEqual(r.stdout, "")
+
+
 # ---- version and help ----------------------------------------------------------
 
 class BasicsTest(CliTest):

@@ -12,6 +12,7 @@
 - qkv.Error is a ValueError and qkv.IoError an OSError, both named qkv.*.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -168,6 +169,28 @@ def test_set_simd_target_caps_and_lifts(restore_runtime):
         assert qkv.simd_targets() == targets  # the list is the machine's, not the cap's
     qkv.set_simd_target("")
     assert qkv.simd_target() == targets[0]
+
+
+def test_simd_info_is_the_commands(qkv_cli, restore_runtime):
+    """qkv.simd_info() says what `qkv info --json` says (one library call behind both),
+    and follows the cap."""
+    env = {k: v for k, v in os.environ.items() if k != "QKV_SIMD_TARGET"}
+    command = json.loads(subprocess.run([qkv_cli, "info", "--json"], capture_output=True,
+                                        text=True, check=True, env=env).stdout)
+    info = qkv.simd_info()
+    for key in ("simd_targets_compiled", "simd_targets_supported", "simd_target", "simd_cap",
+                "bf16_products", "blas"):
+        assert info[key] == command[key], key
+    assert sorted(n for n, on in info["cpu_features"].items() if on) == sorted(
+        command["cpu_features"])
+    for target in qkv.simd_targets():
+        qkv.set_simd_target(target)
+        capped = qkv.simd_info()
+        assert capped["simd_target"] == target and capped["simd_cap"] == target
+        if not target.startswith("avx512"):
+            assert capped["bf16_products"] == "widen"
+    qkv.set_simd_target("")
+    assert qkv.simd_info()["simd_cap"] is None
 
 
 def test_simd_target_from_the_environment():
