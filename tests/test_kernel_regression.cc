@@ -249,11 +249,12 @@ TEST(KernelRegressionChapter, GaussianWithUnitBandwidthMatchesD2lFormula) {
 }
 
 // d2l trains w from torch.rand(1) for 5 epochs of full-batch SGD at lr 0.5;
-// the loss falls every epoch and w grows (the weights sharpen). That is the
-// typical case, w0 >= ~0.2 (4 draws in 5 of torch.rand). Below it the
-// estimator is nearly the mean of y, the loss is flat in w (it is even in w,
-// so w = 0 is a stationary point) and lr 0.5 makes w wander or oscillate:
-// in 400 draws of this set-up every non-monotone run had w0 <= 0.151.
+// the loss typically falls every epoch and w grows (the weights sharpen).
+// Not always: the loss is a sum over 50 points, so its gradient is large, and
+// at lr 0.5 a step can overshoot (13 of 20,000 draws with w0 in [0.25, 1],
+// mostly w0 > 0.8; CI met one). At lr 0.25 none of 20,000 did, so the test
+// uses that. Below w0 ~0.2 the estimator is nearly the mean of y, the loss is
+// flat in w (it is even in w, so w = 0 is a stationary point) and w wanders.
 TEST(KernelRegressionChapter, ParametricTrainingReducesLossAndSharpens) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
@@ -264,6 +265,7 @@ TEST(KernelRegressionChapter, ParametricTrainingReducesLossAndSharpens) {
     SCOPED_TRACE("trial " + std::to_string(trial) + ", initial w " + format_value(w0));
     ParametricOptions options;
     options.initial_w = w0;
+    options.lr = 0.25;
     const ParametricResult r = train_parametric(c.x, c.y, options);
     ASSERT_EQ(r.losses.size(), 5u);
     ASSERT_EQ(r.ws.size(), 5u);
