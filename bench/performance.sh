@@ -3,13 +3,14 @@
 # tree in build/perf with the benchmark targets, then runs the driver, which
 # measures everything in one run and writes docs/performance.md and
 # docs/perf-scaling.png (docs/performance-TARGET.md and its figure for a run
-# at a SIMD target below avx512; the raw results go to docs/perf-runs/).
+# on a CPU whose best target is below avx512, docs/performance-TARGET-capped.md
+# for a run capped there; the raw results go to docs/perf-runs/).
 # Takes about 6-12 minutes on the 2-core machine (plus the build); leave the
 # machine otherwise idle while it runs: the page flags a run during which
 # other processes used the cores.
 #   bench/performance.sh [driver options, e.g. --repetitions 5]
-#   bench/performance.sh --simd-target avx2   what an AVX2-only machine gets
-#                                             (docs/performance-avx2.md)
+#   bench/performance.sh --simd-target avx2   what an AVX2-only machine gets, measured
+#                                             here (docs/performance-avx2-capped.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
