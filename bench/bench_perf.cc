@@ -29,6 +29,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -203,6 +204,33 @@ void sdpa_forward_bf16(const Runner& run, int64_t batch, int64_t n,
     return bytes_of(r.output);
   };
   run(call, 4.0 * kDim * lens.pairs(batch, n, n), 0);
+}
+
+// Decoding: one query per sequence against a long cache of keys and values,
+// B = 8, Nk = 131072, d = Dv = 64, float32 or bf16 inputs (converted once,
+// outside the timing), 2 threads. Memory-bound: the bytes counted are those
+// of K and V, read once per call.
+template <class In>
+void sdpa_decode(const Runner& run) {
+  constexpr int64_t kBatch = 8, kKeys = 131072, kDim = 64;
+  qkv::set_num_threads(2);
+  const auto input = [](const qkv::Shape& shape, uint64_t seed) {
+    if constexpr (std::is_same_v<In, float>) {
+      return random_normal(shape, seed);
+    } else {
+      return to_bf16(random_normal(shape, seed));
+    }
+  };
+  const Tensor<In> q = input({kBatch, 1, kDim}, 1);
+  const Tensor<In> k = input({kBatch, kKeys, kDim}, 2);
+  const Tensor<In> v = input({kBatch, kKeys, kDim}, 3);
+  auto call = [&] {
+    const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
+        ConstView<In>(q), ConstView<In>(k), ConstView<In>(v), ValidLens{});
+    benchmark::DoNotOptimize(r.output.data());
+    return bytes_of(r.output);
+  };
+  run(call, 4.0 * kDim * kBatch * kKeys, 2.0 * kDim * kBatch * kKeys * sizeof(In));
 }
 
 // Row-major C (m x n) = alpha A (m x k) op(B), the rows of C split into one
@@ -412,6 +440,9 @@ void register_all() {
     add("sdpa_fwdbwd/fused/" + suffix,
         [=](const Runner& run) { sdpa_forward_backward(run, 2, 4096, lens); });
   }
+  // Decoding (issue 14: bf16 >= 1.3x float32 where memory-bound).
+  add("sdpa_decode/fused/B8_Nk131072", [](const Runner& run) { sdpa_decode<float>(run); });
+  add("sdpa_decode/bf16/B8_Nk131072", [](const Runner& run) { sdpa_decode<qkv::bfloat16>(run); });
   // The same at 1 thread: how well the 2 threads scale.
   add("sdpa_fwd/fused_1thread/B2_N4096_nomask",
       [](const Runner& run) { sdpa_forward(run, 2, 4096, nullptr, 1); });

@@ -12,6 +12,7 @@
 #include "contiguous.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
+#include "kernels/vecmath.h"
 #include "qkv/threads.h"
 
 namespace qkv {
@@ -253,16 +254,14 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
   return grads;
 }
 
-// bf16 inputs: the same checks, float results. Without the BF16 instructions
-// (or at a SIMD cap below avx512) the float kernel runs on float copies of
-// the inputs (widening is exact): multiplying bf16 blocks there means
-// widening them block by block for every product, slower than float32 inputs
-// (issue 11). Widened, bf16 takes 1.09x float32's time on an AVX2 machine
-// (93.2 vs 85.2 ms, B = 2, Nq = Nk = 4096, D = 64; docs/performance-avx2.md),
-// where AVX-512 BF16 makes it 1.7x faster than float32. The copies cost 2
-// bytes per input element; the results are float32 attention's on the
-// widened inputs, within the bf16 path's bounds (docs/semantics.md).
-bool bf16_through_float() { return !kernels::fast::bf16_native(); }
+// bf16 inputs: the same checks, float results. The forward reads bf16 in
+// every case: with the BF16 instructions in their products, without them
+// widened in registers (few queries) or tile by tile (kernels/sdpa_fast.cc).
+// The backward without the BF16 instructions (or at a SIMD cap below
+// avx512) runs the float kernel on float copies of the inputs (widening is
+// exact: results within the bf16 path's bounds, docs/semantics.md): its
+// packed bf16 products would widen every block for every product.
+bool bf16_backward_through_float() { return !kernels::fast::bf16_native(); }
 
 Tensor<float> widened(ConstView<bfloat16> x) {
   const detail::Contiguous<bfloat16> xc(x);
@@ -275,10 +274,6 @@ AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat
                                          ConstView<bfloat16> v, const ValidLens& valid_lens,
                                          const AttentionOptions& options) {
   const Dims dims = check_inputs(kSdpa, q, k, v, false, valid_lens);
-  if (bf16_through_float()) {
-    const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
-    return sdpa_forward<float>(Version::kFast, qf, kf, vf, valid_lens, options);
-  }
   const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
   AttentionResult<float> result;
   const kernels::ForwardViews<float> out =
@@ -296,7 +291,7 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
   const Dims dims = check_inputs(kSdpaBackward, q, k, v, false, valid_lens);
   const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
-  if (bf16_through_float()) {
+  if (bf16_backward_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
     return sdpa_backward<float>(Version::kFast, qf, kf, vf, valid_lens, options, saved, d_output);
   }

@@ -1,8 +1,9 @@
 // Tests for the bf16 matrix products and conversions (src/kernels/gemm_bf16.h):
 // to_bf16 against bfloat16's constructor on all 2^32 floats (a sample under
-// the sanitizers and without AVX-512), to_float on all 2^16 bf16 values, and
-// gemm on every path this machine runs ("amx", "avx512_bf16", "widen")
-// against a float64 loop over the widened inputs.
+// the sanitizers and without AVX-512), the round trip through vecmath.h's
+// to_float (tested on every bf16 value and SIMD target in
+// test_row_products.cc), and gemm on every path this machine runs ("amx",
+// "avx512_bf16", "widen") against a float64 loop over the widened inputs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #endif
 
 #include "kernels/gemm_bf16.h"
+#include "kernels/vecmath.h"
 #include "test_util.h"
 
 // Test hooks defined in gemm_bf16.cc (not in its header: not for the library).
@@ -130,16 +132,6 @@ TEST(Bf16Convert, RoundsToNearestEvenAndKeepsSpecials) {
     bfloat16 got;
     kernels::fast::to_bf16(&x, &got, 1);
     EXPECT_EQ(got.bits, c.out);
-  }
-}
-
-TEST(Bf16Convert, ToFloatIsExactOnEveryBf16) {
-  std::vector<bfloat16> x(1 << 16);
-  for (uint32_t b = 0; b < (1u << 16); ++b) x[b] = bits(static_cast<uint16_t>(b));
-  std::vector<float> got(x.size());
-  kernels::fast::to_float(x.data(), got.data(), static_cast<int64_t>(x.size()));
-  for (uint32_t b = 0; b < (1u << 16); ++b) {
-    ASSERT_EQ(std::bit_cast<uint32_t>(got[b]), b << 16) << "bf16 bits 0x" << std::hex << b;
   }
 }
 

@@ -110,12 +110,10 @@ std::vector<FlashCase> flash_cases() {
   return cases;
 }
 
-TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
-  using T = TypeParam;
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  for (const FlashCase& c : flash_cases()) {
+// Forward (output, lse, weights) and backward against qkv::ref, case by case.
+template <class T>
+void expect_cases_match_ref(Rng& rng, const std::vector<FlashCase>& cases) {
+  for (const FlashCase& c : cases) {
     SCOPED_TRACE(describe(c));
     const FlashInputs<T> in = make_inputs<T>(rng, c);
     const AttentionOptions o = options_for(c, rng.next());
@@ -145,42 +143,83 @@ TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
   }
 }
 
+TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  expect_cases_match_ref<TypeParam>(rng, flash_cases());
+}
+
+// Decoding-like shapes: a few queries against many keys. Up to 4 queries per
+// task multiply keys and values in place (kernels/row_products.h), and with
+// fewer than 16 (batch, query block) tasks the keys are cut into chunks whose
+// partial sums are merged; with weights wanted there is one chunk.
+TYPED_TEST(Flash, FewQueriesAgainstManyKeys) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const std::vector<FlashCase> cases = {
+      {1, 1, 5000, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {2, 3, 4100, 33, 130, LensForm::kPerQuery, Trend::kRising, 0.0, false},
+      {3, 4, 2000, 7, 9, LensForm::kPerBatch, Trend::kFalling, 0.3, false},
+      {1, 2, 3000, 64, 24, LensForm::kPerQuery, Trend::kFalling, 0.0, false},
+      {1, 5, 3000, 64, 24, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {2, 2, 1500, 16, 16, LensForm::kNone, Trend::kRising, 0.0, true},
+      {1, 17, 6000, 32, 32, LensForm::kPerBatch, Trend::kRising, 0.2, false},
+      {4, 1, 300, 5, 5, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
+  };
+  expect_cases_match_ref<TypeParam>(rng, cases);
+}
+
 // Rows with a NaN, +inf or -inf score among many blocks take the exact row
 // path; every other row is unaffected.
+// Many query blocks with weights (one pass over the keys), and 3 queries
+// against 5000 keys without (key chunks: the row is non-finite in one chunk
+// only, and the merge sends it to the exact path).
 TYPED_TEST(Flash, NonFiniteRowsInLongSequences) {
   using T = TypeParam;
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
-  const int64_t nq = 140, nk = 700, dim = 8, dv = 5;
-  Tensor<T> q = random_tensor<T>(rng, {1, nq, dim});
-  Tensor<T> k = random_tensor<T>(rng, {1, nk, dim});
-  const Tensor<T> v = random_tensor<T>(rng, {1, nk, dv});
-  // Key 600 (in the third key block) is +inf in feature 0: queries with
-  // q0 > 0 see +inf there (NaN row), q0 < 0 see -inf (weight 0), q0 = 0 NaN.
-  k(0, 600, 0) = std::numeric_limits<T>::infinity();
-  q(0, 7, 0) = T(0);
-  AttentionOptions o;
-  o.want_lse = true;
-  o.want_weights = true;
-  const AttentionResult<T> fast = scaled_dot_product_attention(q, k, v, {}, o);
-  const AttentionResult<T> ref = ref::scaled_dot_product_attention(q, k, v, {}, o);
-  int nan_rows = 0;
-  for (int64_t i = 0; i < nq; ++i) {
-    SCOPED_TRACE("query " + std::to_string(i));
-    const bool expect_nan = !(q(0, i, 0) < T(0));
-    ASSERT_EQ(std::isnan(fast.lse(0, i)), expect_nan);
-    ASSERT_EQ(std::isnan(ref.lse(0, i)), expect_nan);
-    nan_rows += expect_nan;
-    if (!expect_nan) {
-      ASSERT_EQ(fast.weights(0, i, 600), T(0));
+  struct Shape {
+    int64_t nq, nk, inf_key;
+    bool weights;
+  };
+  for (const Shape& shape : {Shape{140, 700, 600, true}, Shape{3, 5000, 4000, false}}) {
+    const int64_t nq = shape.nq, nk = shape.nk, dim = 8, dv = 5;
+    SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk));
+    Tensor<T> q = random_tensor<T>(rng, {1, nq, dim});
+    Tensor<T> k = random_tensor<T>(rng, {1, nk, dim});
+    const Tensor<T> v = random_tensor<T>(rng, {1, nk, dv});
+    // The key is +inf in feature 0: queries with q0 > 0 see +inf there (NaN
+    // row), q0 < 0 see -inf (weight 0), q0 = 0 NaN.
+    k(0, shape.inf_key, 0) = std::numeric_limits<T>::infinity();
+    q(0, 1, 0) = T(0);
+    q(0, 2, 0) = T(-0.5);
+    AttentionOptions o;
+    o.want_lse = true;
+    o.want_weights = shape.weights;
+    const AttentionResult<T> fast = scaled_dot_product_attention(q, k, v, {}, o);
+    const AttentionResult<T> ref = ref::scaled_dot_product_attention(q, k, v, {}, o);
+    int nan_rows = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      SCOPED_TRACE("query " + std::to_string(i));
+      const bool expect_nan = !(q(0, i, 0) < T(0));
+      ASSERT_EQ(std::isnan(fast.lse(0, i)), expect_nan);
+      ASSERT_EQ(std::isnan(ref.lse(0, i)), expect_nan);
+      nan_rows += expect_nan;
+      if (!expect_nan && shape.weights) {
+        ASSERT_EQ(fast.weights(0, i, shape.inf_key), T(0));
+      }
     }
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, nq);
+    expect_close(fast.output, ref.output, tol_for<T>(kSdpa, kSdpaDouble), "output");
+    if (shape.weights) {
+      expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights");
+    }
+    expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse");
   }
-  EXPECT_GT(nan_rows, 0);
-  EXPECT_LT(nan_rows, nq);
-  expect_close(fast.output, ref.output, tol_for<T>(kSdpa, kSdpaDouble), "output");
-  expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights");
-  expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse");
 }
 
 template <class Run>
@@ -219,6 +258,16 @@ TYPED_TEST(Flash, SameBitsForAnyThreadCount) {
     DotProductGrads<T> g =
         scaled_dot_product_attention_backward(q, k, v, lens.get(), o, {r.output, r.lse}, d_out);
     return std::vector<Tensor<T>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
+  });
+  // Few queries: the forward's key chunks, merged in a fixed order.
+  const Tensor<T> q_few = random_tensor<T>(rng, {2, 3, 32});
+  const Tensor<T> k_long = random_tensor<T>(rng, {2, 5000, 32});
+  const Tensor<T> v_long = random_tensor<T>(rng, {2, 5000, 16});
+  const OwnedLens few_lens = make_lens(rng, LensForm::kPerQuery, false, 2, 3, 5000, 0.05);
+  expect_same_for_thread_counts([&] {
+    const AttentionResult<T> r =
+        scaled_dot_product_attention(q_few, k_long, v_long, few_lens.get(), o);
+    return std::vector<Tensor<T>>{r.output, r.lse};
   });
 }
 
@@ -300,6 +349,12 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
       // (per-query lengths), with and without dropout.
       {2, 600, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
       {1, 520, 900, 32, 32, LensForm::kPerBatch, Trend::kRandom, 0.3, true},
+      // Decoding-like: up to 4 queries read bf16 keys and values in place,
+      // over key chunks; 16 queries take the tiles (widened to float where
+      // the CPU or the SIMD cap lacks the BF16 instructions).
+      {1, 1, 5000, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {2, 4, 3000, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.2, false},
+      {2, 16, 2000, 128, 64, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
   };
   for (const FlashCase& c : cases) {
     SCOPED_TRACE(describe(c));
@@ -354,6 +409,13 @@ TEST(FlashBf16, SameBitsForAnyThreadCount) {
     DotProductGrads<float> g =
         scaled_dot_product_attention_backward(q, k, v, lens.get(), o, {r.output, r.lse}, d_out);
     return std::vector<Tensor<float>>{r.output, r.lse, g.d_queries, g.d_keys, g.d_values};
+  });
+  const Tensor<bfloat16> q_few = to_bf16(random_tensor<float>(rng, {2, 2, 64}));
+  const Tensor<bfloat16> k_long = to_bf16(random_tensor<float>(rng, {2, 5000, 64}));
+  const Tensor<bfloat16> v_long = to_bf16(random_tensor<float>(rng, {2, 5000, 64}));
+  expect_same_for_thread_counts([&] {
+    const AttentionResult<float> r = scaled_dot_product_attention(q_few, k_long, v_long, {}, o);
+    return std::vector<Tensor<float>>{r.output, r.lse};
   });
 }
 

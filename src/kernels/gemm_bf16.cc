@@ -46,6 +46,7 @@
 
 #include "kernels/blas.h"
 #include "kernels/dispatch.h"
+#include "kernels/vecmath.h"
 #include "kernels/workspace.h"
 
 namespace qkv::kernels::fast {
@@ -155,20 +156,6 @@ QKV_AVX512 void to_bf16_avx512(const float* x, bfloat16* out, int64_t n) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512i u = _mm512_maskz_loadu_epi32(mask, x + i);
     _mm256_mask_storeu_epi16(o + i, mask, round_to_bf16(u));
-  }
-}
-
-QKV_AVX512 void to_float_avx512(const bfloat16* x, float* out, int64_t n) {
-  const auto* in = reinterpret_cast<const uint16_t*>(x);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-    _mm512_storeu_si512(out + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, in + i);
-    _mm512_mask_storeu_epi32(out + i, mask, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
 
@@ -736,13 +723,6 @@ void to_bf16(const float* x, bfloat16* out, int64_t n) {
   if (support().avx512) return to_bf16_avx512(x, out, n);
 #endif
   for (int64_t i = 0; i < n; ++i) out[i] = bfloat16(x[i]);
-}
-
-void to_float(const bfloat16* x, float* out, int64_t n) {
-#if defined(__x86_64__)
-  if (support().avx512) return to_float_avx512(x, out, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
 bool bf16_native() { return best_path() != Path::kWiden; }

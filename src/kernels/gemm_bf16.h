@@ -46,9 +46,9 @@ size_t gemm_bf16_packed_scratch_words(int64_t m, int64_t k);
 void gemm_bf16(int64_t m, float alpha, const bfloat16* a, int64_t lda, const PackedBf16& b,
                float beta, float* c, int64_t ldc, double* scratch);
 
-// out[i] = bfloat16(x[i]) (round to nearest even), and back.
+// out[i] = bfloat16(x[i]) (round to nearest even); the way back is
+// vecmath.h's to_float.
 void to_bf16(const float* x, bfloat16* out, int64_t n);
-void to_float(const bfloat16* x, float* out, int64_t n);
 
 // True when gemm_bf16 runs on the AVX-512 BF16 instructions.
 bool bf16_native();

@@ -37,7 +37,10 @@
 // (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16 for
 // their products, everything else in float; the forward packs each key
 // block's K and V for the products once per call, not once per query block,
-// and the softmax writes P straight in bf16 when there is no dropout.
+// and the softmax writes P straight in bf16 when there is no dropout. Without
+// the BF16 instructions the bf16 forward widens each tile of Q, K and V to
+// float and runs block_gemm on it (P stays float), and the backward runs on
+// float copies of the inputs (attention.cc).
 //
 // Rows whose valid scores are not all finite (NaN, ±inf) take an exact
 // single-row path that applies DESIGN.md §3's rules.
@@ -53,6 +56,7 @@
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
 #include "kernels/philox.h"
+#include "kernels/row_products.h"
 #include "kernels/small_dim_attention.h"
 #include "kernels/softmax_tile.h"
 #include "kernels/vecmath.h"
@@ -75,6 +79,12 @@ constexpr int64_t kSmallHead = 4;
 // Backward tiles: dS and P of kBackQueryBlock x kBackKeyBlock floats each.
 constexpr int64_t kBackQueryBlock = 128;
 constexpr int64_t kBackKeyBlock = 128;
+// The forward cuts each batch element's keys into chunks when there are
+// fewer (batch, query block) tasks than this, and merges the chunks' partial
+// softmax sums: decoding (B = 1, Nq = 1, Nk = 2^20) otherwise runs on one
+// core. The chunks depend only on the shapes (determinism); each costs a
+// partial (rows, Dv) output, at most 2 x this many query blocks in all.
+constexpr int64_t kMinForwardTasks = 16;
 // The backward cuts each batch element's keys into enough groups that all
 // (batch, group) tasks number at least this, so one long sequence still
 // spreads over the cores; each extra group costs one (Nq, D) partial dQ.
@@ -249,6 +259,14 @@ struct ForwardScratch {
   int64_t *len, *valid;
   uint8_t *special, *keep;
   In* p_operand;  // bf16: P rounded for the product (null otherwise)
+  // bf16: the task's queries widened to float, for row_scores (at most
+  // kRowProductRows rows) or, without the BF16 instructions, for the float
+  // block products on widened tiles (null otherwise)
+  Acc* q_rows;
+  // bf16 without the BF16 instructions: one key block of K and V widened, and
+  // block_gemm's panels (null otherwise)
+  Acc *k_wide, *v_wide;
+  float* block_pack;
   Acc* row;       // exact_row: one row of Nk scores
   uint8_t* row_keep;
   In* row_operand;  // bf16: that row rounded for the product (null otherwise)
@@ -271,6 +289,18 @@ ForwardScratch<In> forward_scratch(Slicer& slicer, int64_t nk, int64_t d, int64_
   sc.special = slicer.take<uint8_t>(kQueryBlock);
   sc.keep = slicer.take<uint8_t>(kKeyBlock);
   sc.p_operand = kConverts ? slicer.take<In>(kQueryBlock * kKeyBlock) : nullptr;
+  sc.q_rows = sc.k_wide = sc.v_wide = nullptr;
+  sc.block_pack = nullptr;
+  if constexpr (kConverts) {
+    const bool widen = !fast::bf16_native();
+    sc.q_rows = slicer.take<Acc>((widen ? kQueryBlock : kRowProductRows) * d);
+    if (widen) {
+      sc.k_wide = slicer.take<Acc>(kKeyBlock * d);
+      sc.v_wide = slicer.take<Acc>(kKeyBlock * dv);
+      sc.block_pack = slicer.take<float>(static_cast<int64_t>(
+          fast::block_gemm_scratch_floats(std::max(d, std::min(nk, kKeyBlock)))));
+    }
+  }
   sc.row = slicer.take<Acc>(row);
   sc.row_keep = slicer.take<uint8_t>(row);
   sc.row_operand = kConverts ? slicer.take<In>(row) : nullptr;
@@ -306,10 +336,25 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, const In* v_b, i
   return lse;
 }
 
+// What a task over one chunk of the keys leaves for merge_key_chunks: each
+// row's running max m and sum l, whether it met a non-finite score, and (in
+// the task's `out`) its output before the division by l.
+template <class Acc>
+struct ChunkState {
+  Acc *m, *l;
+  uint8_t* special;
+};
+
+// Queries [i0, i0 + rows) of batch element b against keys [key_begin,
+// key_end) (a multiple of kKeyBlock, and all keys for a whole task). With
+// `chunk` null the task sees every key and finishes its rows: output divided
+// by l, lse, weights, the exact path for non-finite rows. With `chunk` the
+// rows are left for merge_key_chunks.
 template <class In>
 void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
-                  int64_t b, int64_t i0, int64_t rows, typename Flash<In>::Acc* out,
-                  typename Flash<In>::Acc* weights, typename Flash<In>::Acc* lse,
+                  int64_t b, int64_t i0, int64_t rows, int64_t key_begin, int64_t key_end,
+                  typename Flash<In>::Acc* out, typename Flash<In>::Acc* weights,
+                  typename Flash<In>::Acc* lse, const ChunkState<typename Flash<In>::Acc>* chunk,
                   const typename Flash<In>::KeyBlock* key_blocks, int64_t prepared_keys,
                   const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
@@ -321,6 +366,26 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   const Acc scale = static_cast<Acc>(config.scale);
   const bool dropout = config.dropout > 0.0;
   const Acc inv_keep = dropout_inverse<Acc>(config);
+  // How the block products run: a few rows multiply keys and values in
+  // place (row_products.h); more rows use the packed block products
+  // (Flash<In>), or for bf16 without the BF16 instructions the float ones on
+  // tiles widened here (the packed bf16 products would widen every block for
+  // every product, and widening whole inputs first writes and re-reads 4
+  // bytes per element: B=4, Nq=16, Nk=65536, d=128 took 250 ms that way
+  // against 37 ms for float32 inputs).
+  enum class Products { kRows, kPacked, kWidened };
+  const Products products = rows <= kRowProductRows ? Products::kRows
+                            : sc.k_wide             ? Products::kWidened
+                                                    : Products::kPacked;
+  const Acc* q_acc = nullptr;  // the queries in the accumulation type (kRows, kWidened)
+  if (products != Products::kPacked) {
+    if constexpr (Flash<In>::kConverts) {
+      fast::to_float(q_blk, sc.q_rows, rows * d);
+      q_acc = sc.q_rows;
+    } else {
+      q_acc = q_blk;
+    }
+  }
 
   std::fill_n(sc.m, rows, -kInf);
   std::fill_n(sc.l, rows, Acc(0));
@@ -332,7 +397,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   }
   std::fill(out, out + rows * dv, Acc(0));
 
-  for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
+  for (int64_t j0 = key_begin; j0 < std::min(key_end, n_eff); j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n_eff - j0);
     Acc* s = sc.s;
     // A prepared block serves only when this task needs the same keys (with
@@ -341,14 +406,22 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
                                    (cols == kKeyBlock || j0 + cols == prepared_keys)
                                ? &key_blocks[j0 / kKeyBlock]
                                : nullptr;
-    Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols, sc.gemm);
+    if (products == Products::kRows) {
+      fast::row_scores(rows, cols, d, scale, q_acc, k_b + j0 * d, s, cols);
+    } else if (products == Products::kPacked) {
+      Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols,
+                        sc.gemm);
+    } else if constexpr (Flash<In>::kConverts) {
+      fast::to_float(k_b + j0 * d, sc.k_wide, cols * d);
+      fast::block_scores(rows, cols, d, scale, q_acc, d, sc.k_wide, d, s, cols, sc.block_pack);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
     }
     // bf16 without dropout: the softmax writes P as the bf16 operand itself.
     In* p_fused = nullptr;
     if constexpr (std::is_same_v<In, bfloat16>) {
-      if (!dropout) p_fused = sc.p_operand;
+      if (!dropout && products == Products::kPacked) p_fused = sc.p_operand;
       softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special, p_fused);
     } else {
       softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special);
@@ -360,9 +433,23 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
         apply_dropout(s + r * cols, sc.keep, inv_keep, sc.valid[r]);
       }
     }
-    const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
-    Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv,
-                          sc.gemm);
+    if (products == Products::kRows) {
+      fast::row_accumulate(rows, cols, dv, s, cols, v_b + j0 * dv, out);
+    } else if (products == Products::kPacked) {
+      const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
+      Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv,
+                            sc.gemm);
+    } else if constexpr (Flash<In>::kConverts) {
+      fast::to_float(v_b + j0 * dv, sc.v_wide, cols * dv);
+      fast::block_accumulate(rows, dv, cols, s, cols, sc.v_wide, dv, out, dv, sc.block_pack);
+    }
+  }
+
+  if (chunk) {
+    std::copy_n(sc.m, rows, chunk->m);
+    std::copy_n(sc.l, rows, chunk->l);
+    std::copy_n(sc.special, rows, chunk->special);
+    return;
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -407,33 +494,61 @@ size_t forward_slot_words(int64_t nk, int64_t d, int64_t dv) {
   return counted_words([&](Slicer& count) { forward_scratch<In>(count, nk, d, dv); });
 }
 
+// Key chunks per batch element of the forward: enough (batch, query block,
+// chunk) tasks for the cores, never more chunks than key blocks; one when the
+// weights are wanted (their sweep needs every row's final max and sum).
+// Shapes only (determinism).
+int64_t forward_key_chunks(int64_t batch, int64_t nq, int64_t nk, bool weights) {
+  if (weights) return 1;
+  const int64_t tasks = std::max<int64_t>(batch * ceil_div(nq, kQueryBlock), 1);
+  return std::clamp<int64_t>(ceil_div(kMinForwardTasks, tasks), 1,
+                             std::max<int64_t>(ceil_div(nk, kKeyBlock), 1));
+}
+
 // The forward's workspace: the key blocks prepared once for all query blocks
 // (bf16, more than one query block: K and V packed, in regions of
-// packed_words doubles), then one slot of forward_slot_words per thread.
+// packed_words doubles); with more than one key chunk, each chunk's partial
+// rows (chunks, B, Nq, ...); then one slot of forward_slot_words per thread.
 template <class In>
 struct ForwardWorkspace {
+  using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
   KeyBlock* prepared = nullptr;      // (B * key blocks) or null
   int64_t* prepared_keys = nullptr;  // (B): keys prepared per batch element, or null
   double* packed = nullptr;
   size_t packed_words = 0;
+  int64_t chunks = 1;
+  Acc* chunk_out = nullptr;  // (chunks, B, Nq, Dv): outputs before the division by l
+  Acc *chunk_m = nullptr, *chunk_l = nullptr;  // (chunks, B, Nq)
+  uint8_t* chunk_special = nullptr;            // (chunks, B, Nq)
   double* slots = nullptr;
   size_t slot_words = 0;
 };
 
 template <class In>
 ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t batch, int64_t nq, int64_t nk,
-                                       int64_t d, int64_t dv, int num_threads) {
+                                       int64_t d, int64_t dv, bool weights, int num_threads) {
+  using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
   ForwardWorkspace<In> ws;
+  // Packed once for all query blocks; not without the BF16 instructions, where
+  // each task widens its own tiles (packing would widen K and V whole).
   if constexpr (!std::is_empty_v<KeyBlock>) {
-    if (ceil_div(nq, kQueryBlock) > 1) {
+    if (ceil_div(nq, kQueryBlock) > 1 && fast::bf16_native()) {
       const int64_t blocks = batch * ceil_div(nk, kKeyBlock);
       ws.prepared = slicer.take<KeyBlock>(blocks);
       ws.prepared_keys = slicer.take<int64_t>(batch);
       ws.packed_words = Flash<In>::prepare_words(std::min(nk, kKeyBlock), d, dv);
       ws.packed = slicer.take<double>(blocks * static_cast<int64_t>(ws.packed_words));
     }
+  }
+  ws.chunks = forward_key_chunks(batch, nq, nk, weights);
+  if (ws.chunks > 1) {
+    const int64_t rows = ws.chunks * batch * nq;
+    ws.chunk_out = slicer.take<Acc>(rows * dv);
+    ws.chunk_m = slicer.take<Acc>(rows);
+    ws.chunk_l = slicer.take<Acc>(rows);
+    ws.chunk_special = slicer.take<uint8_t>(rows);
   }
   ws.slot_words = forward_slot_words<In>(nk, d, dv);
   ws.slots = slicer.take<double>(num_threads * static_cast<int64_t>(ws.slot_words));
@@ -442,9 +557,54 @@ ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t batch, int64_t nq
 
 template <class In>
 size_t forward_workspace_size(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                              int num_threads) {
-  return counted_words(
-      [&](Slicer& count) { forward_workspace<In>(count, batch, nq, nk, d, dv, num_threads); });
+                              bool weights, int num_threads) {
+  return counted_words([&](Slicer& count) {
+    forward_workspace<In>(count, batch, nq, nk, d, dv, weights, num_threads);
+  });
+}
+
+// Row i of batch element b from its key chunks' partial results: with M the
+// largest chunk max, O = sum_c e^(m_c - M) O_c / sum_c e^(m_c - M) l_c, in
+// chunk order; a row that met a non-finite score in any chunk takes
+// exact_row over all its keys.
+template <class In>
+void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
+                      const AttentionConfig& config, const ForwardWorkspace<In>& ws, int64_t b,
+                      int64_t i, typename Flash<In>::Acc* out, typename Flash<In>::Acc* lse,
+                      const ForwardScratch<In>& sc) {
+  using Acc = typename Flash<In>::Acc;
+  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
+  const auto at = [&](int64_t c) { return (c * batch + b) * nq + i; };
+  bool special = false;
+  Acc m_max = -kInf;
+  for (int64_t c = 0; c < ws.chunks; ++c) {
+    special = special || ws.chunk_special[at(c)];
+    if (ws.chunk_l[at(c)] > Acc(0)) m_max = std::max(m_max, ws.chunk_m[at(c)]);
+  }
+  if (special) {
+    const Acc row_lse = exact_row(q.data() + (b * nq + i) * d, k.data() + b * nk * d,
+                                  v.data() + b * nk * dv, d, dv, (*config.valid_lens)(b, i, nk),
+                                  nk, b, i, config, out, nullptr, sc);
+    if (lse) *lse = row_lse;
+    return;
+  }
+  std::fill_n(out, dv, Acc(0));
+  Acc sum = 0;
+  for (int64_t c = 0; c < ws.chunks; ++c) {
+    const Acc l = ws.chunk_l[at(c)];
+    if (!(l > Acc(0))) continue;  // no valid key in this chunk
+    const Acc factor = std::exp(ws.chunk_m[at(c)] - m_max);
+    sum += factor * l;
+    const Acc* part = ws.chunk_out + at(c) * dv;
+    for (int64_t e = 0; e < dv; ++e) out[e] += factor * part[e];
+  }
+  if (sum > Acc(0)) {
+    fast::scale(out, Acc(1) / sum, dv);
+    if (lse) *lse = m_max + std::log(sum);
+  } else if (lse) {
+    *lse = -kInf;  // L = 0: an empty sum
+  }
 }
 
 template <class In>
@@ -452,13 +612,14 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
                    TensorView<typename Flash<In>::Acc> output,
                    TensorView<typename Flash<In>::Acc> weights,
                    TensorView<typename Flash<In>::Acc> lse, Workspace workspace) {
+  using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
   const int64_t key_blocks = ceil_div(nk, kKeyBlock);
   Slicer slicer(workspace.data);
-  const ForwardWorkspace<In> ws =
-      forward_workspace<In>(slicer, batch, nq, nk, d, dv, workspace.num_threads);
+  const ForwardWorkspace<In> ws = forward_workspace<In>(
+      slicer, batch, nq, nk, d, dv, weights.data() != nullptr, workspace.num_threads);
   // Key blocks prepared once for all query blocks (bf16: packed K and V), up
   // to the longest valid length of each batch element: keys no query may see
   // are never read.
@@ -478,17 +639,44 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
       });
     }
   }
-  kernels::parallel_for_slots(batch * blocks, workspace.num_threads, [&](int64_t task, int slot) {
-    Slicer slot_slicer(ws.slots + slot * ws.slot_words);
-    const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
-    const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
-    const int64_t rows = std::min(kQueryBlock, nq - i0);
-    forward_task(q, k, v, config, b, i0, rows, output.data() + (b * nq + i0) * dv,
-                 weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
-                 lse.data() ? lse.data() + b * nq + i0 : nullptr,
-                 ws.prepared ? ws.prepared + b * key_blocks : nullptr,
-                 ws.prepared ? ws.prepared_keys[b] : 0, scratch);
-  });
+  const int64_t chunks = ws.chunks;
+  const int64_t chunk_keys = ceil_div(key_blocks, chunks) * kKeyBlock;
+  kernels::parallel_for_slots(
+      batch * blocks * chunks, workspace.num_threads, [&](int64_t task, int slot) {
+        Slicer slot_slicer(ws.slots + slot * ws.slot_words);
+        const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
+        const int64_t c = task % chunks, bq = task / chunks;
+        const int64_t b = bq / blocks, i0 = (bq % blocks) * kQueryBlock;
+        const int64_t rows = std::min(kQueryBlock, nq - i0);
+        const KeyBlock* prepared = ws.prepared ? ws.prepared + b * key_blocks : nullptr;
+        const int64_t prepared_keys = ws.prepared ? ws.prepared_keys[b] : 0;
+        if (chunks == 1) {
+          forward_task(q, k, v, config, b, i0, rows, 0, nk, output.data() + (b * nq + i0) * dv,
+                       weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
+                       lse.data() ? lse.data() + b * nq + i0 : nullptr, nullptr, prepared,
+                       prepared_keys, scratch);
+          return;
+        }
+        const int64_t first = (c * batch + b) * nq + i0;
+        const ChunkState<Acc> state{ws.chunk_m + first, ws.chunk_l + first,
+                                    ws.chunk_special + first};
+        forward_task(q, k, v, config, b, i0, rows, c * chunk_keys,
+                     std::min(nk, (c + 1) * chunk_keys), ws.chunk_out + first * dv, nullptr,
+                     nullptr, &state, prepared, prepared_keys, scratch);
+      });
+  if (chunks == 1) return;
+  // Rows in groups of a query block: the merge reads chunks x Dv per row.
+  const int64_t rows = batch * nq;
+  kernels::parallel_for_slots(
+      ceil_div(rows, kQueryBlock), workspace.num_threads, [&](int64_t task, int slot) {
+        Slicer slot_slicer(ws.slots + slot * ws.slot_words);
+        const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
+        for (int64_t row = task * kQueryBlock; row < std::min(rows, (task + 1) * kQueryBlock);
+             ++row) {
+          merge_key_chunks(q, k, v, config, ws, row / nq, row % nq, output.data() + row * dv,
+                           lse.data() ? lse.data() + row : nullptr, scratch);
+        }
+      });
 }
 
 // ---- backward ------------------------------------------------------------------
@@ -737,7 +925,7 @@ size_t sdpa_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
     return small_dim_workspace_size<T>(q.size(0), k.size(1), q.size(2), v.size(2), false);
   }
   return forward_workspace_size<T>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                   num_threads);
+                                   out.weights.data() != nullptr, num_threads);
 }
 
 template <class T>
@@ -755,9 +943,8 @@ size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstVi
                            const AttentionConfig& config, const ForwardViews<float>& out,
                            int num_threads) {
   (void)config;
-  (void)out;
   return forward_workspace_size<bfloat16>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                          num_threads);
+                                          out.weights.data() != nullptr, num_threads);
 }
 
 void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,

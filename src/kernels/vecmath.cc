@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -212,6 +213,25 @@ void SoftmaxGradRowOnce(const T* w, const T* g, int64_t len_signed, int64_t n_si
 
 void FlushStreams() { hwy::FlushStream(); }
 
+// bf16 bits to float: each 16-bit lane zero-extended and shifted into the
+// upper half (scalar code before issue 14 below AVX-512: 0.14x float32's speed
+// in decoding-like shapes, docs/perf-findings.md).
+void ToFloat(const uint16_t* x, float* out, int64_t n_signed) {
+  const hn::ScalableTag<float> d;
+  const hn::RebindToUnsigned<decltype(d)> du;
+  const hn::Rebind<uint16_t, decltype(d)> d16;
+  const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto wide = hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, x + i)));
+    hn::StoreU(hn::BitCast(d, wide), d, out + i);
+  }
+  for (; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(out + i, &wide, sizeof(float));
+  }
+}
+
 // Non-template entry points, one per type, for HWY_EXPORT.
 float MaxOfF32(const float* x, int64_t n, bool* f) { return MaxOf(x, n, f); }
 double MaxOfF64(const double* x, int64_t n, bool* f) { return MaxOf(x, n, f); }
@@ -269,6 +289,7 @@ HWY_EXPORT(SoftmaxRowOnceF64);
 HWY_EXPORT(SoftmaxGradRowOnceF32);
 HWY_EXPORT(SoftmaxGradRowOnceF64);
 HWY_EXPORT(FlushStreams);
+HWY_EXPORT(ToFloat);
 
 float softmax_row_once(const float* x, int64_t len, int64_t n, float* w, float* s, bool st) {
   return HWY_DYNAMIC_DISPATCH(SoftmaxRowOnceF32)(x, len, n, w, s, st);
@@ -285,6 +306,10 @@ void softmax_grad_row_once(const double* w, const double* g, int64_t len, int64_
   HWY_DYNAMIC_DISPATCH(SoftmaxGradRowOnceF64)(w, g, len, n, o, st);
 }
 void flush_streams() { HWY_DYNAMIC_DISPATCH(FlushStreams)(); }
+
+void to_float(const bfloat16* x, float* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ToFloat)(reinterpret_cast<const uint16_t*>(x), out, n);
+}
 
 float max_of(const float* x, int64_t n, bool* f) { return HWY_DYNAMIC_DISPATCH(MaxOfF32)(x, n, f); }
 double max_of(const double* x, int64_t n, bool* f) {

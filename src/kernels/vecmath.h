@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "qkv/bfloat16.h"
+
 namespace qkv::kernels::fast {
 
 // max of x[0..n); *all_finite is false if any element is NaN or ±inf (then
@@ -30,6 +32,9 @@ double dot(const double* a, const double* b, int64_t n);
 // out[j] = w[j] * (g[j] - c): the softmax backward for one row.
 void softmax_grad(const float* w, const float* g, float c, float* out, int64_t n);
 void softmax_grad(const double* w, const double* g, double c, double* out, int64_t n);
+
+// out[j] = float(x[j]), exact (a bf16's bits are a float's upper half).
+void to_float(const bfloat16* x, float* out, int64_t n);
 
 // ---- memory-bound masked softmax --------------------------------------------
 

@@ -1,0 +1,45 @@
+// Products of a few query rows with keys and values read in place: the block
+// products of the fused SDPA forward when a task has at most kRowProductRows
+// queries (decoding: one new token's query against a long cache). Highway,
+// compiled for every x86 target and dispatched at run time.
+//
+// Why not block_gemm.h for these: it packs each block of K and V into panels
+// before multiplying, which pays when a panel serves many rows but for one row
+// reads and writes every key twice more than the product does; and why not
+// gemm_bf16.h: without AVX-512 BF16 it widens whole blocks to float in memory.
+// Here every key and value row is read once, straight from the caller's
+// tensor, bf16 widened in registers. B=8, Nq=1, Nk=131072, d=64, 2 threads:
+// see docs/perf-findings.md for the rates before and after.
+#pragma once
+
+#include <cstdint>
+
+#include "qkv/bfloat16.h"
+
+namespace qkv::kernels::fast {
+
+// Rows a direct product handles; more go to the packed block products.
+inline constexpr int64_t kRowProductRows = 4;
+
+// s[r * lds + j] = alpha * (q_r . k_j) for r < rows <= kRowProductRows,
+// j < cols: q is rows x d (row-major, in the accumulation type), k is
+// cols x d (row-major, contiguous). Each sum runs over d in a fixed order that
+// depends only on d and the SIMD target.
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, const float* k,
+                float* s, int64_t lds);
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q,
+                const bfloat16* k, float* s, int64_t lds);
+void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const double* q,
+                const double* k, double* s, int64_t lds);
+
+// o_r += sum_j p[r * ldp + j] * v_j for r < rows <= kRowProductRows: v is
+// cols x dv (row-major, contiguous), o is rows x dv. The sum over j runs in
+// increasing j.
+void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
+                    const float* v, float* o);
+void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
+                    const bfloat16* v, float* o);
+void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const double* p, int64_t ldp,
+                    const double* v, double* o);
+
+}  // namespace qkv::kernels::fast
