@@ -93,8 +93,8 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
     j = 0;
     for (; j + 2 * lanes <= n; j += 2 * lanes) {
-      const auto e0 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j), shift));
-      const auto e1 = ExpNonPositive(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
+      const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+      const auto e1 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
       if constexpr (sizeof(T) == 4) {
         if (row16) {
           StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
@@ -111,7 +111,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     for (; j < n; j += lanes) {
       const size_t count = static_cast<size_t>(std::min(lanes, n - j));
       const auto e = hn::IfThenElseZero(
-          hn::FirstN(d, count), ExpNonPositive(d, hn::Sub(LoadTail(d, row + j, count), shift)));
+          hn::FirstN(d, count), ExpNonPositive<true>(d, hn::Sub(LoadTail(d, row + j, count), shift)));
       if constexpr (sizeof(T) == 4) {
         if (row16) StoreBf16(d, e, row16 + j, count);
       }

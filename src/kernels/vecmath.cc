@@ -56,16 +56,17 @@ T MaxOf(const T* x, int64_t n_signed, bool* all_finite) {
 // exp of a shifted score: float rows are a softmax's (x - shift <= ~0), so
 // they take the softmax exp of exp-inl.h; double rows also serve the
 // regression kernels, whose arguments may be positive, so hn::Exp.
-template <class D>
+// kNoNaN: the row was checked for NaN and ±inf (kernels/exp-inl.h).
+template <bool kNoNaN, class D>
 HWY_INLINE hn::Vec<D> ExpShifted(D d, hn::Vec<D> x) {
   if constexpr (sizeof(hn::TFromD<D>) == 4) {
-    return ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive(d, x);
+    return ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive<kNoNaN>(d, x);
   } else {
     return hn::Exp(d, x);
   }
 }
 
-template <class T>
+template <class T, bool kNoNaN = false>
 T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   const hn::ScalableTag<T> d;
   const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
@@ -74,21 +75,21 @@ T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
   size_t i = 0;
   for (; i + 2 * lanes <= n; i += 2 * lanes) {
-    const auto e0 = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i), vshift));
-    const auto e1 = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i + lanes), vshift));
+    const auto e0 = ExpShifted<kNoNaN>(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    const auto e1 = ExpShifted<kNoNaN>(d, hn::Sub(hn::LoadU(d, x + i + lanes), vshift));
     hn::StoreU(e0, d, out + i);
     hn::StoreU(e1, d, out + i + lanes);
     sum0 = hn::Add(sum0, e0);
     sum1 = hn::Add(sum1, e1);
   }
   for (; i + lanes <= n; i += lanes) {
-    const auto e = ExpShifted(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    const auto e = ExpShifted<kNoNaN>(d, hn::Sub(hn::LoadU(d, x + i), vshift));
     hn::StoreU(e, d, out + i);
     sum0 = hn::Add(sum0, e);
   }
   if (i < n) {
     const auto e = hn::IfThenElseZero(
-        hn::FirstN(d, n - i), ExpShifted(d, hn::Sub(LoadTail(d, x + i, n - i, shift), vshift)));
+        hn::FirstN(d, n - i), ExpShifted<kNoNaN>(d, hn::Sub(LoadTail(d, x + i, n - i, shift), vshift)));
     StoreTail(d, e, out + i, n - i);
     sum1 = hn::Add(sum1, e);
   }
@@ -180,7 +181,7 @@ T SoftmaxRowOnce(const T* x, int64_t len_signed, int64_t n_signed, T* w, T* scra
   const T max = MaxOf(x, len_signed, &all_finite);
   if (!all_finite) return std::numeric_limits<T>::quiet_NaN();
   // From here on x and scratch are in L1.
-  const T sum = ExpShiftSum(x, max, scratch, len_signed);
+  const T sum = ExpShiftSum<T, true>(x, max, scratch, len_signed);
   const auto inv = hn::Set(d, T(1) / sum);
   const size_t lanes = hn::Lanes(d);
   write_row(d, w, n, stream, [&](size_t j) {
