@@ -70,7 +70,7 @@ Timing time_kernel(const std::vector<double>& x, const std::vector<double>& y,
   std::vector<T> out(static_cast<size_t>(t));
   const ValidLens lens;
   const kernels::AttentionConfig config{
-      .valid_lens = &lens, .scale = 0.5 / (h * h), .dropout = 0.0, .seed = 0};
+      .valid_lens = lens, .scale = 0.5 / (h * h), .dropout = 0.0, .seed = 0};
   // The kernel's scratch, allocated once outside the timed calls.
   std::vector<double> workspace(kernels::fast::small_dim_workspace_size<T>(1, n, 1, 1, false));
   return median_seconds(reps, [&] {

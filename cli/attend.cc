@@ -18,6 +18,7 @@ struct AttendArgs {
   std::string queries, keys, values;
   std::string valid_lens;
   std::optional<double> scale;
+  std::string causal;  // "", "top-left" or "bottom-right"
   std::string w_q, w_k, w_v;
   double dropout = 0.0;
   bool train = false;
@@ -61,6 +62,8 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   options.seed = args.seed;
   options.want_weights = !args.weights.empty();
   options.want_lse = !args.lse.empty();
+  if (args.causal == "top-left") options.causal = Causal::kTopLeft;
+  if (args.causal == "bottom-right") options.causal = Causal::kBottomRight;
 
   AttentionResult<T> result =
       args.scoring == "dot"
@@ -163,6 +166,13 @@ Command add_attend_command(CLI::App& parent) {
       ->type_name("Wk.npy");
   require_path(app->add_option("--wv", args->w_v, "additive only: w_v (H) or (1, H)"))
       ->type_name("wv.npy");
+  app->add_option("--causal", args->causal,
+                  "Causal mask: query i sees keys j <= i (top-left, torch's is_causal) or "
+                  "j <= i + Nk - Nq (bottom-right: queries that continue a key cache); with "
+                  "--valid-lens the smaller length wins")
+      ->expected(0, 1)
+      ->default_str("top-left")
+      ->check(CLI::IsMember({"top-left", "bottom-right"}));
   app->add_option("--dropout", args->dropout,
                   "Dropout probability on the weights, applied only with --train")
       ->type_name("P")

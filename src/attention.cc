@@ -114,6 +114,22 @@ Dims check_inputs(std::string_view fn, ConstView<T> q, ConstView<T> k, ConstView
   return dims;
 }
 
+// The lengths the kernels see: the given ones, capped by the causal mask
+// when options.causal asks for one.
+ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& valid_lens,
+                      const AttentionOptions& options) {
+  switch (options.causal) {
+    case Causal::kNone:
+      return valid_lens;
+    case Causal::kTopLeft:
+      return valid_lens.causal(0);
+    case Causal::kBottomRight:
+      return valid_lens.causal(dims.nk - dims.nq);
+  }
+  fail(fn, "options.causal = " + std::to_string(static_cast<int>(options.causal)) +
+               " is not a qkv::Causal value");
+}
+
 kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
                                      const ValidLens& valid_lens, const AttentionOptions& options) {
   detail::check_dropout(fn, "options.dropout", options.dropout);
@@ -124,16 +140,19 @@ kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
     fail(fn, "queries has D = 0, so the default scale 1/sqrt(D) is undefined; set options.scale");
   }
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.dq)));
-  return {&valid_lens, scale, options.training ? options.dropout : 0.0, options.seed};
+  return {kernel_lens(fn, dims, valid_lens, options), scale,
+          options.training ? options.dropout : 0.0, options.seed};
 }
 
-kernels::AttentionConfig additive_config(std::string_view fn, const ValidLens& valid_lens,
+kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
+                                         const ValidLens& valid_lens,
                                          const AttentionOptions& options) {
   detail::check_dropout(fn, "options.dropout", options.dropout);
   if (options.scale) {
     fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
   }
-  return {&valid_lens, 1.0, options.training ? options.dropout : 0.0, options.seed};
+  return {kernel_lens(fn, dims, valid_lens, options), 1.0,
+          options.training ? options.dropout : 0.0, options.seed};
 }
 
 // w_q (H, Dq), w_k (H, Dk), w_v (H) or (1, H); the kernels get w_v as (H).
@@ -314,7 +333,7 @@ AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T
                                     const AttentionOutputs<T>* given = nullptr) {
   const Dims dims = check_inputs(kAdditive, q, k, v, true, valid_lens);
   const kernels::AdditiveParams<T> params = check_weights(kAdditive, dims, weights);
-  const kernels::AttentionConfig config = additive_config(kAdditive, valid_lens, options);
+  const kernels::AttentionConfig config = additive_config(kAdditive, dims, valid_lens, options);
   AttentionResult<T> result;
   const kernels::ForwardViews<T> out =
       destinations(kAdditive, version, dims, options, given, result);
@@ -347,7 +366,7 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
                                    ConstView<T> d_output) {
   const Dims dims = check_inputs(kAdditiveBackward, q, k, v, true, valid_lens);
   const kernels::AdditiveParams<T> params = check_weights(kAdditiveBackward, dims, weights);
-  const kernels::AttentionConfig config = additive_config(kAdditiveBackward, valid_lens, options);
+  const kernels::AttentionConfig config = additive_config(kAdditiveBackward, dims, valid_lens, options);
   check_saved(kAdditiveBackward, dims, saved, d_output);
   const int64_t hidden = params.w_q.size(0);
   AdditiveGrads<T> grads{Tensor<T>(q.shape()),           Tensor<T>(k.shape()),

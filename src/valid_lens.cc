@@ -16,7 +16,7 @@ Shape ValidLens::shape() const {
 void ValidLens::check(std::string_view function, std::string_view scores_name,
                       const Shape& scores_shape, int64_t batch, int64_t num_queries,
                       int64_t num_keys) const {
-  if (!present()) return;
+  if (!has_lengths()) return;
   const Shape lens_shape = shape();
   const bool per_batch = lens_shape == Shape{batch};
   const bool per_query = lens_shape == Shape{batch, num_queries};
@@ -28,7 +28,7 @@ void ValidLens::check(std::string_view function, std::string_view scores_name,
   const int64_t rows = per_batch ? 1 : num_queries;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t len = (*this)(b, i, num_keys);
+      const int64_t len = given(b, i, num_keys);
       if (len < 0 || len > num_keys) {
         const std::string where = per_batch
                                       ? "[" + std::to_string(b) + "]"
@@ -42,13 +42,13 @@ void ValidLens::check(std::string_view function, std::string_view scores_name,
 }
 
 Tensor<int64_t> ValidLens::to_tensor() const {
-  if (!present()) return {};
+  if (!has_lengths()) return {};
   const Shape lens_shape = shape();
   Tensor<int64_t> out(lens_shape);
   const int64_t batch = lens_shape[0];
   const int64_t rows = lens_shape.rank() == 2 ? lens_shape[1] : 1;
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < rows; ++i) out.data()[b * rows + i] = (*this)(b, i, 0);
+    for (int64_t i = 0; i < rows; ++i) out.data()[b * rows + i] = given(b, i, 0);
   }
   return out;
 }

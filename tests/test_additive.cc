@@ -301,7 +301,7 @@ TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
         const Tensor<T>&w_q = in.params[0], &w_k = in.params[1], &w_v = in.params[2];
         const ValidLens lens = in.valid_lens();
         const AttentionOptions opt = c.options(rng.next());
-        const kernels::AttentionConfig config{&lens, 1.0, dropout, opt.seed};
+        const kernels::AttentionConfig config{lens, 1.0, dropout, opt.seed};
         const kernels::AdditiveParams<T> params{w_q.view(), w_k.view(), w_v.view()};
         const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
         const Tensor<double> qd = cast<double>(in.q), kd = cast<double>(in.k),

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -219,6 +220,148 @@ TYPED_TEST(Flash, NonFiniteRowsInLongSequences) {
       expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights");
     }
     expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse");
+  }
+}
+
+// ---- causal masking --------------------------------------------------------------
+
+// The lengths a causal mask leaves, written out as (B, Nq) lengths: query i
+// keeps min(given, clamp(i + 1 + offset, 0, Nk)) keys, offset 0 (top-left)
+// or Nk - Nq (bottom-right). The oracle for options.causal: the same call
+// with these explicit lengths and no causal option.
+Tensor<int64_t> causal_lengths(const OwnedLens& given, Causal causal, int64_t batch, int64_t nq,
+                               int64_t nk) {
+  const int64_t offset = causal == Causal::kBottomRight ? nk - nq : 0;
+  Tensor<int64_t> out(Shape{batch, nq});
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nq; ++i) {
+      out(b, i) = std::min(given.at(b, i, nk), std::clamp<int64_t>(i + 1 + offset, 0, nk));
+    }
+  }
+  return out;
+}
+
+struct CausalCase {
+  int64_t batch, nq, nk, dim, dv;
+  LensForm lens_form;
+  Causal causal;
+  double dropout;
+};
+
+std::vector<CausalCase> causal_cases() {
+  std::vector<CausalCase> cases;
+  // Square, fewer queries than keys (a query block after a key cache), more
+  // queries than keys (bottom-right: the first Nq - Nk see nothing), one
+  // query against many keys (the decoding path's key chunks).
+  const int64_t shapes[][3] = {{2, 300, 300}, {1, 5, 700}, {2, 700, 300}, {1, 1, 5000},
+                               {3, 40, 41}};
+  int n = 0;
+  for (const auto& shape : shapes) {
+    for (const Causal causal : {Causal::kTopLeft, Causal::kBottomRight}) {
+      const LensForm forms[] = {LensForm::kNone, LensForm::kPerBatch, LensForm::kPerQuery};
+      cases.push_back({shape[0], shape[1], shape[2], n % 2 == 0 ? 64 : 7, n % 3 == 0 ? 24 : 64,
+                       forms[n % 3], causal, n % 4 == 1 ? 0.25 : 0.0});
+      ++n;
+    }
+  }
+  return cases;
+}
+
+// options.causal gives the same bits as the explicit lengths it stands for
+// (fast kernel), and matches the float64 reference, forward and backward.
+TYPED_TEST(Flash, CausalIsTheLengthsItImplies) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const CausalCase& c : causal_cases()) {
+    SCOPED_TRACE("B=" + std::to_string(c.batch) + " Nq=" + std::to_string(c.nq) +
+                 " Nk=" + std::to_string(c.nk) + " D=" + std::to_string(c.dim) +
+                 " causal=" + std::to_string(static_cast<int>(c.causal)) +
+                 " dropout=" + std::to_string(c.dropout));
+    const Tensor<T> q = random_tensor<T>(rng, {c.batch, c.nq, c.dim});
+    const Tensor<T> k = random_tensor<T>(rng, {c.batch, c.nk, c.dim});
+    const Tensor<T> v = random_tensor<T>(rng, {c.batch, c.nk, c.dv});
+    const OwnedLens given = make_lens(rng, c.lens_form, rng.bernoulli(0.5), c.batch, c.nq, c.nk);
+    const Tensor<int64_t> explicit_lens = causal_lengths(given, c.causal, c.batch, c.nq, c.nk);
+    AttentionOptions o;
+    o.want_lse = true;
+    o.training = c.dropout > 0.0;
+    o.dropout = c.dropout;
+    o.seed = rng.next();
+    AttentionOptions o_causal = o;
+    o_causal.causal = c.causal;
+    const AttentionResult<T> got = scaled_dot_product_attention(q, k, v, given.get(), o_causal);
+    const AttentionResult<T> lens_form =
+        scaled_dot_product_attention(q, k, v, ValidLens(explicit_lens), o);
+    const AttentionResult<T> ref =
+        ref::scaled_dot_product_attention(q, k, v, ValidLens(explicit_lens), o);
+    const OwnedLens as_owned{Tensor<int32_t>(), explicit_lens, false};
+    expect_exact_masking(got.output, got.weights, got.lse, as_owned, c.nk, "causal");
+    if (!expect_bitwise_equal(got.output, lens_form.output, "output vs explicit lengths") ||
+        !expect_bitwise_equal(got.lse, lens_form.lse, "lse vs explicit lengths") ||
+        !expect_close(got.output, ref.output, tol_for<T>(kSdpa, kSdpaDouble), "output") ||
+        !expect_close(got.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse")) {
+      return;
+    }
+    const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
+    const DotProductGrads<T> g = scaled_dot_product_attention_backward(
+        q, k, v, given.get(), o_causal, {got.output, got.lse}, d_out);
+    const DotProductGrads<T> r = ref::scaled_dot_product_attention_backward(
+        q, k, v, ValidLens(explicit_lens), o, {ref.output, ref.lse}, d_out);
+    const Tol tol = tol_for<T>(kSdpaBackward, kSdpaBackwardDouble);
+    if (!expect_close(g.d_queries, r.d_queries, tol, "d_queries") ||
+        !expect_close(g.d_keys, r.d_keys, tol, "d_keys") ||
+        !expect_close(g.d_values, r.d_values, tol, "d_values")) {
+      return;
+    }
+    // The reference with the causal option agrees with its explicit form too.
+    const AttentionResult<T> ref_causal =
+        ref::scaled_dot_product_attention(q, k, v, given.get(), o_causal);
+    if (!expect_bitwise_equal(ref_causal.output, ref.output, "reference causal output")) return;
+  }
+}
+
+// Top-left on a square problem: query i's weights are exactly 0 past key i,
+// and query 0 is value 0; bottom-right with Nq > Nk leaves the first Nq - Nk
+// queries with no key: zero output, lse -inf, zero gradients.
+TYPED_TEST(Flash, CausalCornersAndEmptyRows) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  {
+    const Tensor<T> q = random_tensor<T>(rng, {1, 6, 4});
+    const Tensor<T> k = random_tensor<T>(rng, {1, 6, 4});
+    const Tensor<T> v = random_tensor<T>(rng, {1, 6, 3});
+    AttentionOptions o;
+    o.causal = Causal::kTopLeft;
+    o.want_weights = true;
+    const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, {}, o);
+    for (int64_t i = 0; i < 6; ++i) {
+      for (int64_t j = i + 1; j < 6; ++j) EXPECT_EQ(r.weights(0, i, j), T(0)) << i << "," << j;
+    }
+    for (int64_t e = 0; e < 3; ++e) EXPECT_EQ(r.output(0, 0, e), v(0, 0, e));
+  }
+  {
+    const int64_t nq = 9, nk = 4;
+    const Tensor<T> q = random_tensor<T>(rng, {2, nq, 8});
+    const Tensor<T> k = random_tensor<T>(rng, {2, nk, 8});
+    const Tensor<T> v = random_tensor<T>(rng, {2, nk, 5});
+    AttentionOptions o;
+    o.causal = Causal::kBottomRight;
+    o.want_lse = true;
+    const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, {}, o);
+    const DotProductGrads<T> g = scaled_dot_product_attention_backward(
+        q, k, v, {}, o, {r.output, r.lse}, random_tensor<T>(rng, {2, nq, 5}));
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const bool empty = i < nq - nk;
+        EXPECT_EQ(r.lse(b, i) == -std::numeric_limits<T>::infinity(), empty) << b << "," << i;
+        for (int64_t e = 0; e < 5 && empty; ++e) EXPECT_EQ(r.output(b, i, e), T(0));
+        for (int64_t e = 0; e < 8 && empty; ++e) EXPECT_EQ(g.d_queries(b, i, e), T(0));
+      }
+    }
   }
 }
 
@@ -543,7 +686,7 @@ void check_workspace_contract(Rng& rng) {
     AttentionOptions o = options_for(c, rng.next());
     o.scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
     const kernels::AttentionConfig config{
-        .valid_lens = &valid, .scale = *o.scale, .dropout = c.dropout, .seed = o.seed};
+        .valid_lens = valid, .scale = *o.scale, .dropout = c.dropout, .seed = o.seed};
     const KernelRun<In> one = run_kernels(q, k, v, d_out, config, c.want_weights, 1);
     const KernelRun<In> three = run_kernels(q, k, v, d_out, config, c.want_weights, 3);
     if (::testing::Test::HasFatalFailure()) return;
@@ -597,6 +740,59 @@ TEST(FlashWorkspace, ExactQueriedSizeGuardedAndSameBits) {
     SCOPED_TRACE("bfloat16");
     check_workspace_contract<bfloat16>(rng);
   }
+}
+
+TEST(FlashCausal, Bf16AndAdditiveAreTheLengthsTheyImply) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const Causal causal : {Causal::kTopLeft, Causal::kBottomRight}) {
+    for (const auto& shape : {std::array<int64_t, 3>{2, 300, 300}, {1, 2, 3000}, {1, 20, 9}}) {
+      const int64_t batch = shape[0], nq = shape[1], nk = shape[2];
+      SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk) +
+                   " causal=" + std::to_string(static_cast<int>(causal)));
+      const OwnedLens given = make_lens(rng, LensForm::kPerBatch, false, batch, nq, nk);
+      const Tensor<int64_t> explicit_lens = causal_lengths(given, causal, batch, nq, nk);
+      AttentionOptions o;
+      o.want_lse = true;
+      AttentionOptions o_causal = o;
+      o_causal.causal = causal;
+      const Tensor<bfloat16> qb = to_bf16(random_tensor<float>(rng, {batch, nq, 64}));
+      const Tensor<bfloat16> kb = to_bf16(random_tensor<float>(rng, {batch, nk, 64}));
+      const Tensor<bfloat16> vb = to_bf16(random_tensor<float>(rng, {batch, nk, 32}));
+      const AttentionResult<float> got =
+          scaled_dot_product_attention(qb, kb, vb, given.get(), o_causal);
+      const AttentionResult<float> want =
+          scaled_dot_product_attention(qb, kb, vb, ValidLens(explicit_lens), o);
+      if (!expect_bitwise_equal(got.output, want.output, "bf16 output") ||
+          !expect_bitwise_equal(got.lse, want.lse, "bf16 lse")) {
+        return;
+      }
+      const Tensor<float> q = random_tensor<float>(rng, {batch, nq, 6});
+      const Tensor<float> k = random_tensor<float>(rng, {batch, nk, 5});
+      const Tensor<float> v = random_tensor<float>(rng, {batch, nk, 4});
+      // AdditiveWeights holds views: the tensors must outlive it.
+      const Tensor<float> w_q = random_tensor<float>(rng, {8, 6});
+      const Tensor<float> w_k = random_tensor<float>(rng, {8, 5});
+      const Tensor<float> w_v = random_tensor<float>(rng, {8});
+      const AdditiveWeights<float> w{w_q, w_k, w_v};
+      const AttentionResult<float> a_got = additive_attention(q, k, v, w, given.get(), o_causal);
+      const AttentionResult<float> a_ref =
+          ref::additive_attention(q, k, v, w, ValidLens(explicit_lens), o);
+      if (!expect_close(a_got.output, a_ref.output, kAdditive, "additive output") ||
+          !expect_close(a_got.lse, a_ref.lse, kAdditive, "additive lse")) {
+        return;
+      }
+    }
+  }
+}
+
+TEST(FlashCausal, UnknownCausalValueIsAnError) {
+  const Tensor<float> q({1, 2, 3}), k({1, 4, 3}), v({1, 4, 2});
+  AttentionOptions o;
+  o.causal = static_cast<Causal>(7);
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"scaled_dot_product_attention", "options.causal = 7"});
 }
 
 }  // namespace

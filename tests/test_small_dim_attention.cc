@@ -116,7 +116,7 @@ Got run_kernel(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const
   // NaN sentinels: every element must be written.
   std::fill(out.values().begin(), out.values().end(), std::numeric_limits<T>::quiet_NaN());
   const kernels::AttentionConfig config{
-      .valid_lens = &lens, .scale = scale, .dropout = 0.0, .seed = 0};
+      .valid_lens = lens, .scale = scale, .dropout = 0.0, .seed = 0};
   EXPECT_TRUE(kernels::fast::small_dim_applies(q.size(2), dv, config));
   // Exactly the queried scratch, from an odd word (so the kernel's own
   // 64-byte alignment is exercised), with guard words after it that must
@@ -461,7 +461,7 @@ TYPED_TEST(SmallDimAttention, RandomCasesAndExpRangeOnThisTarget) {
 
 TEST(SmallDimAttentionApplies, SizesAndDropout) {
   const ValidLens lens;
-  kernels::AttentionConfig config{.valid_lens = &lens, .scale = 1.0, .dropout = 0.0, .seed = 0};
+  kernels::AttentionConfig config{.valid_lens = lens, .scale = 1.0, .dropout = 0.0, .seed = 0};
   EXPECT_TRUE(kernels::fast::small_dim_applies(1, 1, config));
   EXPECT_TRUE(kernels::fast::small_dim_applies(8, 8, config));
   EXPECT_FALSE(kernels::fast::small_dim_applies(9, 8, config));

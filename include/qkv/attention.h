@@ -13,6 +13,17 @@
 
 namespace qkv {
 
+// Causal masking (AttentionOptions::causal): which keys query i may see.
+enum class Causal {
+  kNone,
+  // j <= i: torch's is_causal (its mask is torch.ones(Nq, Nk).tril()).
+  kTopLeft,
+  // j <= i + Nk - Nq: the last query sees every key; queries that continue a
+  // key cache (Nq new tokens after Nk - Nq cached ones). With Nq > Nk the
+  // first Nq - Nk queries see no key.
+  kBottomRight,
+};
+
 struct AttentionOptions {
   // Multiplies the dot products; default 1/sqrt(D). Scaled dot-product only:
   // additive attention rejects it.
@@ -28,6 +39,13 @@ struct AttentionOptions {
   // Return lse[b, i] = log sum_{j < L} exp(score[b, i, j]) (-inf when L = 0),
   // needed by the backward and for merging partial results over key sets.
   bool want_lse = false;
+  // Causal masking, combined with valid_lens by taking the smaller length:
+  // query i's valid length is min(valid_lens, clamp(i + 1 + offset, 0, Nk))
+  // with offset 0 (kTopLeft) or Nk - Nq (kBottomRight). Key blocks no query
+  // of a block may see are skipped, so causal attention does about half the
+  // work. A query left with no key gets a zero output, lse -inf and zero
+  // gradients (torch's math path gives NaN there).
+  Causal causal = Causal::kNone;
 };
 
 template <class T>

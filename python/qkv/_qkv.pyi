@@ -62,6 +62,7 @@ def scaled_dot_product_attention(
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
+    causal: Optional[str] = None,
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
     queries: ArrayLike,
@@ -75,6 +76,7 @@ def scaled_dot_product_attention_backward(
     scale: Optional[float] = None,
     dropout: float = 0.0,
     seed: int = 0,
+    causal: Optional[str] = None,
 ) -> ScaledDotProductAttentionGrads: ...
 def additive_attention(
     queries: ArrayLike,
@@ -170,6 +172,7 @@ def _scaled_dot_product_attention_bf16(
     seed: int,
     return_weights: bool,
     return_lse: bool,
+    causal: Optional[str],
 ) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
 def _scaled_dot_product_attention_bf16_backward(
     queries: ArrayLike,
@@ -182,4 +185,5 @@ def _scaled_dot_product_attention_bf16_backward(
     scale: Optional[float],
     dropout: float,
     seed: int,
+    causal: Optional[str],
 ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...

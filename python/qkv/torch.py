@@ -142,20 +142,21 @@ def masked_softmax(X, valid_lens=None):
 
 # ---- scaled dot-product attention ------------------------------------------------
 
-def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, need_lse):
+def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal,
+                  need_lse):
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
     has query's dtype."""
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-            want_weights, need_lse)
+            want_weights, need_lse, causal)
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
         return output.to(torch.bfloat16), weights, output, lse
     parts = _qkv.scaled_dot_product_attention(
         _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
-        seed=seed, return_weights=want_weights, return_lse=need_lse)
+        seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal)
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts)
         return output, None, output, None
@@ -169,10 +170,10 @@ class _Sdpa(torch.autograd.Function):
     """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D) -> (output, weights)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights):
-        ctx.config = (_kept(lens), scale, dropout_p, seed)
+    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal):
+        ctx.config = (_kept(lens), scale, dropout_p, seed, causal)
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
-                                                     seed, want_weights, True)
+                                                     seed, want_weights, causal, True)
         ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
         if weights is None:
             weights = query.new_empty(0)
@@ -183,21 +184,21 @@ class _Sdpa(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_output, _d_weights):
         query, key, value, output, lse = ctx.saved_tensors
-        lens, scale, dropout_p, seed = ctx.config
+        lens, scale, dropout_p, seed, causal = ctx.config
         if query.dtype == torch.bfloat16:
             grads = _qkv._scaled_dot_product_attention_bf16_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output.float()), lens, scale, dropout_p, seed)
+                _array(d_output.float()), lens, scale, dropout_p, seed, causal)
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed)
+                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed, causal=causal)
             grads = [torch.from_numpy(g) for g in grads]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
-def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights):
+def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None):
     """Checks, folds leading axes into one batch axis, runs the kernels (through
     _Sdpa when a gradient is wanted); (output, weights or None)."""
     dtypes = _FLOATS + (torch.bfloat16,)
@@ -230,7 +231,7 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                              f"MultiHeadAttention does)")
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
         query, key, value = (t.reshape(batch, *t.shape[-2:]) for t in (query, key, value))
-    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights)
+    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal)
     if _needs_grad(query, key, value):
         output, weights = _Sdpa.apply(*args)
     else:
@@ -253,8 +254,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
             tensors of one dtype: float32, float64 or bfloat16 (bf16 computes
             in float32 and rounds the result). Any strides.
-        attn_mask, is_causal: not supported yet (issue 15 brings masks); a
-            value other than the default raises NotImplementedError.
+        attn_mask: not supported yet (issue 15 brings masks); anything but
+            None raises NotImplementedError.
+        is_causal: query i sees keys j <= i (torch's top-left alignment;
+            with Nq > Nk the later queries see every key). Combined with
+            valid_lens by taking the smaller length; key blocks no query may
+            see are skipped. Where torch's math path gives NaN (a query with
+            no key left), qkv gives 0.
         dropout_p: drop probability on the weights, applied whenever > 0 (as
             in torch); kept weights scaled by 1/(1 - p).
         scale: multiplies Q K^T; default 1/sqrt(D).
@@ -267,7 +273,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         The output (..., Nq, Dv), query's dtype.
 
     Raises:
-        NotImplementedError: attn_mask or is_causal given.
+        NotImplementedError: attn_mask given.
         TypeError: a dtype qkv does not compute in, or mixed dtypes.
         ValueError: tensors not on the CPU, shapes that do not fit,
             dropout_p outside [0, 1] (qkv.Error, a ValueError, from the kernels).
@@ -283,10 +289,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         raise NotImplementedError(f"qkv.torch.{fn}: attn_mask is not supported yet (masks "
                                   f"arrive with issue 15); use valid_lens for d2l's lengths")
-    if is_causal:
-        raise NotImplementedError(f"qkv.torch.{fn}: is_causal is not supported yet (masks "
-                                  f"arrive with issue 15)")
-    return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False)[0]
+    return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
+                 "top-left" if is_causal else None)[0]
 
 
 # ---- additive attention ------------------------------------------------------------

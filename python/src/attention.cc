@@ -6,10 +6,13 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include "arrays.h"
 #include "bindings.h"
 #include "qkv/attention.h"
+#include "qkv/error.h"
 
 namespace qkv::python {
 namespace {
@@ -22,8 +25,19 @@ constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
 // The gradient tuples (namedtuples made at import, attributes of the module).
 py::handle sdpa_grads_type, additive_grads_type;
 
-AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_t seed) {
+// causal: None, "top-left" (torch's is_causal) or "bottom-right".
+Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) {
+  if (!causal) return Causal::kNone;
+  if (*causal == "top-left") return Causal::kTopLeft;
+  if (*causal == "bottom-right") return Causal::kBottomRight;
+  throw Error(std::string(fn) + ": causal = '" + *causal +
+              "' is not one of None, 'top-left', 'bottom-right'");
+}
+
+AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_t seed,
+                            Causal causal = Causal::kNone) {
   AttentionOptions options;
+  options.causal = causal;
   options.scale = scale;
   options.dropout = dropout;
   // The functional form has no training mode: dropout applies when p > 0,
@@ -125,9 +139,10 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
 
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, double dropout, py::handle seed,
-                   bool return_weights, bool return_lse) {
+                   bool return_weights, bool return_lse, const std::optional<std::string>& causal) {
   Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpa));
+  const AttentionOptions options =
+      options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   if (t.dtype == Dtype::kFloat32) {
     return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse);
   }
@@ -195,7 +210,8 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
 
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
-                            std::optional<double> scale, double dropout, py::handle seed) {
+                            std::optional<double> scale, double dropout, py::handle seed,
+                            const std::optional<std::string>& causal) {
   Tensors t = float_arrays(kSdpaBackward,
                            {{"queries", q},
                             {"keys", k},
@@ -204,7 +220,8 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward));
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
+                                              causal_of(kSdpaBackward, causal));
   return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
                                     : sdpa_backward<double>(t, valid_lens, options);
 }
@@ -280,9 +297,11 @@ Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, 
 
 py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                        std::optional<double> scale, double dropout, py::handle seed,
-                       bool return_weights, bool return_lse) {
+                       bool return_weights, bool return_lse,
+                       const std::optional<std::string>& causal) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
-  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpa));
+  AttentionOptions options =
+      options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   options.want_weights = return_weights;
   options.want_lse = return_lse;
   AttentionResult<float> r;
@@ -301,7 +320,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
 
 py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
-                                std::optional<double> scale, double dropout, py::handle seed) {
+                                std::optional<double> scale, double dropout, py::handle seed,
+                                const std::optional<std::string>& causal) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -310,7 +330,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
     check_same_dtype(saved.back(), Dtype::kFloat32, kSdpaBackward, name, "the bf16 path");
   }
   const bool one = in.batch_of_one;
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward));
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
+                                              causal_of(kSdpaBackward, causal));
   const SavedForward<float> s{batched(view_of<float>(saved[0]), one, 2),
                               batched(view_of<float>(saved[1]), one, 1)};
   const ConstView<float> g = batched(view_of<float>(saved[2]), one, 2);
@@ -343,6 +364,7 @@ void register_attention(py::module_& m) {
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -363,6 +385,10 @@ Arguments:
     return_weights: also return the weights (B, Nq, Nk), before dropout.
     return_lse: also return lse (B, Nq), the log-sum-exp of each query's
         valid scaled scores (-inf for length 0); the backward needs it.
+    causal: None, 'top-left' (query i sees keys j <= i, torch's is_causal)
+        or 'bottom-right' (j <= i + Nk - Nq: queries that continue a key
+        cache); combined with valid_lens by taking the smaller length. Key
+        blocks no query may see are skipped.
 
 Returns:
     output (B, Nq, Dv), or the tuple (output[, weights][, lse]) when a
@@ -387,6 +413,7 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
         py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("causal") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs.
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
@@ -473,13 +500,13 @@ Raises:
   // (3-D, or 2-D for a batch of one); float32 results.
   m.def("_scaled_dot_product_attention_bf16", &sdpa_bf16_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout"),
-        py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"),
+        py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
         "(output, weights or None, lse or None) out.");
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
         py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
         py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
-        py::arg("dropout"), py::arg("seed"),
+        py::arg("dropout"), py::arg("seed"), py::arg("causal"),
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values).");
 }

@@ -54,7 +54,7 @@ void softmax_dropout_pool(T* s, int64_t lds, int64_t rows, int64_t n_eff, int64_
                           T* out, T* lse, bool weights_are_output, T* scratch, uint8_t* keep) {
   for (int64_t r = 0; r < rows; ++r) {
     T* row = s + r * lds;
-    const T row_lse = softmax_row(row, (*config.valid_lens)(b, i0 + r, nk), n_eff, row);
+    const T row_lse = softmax_row(row, config.valid_lens(b, i0 + r, nk), n_eff, row);
     if (lse) lse[r] = row_lse;
     if (weights_are_output) std::fill(row + n_eff, row + nk, T(0));
   }
@@ -69,7 +69,7 @@ void softmax_dropout_pool(T* s, int64_t lds, int64_t rows, int64_t n_eff, int64_
       ldp = n_eff;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t len = (*config.valid_lens)(b, i0 + r, nk);
+      const int64_t len = config.valid_lens(b, i0 + r, nk);
       dropout_row(config, b, i0 + r, p + r * ldp, len, keep);
     }
     pooled = p;
@@ -114,7 +114,7 @@ void forward_tasks(int64_t batch, int64_t nq, int64_t nk, ConstView<T> v,
   parallel_for_slots(batch * blocks, num_slots, [&](int64_t task, int slot) {
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
     const int64_t rows = std::min(kQueryBlock, nq - i0);
-    const int64_t n_eff = longest_len(*config.valid_lens, b, i0, i0 + rows, nk);
+    const int64_t n_eff = longest_len(config.valid_lens, b, i0, i0 + rows, nk);
     double* cursor = slots + static_cast<size_t>(slot) * slot_words;
     T* s;
     int64_t lds;
@@ -239,7 +239,7 @@ template <class T>
 void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditiveParams<T>& params,
               const AttentionConfig& config, const ForwardViews<T>& out, Workspace workspace) {
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
-  const ValidLens& lens = *config.valid_lens;
+  const ValidLens& lens = config.valid_lens;
   // The (B, Nq, Nk, H) features are never formed: W_q q and W_k k once, then
   // each score's tanh-and-reduce happens in registers, keys across the lanes.
   const int64_t ldk = round_up(nk, fast::kAdditivePad);
@@ -272,7 +272,7 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
   const ConstView<T> output = saved.output, lse = saved.lse;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
   const int64_t dq = q.size(2), dk = k.size(2), dv = v.size(2);
-  const ValidLens& lens = *config.valid_lens;
+  const ValidLens& lens = config.valid_lens;
   const int64_t ldk = round_up(nk, fast::kAdditivePad);
   double* cursor = workspace.data;
   T* const fq = take_slice<T>(&cursor, batch * nq * hidden);

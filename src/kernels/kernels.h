@@ -17,7 +17,7 @@ namespace qkv::kernels {
 
 // Everything a forward or backward kernel needs besides the tensors.
 struct AttentionConfig {
-  const ValidLens* valid_lens;  // never null; may be absent
+  ValidLens valid_lens;  // may be absent; a view of the caller's lengths (and the causal cap)
   double scale;                 // dot-product scale (unused by additive)
   double dropout;               // p, already 0 when not training
   uint64_t seed;

@@ -214,7 +214,7 @@ bool gaussian_fused(const NwData& d, const double* q, int64_t t, bool far, doubl
     qp = qs;
   }
   const ValidLens all_keys;
-  const AttentionConfig config{.valid_lens = &all_keys, .scale = scale, .dropout = 0.0, .seed = 0};
+  const AttentionConfig config{.valid_lens = all_keys, .scale = scale, .dropout = 0.0, .seed = 0};
   fast::small_dim_forward<double>(
       ConstView<double>(qp, Shape{1, t, d.p}), ConstView<double>(x, Shape{1, d.n, d.p}),
       ConstView<double>(d.y, Shape{1, d.n, d.m}), nullptr, fast::ScoreKind::kNegSquaredDistance,

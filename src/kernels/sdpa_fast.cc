@@ -392,7 +392,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   std::fill_n(sc.special, rows, uint8_t{0});
   int64_t n_eff = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    sc.len[r] = (*config.valid_lens)(b, i0 + r, nk);
+    sc.len[r] = config.valid_lens(b, i0 + r, nk);
     n_eff = std::max(n_eff, sc.len[r]);
   }
   std::fill(out, out + rows * dv, Acc(0));
@@ -584,7 +584,7 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   }
   if (special) {
     const Acc row_lse = exact_row(q.data() + (b * nq + i) * d, k.data() + b * nk * d,
-                                  v.data() + b * nk * dv, d, dv, (*config.valid_lens)(b, i, nk),
+                                  v.data() + b * nk * dv, d, dv, config.valid_lens(b, i, nk),
                                   nk, b, i, config, out, nullptr, sc);
     if (lse) *lse = row_lse;
     return;
@@ -627,7 +627,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
     if (ws.prepared) {
       std::uninitialized_default_construct_n(ws.prepared, batch * key_blocks);
       for (int64_t b = 0; b < batch; ++b) {
-        ws.prepared_keys[b] = longest_len(*config.valid_lens, b, 0, nq, nk);
+        ws.prepared_keys[b] = longest_len(config.valid_lens, b, 0, nq, nk);
       }
       kernels::parallel_for(batch * key_blocks, [&](int64_t task) {
         const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
@@ -748,7 +748,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
 
   for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
     const int64_t rows = std::min(kBackQueryBlock, nq - i0);
-    if (longest_len(*config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
+    if (longest_len(config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
     const In* q_blk = pb.q.data() + (b * nq + i0) * d;
     const Acc* d_out_blk = pb.d_out + (b * nq + i0) * dv;
     const In* d_out_op = Flash<In>::operand(d_out_blk, rows * dv, sc.d_out_operand);
@@ -760,7 +760,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int
                     sc.gemm);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
-      const int64_t valid = std::clamp<int64_t>((*config.valid_lens)(b, i, nk) - j0, 0, cols);
+      const int64_t valid = std::clamp<int64_t>(config.valid_lens(b, i, nk) - j0, 0, cols);
       const Acc row_lse = pb.lse[b * nq + i];
       Acc* p_row = p + r * cols;
       Acc* dp_row = dp + r * cols;
@@ -879,7 +879,7 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     Slicer slot_slicer(ws.slots + slot * ws.slot_words);
     const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
     const int64_t b = task / groups, g = task % groups;
-    const int64_t seen = longest_len(*config.valid_lens, b, 0, nq, nk);
+    const int64_t seen = longest_len(config.valid_lens, b, 0, nq, nk);
     const int64_t first = g * blocks_per_group;
     const int64_t last = std::min(key_blocks, first + blocks_per_group);
     for (int64_t kb = first; kb < last; ++kb) {

@@ -479,7 +479,7 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
   pr.bias = sc.bias;
   pr.kind = kind;
   pr.scale = static_cast<T>(config.scale);
-  pr.lens = config.valid_lens;
+  pr.lens = &config.valid_lens;
   pr.out = output.data();
   pr.lse = lse.data();
   pr.block_rows = small_dim_block_rows(dv);

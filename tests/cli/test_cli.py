@@ -382,6 +382,28 @@ class AttendTest(CliTest):
         self.assertClose(self.load(self.path("w.npy"), np.float64, (2, 3, 5)), w, np.float64)
         self.assertClose(self.load(self.path("lse.npy"), np.float64, (2, 3)), lse, np.float64)
 
+    def test_dot_causal_top_left_and_bottom_right(self):
+        # --causal is per-query lengths min(L, i + 1 + offset): the NumPy
+        # reference gets them written out. 3 queries, 5 keys; bottom-right's
+        # offset is Nk - Nq = 2; --causal alone means top-left.
+        q, k, v = self.attention_inputs(np.float64)
+        given = np.array([4, 2])
+        for flag, offset in ((["--causal"], 0), (["--causal", "top-left"], 0),
+                             (["--causal", "bottom-right"], 2)):
+            with self.subTest(flag=flag):
+                self.ok(*self.dot_args(q, k, v), "--valid-lens", self.save("l.npy", given),
+                        *flag, "--lse", self.path("lse.npy"))
+                cap = np.clip(np.arange(3) + 1 + offset, 0, 5)
+                lens = np.minimum(given[:, None], cap[None, :])
+                ref, _, lse = np_dot(q, k, v, lens)
+                self.assertClose(self.load(self.path("o.npy"), np.float64, (2, 3, 6)), ref,
+                                 np.float64)
+                self.assertClose(self.load(self.path("lse.npy"), np.float64, (2, 3)), lse,
+                                 np.float64)
+        r = run(*self.dot_args(q, k, v), "--causal", "diagonal")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--causal", r.stderr)
+
     def test_additive_3d_f4_and_f8(self):
         for dtype in (np.float32, np.float64):
             q, k, v = self.attention_inputs(dtype)

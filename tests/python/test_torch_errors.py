@@ -102,14 +102,12 @@ def test_mixed_dtypes_are_type_errors(op):
             assert name in str(info.value)
 
 
-def test_attn_mask_and_is_causal_are_not_implemented():
+def test_attn_mask_is_not_implemented():
     q, k, v = (t for _, t in good_args("sdpa"))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         qkv.torch.scaled_dot_product_attention(q, k, v, torch.zeros(3, 5))
-    with pytest.raises(NotImplementedError, match="is_causal"):
-        sdpa(q, k, v, is_causal=True)
 
 
 @pytest.mark.parametrize("p", [1.5, -0.1, float("nan"), float("inf")])
