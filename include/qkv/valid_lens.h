@@ -37,7 +37,6 @@ class ValidLens {
     out.causal_offset_ = offset;
     return out;
   }
-  bool is_causal() const { return causal_; }
 
   // Whether any key can be masked: lengths given, or a causal cap.
   bool present() const { return has_lengths() || causal_; }
