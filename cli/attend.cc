@@ -1,6 +1,7 @@
 // `qkv attend`: scaled dot-product or additive attention on .npy files.
 //   queries: (B, Nq, D)   keys: (B, Nk, Dk)   values: (B, Nk, Dv)   or all 2-D, a batch of one
 //   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
+//   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <memory>
@@ -53,7 +54,7 @@ template <class T>
 std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTensor>& inputs,
                                const ValidLens& valid_lens) {
   const auto in = [&](size_t i) -> const Tensor<T>& { return std::get<Tensor<T>>(inputs[i]); };
-  const bool batched = in(0).rank() == 3;
+  const bool batched = in(0).rank() >= 3;  // 3-D, or heads (4-D)
   const auto as_batch = [&](size_t i) { return batch_view(in(i), batched); };
   AttentionOptions options;
   options.scale = args.scale;
@@ -109,16 +110,18 @@ void run_attend(const AttendArgs& args) {
   }
 
   const Shape& q_shape = shape_of(tensors[0]);
-  if (q_shape.rank() != 2 && q_shape.rank() != 3) {
-    throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() +
-                     "; expected 2-D (Nq, D) or 3-D (B, Nq, D)");
+  const bool dot = args.scoring == "dot";
+  if (q_shape.rank() != 2 && q_shape.rank() != 3 && !(dot && q_shape.rank() == 4)) {
+    throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() + "; expected 2-D (Nq, D)" +
+                     (dot ? ", 3-D (B, Nq, D) or 4-D (B, H, Nq, D)" : " or 3-D (B, Nq, D)"));
   }
   for (size_t i = 1; i < 3; ++i) {
     const Shape& s = shape_of(tensors[i]);
     if (s.rank() != q_shape.rank()) {
       throw UsageError(inputs[i].describe() + " has shape " + s.str() + " but " +
                        inputs[0].describe() + " has shape " + q_shape.str() +
-                       "; queries, keys and values must be all 2-D or all 3-D");
+                       "; queries, keys and values must be all 2-D, all 3-D" +
+                       (dot ? " or all 4-D" : ""));
     }
   }
 
@@ -140,19 +143,24 @@ Command add_attend_command(CLI::App& parent) {
                   "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k)")
       ->required()
       ->check(CLI::IsMember({"dot", "additive"}));
-  require_path(app->add_option("--queries", args->queries, "Queries Q.npy: (B, Nq, D), or (Nq, D)"))
+  require_path(app->add_option("--queries", args->queries,
+                               "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))
       ->type_name("Q.npy")
       ->required();
-  require_path(app->add_option("--keys", args->keys, "Keys K.npy: (B, Nk, Dk), or (Nk, Dk)"))
+  require_path(app->add_option("--keys", args->keys,
+                               "Keys K.npy: (B, Nk, Dk), or (Nk, Dk); heads: (B, Hkv, Nk, D), H a "
+                               "multiple of Hkv (grouped-query attention)"))
       ->type_name("K.npy")
       ->required();
-  require_path(app->add_option("--values", args->values, "Values V.npy: (B, Nk, Dv), or (Nk, Dv)"))
+  require_path(app->add_option("--values", args->values,
+                               "Values V.npy: (B, Nk, Dv), or (Nk, Dv); heads: (B, Hkv, Nk, Dv)"))
       ->type_name("V.npy")
       ->required();
   require_path(
       app->add_option(
           "--valid-lens", args->valid_lens,
-          "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D inputs; for 2-D inputs "
+          "Valid lengths L.npy, int32 or int64: (B) or (B, Nq) for 3-D and 4-D inputs (shared "
+          "by the heads); for 2-D inputs "
           "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
           "every key is valid"))
       ->type_name("L.npy");
@@ -188,7 +196,8 @@ Command add_attend_command(CLI::App& parent) {
           ""));
   app->add_flag("--train", args->train, "Training mode: apply --dropout");
   add_seed_option(*app, args->seed, "Selects the dropout mask");
-  require_path(app->add_option("--out", args->out, "Output O.npy: (B, Nq, Dv), or (Nq, Dv)"))
+  require_path(app->add_option("--out", args->out,
+                               "Output O.npy: (B, Nq, Dv), or (Nq, Dv); heads: (B, H, Nq, Dv)"))
       ->type_name("O.npy")
       ->required();
   require_path(app->add_option(

@@ -296,16 +296,17 @@ ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, cons
                            const Shape& input_shape) {
   const ValidLens given = std::visit([](const auto& tensor) -> ValidLens { return tensor.view(); },
                                      lens);
-  if (input_shape.rank() != 3) {
+  if (input_shape.rank() == 2) {
     return given.for_batch_of_one("", lens_input.describe(), against.describe(), input_shape);
   }
   // Sizes and values are the library's to check; only the rank is ours.
+  // 3-D (B, Nq, ·) or heads (B, H, Nq, ·): lengths (B) or (B, Nq).
   const Shape shape = given.shape();
   if (shape.rank() != 1 && shape.rank() != 2) {
+    const int64_t nq = input_shape[input_shape.rank() - 2];
     throw UsageError(lens_input.describe() + " has shape " + shape.str() + " but " +
                      against.describe() + " has shape " + input_shape.str() + "; expected " +
-                     Shape{input_shape[0]}.str() + " or " +
-                     Shape{input_shape[0], input_shape[1]}.str());
+                     Shape{input_shape[0]}.str() + " or " + Shape{input_shape[0], nq}.str());
   }
   return given;
 }

@@ -3,10 +3,14 @@
 // (qkv::ref). One helper per op; the public overloads only pick the version.
 #include "qkv/attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "check.h"
 #include "contiguous.h"
@@ -44,10 +48,13 @@ void with_workspace(double flops, Size&& size, Run&& run) {
 
 // The arithmetic of an attention call: `per_pair` flops for each (query,
 // key) pair, e.g. 2 (D + Dv) for SDPA's two products.
+// q and k 3-D, or the SDPA kernels' (B, H, N, D).
 template <class T>
 double pair_flops(ConstView<T> q, ConstView<T> k, double per_pair) {
-  return static_cast<double>(q.size(0)) * static_cast<double>(q.size(1)) *
-         static_cast<double>(k.size(1)) * per_pair;
+  const int n = q.rank() - 2;  // the N axis
+  double rows = static_cast<double>(q.size(0)) * static_cast<double>(q.size(n));
+  if (q.rank() == 4) rows *= static_cast<double>(q.size(1));
+  return rows * static_cast<double>(k.size(n)) * per_pair;
 }
 
 // The fast SDPA kernels with their scratch; In is float, double or bfloat16
@@ -56,7 +63,7 @@ template <class In, class Acc>
 void fast_sdpa(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                const kernels::AttentionConfig& config, const kernels::ForwardViews<Acc>& out) {
   with_workspace(
-      pair_flops(q, k, 2.0 * static_cast<double>(q.size(2) + v.size(2))),
+      pair_flops(q, k, 2.0 * static_cast<double>(q.size(3) + v.size(3))),
       [&](int threads) {
         return kernels::fast::sdpa_workspace_size(q, k, v, config, out, threads);
       },
@@ -69,7 +76,7 @@ void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                         const kernels::SavedViews<Acc>& saved, ConstView<Acc> d_output,
                         const kernels::SdpaGradViews<Acc>& grads) {
   with_workspace(
-      pair_flops(q, k, 5.0 * static_cast<double>(q.size(2) + v.size(2))),
+      pair_flops(q, k, 5.0 * static_cast<double>(q.size(3) + v.size(3))),
       [&](int threads) {
         return kernels::fast::sdpa_backward_workspace_size(q, k, v, config, saved, d_output, grads,
                                                            threads);
@@ -81,6 +88,9 @@ void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
 
 struct Dims {
   int64_t batch, nq, nk, dq, dk, dv;
+  // Scaled dot-product attention with 4-D inputs: query and key heads.
+  int rank = 3;
+  int64_t heads = 1, kv_heads = 1;
 };
 
 std::string shapes_of(std::string_view a, const Shape& sa, std::string_view b, const Shape& sb) {
@@ -114,6 +124,86 @@ Dims check_inputs(std::string_view fn, ConstView<T> q, ConstView<T> k, ConstView
   return dims;
 }
 
+// Scaled dot-product attention: 3-D inputs as above, or heads: queries
+// (B, H, Nq, D), keys (B, Hkv, Nk, D), values (B, Hkv, Nk, Dv) with H a
+// multiple of Hkv.
+template <class T>
+Dims check_sdpa_inputs(std::string_view fn, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const ValidLens& valid_lens) {
+  if (q.rank() != 4) return check_inputs(fn, q, k, v, false, valid_lens);
+  detail::check_rank(fn, "keys", k, 4, "(B, Hkv, Nk, D), as queries is (B, H, Nq, D)");
+  detail::check_rank(fn, "values", v, 4, "(B, Hkv, Nk, Dv), as queries is (B, H, Nq, D)");
+  check_same(fn, "B", "keys", k, 0, "queries", q, 0);
+  check_same(fn, "B", "values", v, 0, "keys", k, 0);
+  check_same(fn, "Hkv", "values", v, 1, "keys", k, 1);
+  const int64_t heads = q.size(1), kv_heads = k.size(1);
+  if (kv_heads == 0 ? heads != 0 : heads % kv_heads != 0) {
+    fail(fn, "queries has H = " + std::to_string(heads) + " heads, not a multiple of the Hkv = " +
+                 std::to_string(kv_heads) + " heads of keys and values" +
+                 shapes_of("queries", q.shape(), "keys", k.shape()));
+  }
+  check_same(fn, "D", "keys", k, 3, "queries", q, 3);
+  check_same(fn, "Nk", "values", v, 2, "keys", k, 2);
+  Dims dims{q.size(0), q.size(2), k.size(2), q.size(3), k.size(3), v.size(3)};
+  dims.rank = 4;
+  dims.heads = heads;
+  dims.kv_heads = kv_heads;
+  valid_lens.check(fn, "scores", Shape{dims.batch, heads, dims.nq, dims.nk}, dims.batch, dims.nq,
+                   dims.nk);
+  return dims;
+}
+
+// Shapes of SDPA's results for these inputs: 3-D inputs give 3-D results.
+Shape heads_shape(const Dims& dims, int64_t heads, int64_t n, int64_t last) {
+  return dims.rank == 4 ? Shape{dims.batch, heads, n, last} : Shape{dims.batch, n, last};
+}
+Shape lse_shape(const Dims& dims) {
+  return dims.rank == 4 ? Shape{dims.batch, dims.heads, dims.nq} : Shape{dims.batch, dims.nq};
+}
+
+// An SDPA operand in the fast kernels' layout (kernels::rows_in_place): the
+// caller's view when its rows already are (any strides along B, H and N, so
+// (B, N, H, D) memory is read as (B, H, N, D) in place), else a contiguous
+// copy owned here.
+template <class T>
+class KernelOperand {
+ public:
+  explicit KernelOperand(ConstView<T> view) {
+    const ConstView<T> heads = kernels::as_heads(view);
+    if (kernels::rows_in_place(heads)) {
+      view_ = heads;
+    } else {
+      copy_ = Tensor<T>::copy_of(view);
+      view_ = kernels::as_heads(ConstView<T>(copy_.view()));
+    }
+  }
+  KernelOperand(const KernelOperand&) = delete;
+  KernelOperand& operator=(const KernelOperand&) = delete;
+  const ConstView<T>& view() const { return view_; }
+
+ private:
+  Tensor<T> copy_;
+  ConstView<T> view_;
+};
+
+// Whether no two elements of a view share memory: with the axes sorted by
+// |stride|, each stride clears the extent of the axes before it.
+template <class T>
+bool no_overlap(TensorView<T> x) {
+  std::vector<std::pair<int64_t, int64_t>> axes;  // (|stride|, size) of axes longer than 1
+  for (int a = 0; a < x.rank(); ++a) {
+    if (x.size(a) == 0) return true;
+    if (x.size(a) > 1) axes.emplace_back(std::abs(x.stride(a)), x.size(a));
+  }
+  std::sort(axes.begin(), axes.end());
+  int64_t extent = 0;  // the largest offset the axes so far reach
+  for (const auto& [stride, size] : axes) {
+    if (stride <= extent) return false;
+    extent += stride * (size - 1);
+  }
+  return true;
+}
+
 // The lengths the kernels see: the given ones, capped by the causal mask
 // when options.causal asks for one.
 ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& valid_lens,
@@ -141,7 +231,7 @@ kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
   }
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.dq)));
   return {kernel_lens(fn, dims, valid_lens, options), scale,
-          options.training ? options.dropout : 0.0, options.seed};
+          options.training ? options.dropout : 0.0, options.seed, dims.heads};
 }
 
 kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
@@ -185,25 +275,39 @@ kernels::AdditiveParams<T> check_weights(std::string_view fn, const Dims& dims,
   return {w_q, w_k, w_v_flat};
 }
 
+// Caller-given destinations: weights and lse contiguous; the output too for
+// additive attention, while SDPA writes any output whose rows are contiguous
+// and do not overlap (e.g. (B, Nq, H, Dv) memory viewed as (B, H, Nq, Dv)).
 template <class T>
-void check_outputs(std::string_view fn, const Dims& dims, const AttentionOutputs<T>& outputs) {
-  detail::check_destination(fn, "outputs.output", outputs.output,
-                            Shape{dims.batch, dims.nq, dims.dv});
+void check_outputs(std::string_view fn, const Dims& dims, const AttentionOutputs<T>& outputs,
+                   bool strided_output) {
+  const Shape output_shape = heads_shape(dims, dims.heads, dims.nq, dims.dv);
+  if (strided_output) {
+    detail::check_shape(fn, "outputs.output", outputs.output, output_shape);
+    const bool placed =
+        kernels::rows_in_place(kernels::as_heads(outputs.output)) && no_overlap(outputs.output);
+    if (outputs.output.numel() > 0 && !placed) {
+      fail(fn, "outputs.output of shape " + output_shape.str() + " has strides " +
+                   outputs.output.strides().str() +
+                   "; it needs contiguous rows (stride 1 along Dv) that do not overlap");
+    }
+  } else {
+    detail::check_destination(fn, "outputs.output", outputs.output, output_shape);
+  }
   if (outputs.weights) {
     detail::check_destination(fn, "outputs.weights", *outputs.weights,
-                              Shape{dims.batch, dims.nq, dims.nk});
+                              heads_shape(dims, dims.heads, dims.nq, dims.nk));
   }
-  if (outputs.lse) {
-    detail::check_destination(fn, "outputs.lse", *outputs.lse, Shape{dims.batch, dims.nq});
-  }
+  if (outputs.lse) detail::check_destination(fn, "outputs.lse", *outputs.lse, lse_shape(dims));
 }
 
 template <class T>
 void check_saved(std::string_view fn, const Dims& dims, const SavedForward<T>& saved,
                  ConstView<T> d_output) {
-  detail::check_shape(fn, "output", saved.output, Shape{dims.batch, dims.nq, dims.dv});
-  detail::check_shape(fn, "lse", saved.lse, Shape{dims.batch, dims.nq});
-  detail::check_shape(fn, "d_output", d_output, Shape{dims.batch, dims.nq, dims.dv});
+  const Shape output_shape = heads_shape(dims, dims.heads, dims.nq, dims.dv);
+  detail::check_shape(fn, "output", saved.output, output_shape);
+  detail::check_shape(fn, "lse", saved.lse, lse_shape(dims));
+  detail::check_shape(fn, "d_output", d_output, output_shape);
 }
 
 // The destinations of a forward: the caller's (write-into form), or tensors
@@ -215,15 +319,15 @@ kernels::ForwardViews<T> destinations(std::string_view fn, Version version, cons
                                       const AttentionOutputs<T>* given,
                                       AttentionResult<T>& result) {
   if (given != nullptr) {
-    check_outputs(fn, dims, *given);
+    check_outputs(fn, dims, *given, /*strided_output=*/fn == kSdpa);
     return {given->output, given->weights.value_or(TensorView<T>()),
             given->lse.value_or(TensorView<T>())};
   }
   const bool weights = version == Version::kRef || options.want_weights;
   const bool lse = version == Version::kRef || options.want_lse;
-  result.output = Tensor<T>(Shape{dims.batch, dims.nq, dims.dv});
-  if (weights) result.weights = Tensor<T>(Shape{dims.batch, dims.nq, dims.nk});
-  if (lse) result.lse = Tensor<T>(Shape{dims.batch, dims.nq});
+  result.output = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.dv));
+  if (weights) result.weights = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.nk));
+  if (lse) result.lse = Tensor<T>(lse_shape(dims));
   return {result.output.view(), weights ? result.weights.view() : TensorView<T>(),
           lse ? result.lse.view() : TensorView<T>()};
 }
@@ -235,18 +339,17 @@ template <class T>
 AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
                                 const ValidLens& valid_lens, const AttentionOptions& options,
                                 const AttentionOutputs<T>* given = nullptr) {
-  const Dims dims = check_inputs(kSdpa, q, k, v, false, valid_lens);
+  const Dims dims = check_sdpa_inputs(kSdpa, q, k, v, valid_lens);
   const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
   AttentionResult<T> result;
-  const kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result);
+  kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result);
+  out.output = kernels::as_heads(out.output);
   if (version == Version::kFast) {
-    const detail::Contiguous<T> qc(q), kc(k), vc(v);
-    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
-      fast_sdpa(qc.view(), kc.view(), vc.view(), config, out);
-      return result;
-    }
+    const KernelOperand<T> qk(q), kk(k), vk(v);
+    fast_sdpa(qk.view(), kk.view(), vk.view(), config, out);
+    return result;
   }
-  kernels::ref::sdpa(q, k, v, config, out);
+  kernels::ref::sdpa(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v), config, out);
   return result;
 }
 
@@ -254,22 +357,22 @@ template <class T>
 DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
                                  const ValidLens& valid_lens, const AttentionOptions& options,
                                  const SavedForward<T>& saved, ConstView<T> d_output) {
-  const Dims dims = check_inputs(kSdpaBackward, q, k, v, false, valid_lens);
+  const Dims dims = check_sdpa_inputs(kSdpaBackward, q, k, v, valid_lens);
   const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
   DotProductGrads<T> grads{Tensor<T>(q.shape()), Tensor<T>(k.shape()), Tensor<T>(v.shape())};
-  const kernels::SdpaGradViews<T> out{grads.d_queries.view(), grads.d_keys.view(),
-                                      grads.d_values.view()};
+  const kernels::SdpaGradViews<T> out{kernels::as_heads(grads.d_queries.view()),
+                                      kernels::as_heads(grads.d_keys.view()),
+                                      kernels::as_heads(grads.d_values.view())};
   if (version == Version::kFast) {
-    const detail::Contiguous<T> qc(q), kc(k), vc(v);
-    if (kernels::fast::supports(qc.view(), kc.view(), vc.view())) {
-      const detail::Contiguous<T> oc(saved.output), lc(saved.lse), gc(d_output);
-      fast_sdpa_backward(qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()}, gc.view(),
-                         out);
-      return grads;
-    }
+    const KernelOperand<T> qk(q), kk(k), vk(v), ok(saved.output), gk(d_output);
+    const detail::Contiguous<T> lc(saved.lse);
+    fast_sdpa_backward(qk.view(), kk.view(), vk.view(), config, {ok.view(), lc.view()}, gk.view(),
+                       out);
+    return grads;
   }
-  kernels::ref::sdpa_backward(q, k, v, config, {saved.output, saved.lse}, d_output, out);
+  kernels::ref::sdpa_backward(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v), config,
+                              {kernels::as_heads(saved.output), saved.lse}, kernels::as_heads(d_output), out);
   return grads;
 }
 
@@ -292,13 +395,14 @@ Tensor<float> widened(ConstView<bfloat16> x) {
 AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat16> k,
                                          ConstView<bfloat16> v, const ValidLens& valid_lens,
                                          const AttentionOptions& options) {
-  const Dims dims = check_inputs(kSdpa, q, k, v, false, valid_lens);
+  const Dims dims = check_sdpa_inputs(kSdpa, q, k, v, valid_lens);
   const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
   AttentionResult<float> result;
-  const kernels::ForwardViews<float> out =
+  kernels::ForwardViews<float> out =
       destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
-  const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
-  fast_sdpa(qc.view(), kc.view(), vc.view(), config, out);
+  out.output = kernels::as_heads(out.output);
+  const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
+  fast_sdpa(qk.view(), kk.view(), vk.view(), config, out);
   return result;
 }
 
@@ -307,7 +411,7 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
                                           const AttentionOptions& options,
                                           const SavedForward<float>& saved,
                                           ConstView<float> d_output) {
-  const Dims dims = check_inputs(kSdpaBackward, q, k, v, false, valid_lens);
+  const Dims dims = check_sdpa_inputs(kSdpaBackward, q, k, v, valid_lens);
   const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
   if (bf16_backward_through_float()) {
@@ -316,11 +420,13 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
   }
   DotProductGrads<float> grads{Tensor<float>(q.shape()), Tensor<float>(k.shape()),
                                Tensor<float>(v.shape())};
-  const detail::Contiguous<bfloat16> qc(q), kc(k), vc(v);
-  const detail::Contiguous<float> oc(saved.output), lc(saved.lse), gc(d_output);
+  const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
+  const KernelOperand<float> ok(saved.output), gk(d_output);
+  const detail::Contiguous<float> lc(saved.lse);
   fast_sdpa_backward<bfloat16, float>(
-      qc.view(), kc.view(), vc.view(), config, {oc.view(), lc.view()}, gc.view(),
-      {grads.d_queries.view(), grads.d_keys.view(), grads.d_values.view()});
+      qk.view(), kk.view(), vk.view(), config, {ok.view(), lc.view()}, gk.view(),
+      {kernels::as_heads(grads.d_queries.view()), kernels::as_heads(grads.d_keys.view()),
+       kernels::as_heads(grads.d_values.view())});
   return grads;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <cstring>
 #include <vector>
 
 #include "kernels/row_products.h"
@@ -73,15 +74,18 @@ void check_scores(Rng& rng) {
     const int64_t cols = pick(rng, kKeys, std::size(kKeys));
     const int64_t d = pick(rng, kFeatures, std::size(kFeatures));
     const int64_t lds = cols + rng.uniform_int(0, 3);
+    // Rows of q and k further apart than d (heads of a (B, N, H, d) tensor).
+    const int64_t ldq = d + rng.uniform_int(0, 2) * 7, ldk = d + rng.uniform_int(0, 2) * 5;
     const Acc alpha = static_cast<Acc>(rng.uniform(0.1, 2.0));
     SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                 " d=" + std::to_string(d) + " lds=" + std::to_string(lds));
-    std::vector<Acc> q(static_cast<size_t>(rows * d));
+                 " d=" + std::to_string(d) + " lds=" + std::to_string(lds) +
+                 " ldq=" + std::to_string(ldq) + " ldk=" + std::to_string(ldk));
+    std::vector<Acc> q(static_cast<size_t>(rows * ldq));
     for (Acc& e : q) e = static_cast<Acc>(rng.uniform(-1.0, 1.0));
-    const Stored<In> k = random_stored<In>(rng, static_cast<size_t>(cols * d));
+    const Stored<In> k = random_stored<In>(rng, static_cast<size_t>(cols * ldk));
     constexpr Acc kUntouched = Acc(-777);
     std::vector<Acc> s(static_cast<size_t>(rows * lds), kUntouched);
-    kernels::fast::row_scores(rows, cols, d, alpha, q.data(), k.x.data(), s.data(), lds);
+    kernels::fast::row_scores(rows, cols, d, alpha, q.data(), ldq, k.x.data(), ldk, s.data(), lds);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < lds; ++j) {
         const Acc got = s[static_cast<size_t>(r * lds + j)];
@@ -91,8 +95,8 @@ void check_scores(Rng& rng) {
         }
         double ref = 0, size = 0;
         for (int64_t e = 0; e < d; ++e) {
-          const double term = static_cast<double>(q[static_cast<size_t>(r * d + e)]) *
-                              k.wide[static_cast<size_t>(j * d + e)];
+          const double term = static_cast<double>(q[static_cast<size_t>(r * ldq + e)]) *
+                              k.wide[static_cast<size_t>(j * ldk + e)];
           ref += term;
           size += std::abs(term);
         }
@@ -112,29 +116,34 @@ void check_accumulate(Rng& rng) {
     const int64_t cols = pick(rng, kKeys, std::size(kKeys));
     const int64_t dv = pick(rng, kFeatures, std::size(kFeatures));
     const int64_t ldp = cols + rng.uniform_int(0, 3);
+    const int64_t ldv = dv + rng.uniform_int(0, 2) * 3, ldo = dv + rng.uniform_int(0, 2) * 9;
     SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                 " dv=" + std::to_string(dv) + " ldp=" + std::to_string(ldp));
+                 " dv=" + std::to_string(dv) + " ldp=" + std::to_string(ldp) +
+                 " ldv=" + std::to_string(ldv) + " ldo=" + std::to_string(ldo));
     // Weights as the softmax leaves them: in [0, 1], some exactly 0.
     std::vector<Acc> p(static_cast<size_t>(rows == 0 ? 0 : (rows - 1) * ldp + cols));
     for (Acc& e : p) e = rng.bernoulli(0.2) ? Acc(0) : static_cast<Acc>(rng.uniform(0.0, 1.0));
-    const Stored<In> v = random_stored<In>(rng, static_cast<size_t>(cols * dv));
-    std::vector<Acc> o(static_cast<size_t>(rows * dv));
+    const Stored<In> v = random_stored<In>(rng, static_cast<size_t>(cols * ldv));
+    std::vector<Acc> o(static_cast<size_t>(rows * ldo));
     for (Acc& e : o) e = static_cast<Acc>(rng.uniform(-2.0, 2.0));
     const std::vector<Acc> before = o;
-    kernels::fast::row_accumulate(rows, cols, dv, p.data(), ldp, v.x.data(), o.data());
+    kernels::fast::row_accumulate(rows, cols, dv, p.data(), ldp, v.x.data(), ldv, o.data(), ldo);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < dv; ++c) {
-        double ref = static_cast<double>(before[static_cast<size_t>(r * dv + c)]);
+        double ref = static_cast<double>(before[static_cast<size_t>(r * ldo + c)]);
         double size = std::abs(ref);
         for (int64_t j = 0; j < cols; ++j) {
           const double term = static_cast<double>(p[static_cast<size_t>(r * ldp + j)]) *
-                              v.wide[static_cast<size_t>(j * dv + c)];
+                              v.wide[static_cast<size_t>(j * ldv + c)];
           ref += term;
           size += std::abs(term);
         }
-        ASSERT_NEAR(static_cast<double>(o[static_cast<size_t>(r * dv + c)]), ref,
+        ASSERT_NEAR(static_cast<double>(o[static_cast<size_t>(r * ldo + c)]), ref,
                     kRel<Acc> * size + 1e-300)
             << "r=" << r << " c=" << c;
+      }
+      for (int64_t c = dv; c < ldo; ++c) {  // between the rows: untouched
+        ASSERT_EQ(o[static_cast<size_t>(r * ldo + c)], before[static_cast<size_t>(r * ldo + c)]);
       }
     }
   }
@@ -172,38 +181,76 @@ TEST(RowProducts, AccumulateMatchesFloat64Loop) {
 }
 
 // A product's bits do not depend on the row's position in the batch of rows
-// (a query's result must not change with how many share its task) nor on
-// the key's position (pairs of keys and the odd last one share a summation
-// order).
+// (a query's result must not change with how many share its task, nor with
+// grouped heads: sdpa_fast.cc's grouped_rows_per_task) nor on the key's
+// position (pairs of keys and the odd last one share a summation order).
+// Feature sizes with scalar tails at every target (67, 45): those tails once
+// rounded differently for different row counts in the float instantiations.
+template <class Acc, class In>
+void check_same_bits_alone(Rng& rng) {
+  const int64_t cols = 7, d = 67, dv = 45;
+  std::vector<Acc> q(static_cast<size_t>(kRowProductRows * d));
+  for (Acc& e : q) e = static_cast<Acc>(rng.uniform(-1.0, 1.0));
+  const Stored<In> k = random_stored<In>(rng, static_cast<size_t>(cols * d));
+  const Stored<In> v = random_stored<In>(rng, static_cast<size_t>(cols * dv));
+  std::vector<Acc> all(static_cast<size_t>(kRowProductRows * cols));
+  kernels::fast::row_scores(kRowProductRows, cols, d, Acc(0.5), q.data(), d, k.x.data(), d,
+                            all.data(), cols);
+  std::vector<Acc> o_all(static_cast<size_t>(kRowProductRows * dv), Acc(0.25));
+  kernels::fast::row_accumulate(kRowProductRows, cols, dv, all.data(), cols, v.x.data(), dv,
+                                o_all.data(), dv);
+  for (int64_t r = 0; r < kRowProductRows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      Acc one = 0;
+      kernels::fast::row_scores(1, 1, d, Acc(0.5), q.data() + r * d, d, k.x.data() + j * d, d,
+                                &one, 1);
+      ASSERT_EQ(std::memcmp(&one, &all[r * cols + j], sizeof(Acc)), 0) << "r=" << r << " j=" << j;
+    }
+    for (int64_t rows = 1; rows + r <= kRowProductRows; ++rows) {
+      std::vector<Acc> o_some(static_cast<size_t>(rows * dv), Acc(0.25));
+      kernels::fast::row_accumulate(rows, cols, dv, all.data() + r * cols, cols, v.x.data(), dv,
+                                    o_some.data(), dv);
+      ASSERT_EQ(std::memcmp(o_some.data(), o_all.data() + r * dv, sizeof(Acc) * dv), 0)
+          << "row " << r << " in a task of " << rows << " rows";
+    }
+  }
+}
+
+// A row whose weights end early (zeros past its valid length, as the
+// softmax leaves them) gets the same bits in a task whose other rows reach
+// further (more columns) as alone over its own columns.
+template <class Acc, class In>
+void check_short_row_same_bits(Rng& rng) {
+  for (const int64_t dv : {3, 5, 16, 45}) {
+    const int64_t cols = 168, len = 31;
+    const Stored<In> v = random_stored<In>(rng, static_cast<size_t>(cols * dv));
+    std::vector<Acc> p(static_cast<size_t>(2 * cols));
+    for (Acc& e : p) e = static_cast<Acc>(rng.uniform(0.0, 1.0));
+    std::fill(p.begin() + cols + len, p.end(), Acc(0));
+    std::vector<Acc> o_task(static_cast<size_t>(2 * dv)), o_alone(static_cast<size_t>(dv));
+    for (Acc& e : o_task) e = static_cast<Acc>(rng.uniform(-1.0, 1.0));
+    std::copy_n(o_task.begin() + dv, dv, o_alone.begin());
+    kernels::fast::row_accumulate(2, cols, dv, p.data(), cols, v.x.data(), dv, o_task.data(), dv);
+    kernels::fast::row_accumulate(1, len, dv, p.data() + cols, cols, v.x.data(), dv,
+                                  o_alone.data(), dv);
+    ASSERT_EQ(std::memcmp(o_task.data() + dv, o_alone.data(), sizeof(Acc) * dv), 0)
+        << "dv=" << dv;
+  }
+}
+
+TEST(RowProducts, ShortRowsGetTheirBitsAlone) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for_each_type(
+      [&](auto acc, auto in) { check_short_row_same_bits<decltype(acc), decltype(in)>(rng); });
+}
+
 TEST(RowProducts, EachRowAndKeyGivesTheSameBitsAlone) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
-  const int64_t cols = 7, d = 67, dv = 45;
-  std::vector<float> q(static_cast<size_t>(kRowProductRows * d));
-  for (float& e : q) e = static_cast<float>(rng.uniform(-1.0, 1.0));
-  const Stored<bfloat16> k = random_stored<bfloat16>(rng, static_cast<size_t>(cols * d));
-  const Stored<bfloat16> v = random_stored<bfloat16>(rng, static_cast<size_t>(cols * dv));
-  std::vector<float> all(static_cast<size_t>(kRowProductRows * cols));
-  kernels::fast::row_scores(kRowProductRows, cols, d, 0.5f, q.data(), k.x.data(), all.data(), cols);
-  std::vector<float> o_all(static_cast<size_t>(kRowProductRows * dv), 0.25f);
-  kernels::fast::row_accumulate(kRowProductRows, cols, dv, all.data(), cols, v.x.data(),
-                                o_all.data());
-  for (int64_t r = 0; r < kRowProductRows; ++r) {
-    for (int64_t j = 0; j < cols; ++j) {
-      float one = 0;
-      kernels::fast::row_scores(1, 1, d, 0.5f, q.data() + r * d, k.x.data() + j * d, &one, 1);
-      ASSERT_EQ(std::bit_cast<uint32_t>(one), std::bit_cast<uint32_t>(all[r * cols + j]))
-          << "r=" << r << " j=" << j;
-    }
-    std::vector<float> o_one(static_cast<size_t>(dv), 0.25f);
-    kernels::fast::row_accumulate(1, cols, dv, all.data() + r * cols, cols, v.x.data(),
-                                  o_one.data());
-    for (int64_t c = 0; c < dv; ++c) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(o_one[c]), std::bit_cast<uint32_t>(o_all[r * dv + c]))
-          << "r=" << r << " c=" << c;
-    }
-  }
+  for_each_type([&](auto acc, auto in) { check_same_bits_alone<decltype(acc), decltype(in)>(rng); });
 }
 
 TEST(Bf16Widen, ToFloatIsExactOnEveryBf16) {

@@ -6,7 +6,8 @@ d2l's attention modules on them:
 
     masked_softmax(X, valid_lens=None)
     scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, *, valid_lens=None, seed=None)
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 valid_lens=None, seed=None)
     additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
                        dropout_p=0.0, seed=None)
     DotProductAttention(dropout), AdditiveAttention(key_size, query_size, num_hiddens, dropout)
@@ -167,7 +168,8 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
 
 
 class _Sdpa(torch.autograd.Function):
-    """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D) -> (output, weights)."""
+    """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D; or heads (B, H, Nq, D),
+    (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights)."""
 
     @staticmethod
     def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal):
@@ -198,9 +200,13 @@ class _Sdpa(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None):
-    """Checks, folds leading axes into one batch axis, runs the kernels (through
-    _Sdpa when a gradient is wanted); (output, weights or None)."""
+def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None,
+          enable_gqa=False):
+    """Checks, runs the kernels (through _Sdpa when a gradient is wanted);
+    (output, weights or None). 2-D and 3-D inputs go as they are (2-D is a
+    batch of one); 4-D (B, H, N, D) as heads, read in place whatever their
+    strides along B, H and N; more leading axes are folded into B (a copy
+    where their strides do not fold)."""
     dtypes = _FLOATS + (torch.bfloat16,)
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check(fn, name, t, dtypes)
@@ -212,39 +218,40 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                          f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
+    if rank >= 4 and query.shape[-3] != key.shape[-3] and not enable_gqa:
+        raise ValueError(f"{fn}: query has {query.shape[-3]} heads but key has "
+                         f"{key.shape[-3]} (shapes {list(query.shape)}, {list(key.shape)}); "
+                         f"pass enable_gqa=True for grouped-query attention")
     lens = _lens(fn, valid_lens)
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
     lead = None
-    if rank > 3:
-        # More leading axes are folded into one batch axis (a copy where
-        # their strides do not fold); 2-D and 3-D inputs go as they are (2-D
-        # is a batch of one for the kernels).
-        lead = query.shape[:-2]
-        if key.shape[:-2] != lead or value.shape[:-2] != lead:
+    if rank > 4:
+        lead = query.shape[:-3]
+        if key.shape[:-3] != lead or value.shape[:-3] != lead:
             raise ValueError(f"{fn}: query, key and value must share their leading axes; got "
                              f"shapes {list(query.shape)}, {list(key.shape)}, "
                              f"{list(value.shape)}")
         if lens is not None:
-            raise ValueError(f"{fn}: valid_lens takes 3-D (B, Nq, D) or 2-D inputs; got query "
-                             f"{list(query.shape)} (fold the heads into the batch, as d2l's "
-                             f"MultiHeadAttention does)")
+            raise ValueError(f"{fn}: valid_lens takes inputs of rank 2 to 4, (B) or (B, Nq) "
+                             f"lengths; got query {list(query.shape)}")
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
-        query, key, value = (t.reshape(batch, *t.shape[-2:]) for t in (query, key, value))
+        query, key, value = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
     args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal)
     if _needs_grad(query, key, value):
         output, weights = _Sdpa.apply(*args)
     else:
         output, weights = _sdpa_forward(*args, False)[:2]
     if lead is not None:
-        output = output.reshape(*lead, *output.shape[-2:])
+        output = output.reshape(*lead, *output.shape[-3:])
         if want_weights:
-            weights = weights.reshape(*lead, *weights.shape[-2:])
+            weights = weights.reshape(*lead, *weights.shape[-3:])
     return output, weights if want_weights else None
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, *, valid_lens=None, seed=None):
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 valid_lens=None, seed=None):
     """softmax(Q K^T * scale) V on qkv's fused kernels, differentiable in query, key, value.
 
     torch 2.x's torch.nn.functional.scaled_dot_product_attention signature (a
@@ -253,7 +260,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Arguments:
         query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
             tensors of one dtype: float32, float64 or bfloat16 (bf16 computes
-            in float32 and rounds the result). Any strides.
+            in float32 and rounds the result). Any strides: 4-D heads
+            (B, H, N, D) are read in place, so q.view(B, N, H, D).transpose(1, 2)
+            costs no copy.
         attn_mask: not supported yet (issue 15 brings masks); anything but
             None raises NotImplementedError.
         is_causal: query i sees keys j <= i (torch's top-left alignment;
@@ -264,8 +273,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p: drop probability on the weights, applied whenever > 0 (as
             in torch); kept weights scaled by 1/(1 - p).
         scale: multiplies Q K^T; default 1/sqrt(D).
-        valid_lens: d2l's lengths for 3-D inputs, (B) or (B, Nq) integers:
-            keys j >= the length get weight 0 (a query with length 0 gives 0).
+        enable_gqa: grouped-query attention: key and value may have fewer
+            heads Hkv (dim -3) than query's H, H a multiple of Hkv; query
+            head h reads key head h // (H // Hkv), as torch's enable_gqa.
+        valid_lens: d2l's lengths, (B) or (B, Nq) integers, for inputs of
+            rank 2 to 4 (4-D: shared by the heads): keys j >= the length get
+            weight 0 (a query with length 0 gives 0).
         seed: the dropout mask's seed; None draws one from torch's default
             generator (torch.manual_seed makes the run repeatable).
 
@@ -290,7 +303,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise NotImplementedError(f"qkv.torch.{fn}: attn_mask is not supported yet (masks "
                                   f"arrive with issue 15); use valid_lens for d2l's lengths")
     return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
-                 "top-left" if is_causal else None)[0]
+                 "top-left" if is_causal else None, enable_gqa)[0]
 
 
 # ---- additive attention ------------------------------------------------------------

@@ -109,14 +109,16 @@ std::string shape_str(const py::array& array) {
 }  // namespace
 
 void check_rank_2_or_3(const py::array& array, std::string_view fn, std::string_view name,
-                       std::string_view axes3, std::string_view axes2) {
-  if (array.ndim() == 2 || array.ndim() == 3) return;
-  throw Error(prefix(fn, name) + " has shape " + shape_str(array) + "; expected rank 3 " +
-              std::string(axes3) + " or rank 2 " + std::string(axes2) + ", a batch of one");
+                       std::string_view axes3, std::string_view axes2, std::string_view axes4) {
+  if (array.ndim() == 2 || array.ndim() == 3 || (!axes4.empty() && array.ndim() == 4)) return;
+  const std::string heads = axes4.empty() ? "" : "rank 4 " + std::string(axes4) + ", ";
+  throw Error(prefix(fn, name) + " has shape " + shape_str(array) + "; expected " + heads +
+              "rank 3 " + std::string(axes3) + " or rank 2 " + std::string(axes2) +
+              ", a batch of one");
 }
 
 void check_same_rank(const std::vector<std::pair<std::string_view, const py::array*>>& arrays,
-                     std::string_view fn) {
+                     std::string_view fn, std::string_view allowed) {
   bool same = true;
   for (const auto& [name, array] : arrays) same = same && array->ndim() == arrays[0].second->ndim();
   if (same) return;
@@ -129,7 +131,8 @@ void check_same_rank(const std::vector<std::pair<std::string_view, const py::arr
     names.append(arrays[i].first);
     ranks.append(std::to_string(arrays[i].second->ndim()));
   }
-  throw Error(std::string(fn) + ": " + names + " must be all 2-D or all 3-D; got ranks " + ranks);
+  throw Error(std::string(fn) + ": " + names + " must be " + std::string(allowed) + "; got ranks " +
+              ranks);
 }
 
 uint64_t seed_of(py::handle obj, std::string_view fn) {

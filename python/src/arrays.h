@@ -99,16 +99,18 @@ py::array int_array(py::handle obj, std::string_view fn, std::string_view name,
 // to int64; anything else is a TypeError. `storage` keeps the array alive.
 ValidLens valid_lens_of(py::handle obj, std::string_view fn, py::object& storage);
 
-// The rank of a tensor argument that takes 3 axes or 2 (a batch of one):
-// qkv::Error (qkv.Error, a ValueError) "fn: name has shape [..]; expected
-// rank 3 (axes3) or rank 2 (axes2), a batch of one" otherwise.
+// The rank of a tensor argument that takes 3 axes or 2 (a batch of one), or
+// also 4 (heads) when axes4 is given: qkv::Error (qkv.Error, a ValueError)
+// "fn: name has shape [..]; expected rank 3 (axes3) or rank 2 (axes2), a
+// batch of one" otherwise.
 void check_rank_2_or_3(const py::array& array, std::string_view fn, std::string_view name,
-                       std::string_view axes3, std::string_view axes2);
+                       std::string_view axes3, std::string_view axes2,
+                       std::string_view axes4 = {});
 
 // Throws qkv::Error unless all the arrays have one rank, naming them:
 // "fn: queries, keys and values must be all 2-D or all 3-D; got ranks 2, 3, 3".
 void check_same_rank(const std::vector<std::pair<std::string_view, const py::array*>>& arrays,
-                     std::string_view fn);
+                     std::string_view fn, std::string_view allowed = "all 2-D or all 3-D");
 
 // A dropout probability or seed from Python, checked: a seed is a whole
 // number in [0, 2^64) (TypeError for a non-integer, ValueError outside).

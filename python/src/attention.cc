@@ -5,6 +5,7 @@
 // library's tensors handed to NumPy without a copy.
 #include <pybind11/stl.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -76,10 +77,10 @@ Tensors float_arrays(std::string_view fn, const std::vector<std::pair<const char
     check_same_dtype(t.arrays[i], t.dtype, fn, args[i].first, args[0].first);
   }
   check_rank_2_or_3(t.arrays[0], fn, args[0].first, additive ? "(B, Nq, Dq)" : "(B, Nq, D)",
-                    additive ? "(Nq, Dq)" : "(Nq, D)");
+                    additive ? "(Nq, Dq)" : "(Nq, D)", additive ? "" : "(B, H, Nq, D)");
   std::vector<std::pair<std::string_view, const py::array*>> inputs;
   for (int i = 0; i < num_inputs; ++i) inputs.emplace_back(args[i].first, &t.arrays[i]);
-  check_same_rank(inputs, fn);
+  check_same_rank(inputs, fn, additive ? "all 2-D or all 3-D" : "all 2-D, all 3-D or all 4-D");
   t.batch_of_one = t.arrays[0].ndim() == 2;
   return t;
 }
@@ -112,17 +113,26 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
   const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
   py::object lens_storage;
   const ValidLens lens = lens_of(lens_obj, fn, one, shape_of(t.arrays[0]), lens_storage);
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
-  auto [output, output_view] = new_array<T>(result_shape(Shape{batch, nq, dv}, one));
+  // (B, Nq, ·) results, or (B, H, Nq, ·) for heads (B, H, Nq, D).
+  const int n = q.rank() - 2;  // the N axis
+  Shape lead;
+  for (int a = 0; a < n; ++a) lead.push_back(q.size(a));
+  const auto with_lead = [&](std::initializer_list<int64_t> rest) {
+    Shape shape = lead;
+    for (const int64_t e : rest) shape.push_back(e);
+    return result_shape(shape, one);
+  };
+  const int64_t nq = q.size(n), nk = k.size(n), dv = v.size(n + 1);
+  auto [output, output_view] = new_array<T>(with_lead({nq, dv}));
   AttentionOutputs<T> outputs{batched(output_view, one, 2), std::nullopt, std::nullopt};
   std::optional<py::object> weights, lse;
   if (want_weights) {
-    auto [array, view] = new_array<T>(result_shape(Shape{batch, nq, nk}, one));
+    auto [array, view] = new_array<T>(with_lead({nq, nk}));
     weights = array;
     outputs.weights = batched(view, one, 2);
   }
   if (want_lse) {
-    auto [array, view] = new_array<T>(result_shape(Shape{batch, nq}, one));
+    auto [array, view] = new_array<T>(with_lead({nq}));
     lse = array;
     outputs.lse = batched(view, one, 1);
   }
@@ -372,27 +382,36 @@ Masked keys are never read; a query with valid length 0 gets a zero output.
 
 Arguments:
     queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv); or all three
-        2-D, (Nq, D), (Nk, D), (Nk, Dv), a batch of one. float32 or float64
-        (one dtype for all), any strides; read in place, never copied by the
-        binding.
-    valid_lens: None, (B) or (B, Nq) integers (2-D inputs: a scalar, (1),
-        (Nq) or (1, Nq)); keys j >= the length get weight 0.
+        2-D, (Nq, D), (Nk, D), (Nk, Dv), a batch of one; or heads, all
+        three 4-D: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) with H a
+        multiple of Hkv (grouped-query attention: query head h reads key
+        head h // (H // Hkv)). float32 or float64 (one dtype for all), any
+        strides; read in place, never copied by the binding (the library
+        copies only arrays whose rows are not contiguous in the last axis,
+        so a (B, N, H, D) array transposed to (B, H, N, D) is read as is).
+    valid_lens: None, (B) or (B, Nq) integers, shared by the heads (2-D
+        inputs: a scalar, (1), (Nq) or (1, Nq)); keys j >= the length get
+        weight 0.
     scale: multiplies Q K^T; default 1/sqrt(D).
     dropout: probability p in [0, 1] of dropping each weight (kept weights
         are scaled by 1/(1-p)); applied whenever p > 0.
-    seed: selects the dropout mask, a pure function of (seed, b, i, j): the
-        backward given the same seed replays it.
-    return_weights: also return the weights (B, Nq, Nk), before dropout.
-    return_lse: also return lse (B, Nq), the log-sum-exp of each query's
-        valid scaled scores (-inf for length 0); the backward needs it.
+    seed: selects the dropout mask, a pure function of (seed, b, i, j)
+        (heads: of (seed, b * H + h, i, j)): the backward given the same
+        seed replays it.
+    return_weights: also return the weights (B, Nq, Nk), before dropout
+        (heads: (B, H, Nq, Nk)).
+    return_lse: also return lse (B, Nq) (heads: (B, H, Nq)), the
+        log-sum-exp of each query's valid scaled scores (-inf for length
+        0); the backward needs it.
     causal: None, 'top-left' (query i sees keys j <= i, torch's is_causal)
         or 'bottom-right' (j <= i + Nk - Nq: queries that continue a key
         cache); combined with valid_lens by taking the smaller length. Key
         blocks no query may see are skipped.
 
 Returns:
-    output (B, Nq, Dv), or the tuple (output[, weights][, lse]) when a
-    return_ flag is set; arrays of the inputs' dtype (2-D inputs: no batch axis).
+    output (B, Nq, Dv) (heads: (B, H, Nq, Dv)), or the tuple
+    (output[, weights][, lse]) when a return_ flag is set; arrays of the
+    inputs' dtype (2-D inputs: no batch axis).
 
 Raises:
     TypeError: an input that is not float32/float64, mixed dtypes, or
@@ -427,7 +446,8 @@ Arguments:
 
 Returns:
     qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), a
-    named tuple of new arrays shaped like the inputs.
+    named tuple of new arrays shaped like the inputs (heads: d_keys and
+    d_values summed over the query heads that share each key head).
 
 Raises:
     TypeError, qkv.Error (a ValueError): as the forward; also output, lse

@@ -31,7 +31,7 @@ void attend(const Matrix& scores, int64_t batch, int64_t nq, int64_t nk, ConstVi
   std::vector<double> w(nk), pooled(dv);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t len = config.valid_lens(b, i, nk);
+      const int64_t len = config.len(b, i, nk);
       const double* x = scores.data() + (b * nq + i) * nk;
       const double lse = softmax_row(x, len, nk, w.data());
       if (out.lse.data() != nullptr) out.lse(b, i) = static_cast<T>(lse);
@@ -60,7 +60,7 @@ Matrix attend_backward(const Matrix& scores, int64_t batch, int64_t nq, int64_t 
   std::vector<double> w(nk), dw(nk);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t len = config.valid_lens(b, i, nk);
+      const int64_t len = config.len(b, i, nk);
       softmax_row(scores.data() + (b * nq + i) * nk, len, nk, w.data());
       double dot = 0.0;
       for (int64_t j = 0; j < len; ++j) {

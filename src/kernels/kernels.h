@@ -6,6 +6,7 @@
 // front-end header: the owning results live in qkv/attention.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/workspace.h"
@@ -15,12 +16,42 @@
 
 namespace qkv::kernels {
 
+// The layout the fast SDPA kernel reads and writes in place: a (B, H, N, D)
+// view whose rows are contiguous (stride 1 along D) and lie in increasing
+// order without overlap (stride along N at least D), any strides along B and
+// H (negative too). So a (B, N, H, D) tensor from one fused projection is
+// read as (B, H, N, D) with no copy; other layouts are copied once by the
+// front end. (N <= 1 or D <= 1: the stride that does not matter is ignored.)
+template <class T>
+bool rows_in_place(TensorView<T> x) {
+  if (x.rank() != 4) return false;
+  const bool unit_rows = x.size(3) <= 1 || x.stride(3) == 1;
+  const bool ordered = x.size(2) <= 1 || x.stride(2) >= std::max<int64_t>(x.size(3), 1);
+  return unit_rows && ordered;
+}
+
+// A view as the SDPA kernels take it, (B, H, N, D): a 3-D (B, N, D) view
+// gets one head (H = 1); a 4-D view is returned as it is.
+template <class T>
+TensorView<T> as_heads(TensorView<T> x) {
+  if (x.rank() != 3) return x;
+  return TensorView<T>(x.data(), Shape{x.size(0), 1, x.size(1), x.size(2)},
+                       Shape{x.stride(0), 0, x.stride(1), x.stride(2)});
+}
+
 // Everything a forward or backward kernel needs besides the tensors.
 struct AttentionConfig {
   ValidLens valid_lens;  // may be absent; a view of the caller's lengths (and the causal cap)
   double scale;                 // dot-product scale (unused by additive)
   double dropout;               // p, already 0 when not training
   uint64_t seed;
+  // Query heads per batch element. The kernels number query rows by head
+  // bh = b * heads + h: lengths come from valid_lens' batch element b (every
+  // head of b shares them), dropout from (seed, bh, i, j), so H heads behave
+  // as a batch of B * H with each length repeated H times. 1 for 3-D inputs.
+  int64_t heads = 1;
+  // The valid length of query i of head bh.
+  int64_t len(int64_t bh, int64_t i, int64_t nk) const { return valid_lens(bh / heads, i, nk); }
 };
 
 // Additive attention's parameters, validated: w_v flattened to (H).
@@ -48,12 +79,13 @@ struct SavedViews {
   ConstView<T> lse;
 };
 
-// Where a backward writes, every element (contiguous).
+// Where a backward writes, every element. SDPA: the layouts of its inputs
+// (B, H, N, D), rows as sdpa's operands; additive: contiguous 3-D.
 template <class T>
 struct SdpaGradViews {
-  TensorView<T> d_queries;  // (B, Nq, D)
-  TensorView<T> d_keys;     // (B, Nk, D)
-  TensorView<T> d_values;   // (B, Nk, Dv)
+  TensorView<T> d_queries;  // (B, H, Nq, D)
+  TensorView<T> d_keys;     // (B, Hkv, Nk, D)
+  TensorView<T> d_values;   // (B, Hkv, Nk, Dv)
 };
 
 template <class T>
@@ -75,7 +107,11 @@ double softmax_row(const double* x, int64_t len, int64_t n, double* w);
 
 // The ops: ref and fast declare the same templates (instantiated for float
 // and double), so a front end switches versions by namespace alone.
-//   sdpa:     q (B, Nq, D)   k (B, Nk, D)   v (B, Nk, Dv)
+//   sdpa:     q (B, H, Nq, D)   k (B, Hkv, Nk, D)   v (B, Hkv, Nk, Dv), H a
+//             multiple of Hkv (query head h reads key head h / (H / Hkv));
+//             output (B, H, Nq, Dv), weights (B, H, Nq, Nk), lse (B, H, Nq);
+//             config.heads = H. Operands and output (fast: and gradients)
+//             have rows_in_place layouts; weights and lse are contiguous.
 //   additive: q (B, Nq, Dq)  k (B, Nk, Dk)  v (B, Nk, Dv), params
 //   masked_softmax: scores, weights, d_weights, d_scores (B, Nq, Nk)
 namespace ref {
@@ -107,8 +143,9 @@ namespace fast {
 
 // Whether the fast version covers a problem; the front end runs ref
 // otherwise, so a new variant can land reference-first. Today fast covers
-// every problem the front ends pass (contiguous inputs, any sizes, lengths,
-// dropout): the check is that contract.
+// every problem the front ends pass (any sizes, lengths, dropout, heads):
+// the check is the layout contract, rows_in_place for SDPA and contiguous
+// for additive attention.
 template <class T>
 bool supports(ConstView<T> q, ConstView<T> k, ConstView<T> v) {
   return q.is_contiguous() && k.is_contiguous() && v.is_contiguous();

@@ -22,24 +22,24 @@ namespace qkv::kernels::fast {
 inline constexpr int64_t kRowProductRows = 4;
 
 // s[r * lds + j] = alpha * (q_r . k_j) for r < rows <= kRowProductRows,
-// j < cols: q is rows x d (row-major, in the accumulation type), k is
-// cols x d (row-major, contiguous). Each sum runs over d in a fixed order that
-// depends only on d and the SIMD target.
-void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, const float* k,
-                float* s, int64_t lds);
-void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q,
-                const bfloat16* k, float* s, int64_t lds);
-void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const double* q,
-                const double* k, double* s, int64_t lds);
+// j < cols: q is rows x d (rows ldq apart, in the accumulation type), k is
+// cols x d (rows ldk apart, each row contiguous). Each sum runs over d in a
+// fixed order that depends only on d and the SIMD target.
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, int64_t ldq,
+                const float* k, int64_t ldk, float* s, int64_t lds);
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, int64_t ldq,
+                const bfloat16* k, int64_t ldk, float* s, int64_t lds);
+void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const double* q, int64_t ldq,
+                const double* k, int64_t ldk, double* s, int64_t lds);
 
 // o_r += sum_j p[r * ldp + j] * v_j for r < rows <= kRowProductRows: v is
-// cols x dv (row-major, contiguous), o is rows x dv. The sum over j runs in
-// increasing j.
+// cols x dv (rows ldv apart), o is rows x dv (rows ldo apart). The sum over j
+// runs in increasing j.
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
-                    const float* v, float* o);
+                    const float* v, int64_t ldv, float* o, int64_t ldo);
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
-                    const bfloat16* v, float* o);
+                    const bfloat16* v, int64_t ldv, float* o, int64_t ldo);
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const double* p, int64_t ldp,
-                    const double* v, double* o);
+                    const double* v, int64_t ldv, double* o, int64_t ldo);
 
 }  // namespace qkv::kernels::fast

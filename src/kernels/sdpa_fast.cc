@@ -164,11 +164,12 @@ struct Flash<bfloat16> {
   static size_t prepare_words(int64_t cols, int64_t d, int64_t dv) {
     return fast::pack_b_bf16_words(cols, d) + fast::pack_b_bf16_words(dv, cols);
   }
-  // k_blk: cols x d keys, v_blk: cols x dv values, packed into storage.
-  static KeyBlock prepare(const bfloat16* k_blk, const bfloat16* v_blk, int64_t cols, int64_t d,
-                          int64_t dv, double* storage) {
-    const fast::PackedBf16 packed_k = fast::pack_b_bf16(true, cols, d, k_blk, d, storage);
-    return {packed_k, fast::pack_b_bf16(false, dv, cols, v_blk, dv,
+  // k_blk: cols x d keys (rows ldk apart), v_blk: cols x dv values (rows
+  // ldv apart), packed into storage.
+  static KeyBlock prepare(const bfloat16* k_blk, int64_t ldk, const bfloat16* v_blk, int64_t ldv,
+                          int64_t cols, int64_t d, int64_t dv, double* storage) {
+    const fast::PackedBf16 packed_k = fast::pack_b_bf16(true, cols, d, k_blk, ldk, storage);
+    return {packed_k, fast::pack_b_bf16(false, dv, cols, v_blk, ldv,
                                         storage + fast::pack_b_bf16_words(cols, d))};
   }
   static void scores(const KeyBlock* kb, int64_t m, int64_t n, int64_t k, float alpha,
@@ -270,7 +271,11 @@ struct ForwardScratch {
   Acc* row;       // exact_row: one row of Nk scores
   uint8_t* row_keep;
   In* row_operand;  // bf16: that row rounded for the product (null otherwise)
-  double* gemm;     // the block products' own scratch (forward_gemm_words)
+  // A task over the query rows of several heads (grouped_rows_per_task):
+  // its queries gathered, and its output rows before they go to their heads.
+  In* q_gather;
+  Acc* out_rows;
+  double* gemm;  // the block products' own scratch (forward_gemm_words)
 };
 
 template <class In>
@@ -304,35 +309,86 @@ ForwardScratch<In> forward_scratch(Slicer& slicer, int64_t nk, int64_t d, int64_
   sc.row = slicer.take<Acc>(row);
   sc.row_keep = slicer.take<uint8_t>(row);
   sc.row_operand = kConverts ? slicer.take<In>(row) : nullptr;
+  sc.q_gather = slicer.take<In>(kRowProductRows * d);
+  sc.out_rows = slicer.take<Acc>(kRowProductRows * dv);
   const size_t gemm = Flash<In>::forward_gemm_words(nk, d, dv);
   sc.gemm = gemm > 0 ? slicer.take<double>(static_cast<int64_t>(gemm)) : nullptr;
   return sc;
 }
 
+// ---- heads ---------------------------------------------------------------------
+//
+// The kernels' operands are (B, H, N, D) views (kernels.h): head bh = b H + h
+// of queries, output and gradients; its keys and values are head
+// kv_head(bh) of the (B, Hkv, N, D) keys and values, shared by H / Hkv
+// consecutive query heads (grouped-query attention). Rows of a head are
+// stride(2) apart, the D elements of a row contiguous.
+
+template <class T>
+T* head_rows(TensorView<T> x, int64_t bh) {
+  const int64_t heads = x.size(1);
+  return x.data() + (bh / heads) * x.stride(0) + (bh % heads) * x.stride(1);
+}
+
+// The key and value head that query head bh reads.
+inline int64_t kv_head(int64_t bh, int64_t heads, int64_t kv_heads) {
+  return (bh / heads) * kv_heads + (bh % heads) / (heads / kv_heads);
+}
+
+// dst (rows x cols, contiguous) = src (rows ld apart) in the accumulation
+// type: bf16 widened exactly, float and double copied.
+template <class In, class Acc>
+void rows_to_acc(const In* src, int64_t ld, int64_t rows, int64_t cols, Acc* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<In, Acc>) {
+      std::copy_n(src + r * ld, cols, dst + r * cols);
+    } else {
+      fast::to_float(src + r * ld, dst + r * cols, cols);
+    }
+  }
+}
+
+// x[r * ld + c] = value for the rows x cols block at x.
+template <class T>
+void fill_rows(T* x, int64_t ld, int64_t rows, int64_t cols, T value) {
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(x + r * ld, cols, value);
+}
+
+// Every element of a (B, H, N, D) view of the kernels' layout.
+template <class T>
+void fill_heads(TensorView<T> x, T value) {
+  const int64_t heads = x.size(0) * x.size(1);
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    fill_rows(head_rows(x, bh), x.stride(2), x.size(2), x.size(3), value);
+  }
+}
+
 // One query row the careful way (its valid scores are not all finite): all
 // its scores, the exact masked softmax, dropout, and the weighted sum of the
-// values. Writes out (Dv), the weights row (if wanted) and returns the lse.
+// values. q_i: the row; k_b, v_b: its head's keys and values (rows ldk, ldv
+// apart). Writes out (Dv), the weights row (if wanted) and returns the lse.
 template <class In>
-typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, const In* v_b, int64_t d,
-                                  int64_t dv, int64_t len, int64_t nk, int64_t b, int64_t i,
-                                  const AttentionConfig& config, typename Flash<In>::Acc* out,
+typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, const In* v_b,
+                                  int64_t ldv, int64_t d, int64_t dv, int64_t len, int64_t nk,
+                                  int64_t bh, int64_t i, const AttentionConfig& config,
+                                  typename Flash<In>::Acc* out,
                                   typename Flash<In>::Acc* weights_row,
                                   const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   Acc* w = sc.row;
-  Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, d, Acc(0), w,
-                  len, sc.gemm);
+  Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, ldk, Acc(0),
+                  w, len, sc.gemm);
   const Acc lse = softmax_row(w, len, len, w);
   if (weights_row) {
     std::copy_n(w, len, weights_row);
     std::fill(weights_row + len, weights_row + nk, Acc(0));
   }
   if (config.dropout > 0.0 && len > 0) {
-    kernels::dropout_row_mask(config.seed, config.dropout, b, i, 0, len, sc.row_keep);
+    kernels::dropout_row_mask(config.seed, config.dropout, bh, i, 0, len, sc.row_keep);
     apply_dropout(w, sc.row_keep, dropout_inverse<Acc>(config), len);
   }
   Flash<In>::gemm(false, false, 1, dv, len, Acc(1), Flash<In>::operand(w, len, sc.row_operand), len,
-                  v_b, dv, Acc(0), out, dv, sc.gemm);
+                  v_b, ldv, Acc(0), out, dv, sc.gemm);
   return lse;
 }
 
@@ -345,24 +401,39 @@ struct ChunkState {
   uint8_t* special;
 };
 
-// Queries [i0, i0 + rows) of batch element b against keys [key_begin,
-// key_end) (a multiple of kKeyBlock, and all keys for a whole task). With
-// `chunk` null the task sees every key and finishes its rows: output divided
-// by l, lse, weights, the exact path for non-finite rows. With `chunk` the
-// rows are left for merge_key_chunks.
+// Queries [i0, i0 + rows) of head bh against keys [key_begin, key_end) (a
+// multiple of kKeyBlock, and all keys for a whole task); rows past Nq
+// continue into the next heads of the group (row r is query (i0 + r) % Nq
+// of head bh + (i0 + r) / Nq: see grouped_rows_per_task). `out`: the rows'
+// output, ldo apart. With `chunk` null the task sees every key and finishes
+// its rows: output divided by l, lse, weights, the exact path for
+// non-finite rows. With `chunk` the rows are left for merge_key_chunks.
 template <class In>
 void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
-                  int64_t b, int64_t i0, int64_t rows, int64_t key_begin, int64_t key_end,
-                  typename Flash<In>::Acc* out, typename Flash<In>::Acc* weights,
+                  int64_t bh, int64_t i0, int64_t rows, int64_t key_begin, int64_t key_end,
+                  typename Flash<In>::Acc* out, int64_t ldo, typename Flash<In>::Acc* weights,
                   typename Flash<In>::Acc* lse, const ChunkState<typename Flash<In>::Acc>* chunk,
                   const typename Flash<In>::KeyBlock* key_blocks, int64_t prepared_keys,
                   const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
-  const int64_t nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
-  const In* q_blk = q.data() + (b * nq + i0) * d;
-  const In* k_b = k.data() + b * nk * d;
-  const In* v_b = v.data() + b * nk * dv;
+  const int64_t nq = q.size(2), nk = k.size(2), d = q.size(3), dv = v.size(3);
+  const int64_t ldk = k.stride(2), ldv = v.stride(2);
+  const int64_t bkv = kv_head(bh, q.size(1), k.size(1));
+  // Row r's head and query.
+  const auto row_head = [&](int64_t r) { return bh + (i0 + r) / nq; };
+  const auto row_query = [&](int64_t r) { return (i0 + r) % nq; };
+  const In* q_blk = head_rows(q, bh) + i0 * q.stride(2);
+  int64_t ldq = q.stride(2);
+  if (i0 + rows > nq) {  // rows of several heads: gathered
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(head_rows(q, row_head(r)) + row_query(r) * q.stride(2), d, sc.q_gather + r * d);
+    }
+    q_blk = sc.q_gather;
+    ldq = d;
+  }
+  const In* k_b = head_rows(k, bkv);
+  const In* v_b = head_rows(v, bkv);
   const Acc scale = static_cast<Acc>(config.scale);
   const bool dropout = config.dropout > 0.0;
   const Acc inv_keep = dropout_inverse<Acc>(config);
@@ -377,13 +448,16 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   const Products products = rows <= kRowProductRows ? Products::kRows
                             : sc.k_wide             ? Products::kWidened
                                                     : Products::kPacked;
-  const Acc* q_acc = nullptr;  // the queries in the accumulation type (kRows, kWidened)
+  // The queries in the accumulation type (kRows, kWidened), ldq_acc apart.
+  const Acc* q_acc = nullptr;
+  int64_t ldq_acc = d;
   if (products != Products::kPacked) {
     if constexpr (Flash<In>::kConverts) {
-      fast::to_float(q_blk, sc.q_rows, rows * d);
+      rows_to_acc(q_blk, ldq, rows, d, sc.q_rows);
       q_acc = sc.q_rows;
     } else {
       q_acc = q_blk;
+      ldq_acc = ldq;
     }
   }
 
@@ -392,13 +466,15 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   std::fill_n(sc.special, rows, uint8_t{0});
   int64_t n_eff = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    sc.len[r] = config.valid_lens(b, i0 + r, nk);
+    sc.len[r] = config.len(row_head(r), row_query(r), nk);
     n_eff = std::max(n_eff, sc.len[r]);
   }
-  std::fill(out, out + rows * dv, Acc(0));
+  fill_rows(out, ldo, rows, dv, Acc(0));
 
   for (int64_t j0 = key_begin; j0 < std::min(key_end, n_eff); j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n_eff - j0);
+    const In* k_blk = k_b + j0 * ldk;
+    const In* v_blk = v_b + j0 * ldv;
     Acc* s = sc.s;
     // A prepared block serves only when this task needs the same keys (with
     // 2-D lengths the last block can be shorter here than for the batch).
@@ -407,12 +483,11 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
                                ? &key_blocks[j0 / kKeyBlock]
                                : nullptr;
     if (products == Products::kRows) {
-      fast::row_scores(rows, cols, d, scale, q_acc, k_b + j0 * d, s, cols);
+      fast::row_scores(rows, cols, d, scale, q_acc, ldq_acc, k_blk, ldk, s, cols);
     } else if (products == Products::kPacked) {
-      Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, s, cols,
-                        sc.gemm);
+      Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, s, cols, sc.gemm);
     } else if constexpr (Flash<In>::kConverts) {
-      fast::to_float(k_b + j0 * d, sc.k_wide, cols * d);
+      rows_to_acc(k_blk, ldk, cols, d, sc.k_wide);
       fast::block_scores(rows, cols, d, scale, q_acc, d, sc.k_wide, d, s, cols, sc.block_pack);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -427,21 +502,22 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      if (sc.correction[r] != Acc(1)) fast::scale(out + r * dv, sc.correction[r], dv);
+      if (sc.correction[r] != Acc(1)) fast::scale(out + r * ldo, sc.correction[r], dv);
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
-        kernels::dropout_row_mask(config.seed, config.dropout, b, i0 + r, j0, sc.valid[r], sc.keep);
+        kernels::dropout_row_mask(config.seed, config.dropout, row_head(r), row_query(r), j0,
+                                  sc.valid[r], sc.keep);
         apply_dropout(s + r * cols, sc.keep, inv_keep, sc.valid[r]);
       }
     }
     if (products == Products::kRows) {
-      fast::row_accumulate(rows, cols, dv, s, cols, v_b + j0 * dv, out);
+      fast::row_accumulate(rows, cols, dv, s, cols, v_blk, ldv, out, ldo);
     } else if (products == Products::kPacked) {
       const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
-      Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_b + j0 * dv, dv, out, dv,
+      Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_blk, ldv, out, ldo,
                             sc.gemm);
     } else if constexpr (Flash<In>::kConverts) {
-      fast::to_float(v_b + j0 * dv, sc.v_wide, cols * dv);
-      fast::block_accumulate(rows, dv, cols, s, cols, sc.v_wide, dv, out, dv, sc.block_pack);
+      rows_to_acc(v_blk, ldv, cols, dv, sc.v_wide);
+      fast::block_accumulate(rows, dv, cols, s, cols, sc.v_wide, dv, out, ldo, sc.block_pack);
     }
   }
 
@@ -455,7 +531,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   for (int64_t r = 0; r < rows; ++r) {
     if (sc.special[r]) continue;
     if (sc.l[r] > Acc(0)) {
-      fast::scale(out + r * dv, Acc(1) / sc.l[r], dv);
+      fast::scale(out + r * ldo, Acc(1) / sc.l[r], dv);
       if (lse) lse[r] = sc.m[r] + std::log(sc.l[r]);
     } else if (lse) {
       lse[r] = -kInf;  // L = 0: an empty sum
@@ -467,7 +543,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
     for (int64_t r = 0; r < rows; ++r) std::fill(weights + r * nk, weights + (r + 1) * nk, Acc(0));
     for (int64_t j0 = 0; j0 < n_eff; j0 += kKeyBlock) {
       const int64_t cols = std::min(kKeyBlock, n_eff - j0);
-      Flash<In>::scores(rows, cols, d, scale, q_blk, d, k_b + j0 * d, d, weights + j0, nk, sc.gemm);
+      Flash<In>::scores(rows, cols, d, scale, q_blk, ldq, k_b + j0 * ldk, ldk, weights + j0, nk,
+                        sc.gemm);
       for (int64_t r = 0; r < rows; ++r) {
         Acc* row = weights + r * nk + j0;
         const int64_t valid = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
@@ -482,8 +559,9 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
 
   for (int64_t r = 0; r < rows; ++r) {
     if (!sc.special[r]) continue;
-    const Acc row_lse = exact_row(q_blk + r * d, k_b, v_b, d, dv, sc.len[r], nk, b, i0 + r, config,
-                                  out + r * dv, weights ? weights + r * nk : nullptr, sc);
+    const Acc row_lse = exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nk,
+                                  row_head(r), row_query(r), config, out + r * ldo,
+                                  weights ? weights + r * nk : nullptr, sc);
     if (lse) lse[r] = row_lse;
   }
 }
@@ -494,57 +572,74 @@ size_t forward_slot_words(int64_t nk, int64_t d, int64_t dv) {
   return counted_words([&](Slicer& count) { forward_scratch<In>(count, nk, d, dv); });
 }
 
-// Key chunks per batch element of the forward: enough (batch, query block,
-// chunk) tasks for the cores, never more chunks than key blocks; one when the
+// Decoding with grouped heads (H > Hkv, fewer than kRowProductRows queries
+// per head): a task takes up to kRowProductRows query rows of the heads that
+// share a key head, in head order, so each key and value row is read once for
+// all of them rather than once per head. Row products give every row the
+// same bits in any grouping (row_products.h), and the key chunks stay those
+// of one head per task: results are the bits of the heads run one by one.
+// Not with the weights, whose sweep multiplies on the block products (their
+// bits may depend on the number of rows). 0: one head per task.
+int64_t grouped_rows_per_task(int64_t heads, int64_t kv_heads, int64_t nq, bool weights) {
+  const int64_t group = heads / std::max<int64_t>(kv_heads, 1);
+  return group > 1 && nq < kRowProductRows && !weights ? kRowProductRows : 0;
+}
+
+// Key chunks per head of the forward: enough (head, query block, chunk)
+// tasks for the cores, never more chunks than key blocks; one when the
 // weights are wanted (their sweep needs every row's final max and sum).
 // Shapes only (determinism).
-int64_t forward_key_chunks(int64_t batch, int64_t nq, int64_t nk, bool weights) {
+int64_t forward_key_chunks(int64_t heads, int64_t nq, int64_t nk, bool weights) {
   if (weights) return 1;
-  const int64_t tasks = std::max<int64_t>(batch * ceil_div(nq, kQueryBlock), 1);
+  const int64_t tasks = std::max<int64_t>(heads * ceil_div(nq, kQueryBlock), 1);
   return std::clamp<int64_t>(ceil_div(kMinForwardTasks, tasks), 1,
                              std::max<int64_t>(ceil_div(nk, kKeyBlock), 1));
 }
 
 // The forward's workspace: the key blocks prepared once for all query blocks
-// (bf16, more than one query block: K and V packed, in regions of
-// packed_words doubles); with more than one key chunk, each chunk's partial
-// rows (chunks, B, Nq, ...); then one slot of forward_slot_words per thread.
+// (bf16, more than one query block: K and V packed per key head, in regions
+// of packed_words doubles); with more than one key chunk, each chunk's
+// partial rows (chunks, B H, Nq, ...); then one slot of forward_slot_words
+// per thread.
 template <class In>
 struct ForwardWorkspace {
   using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
-  KeyBlock* prepared = nullptr;      // (B * key blocks) or null
-  int64_t* prepared_keys = nullptr;  // (B): keys prepared per batch element, or null
+  KeyBlock* prepared = nullptr;      // (B Hkv * key blocks) or null
+  int64_t* prepared_keys = nullptr;  // (B Hkv): keys prepared per key head, or null
   double* packed = nullptr;
   size_t packed_words = 0;
   int64_t chunks = 1;
-  Acc* chunk_out = nullptr;  // (chunks, B, Nq, Dv): outputs before the division by l
-  Acc *chunk_m = nullptr, *chunk_l = nullptr;  // (chunks, B, Nq)
-  uint8_t* chunk_special = nullptr;            // (chunks, B, Nq)
+  Acc* chunk_out = nullptr;  // (chunks, B H, Nq, Dv): outputs before the division by l
+  Acc *chunk_m = nullptr, *chunk_l = nullptr;  // (chunks, B H, Nq)
+  uint8_t* chunk_special = nullptr;            // (chunks, B H, Nq)
   double* slots = nullptr;
   size_t slot_words = 0;
 };
 
+// heads = B H, kv_heads = B Hkv.
 template <class In>
-ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t batch, int64_t nq, int64_t nk,
-                                       int64_t d, int64_t dv, bool weights, int num_threads) {
+ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t heads, int64_t kv_heads, int64_t nq,
+                                       int64_t nk, int64_t d, int64_t dv, bool weights,
+                                       int num_threads) {
   using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
   ForwardWorkspace<In> ws;
   // Packed once for all query blocks; not without the BF16 instructions, where
   // each task widens its own tiles (packing would widen K and V whole).
   if constexpr (!std::is_empty_v<KeyBlock>) {
-    if (ceil_div(nq, kQueryBlock) > 1 && fast::bf16_native()) {
-      const int64_t blocks = batch * ceil_div(nk, kKeyBlock);
+    const int64_t group = heads / std::max<int64_t>(kv_heads, 1);
+    if (nq > kRowProductRows && ceil_div(nq, kQueryBlock) * group > 1 && fast::bf16_native()) {
+      const int64_t blocks = kv_heads * ceil_div(nk, kKeyBlock);
       ws.prepared = slicer.take<KeyBlock>(blocks);
-      ws.prepared_keys = slicer.take<int64_t>(batch);
+      ws.prepared_keys = slicer.take<int64_t>(kv_heads);
       ws.packed_words = Flash<In>::prepare_words(std::min(nk, kKeyBlock), d, dv);
       ws.packed = slicer.take<double>(blocks * static_cast<int64_t>(ws.packed_words));
     }
   }
-  ws.chunks = forward_key_chunks(batch, nq, nk, weights);
+  ws.chunks = forward_key_chunks(heads, nq, nk, weights);
   if (ws.chunks > 1) {
-    const int64_t rows = ws.chunks * batch * nq;
+    const int64_t rows = ws.chunks * heads * nq;
     ws.chunk_out = slicer.take<Acc>(rows * dv);
     ws.chunk_m = slicer.take<Acc>(rows);
     ws.chunk_l = slicer.take<Acc>(rows);
@@ -556,26 +651,28 @@ ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t batch, int64_t nq
 }
 
 template <class In>
-size_t forward_workspace_size(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                              bool weights, int num_threads) {
+size_t forward_workspace_size(ConstView<In> q, ConstView<In> k, ConstView<In> v, bool weights,
+                              int num_threads) {
   return counted_words([&](Slicer& count) {
-    forward_workspace<In>(count, batch, nq, nk, d, dv, weights, num_threads);
+    forward_workspace<In>(count, q.size(0) * q.size(1), k.size(0) * k.size(1), q.size(2),
+                          k.size(2), q.size(3), v.size(3), weights, num_threads);
   });
 }
 
-// Row i of batch element b from its key chunks' partial results: with M the
-// largest chunk max, O = sum_c e^(m_c - M) O_c / sum_c e^(m_c - M) l_c, in
-// chunk order; a row that met a non-finite score in any chunk takes
-// exact_row over all its keys.
+// Row i of head bh from its key chunks' partial results: with M the largest
+// chunk max, O = sum_c e^(m_c - M) O_c / sum_c e^(m_c - M) l_c, in chunk
+// order; a row that met a non-finite score in any chunk takes exact_row
+// over all its keys.
 template <class In>
 void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
-                      const AttentionConfig& config, const ForwardWorkspace<In>& ws, int64_t b,
+                      const AttentionConfig& config, const ForwardWorkspace<In>& ws, int64_t bh,
                       int64_t i, typename Flash<In>::Acc* out, typename Flash<In>::Acc* lse,
                       const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
-  const auto at = [&](int64_t c) { return (c * batch + b) * nq + i; };
+  const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2);
+  const int64_t d = q.size(3), dv = v.size(3);
+  const auto at = [&](int64_t c) { return (c * heads + bh) * nq + i; };
   bool special = false;
   Acc m_max = -kInf;
   for (int64_t c = 0; c < ws.chunks; ++c) {
@@ -583,9 +680,10 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     if (ws.chunk_l[at(c)] > Acc(0)) m_max = std::max(m_max, ws.chunk_m[at(c)]);
   }
   if (special) {
-    const Acc row_lse = exact_row(q.data() + (b * nq + i) * d, k.data() + b * nk * d,
-                                  v.data() + b * nk * dv, d, dv, config.valid_lens(b, i, nk),
-                                  nk, b, i, config, out, nullptr, sc);
+    const int64_t bkv = kv_head(bh, q.size(1), k.size(1));
+    const Acc row_lse = exact_row(head_rows(q, bh) + i * q.stride(2), head_rows(k, bkv),
+                                  k.stride(2), head_rows(v, bkv), v.stride(2), d, dv,
+                                  config.len(bh, i, nk), nk, bh, i, config, out, nullptr, sc);
     if (lse) *lse = row_lse;
     return;
   }
@@ -614,66 +712,98 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
                    TensorView<typename Flash<In>::Acc> lse, Workspace workspace) {
   using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
+  const int64_t heads = q.size(0) * q.size(1), kv_heads = k.size(0) * k.size(1);
+  const int64_t nq = q.size(2), nk = k.size(2), d = q.size(3), dv = v.size(3);
+  const int64_t ldo = output.stride(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
   const int64_t key_blocks = ceil_div(nk, kKeyBlock);
   Slicer slicer(workspace.data);
-  const ForwardWorkspace<In> ws = forward_workspace<In>(
-      slicer, batch, nq, nk, d, dv, weights.data() != nullptr, workspace.num_threads);
-  // Key blocks prepared once for all query blocks (bf16: packed K and V), up
-  // to the longest valid length of each batch element: keys no query may see
-  // are never read.
+  const ForwardWorkspace<In> ws =
+      forward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv, weights.data() != nullptr,
+                            workspace.num_threads);
+  // Key blocks prepared once for all query blocks and heads of a group (bf16:
+  // packed K and V), up to the longest valid length of the batch element:
+  // keys no query may see are never read.
   if constexpr (!std::is_empty_v<KeyBlock>) {
     if (ws.prepared) {
-      std::uninitialized_default_construct_n(ws.prepared, batch * key_blocks);
-      for (int64_t b = 0; b < batch; ++b) {
-        ws.prepared_keys[b] = longest_len(config.valid_lens, b, 0, nq, nk);
+      std::uninitialized_default_construct_n(ws.prepared, kv_heads * key_blocks);
+      for (int64_t bkv = 0; bkv < kv_heads; ++bkv) {
+        ws.prepared_keys[bkv] = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
       }
-      kernels::parallel_for(batch * key_blocks, [&](int64_t task) {
-        const int64_t b = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
-        if (j0 >= ws.prepared_keys[b]) return;
-        const int64_t cols = std::min(kKeyBlock, ws.prepared_keys[b] - j0);
-        ws.prepared[task] =
-            Flash<In>::prepare(k.data() + (b * nk + j0) * d, v.data() + (b * nk + j0) * dv, cols, d,
-                               dv, ws.packed + task * ws.packed_words);
+      kernels::parallel_for(kv_heads * key_blocks, [&](int64_t task) {
+        const int64_t bkv = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
+        if (j0 >= ws.prepared_keys[bkv]) return;
+        const int64_t cols = std::min(kKeyBlock, ws.prepared_keys[bkv] - j0);
+        ws.prepared[task] = Flash<In>::prepare(
+            head_rows(k, bkv) + j0 * k.stride(2), k.stride(2), head_rows(v, bkv) + j0 * v.stride(2),
+            v.stride(2), cols, d, dv, ws.packed + task * ws.packed_words);
       });
     }
   }
   const int64_t chunks = ws.chunks;
   const int64_t chunk_keys = ceil_div(key_blocks, chunks) * kKeyBlock;
+  // Row tasks: (head, query block), or with grouped heads (key head, up to
+  // `grouped` rows of its query heads).
+  const int64_t group = q.size(1) / std::max<int64_t>(k.size(1), 1);
+  const int64_t grouped =
+      grouped_rows_per_task(q.size(1), k.size(1), nq, weights.data() != nullptr);
+  const int64_t group_tasks = grouped ? ceil_div(group * nq, grouped) : 0;
+  const int64_t row_tasks = grouped ? kv_heads * group_tasks : heads * blocks;
   kernels::parallel_for_slots(
-      batch * blocks * chunks, workspace.num_threads, [&](int64_t task, int slot) {
+      row_tasks * chunks, workspace.num_threads, [&](int64_t task, int slot) {
         Slicer slot_slicer(ws.slots + slot * ws.slot_words);
         const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
-        const int64_t c = task % chunks, bq = task / chunks;
-        const int64_t b = bq / blocks, i0 = (bq % blocks) * kQueryBlock;
-        const int64_t rows = std::min(kQueryBlock, nq - i0);
-        const KeyBlock* prepared = ws.prepared ? ws.prepared + b * key_blocks : nullptr;
-        const int64_t prepared_keys = ws.prepared ? ws.prepared_keys[b] : 0;
+        const int64_t c = task % chunks, rt = task / chunks;
+        int64_t bh, i0, rows;
+        if (grouped) {
+          const int64_t bkv = rt / group_tasks, first = (rt % group_tasks) * grouped;
+          const int64_t bh0 = (bkv / k.size(1)) * q.size(1) + (bkv % k.size(1)) * group;
+          bh = bh0 + first / nq;
+          i0 = first % nq;
+          rows = std::min(grouped, group * nq - first);
+        } else {
+          bh = rt / blocks;
+          i0 = (rt % blocks) * kQueryBlock;
+          rows = std::min(kQueryBlock, nq - i0);
+        }
+        const int64_t bkv = kv_head(bh, q.size(1), k.size(1));
+        const KeyBlock* prepared = ws.prepared ? ws.prepared + bkv * key_blocks : nullptr;
+        const int64_t prepared_keys = ws.prepared ? ws.prepared_keys[bkv] : 0;
         if (chunks == 1) {
-          forward_task(q, k, v, config, b, i0, rows, 0, nk, output.data() + (b * nq + i0) * dv,
-                       weights.data() ? weights.data() + (b * nq + i0) * nk : nullptr,
-                       lse.data() ? lse.data() + b * nq + i0 : nullptr, nullptr, prepared,
+          // Rows of several heads go through out_rows to their heads' rows.
+          const bool spans = i0 + rows > nq;
+          forward_task(q, k, v, config, bh, i0, rows, 0, nk,
+                       spans ? scratch.out_rows : head_rows(output, bh) + i0 * ldo,
+                       spans ? dv : ldo,
+                       weights.data() ? weights.data() + (bh * nq + i0) * nk : nullptr,
+                       lse.data() ? lse.data() + bh * nq + i0 : nullptr, nullptr, prepared,
                        prepared_keys, scratch);
+          if (spans) {
+            for (int64_t r = 0; r < rows; ++r) {
+              std::copy_n(scratch.out_rows + r * dv, dv,
+                          head_rows(output, bh + (i0 + r) / nq) + ((i0 + r) % nq) * ldo);
+            }
+          }
           return;
         }
-        const int64_t first = (c * batch + b) * nq + i0;
+        const int64_t first = (c * heads + bh) * nq + i0;
         const ChunkState<Acc> state{ws.chunk_m + first, ws.chunk_l + first,
                                     ws.chunk_special + first};
-        forward_task(q, k, v, config, b, i0, rows, c * chunk_keys,
-                     std::min(nk, (c + 1) * chunk_keys), ws.chunk_out + first * dv, nullptr,
+        forward_task(q, k, v, config, bh, i0, rows, c * chunk_keys,
+                     std::min(nk, (c + 1) * chunk_keys), ws.chunk_out + first * dv, dv, nullptr,
                      nullptr, &state, prepared, prepared_keys, scratch);
       });
   if (chunks == 1) return;
   // Rows in groups of a query block: the merge reads chunks x Dv per row.
-  const int64_t rows = batch * nq;
+  const int64_t rows = heads * nq;
   kernels::parallel_for_slots(
       ceil_div(rows, kQueryBlock), workspace.num_threads, [&](int64_t task, int slot) {
         Slicer slot_slicer(ws.slots + slot * ws.slot_words);
         const ForwardScratch<In> scratch = forward_scratch<In>(slot_slicer, nk, d, dv);
         for (int64_t row = task * kQueryBlock; row < std::min(rows, (task + 1) * kQueryBlock);
              ++row) {
-          merge_key_chunks(q, k, v, config, ws, row / nq, row % nq, output.data() + row * dv,
+          const int64_t bh = row / nq, i = row % nq;
+          merge_key_chunks(q, k, v, config, ws, bh, i, head_rows(output, bh) + i * ldo,
                            lse.data() ? lse.data() + row : nullptr, scratch);
         }
       });
@@ -712,98 +842,128 @@ BackwardScratch<In> backward_scratch(Slicer& slicer, int64_t d, int64_t dv) {
   return sc;
 }
 
-// Everything the backward tasks share.
+// Everything the backward tasks share. Views in the kernels' (B, H, N, D)
+// layout; lse, delta and the partial dQs contiguous over heads bh.
 template <class In>
 struct BackwardProblem {
   using Acc = typename Flash<In>::Acc;
   ConstView<In> q, k, v;
   const AttentionConfig* config;
-  const Acc* lse;    // (B, Nq)
-  const Acc* d_out;  // (B, Nq, Dv)
-  const Acc* delta;  // (B, Nq): dO_i . O_i
-  int64_t groups;    // key groups per batch element
+  const Acc* lse;          // (B H, Nq)
+  ConstView<Acc> d_out;    // (B, H, Nq, Dv)
+  const Acc* delta;        // (B H, Nq): dO_i . O_i
+  int64_t groups;          // key groups per key head
   int64_t blocks_per_group;
-  Acc* d_queries_parts;  // (groups, B, Nq, D), or d_queries itself when groups == 1
-  Acc* d_keys;           // (B, Nk, D)
-  Acc* d_values;         // (B, Nk, Dv)
+  Acc* d_queries_parts;    // (groups, B H, Nq, D), or null when groups == 1
+  TensorView<Acc> d_queries;  // written straight when groups == 1
+  TensorView<Acc> d_keys;     // (B, Hkv, Nk, D)
+  TensorView<Acc> d_values;   // (B, Hkv, Nk, Dv)
 };
 
-// One key block [j0, j0 + cols) of batch element b against every query block.
+// One key block [j0, j0 + cols) of key head bkv against every query block
+// of the query heads that read it (in head order): its dK and dV summed over
+// them, and its terms of their (partial) dQ.
 template <class In>
-void backward_key_block(const BackwardProblem<In>& pb, int64_t b, int64_t g, int64_t j0,
+void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, int64_t j0,
                         int64_t cols, const BackwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   const AttentionConfig& config = *pb.config;
-  const int64_t nq = pb.q.size(1), nk = pb.k.size(1), d = pb.q.size(2), dv = pb.v.size(2);
+  const int64_t heads = pb.q.size(1), kv_heads = pb.k.size(1), group = heads / kv_heads;
+  const int64_t nq = pb.q.size(2), nk = pb.k.size(2), d = pb.q.size(3), dv = pb.v.size(3);
+  const int64_t ldq = pb.q.stride(2), ldk = pb.k.stride(2), ldv = pb.v.stride(2);
+  const int64_t ld_dout = pb.d_out.stride(2);
   const Acc scale = static_cast<Acc>(config.scale);
   const bool dropout = config.dropout > 0.0;
   const Acc inv_keep = dropout_inverse<Acc>(config);
-  const In* k_blk = pb.k.data() + (b * nk + j0) * d;
-  const In* v_blk = pb.v.data() + (b * nk + j0) * dv;
-  Acc* dq_part = pb.d_queries_parts + (g * pb.q.size(0) + b) * nq * d;
+  const In* k_blk = head_rows(pb.k, bkv) + j0 * ldk;
+  const In* v_blk = head_rows(pb.v, bkv) + j0 * ldv;
+  const int64_t b = bkv / kv_heads;
 
   std::fill_n(sc.dk, cols * d, Acc(0));
   std::fill_n(sc.dv, cols * dv, Acc(0));
 
-  for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
-    const int64_t rows = std::min(kBackQueryBlock, nq - i0);
-    if (longest_len(config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
-    const In* q_blk = pb.q.data() + (b * nq + i0) * d;
-    const Acc* d_out_blk = pb.d_out + (b * nq + i0) * dv;
-    const In* d_out_op = Flash<In>::operand(d_out_blk, rows * dv, sc.d_out_operand);
-    Acc* p = sc.p;
-    Acc* dp = sc.dp;
-    Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, d, k_blk, d, Acc(0), p, cols,
-                    sc.gemm);
-    Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, dv, v_blk, dv, Acc(0), dp, cols,
-                    sc.gemm);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      const int64_t valid = std::clamp<int64_t>(config.valid_lens(b, i, nk) - j0, 0, cols);
-      const Acc row_lse = pb.lse[b * nq + i];
-      Acc* p_row = p + r * cols;
-      Acc* dp_row = dp + r * cols;
-      if (valid == 0 || row_lse == -kInf) {
-        std::fill(p_row, p_row + cols, Acc(0));  // no weight, no gradient
-        std::fill(dp_row, dp_row + cols, Acc(0));
-        continue;
+  for (int64_t h = (bkv % kv_heads) * group; h < (bkv % kv_heads + 1) * group; ++h) {
+    const int64_t bh = b * heads + h;
+    Acc* dq_head = pb.d_queries_parts
+                       ? pb.d_queries_parts + (g * pb.q.size(0) * heads + bh) * nq * d
+                       : head_rows(pb.d_queries, bh);
+    const int64_t ld_dq = pb.d_queries_parts ? d : pb.d_queries.stride(2);
+    for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
+      const int64_t rows = std::min(kBackQueryBlock, nq - i0);
+      if (longest_len(config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
+      const In* q_blk = head_rows(pb.q, bh) + i0 * ldq;
+      const Acc* d_out_blk = head_rows(pb.d_out, bh) + i0 * ld_dout;
+      // dO as the products see it: bf16 rounded row by row, else in place.
+      const In* d_out_op;
+      int64_t ld_dop = ld_dout;
+      if constexpr (Flash<In>::kConverts) {
+        for (int64_t r = 0; r < rows; ++r) {
+          Flash<In>::operand(d_out_blk + r * ld_dout, dv, sc.d_out_operand + r * dv);
+        }
+        d_out_op = sc.d_out_operand;
+        ld_dop = dv;
+      } else {
+        d_out_op = d_out_blk;
       }
-      fast::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
-      std::fill(p_row + valid, p_row + cols, Acc(0));
-      if (dropout) {
-        kernels::dropout_row_mask(config.seed, config.dropout, b, i, j0, valid, sc.keep);
-        apply_dropout(dp_row, sc.keep, inv_keep, valid);
+      Acc* p = sc.p;
+      Acc* dp = sc.dp;
+      Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, Acc(0), p, cols,
+                      sc.gemm);
+      Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, Acc(0), dp,
+                      cols, sc.gemm);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        const int64_t valid = std::clamp<int64_t>(config.len(bh, i, nk) - j0, 0, cols);
+        const Acc row_lse = pb.lse[bh * nq + i];
+        Acc* p_row = p + r * cols;
+        Acc* dp_row = dp + r * cols;
+        if (valid == 0 || row_lse == -kInf) {
+          std::fill(p_row, p_row + cols, Acc(0));  // no weight, no gradient
+          std::fill(dp_row, dp_row + cols, Acc(0));
+          continue;
+        }
+        fast::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
+        std::fill(p_row + valid, p_row + cols, Acc(0));
+        if (dropout) {
+          kernels::dropout_row_mask(config.seed, config.dropout, bh, i, j0, valid, sc.keep);
+          apply_dropout(dp_row, sc.keep, inv_keep, valid);
+        }
+        // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
+        fast::softmax_grad(p_row, dp_row, pb.delta[bh * nq + i], dp_row, valid);
+        std::fill(dp_row + valid, dp_row + cols, Acc(0));
+        if (dropout) apply_dropout(p_row, sc.keep, inv_keep, valid);
       }
-      // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
-      fast::softmax_grad(p_row, dp_row, pb.delta[b * nq + i], dp_row, valid);
-      std::fill(dp_row + valid, dp_row + cols, Acc(0));
-      if (dropout) apply_dropout(p_row, sc.keep, inv_keep, valid);
+      const In* p_op = Flash<In>::operand(p, rows * cols, sc.p_operand);
+      const In* ds_op = Flash<In>::operand(dp, rows * cols, sc.ds_operand);
+      Flash<In>::gemm(true, false, cols, dv, rows, Acc(1), p_op, cols, d_out_op, ld_dop, Acc(1),
+                      sc.dv, dv, sc.gemm);
+      Flash<In>::gemm(true, false, cols, d, rows, scale, ds_op, cols, q_blk, ldq, Acc(1), sc.dk, d,
+                      sc.gemm);
+      Flash<In>::gemm(false, false, rows, d, cols, scale, ds_op, cols, k_blk, ldk, Acc(1),
+                      dq_head + i0 * ld_dq, ld_dq, sc.gemm);
     }
-    const In* p_op = Flash<In>::operand(p, rows * cols, sc.p_operand);
-    const In* ds_op = Flash<In>::operand(dp, rows * cols, sc.ds_operand);
-    Flash<In>::gemm(true, false, cols, dv, rows, Acc(1), p_op, cols, d_out_op, dv, Acc(1), sc.dv,
-                    dv, sc.gemm);
-    Flash<In>::gemm(true, false, cols, d, rows, scale, ds_op, cols, q_blk, d, Acc(1), sc.dk, d,
-                    sc.gemm);
-    Flash<In>::gemm(false, false, rows, d, cols, scale, ds_op, cols, k_blk, d, Acc(1),
-                    dq_part + i0 * d, d, sc.gemm);
   }
-  std::copy_n(sc.dk, cols * d, pb.d_keys + (b * nk + j0) * d);
-  std::copy_n(sc.dv, cols * dv, pb.d_values + (b * nk + j0) * dv);
+  const int64_t ld_dk = pb.d_keys.stride(2), ld_dv = pb.d_values.stride(2);
+  Acc* dk_out = head_rows(pb.d_keys, bkv) + j0 * ld_dk;
+  Acc* dv_out = head_rows(pb.d_values, bkv) + j0 * ld_dv;
+  for (int64_t c = 0; c < cols; ++c) {
+    std::copy_n(sc.dk + c * d, d, dk_out + c * ld_dk);
+    std::copy_n(sc.dv + c * dv, dv, dv_out + c * ld_dv);
+  }
 }
 
-// Key groups per batch element: enough (batch, group) tasks for the cores,
-// never more groups than key blocks; shapes only (determinism). B = 0 has
-// nothing to split (one group).
-int64_t backward_groups(int64_t batch, int64_t nk) {
+// Key groups per key head: enough (key head, group) tasks for the cores,
+// never more groups than key blocks; shapes only (determinism). No heads
+// (B = 0) have nothing to split (one group).
+int64_t backward_groups(int64_t kv_heads, int64_t nk) {
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
-  return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, std::max<int64_t>(batch, 1)), 1,
+  return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, std::max<int64_t>(kv_heads, 1)), 1,
                              std::max<int64_t>(key_blocks, 1));
 }
 
-// The backward's workspace: D (B, Nq), the partial dQs (groups, B, Nq, D)
-// when there is more than one group, then one slot per thread.
+// The backward's workspace: D (B H, Nq), the partial dQs (groups, B H, Nq,
+// D) when there is more than one group, then one slot per thread.
 template <class In>
 struct BackwardWorkspace {
   using Acc = typename Flash<In>::Acc;
@@ -813,24 +973,28 @@ struct BackwardWorkspace {
   size_t slot_words = 0;
 };
 
+// heads = B H, kv_heads = B Hkv.
 template <class In>
-BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t batch, int64_t nq, int64_t nk,
-                                         int64_t d, int64_t dv, int num_threads) {
+BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t heads, int64_t kv_heads,
+                                         int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                                         int num_threads) {
   using Acc = typename Flash<In>::Acc;
   BackwardWorkspace<In> ws;
-  const int64_t groups = backward_groups(batch, nk);
-  ws.delta = slicer.take<Acc>(batch * nq);
-  if (groups > 1) ws.parts = slicer.take<Acc>(groups * batch * nq * d);
+  const int64_t groups = backward_groups(kv_heads, nk);
+  ws.delta = slicer.take<Acc>(heads * nq);
+  if (groups > 1) ws.parts = slicer.take<Acc>(groups * heads * nq * d);
   ws.slot_words = counted_words([&](Slicer& count) { backward_scratch<In>(count, d, dv); });
   ws.slots = slicer.take<double>(num_threads * static_cast<int64_t>(ws.slot_words));
   return ws;
 }
 
 template <class In>
-size_t backward_workspace_size(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+size_t backward_workspace_size(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                                int num_threads) {
-  return counted_words(
-      [&](Slicer& count) { backward_workspace<In>(count, batch, nq, nk, d, dv, num_threads); });
+  return counted_words([&](Slicer& count) {
+    backward_workspace<In>(count, q.size(0) * q.size(1), k.size(0) * k.size(1), q.size(2),
+                           k.size(2), q.size(3), v.size(3), num_threads);
+  });
 }
 
 template <class In>
@@ -839,101 +1003,116 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                     ConstView<typename Flash<In>::Acc> d_output,
                     const SdpaGradViews<typename Flash<In>::Acc>& grads, Workspace workspace) {
   using Acc = typename Flash<In>::Acc;
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
-  const int64_t dv = v.size(2);
-  const ConstView<Acc> output = saved.output, lse = saved.lse;
+  const int64_t heads = q.size(0) * q.size(1), kv_heads = k.size(0) * k.size(1);
+  const int64_t nq = q.size(2), nk = k.size(2), d = q.size(3), dv = v.size(3);
+  const ConstView<Acc> output = saved.output;
   Slicer slicer(workspace.data);
   const BackwardWorkspace<In> ws =
-      backward_workspace<In>(slicer, batch, nq, nk, d, dv, workspace.num_threads);
+      backward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv, workspace.num_threads);
   // Keys no query sees get no gradient, and dQ is accumulated into.
-  std::fill_n(grads.d_queries.data(), grads.d_queries.numel(), Acc(0));
-  std::fill_n(grads.d_keys.data(), grads.d_keys.numel(), Acc(0));
-  std::fill_n(grads.d_values.data(), grads.d_values.numel(), Acc(0));
+  fill_heads(grads.d_queries, Acc(0));
+  fill_heads(grads.d_keys, Acc(0));
+  fill_heads(grads.d_values, Acc(0));
 
   // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
-  const int64_t rows = batch * nq;
+  const int64_t rows = heads * nq;
   kernels::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
     for (int64_t r = task * 1024; r < std::min(rows, (task + 1) * 1024); ++r) {
-      ws.delta[r] = Flash<In>::delta(d_output.data() + r * dv, output.data() + r * dv, dv);
+      const int64_t bh = r / nq, i = r % nq;
+      ws.delta[r] = Flash<In>::delta(head_rows(d_output, bh) + i * d_output.stride(2),
+                                     head_rows(output, bh) + i * output.stride(2), dv);
     }
   });
 
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
-  const int64_t groups = backward_groups(batch, nk);
+  const int64_t groups = backward_groups(kv_heads, nk);
   const int64_t blocks_per_group = ceil_div(key_blocks, groups);
-  if (groups > 1) std::fill_n(ws.parts, groups * batch * nq * d, Acc(0));
+  if (groups > 1) std::fill_n(ws.parts, groups * heads * nq * d, Acc(0));
   const BackwardProblem<In> pb{q,
                                k,
                                v,
                                &config,
-                               lse.data(),
-                               d_output.data(),
+                               saved.lse.data(),
+                               d_output,
                                ws.delta,
                                groups,
                                blocks_per_group,
-                               groups > 1 ? ws.parts : grads.d_queries.data(),
-                               grads.d_keys.data(),
-                               grads.d_values.data()};
+                               groups > 1 ? ws.parts : nullptr,
+                               grads.d_queries,
+                               grads.d_keys,
+                               grads.d_values};
 
-  kernels::parallel_for_slots(batch * groups, workspace.num_threads, [&](int64_t task, int slot) {
+  kernels::parallel_for_slots(kv_heads * groups, workspace.num_threads, [&](int64_t task, int slot) {
     Slicer slot_slicer(ws.slots + slot * ws.slot_words);
     const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
-    const int64_t b = task / groups, g = task % groups;
-    const int64_t seen = longest_len(config.valid_lens, b, 0, nq, nk);
+    const int64_t bkv = task / groups, g = task % groups;
+    const int64_t seen = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
     const int64_t first = g * blocks_per_group;
     const int64_t last = std::min(key_blocks, first + blocks_per_group);
     for (int64_t kb = first; kb < last; ++kb) {
       const int64_t j0 = kb * kBackKeyBlock;
       if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
-      backward_key_block(pb, b, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
+      backward_key_block(pb, bkv, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
     }
   });
 
   if (groups > 1) {
-    // dQ = sum over groups, in group order.
-    const int64_t n = batch * nq * d;
-    const int64_t chunk = 1 << 14;
-    kernels::parallel_for(ceil_div(n, chunk), [&](int64_t task) {
-      const int64_t e0 = task * chunk, e1 = std::min(n, e0 + chunk);
-      Acc* dq = grads.d_queries.data();
-      std::copy(ws.parts + e0, ws.parts + e1, dq + e0);
-      for (int64_t g = 1; g < groups; ++g) {
-        const Acc* part = ws.parts + g * n;
-        for (int64_t e = e0; e < e1; ++e) dq[e] += part[e];
+    // dQ = sum over groups, in group order, row by row into d_queries.
+    const int64_t n = heads * nq * d;
+    kernels::parallel_for(ceil_div(rows, 256), [&](int64_t task) {
+      for (int64_t r = task * 256; r < std::min(rows, (task + 1) * 256); ++r) {
+        Acc* dq = head_rows(grads.d_queries, r / nq) + (r % nq) * grads.d_queries.stride(2);
+        std::copy_n(ws.parts + r * d, d, dq);
+        for (int64_t g = 1; g < groups; ++g) {
+          const Acc* part = ws.parts + g * n + r * d;
+          for (int64_t e = 0; e < d; ++e) dq[e] += part[e];
+        }
       }
     });
   }
 }
 
-// Heads up to kSmallHead, without weights, go to the small-dimension kernel.
+// Heads up to kSmallHead, without weights, go to the small-dimension kernel
+// (3-D, contiguous: one head per batch element).
 template <class T>
-bool small_head(ConstView<T> q, ConstView<T> v, const AttentionConfig& config,
+bool small_head(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
                 const ForwardViews<T>& out) {
-  return out.weights.data() == nullptr && q.size(2) <= kSmallHead && v.size(2) <= kSmallHead &&
-         small_dim_applies(q.size(2), v.size(2), config);
+  return out.weights.data() == nullptr && q.size(3) <= kSmallHead && v.size(3) <= kSmallHead &&
+         q.size(1) == 1 && k.size(1) == 1 && q.is_contiguous() && k.is_contiguous() &&
+         v.is_contiguous() && out.output.is_contiguous() &&
+         small_dim_applies(q.size(3), v.size(3), config);
+}
+
+// A (B, 1, N, D) view as (B, N, D).
+template <class T>
+TensorView<T> one_head(TensorView<T> x) {
+  return TensorView<T>(x.data(), Shape{x.size(0), x.size(2), x.size(3)},
+                       Shape{x.stride(0), x.stride(2), x.stride(3)});
 }
 
 }  // namespace
 
-// q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)   all contiguous
-// out.output: (B, Nq, Dv)   out.weights: (B, Nq, Nk) or null   out.lse: (B, Nq) or null
+// q: (B, H, Nq, D)   k: (B, Hkv, Nk, D)   v: (B, Hkv, Nk, Dv)   (kernels.h)
+// out.output: (B, H, Nq, Dv)   out.weights: (B, H, Nq, Nk) or null   out.lse: (B, H, Nq) or null
 template <class T>
 size_t sdpa_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                            const AttentionConfig& config, const ForwardViews<T>& out,
                            int num_threads) {
-  if (small_head(q, v, config, out)) {
-    return small_dim_workspace_size<T>(q.size(0), k.size(1), q.size(2), v.size(2), false);
+  if (small_head(q, k, v, config, out)) {
+    return small_dim_workspace_size<T>(q.size(0), k.size(2), q.size(3), v.size(3), false);
   }
-  return forward_workspace_size<T>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                   out.weights.data() != nullptr, num_threads);
+  return forward_workspace_size<T>(q, k, v, out.weights.data() != nullptr, num_threads);
 }
 
 template <class T>
 void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
           const ForwardViews<T>& out, Workspace workspace) {
-  if (small_head(q, v, config, out)) {
-    small_dim_forward(q, k, v, static_cast<const T*>(nullptr), ScoreKind::kDotProduct, config,
-                      out.output, out.lse, workspace);
+  if (small_head(q, k, v, config, out)) {
+    const TensorView<T> lse =
+        out.lse.data() ? TensorView<T>(out.lse.data(), Shape{q.size(0), q.size(2)})
+                       : TensorView<T>();
+    small_dim_forward(one_head(q), one_head(k), one_head(v), static_cast<const T*>(nullptr),
+                      ScoreKind::kDotProduct, config, one_head(out.output), lse, workspace);
     return;
   }
   flash_forward(q, k, v, config, out.output, out.weights, out.lse, workspace);
@@ -943,8 +1122,7 @@ size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstVi
                            const AttentionConfig& config, const ForwardViews<float>& out,
                            int num_threads) {
   (void)config;
-  return forward_workspace_size<bfloat16>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                          out.weights.data() != nullptr, num_threads);
+  return forward_workspace_size<bfloat16>(q, k, v, out.weights.data() != nullptr, num_threads);
 }
 
 void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
@@ -961,8 +1139,7 @@ size_t sdpa_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T>
   (void)saved;
   (void)d_output;
   (void)grads;
-  return backward_workspace_size<T>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                    num_threads);
+  return backward_workspace_size<T>(q, k, v, num_threads);
 }
 
 template <class T>
@@ -980,8 +1157,7 @@ size_t sdpa_backward_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k
   (void)saved;
   (void)d_output;
   (void)grads;
-  return backward_workspace_size<bfloat16>(q.size(0), q.size(1), k.size(1), q.size(2), v.size(2),
-                                           num_threads);
+  return backward_workspace_size<bfloat16>(q, k, v, num_threads);
 }
 
 void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,

@@ -1,59 +1,143 @@
 // Scaled dot-product attention, reference version: every score, weight and
 // gradient formed explicitly in double with plain loops, any strides. Slow
 // and obviously right; the fast kernel (sdpa_fast.cc) is tested against it.
+// Heads are a batch: query head bh = b H + h attends over key head
+// b Hkv + h / (H / Hkv), as 3-D attention over B H batch elements with each
+// key head repeated for its H / Hkv query heads.
 #include "kernels/attend_ref.h"
 #include "kernels/kernels.h"
 
 namespace qkv::kernels::ref {
 namespace {
 
+// The key head query head bh reads, as (b, hk).
+struct KeyHead {
+  int64_t b, h;
+};
+template <class T>
+KeyHead key_head(ConstView<T> q, ConstView<T> k, int64_t bh) {
+  const int64_t heads = q.size(1), group = heads / k.size(1);
+  return {bh / heads, (bh % heads) / group};
+}
+
+// scores (B H, Nq, Nk) = scale q kᵀ per head.
 template <class T>
 Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, double scale) {
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
-  Matrix scores(batch * nq * nk);
-  for (int64_t b = 0; b < batch; ++b) {
+  const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2), d = q.size(3);
+  Matrix scores(heads * nq * nk);
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    const int64_t b = bh / q.size(1), h = bh % q.size(1);
+    const KeyHead kh = key_head(q, k, bh);
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < nk; ++j) {
         double s = 0.0;
-        for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q(b, i, c)) * k(b, j, c);
-        scores[(b * nq + i) * nk + j] = s * scale;
+        for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q(b, h, i, c)) * k(kh.b, kh.h, j, c);
+        scores[(bh * nq + i) * nk + j] = s * scale;
       }
     }
   }
   return scores;
 }
 
+// The values of every query head's key head as one (B H, Nk, Dv) array.
+template <class Out, class T>
+std::vector<Out> values_per_query_head(ConstView<T> q, ConstView<T> k, ConstView<T> v) {
+  const int64_t heads = q.size(0) * q.size(1), nk = v.size(2), dv = v.size(3);
+  std::vector<Out> out(heads * nk * dv);
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    const KeyHead kh = key_head(q, k, bh);
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t c = 0; c < dv; ++c) out[(bh * nk + j) * dv + c] = v(kh.b, kh.h, j, c);
+    }
+  }
+  return out;
+}
+
+// A contiguous (B, H, N, D) buffer as (B H, N, D).
+template <class T>
+TensorView<T> flat_heads(T* data, int64_t heads, int64_t n, int64_t d) {
+  return TensorView<T>(data, Shape{heads, n, d});
+}
+
+// x (B, H, N, D) of any strides -> (B H, N, D) contiguous, and back.
+template <class T>
+std::vector<double> gather(ConstView<T> x) {
+  std::vector<double> out(x.numel());
+  int64_t e = 0;
+  for (int64_t b = 0; b < x.size(0); ++b)
+    for (int64_t h = 0; h < x.size(1); ++h)
+      for (int64_t n = 0; n < x.size(2); ++n)
+        for (int64_t c = 0; c < x.size(3); ++c) out[e++] = x(b, h, n, c);
+  return out;
+}
+template <class T>
+void scatter(const Matrix& m, TensorView<T> x) {
+  int64_t e = 0;
+  for (int64_t b = 0; b < x.size(0); ++b)
+    for (int64_t h = 0; h < x.size(1); ++h)
+      for (int64_t n = 0; n < x.size(2); ++n)
+        for (int64_t c = 0; c < x.size(3); ++c) x(b, h, n, c) = static_cast<T>(m[e++]);
+}
+
 }  // namespace
 
-// q: (B, Nq, D)   k: (B, Nk, D)   v: (B, Nk, Dv)  ->  out (B, Nq, Dv), weights, lse
+// q: (B, H, Nq, D)   k: (B, Hkv, Nk, D)   v: (B, Hkv, Nk, Dv)  ->  out (B, H, Nq, Dv),
+// weights (B, H, Nq, Nk) and lse (B, H, Nq) (contiguous) when they have data.
 template <class T>
 void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
           const ForwardViews<T>& out) {
-  attend(dot_product_scores(q, k, config.scale), q.size(0), q.size(1), k.size(1), v, config, out);
+  const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2), dv = v.size(3);
+  const std::vector<T> values = values_per_query_head<T>(q, k, v);
+  std::vector<T> output(heads * nq * dv);
+  const ForwardViews<T> flat{
+      flat_heads(output.data(), heads, nq, dv),
+      out.weights.data() ? flat_heads(out.weights.data(), heads, nq, nk) : TensorView<T>(),
+      out.lse.data() ? TensorView<T>(out.lse.data(), Shape{heads, nq}) : TensorView<T>()};
+  attend(dot_product_scores(q, k, config.scale), heads, nq, nk,
+         ConstView<T>(flat_heads(values.data(), heads, nk, dv)), config, flat);
+  scatter(Matrix(output.begin(), output.end()), out.output);
 }
 
-// Gradients dQ (B, Nq, D), dK (B, Nk, D), dV (B, Nk, Dv); saved is not read.
+// Gradients dQ (B, H, Nq, D), dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv),
+// the key heads' summed over the query heads that read them; saved is not read.
 template <class T>
 void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
                    const SavedViews<T>&, ConstView<T> d_output, const SdpaGradViews<T>& grads) {
-  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2);
-  const Matrix ds = attend_backward(dot_product_scores(q, k, config.scale), batch, nq, nk, v,
-                                    config, d_output, grads.d_values);
-  Matrix dq(batch * nq * d, 0.0), dk(batch * nk * d, 0.0);
-  for (int64_t b = 0; b < batch; ++b) {
+  const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2);
+  const int64_t d = q.size(3), dv = v.size(3);
+  // In double throughout, so the sums over query heads round once.
+  const std::vector<double> values = values_per_query_head<double>(q, k, v);
+  const std::vector<double> d_out = gather(d_output);
+  std::vector<double> dv_per_head(heads * nk * dv);
+  const Matrix ds = attend_backward(
+      dot_product_scores(q, k, config.scale), heads, nq, nk,
+      ConstView<double>(flat_heads(values.data(), heads, nk, dv)), config,
+      ConstView<double>(flat_heads(d_out.data(), heads, nq, dv)),
+      flat_heads(dv_per_head.data(), heads, nk, dv));
+  // Key heads in (B, Hkv, Nk, ·) order, summed over their query heads.
+  const int64_t kv_heads = k.size(0) * k.size(1);
+  Matrix dq(heads * nq * d, 0.0), dk(kv_heads * nk * d, 0.0), dvs(kv_heads * nk * dv, 0.0);
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    const int64_t b = bh / q.size(1), h = bh % q.size(1);
+    const KeyHead kh = key_head(q, k, bh);
+    const int64_t bkv = kh.b * k.size(1) + kh.h;
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < nk; ++j) {
-        const double g = ds[(b * nq + i) * nk + j] * config.scale;
+        const double g = ds[(bh * nq + i) * nk + j] * config.scale;
         if (g == 0.0) continue;
         for (int64_t c = 0; c < d; ++c) {
-          dq[(b * nq + i) * d + c] += g * static_cast<double>(k(b, j, c));
-          dk[(b * nk + j) * d + c] += g * static_cast<double>(q(b, i, c));
+          dq[(bh * nq + i) * d + c] += g * static_cast<double>(k(kh.b, kh.h, j, c));
+          dk[(bkv * nk + j) * d + c] += g * static_cast<double>(q(b, h, i, c));
         }
       }
     }
+    for (int64_t e = 0; e < nk * dv; ++e) {
+      dvs[bkv * nk * dv + e] += dv_per_head[bh * nk * dv + e];
+    }
   }
-  store(dq, grads.d_queries);
-  store(dk, grads.d_keys);
+  scatter(dq, grads.d_queries);
+  scatter(dk, grads.d_keys);
+  scatter(dvs, grads.d_values);
 }
 
 template void sdpa<float>(ConstView<float>, ConstView<float>, ConstView<float>,

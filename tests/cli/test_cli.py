@@ -404,6 +404,42 @@ class AttendTest(CliTest):
         self.assertEqual(r.returncode, 2)
         self.assertIn("--causal", r.stderr)
 
+    def test_dot_heads_and_grouped_query_attention(self):
+        # (B, H, Nq, D) queries against (B, Hkv, Nk, D) keys and values: query
+        # head h reads key head h // (H // Hkv); lengths (B) shared by the
+        # heads; results (B, H, Nq, .). The reference: the heads folded into
+        # a batch of B H with the key heads repeated.
+        batch, heads, kv_heads, nq, nk, d, dv = 2, 4, 2, 3, 5, 4, 6
+        for dtype in (np.float32, np.float64):
+            q = self.rng.normal(size=(batch, heads, nq, d)).astype(dtype)
+            k = self.rng.normal(size=(batch, kv_heads, nk, d)).astype(dtype)
+            v = self.rng.normal(size=(batch, kv_heads, nk, dv)).astype(dtype)
+            lens = np.array([4, 2])
+            self.ok(*self.dot_args(q, k, v), "--valid-lens", self.save("l.npy", lens), "--causal",
+                    "bottom-right", "--weights", self.path("w.npy"), "--lse", self.path("lse.npy"))
+            group = heads // kv_heads
+            flat = [x.reshape(batch * x.shape[1], *x.shape[2:])
+                    for x in (q, np.repeat(k, group, 1), np.repeat(v, group, 1))]
+            cap = np.clip(np.arange(nq) + 1 + nk - nq, 0, nk)
+            flat_lens = np.minimum(np.repeat(lens, heads)[:, None], cap[None, :])
+            ref, w, lse = np_dot(*flat, flat_lens)
+            self.assertClose(self.load(self.path("o.npy"), dtype, (batch, heads, nq, dv)),
+                             ref.reshape(batch, heads, nq, dv), dtype)
+            self.assertClose(self.load(self.path("w.npy"), dtype, (batch, heads, nq, nk)),
+                             w.reshape(batch, heads, nq, nk), dtype)
+            self.assertClose(self.load(self.path("lse.npy"), dtype, (batch, heads, nq)),
+                             lse.reshape(batch, heads, nq), dtype)
+        q = np.zeros((2, 3, 3, 4), np.float32)
+        k = np.zeros((2, 2, 5, 4), np.float32)
+        self.expect_error("attend", self.dot_args(q, k, k), [self.path("o.npy")],
+                          ["queries has H = 3 heads, not a multiple of the Hkv = 2 heads",
+                           "[2, 3, 3, 4]", "[2, 2, 5, 4]"])
+        self.expect_error("attend", self.dot_args(q, k[0], k), [self.path("o.npy")],
+                          ["queries, keys and values must be all 2-D, all 3-D or all 4-D"])
+        w = np.zeros((3, 4), np.float32)
+        self.expect_error("attend", self.additive_args(q, k, k, w, w, w[0]), [self.path("o.npy")],
+                          ["has shape [2, 3, 3, 4]; expected 2-D (Nq, D) or 3-D (B, Nq, D)"])
+
     def test_additive_3d_f4_and_f8(self):
         for dtype in (np.float32, np.float64):
             q, k, v = self.attention_inputs(dtype)

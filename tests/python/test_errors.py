@@ -264,21 +264,23 @@ SHAPE_CASES = [
      ["values has Nk = 4 but keys has Nk = 5 (values [2, 4, 6], keys [2, 5, 4])"]),
     ("sdpa 1-D queries", lambda a: lambda: qkv.scaled_dot_product_attention(a.q[0, 0], a.k, a.v),
      "ValueError", SDPA,
-     ["queries has shape [4]; expected rank 3 (B, Nq, D) or rank 2 (Nq, D), a batch of one"]),
+     ["queries has shape [4]; expected rank 4 (B, H, Nq, D), rank 3 (B, Nq, D) or rank 2 (Nq, D), "
+      "a batch of one"]),
     ("sdpa 4-D queries", lambda a: lambda: qkv.scaled_dot_product_attention(a.q[None], a.k, a.v),
-     "ValueError", SDPA, ["queries has shape [1, 2, 3, 4]; expected rank 3"]),
+     "ValueError", SDPA, ["queries, keys and values must be all 2-D, all 3-D or all 4-D; got "
+                          "ranks 4, 3, 3"]),
     ("sdpa 1-D all", lambda a: lambda: qkv.scaled_dot_product_attention(a.q[0, 0], a.k[0, 0],
                                                                          a.v[0, 0]),
-     "ValueError", SDPA, ["queries has shape [4]; expected rank 3"]),
+     "ValueError", SDPA, ["queries has shape [4]; expected rank 4 (B, H, Nq, D), rank 3"]),
     ("sdpa 2-D queries 3-D keys", lambda a: lambda: qkv.scaled_dot_product_attention(a.q[0], a.k,
                                                                                       a.v),
      "ValueError", SDPA,
-     ["queries, keys and values must be all 2-D or all 3-D; got ranks 2, 3, 3"]),
+     ["queries, keys and values must be all 2-D, all 3-D or all 4-D; got ranks 2, 3, 3"]),
     ("sdpa 4-D keys", lambda a: lambda: qkv.scaled_dot_product_attention(a.q, a.k[None], a.v),
-     "ValueError", SDPA, ["must be all 2-D or all 3-D; got ranks 3, 4, 3"]),
+     "ValueError", SDPA, ["must be all 2-D, all 3-D or all 4-D; got ranks 3, 4, 3"]),
     ("sdpa 1-D values", lambda a: lambda: qkv.scaled_dot_product_attention(a.q[0], a.k[0],
                                                                             a.v[0, 0]),
-     "ValueError", SDPA, ["must be all 2-D or all 3-D; got ranks 2, 2, 1"]),
+     "ValueError", SDPA, ["must be all 2-D, all 3-D or all 4-D; got ranks 2, 2, 1"]),
     ("sdpa lens shape", lambda a: lambda: qkv.scaled_dot_product_attention(a.q, a.k, a.v,
                                                                             [1, 2, 3]),
      "qkv.Error", SDPA, ["valid_lens has shape [3] but scores has shape [2, 3, 5]; "
@@ -362,10 +364,10 @@ SHAPE_CASES = [
      "qkv.Error", SDPA_B, ["scale = nan is not finite"]),
     ("sdpa_b 1-D queries", lambda a: lambda: qkv.scaled_dot_product_attention_backward(
         a.q[0, 0], a.k, a.v, a.out, a.lse, a.out),
-     "ValueError", SDPA_B, ["queries has shape [4]; expected rank 3"]),
+     "ValueError", SDPA_B, ["queries has shape [4]; expected rank 4 (B, H, Nq, D), rank 3"]),
     ("sdpa_b mixed ranks", lambda a: lambda: qkv.scaled_dot_product_attention_backward(
         a.q[0], a.k, a.v[0], a.out, a.lse, a.out),
-     "ValueError", SDPA_B, ["must be all 2-D or all 3-D; got ranks 2, 3, 2"]),
+     "ValueError", SDPA_B, ["must be all 2-D, all 3-D or all 4-D; got ranks 2, 3, 2"]),
     # additive
     ("add W_q Dq", lambda a: lambda: qkv.additive_attention(a.q, a.k, a.v, a.Wq[:, :3], a.Wk,
                                                             a.wv),

@@ -3,7 +3,9 @@
 - Zero-copy: in a fresh child process (so no earlier peak hides an
   allocation), 1 GiB of float32 keys go through scaled_dot_product_attention
   and the call raises the peak resident set (VmHWM) by far less than the
-  array (< 64 MiB), with the right result; a 1 GiB masked_softmax input raises
+  array (< 64 MiB), with the right result, and so do 1 GiB of keys stored
+  (B, Nk, H, D) and read as heads (B, H, Nk, D) through a transposed view
+  (grouped-query attention, 4 query heads per key head); a 1 GiB masked_softmax input raises
   it by the 1 GiB of its new output, not 2; a backward whose d_keys is 1 GiB
   hands the library's buffer to NumPy without a copy (+1 GiB, not 2).
 - The GIL is released: while one Python thread is inside a long qkv call, a
@@ -88,6 +90,43 @@ def test_sdpa_reads_1_gib_of_keys_in_place(seed):
     """))
     assert result["size"] == GiB
     assert result["shape"] == [1, 4, 1]
+    assert result["error"] < 1e-4, result
+    assert result["added"] < 64 * MiB, \
+        f"scaled_dot_product_attention added {result['added'] / MiB:.0f} MiB to the peak"
+
+
+def test_sdpa_reads_1_gib_of_token_major_heads_in_place(seed):
+    # Keys and values of 8 heads stored (B, Nk, H, D), as one fused projection
+    # leaves them, and read as (B, H, Nk, D) through a transposed view (rows
+    # H D apart): no copy. Each head's keys repeat a block of R rows, so each
+    # head's result is the attention over its block. 4 query heads per key
+    # head (grouped-query attention).
+    result = run_child(child_code(seed, """
+        Nk, H, Hq, D, R = 2**19, 8, 32, 64, 2048
+        k_block = rng.standard_normal((R, H, D)).astype(np.float32)
+        v_block = rng.standard_normal((R, H, 1)).astype(np.float32)
+        q = rng.standard_normal((1, Hq, 2, D)).astype(np.float32)
+        keys = np.empty((1, Nk, H, D), np.float32)       # 1 GiB, every page written
+        values = np.empty((1, Nk, H, 1), np.float32)
+        for start in range(0, Nk, R):
+            keys[0, start:start + R] = k_block
+            values[0, start:start + R] = v_block
+        k4, v4 = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        before = peak()
+        out = qkv.scaled_dot_product_attention(q, k4, v4)
+        after = peak()
+        error = 0.0
+        for h in range(Hq):
+            kb, vb = k_block[:, h // 4].astype(np.float64), v_block[:, h // 4].astype(np.float64)
+            s = q[0, h].astype(np.float64) @ kb.T / 8.0
+            p = np.exp(s - s.max(1, keepdims=True))
+            ref = (p / p.sum(1, keepdims=True)) @ vb
+            error = max(error, float(np.abs(out[0, h] - ref).max()))
+        print(json.dumps({"added": after - before, "size": keys.nbytes,
+                          "shape": list(out.shape), "error": error}))
+    """))
+    assert result["size"] == GiB
+    assert result["shape"] == [1, 32, 2, 1]
     assert result["error"] < 1e-4, result
     assert result["added"] < 64 * MiB, \
         f"scaled_dot_product_attention added {result['added'] / MiB:.0f} MiB to the peak"

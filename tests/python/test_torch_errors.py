@@ -183,10 +183,21 @@ def test_valid_lens_not_integers_are_type_errors(op, dtype):
     assert str(dtype).removeprefix("torch.") in str(info.value)
 
 
-def test_4d_inputs_with_valid_lens_are_a_value_error():
-    q, k, v = (torch.ones(2, 3, 4, 5) for _ in range(3))
-    with pytest.raises(ValueError, match=re.escape("[2, 3, 4, 5]")):
+def test_5d_inputs_with_valid_lens_are_a_value_error():
+    q, k, v = (torch.ones(2, 1, 3, 4, 5) for _ in range(3))
+    with pytest.raises(ValueError, match=re.escape("valid_lens takes inputs of rank 2 to 4")):
         sdpa(q, k, v, valid_lens=torch.tensor([1, 2]))
+
+
+def test_different_heads_need_enable_gqa():
+    q, k = torch.ones(2, 4, 3, 5), torch.ones(2, 2, 6, 5)
+    with pytest.raises(ValueError, match=re.escape("query has 4 heads but key has 2 (shapes "
+                                                   "[2, 4, 3, 5], [2, 2, 6, 5]); pass "
+                                                   "enable_gqa=True")):
+        sdpa(q, k, k)
+    with pytest.raises(qkv.Error, match=re.escape("queries has H = 4 heads, not a multiple of "
+                                                  "the Hkv = 3 heads")):
+        sdpa(q, torch.ones(2, 3, 6, 5), torch.ones(2, 3, 6, 5), enable_gqa=True)
 
 
 def test_not_a_tensor_is_a_type_error():
