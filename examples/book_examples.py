@@ -5,6 +5,7 @@ replaced by qkv.torch's: one import changed, the same numbers.
     §11.3  masked softmax with valid lengths [2, 3] and [[1, 3], [2, 4]]
     §11.3  additive attention on the toy data (valid_lens = [2, 6])
     §11.3  scaled dot-product attention on the same data
+    §11.5  multi-head attention, 5 heads of 100 hidden units, valid_lens [3, 2]
     §11.2  the parametric Nadaraya-Watson model trained by SGD for 5 epochs
 
 Run it with the package on the path, e.g. from a build tree:
@@ -44,6 +45,16 @@ def main():
     print(dot(queries, keys, values, valid_lens))
     print("its attention weights:")
     print(dot.attention_weights)
+
+    # §11.5: the heads are read in place (no transpose_qkv copies).
+    num_hiddens, num_heads = 100, 5
+    mha = attention.MultiHeadAttention(num_hiddens, num_heads, 0.5)
+    mha.eval()
+    batch_size, num_queries, num_kvpairs = 2, 4, 6
+    X = torch.ones((batch_size, num_queries, num_hiddens))
+    Y = torch.ones((batch_size, num_kvpairs, num_hiddens))
+    print("multi-head attention, output shape:")
+    print(tuple(mha(X, Y, Y, torch.tensor([3, 2])).shape))
 
     print("parametric Nadaraya-Watson, 5 epochs of SGD (lr 0.5):")
     for epoch, loss in enumerate(train_nadaraya_watson(attention.masked_softmax), 1):

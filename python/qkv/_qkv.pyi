@@ -63,6 +63,7 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
+    out: Optional[FloatArray] = None,
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
     queries: ArrayLike,

@@ -11,6 +11,7 @@ d2l's attention modules on them:
     additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
                        dropout_p=0.0, seed=None)
     DotProductAttention(dropout), AdditiveAttention(key_size, query_size, num_hiddens, dropout)
+    MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False, num_kv_heads=None)
 
 CPU tensors, float32 and float64 (and torch.bfloat16 for scaled dot-product
 attention). Tensors reach the kernels as views of their memory; results are
@@ -18,6 +19,7 @@ new tensors. docs/python.md maps this module to the book's code.
 """
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ from . import _qkv
 __all__ = [
     "AdditiveAttention",
     "DotProductAttention",
+    "MultiHeadAttention",
     "additive_attention",
     "masked_softmax",
     "scaled_dot_product_attention",
@@ -155,14 +158,24 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
         return output.to(torch.bfloat16), weights, output, lse
+    # Heads: the output is written as (B, Nq, H, Dv) memory and returned as its
+    # (B, H, Nq, Dv) view (as torch's CPU flash attention does), so
+    # output.transpose(1, 2).reshape(B, Nq, H * Dv) -- the heads concatenated
+    # for an output projection -- is a view, not a copy.
+    out = None
+    if query.dim() == 4:
+        batch, heads, nq = query.shape[:3]
+        out = torch.empty((batch, nq, heads, value.shape[-1]), dtype=query.dtype).transpose(1, 2)
     parts = _qkv.scaled_dot_product_attention(
         _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
-        seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal)
+        seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
+        out=None if out is None else _array(out))
     if not (want_weights or need_lse):
-        output = torch.from_numpy(parts)
+        output = torch.from_numpy(parts) if out is None else out
         return output, None, output, None
     parts = list(parts)
-    output = torch.from_numpy(parts.pop(0))
+    first = parts.pop(0)
+    output = torch.from_numpy(first) if out is None else out
     weights = torch.from_numpy(parts.pop(0)) if want_weights else None
     return output, weights, output, parts.pop(0) if need_lse else None
 
@@ -460,3 +473,68 @@ class AdditiveAttention(nn.Module):
         self.attention_weights = weights
         return output
 
+
+class MultiHeadAttention(nn.Module):
+    """d2l's MultiHeadAttention (section 11.5) on qkv's fused kernels, with the
+    heads read in place: no transpose_qkv copies of Q, K and V, no
+    transpose_output copy of the output.
+
+    The same constructor (num_hiddens, num_heads, dropout, bias=False) and
+    parameters (W_q, W_k, W_v, W_o: nn.LazyLinear, as the book's), so a
+    state_dict of the book's module loads into this one and gives the same
+    outputs and gradients. num_kv_heads (default num_heads) gives W_k and W_v
+    num_kv_heads heads of num_hiddens / num_heads features each: grouped-query
+    attention, num_heads a multiple of num_kv_heads (1: multi-query attention).
+    valid_lens (B) or (B, Nq) apply to every head, as the book's
+    repeat_interleave does; is_causal=True in forward masks keys past each
+    query's position. attention.attention_weights is (B * num_heads, Nq, Nk),
+    the book's shape.
+
+    >>> mha = qkv.torch.MultiHeadAttention(num_hiddens=100, num_heads=5, dropout=0.5)
+    >>> mha.eval()(torch.ones(2, 4, 100), torch.ones(2, 6, 100), torch.ones(2, 6, 100),
+    ...            torch.tensor([3, 2])).shape
+    torch.Size([2, 4, 100])
+    """
+
+    def __init__(self, num_hiddens, num_heads, dropout, bias=False, num_kv_heads=None,
+                 keep_attention_weights=True, **kwargs):
+        super().__init__(**kwargs)
+        fn = "MultiHeadAttention"
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_hiddens % num_heads != 0:
+            raise ValueError(f"{fn}: num_hiddens = {num_hiddens} is not a multiple of "
+                             f"num_heads = {num_heads}")
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"{fn}: num_heads = {num_heads} is not a multiple of "
+                             f"num_kv_heads = {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.attention = DotProductAttention(dropout, keep_attention_weights)
+        kv_hiddens = num_hiddens // num_heads * num_kv_heads
+        with warnings.catch_warnings():  # torch 1.13 warns that lazy modules are new
+            warnings.filterwarnings("ignore", message="Lazy modules are a new feature")
+            self.W_q = nn.LazyLinear(num_hiddens, bias=bias)
+            self.W_k = nn.LazyLinear(kv_hiddens, bias=bias)
+            self.W_v = nn.LazyLinear(kv_hiddens, bias=bias)
+            self.W_o = nn.LazyLinear(num_hiddens, bias=bias)
+
+    def forward(self, queries, keys, values, valid_lens=None, is_causal=False):
+        """queries (B, Nq, query_size), keys (B, Nk, key_size), values (B, Nk,
+        value_size), valid_lens None, (B) or (B, Nq) -> (B, Nq, num_hiddens)."""
+        batch, nq = queries.shape[0], queries.shape[1]
+        nk = keys.shape[1]
+
+        def heads(X, n, count):  # (B, N, count * d) -> its (B, count, N, d) view
+            return X.reshape(batch, n, count, -1).transpose(1, 2)
+
+        q = heads(self.W_q(queries), nq, self.num_heads)
+        k = heads(self.W_k(keys), nk, self.num_kv_heads)
+        v = heads(self.W_v(values), nk, self.num_kv_heads)
+        p = self.attention.dropout.p if self.training else 0.0
+        output, weights = _sdpa("MultiHeadAttention", q, k, v, valid_lens, None, p, None,
+                                self.attention.keep_attention_weights,
+                                "top-left" if is_causal else None, enable_gqa=True)
+        self.attention.attention_weights = (
+            None if weights is None else weights.reshape(-1, nq, nk))
+        # (B, H, Nq, d) over (B, Nq, H, d) memory: the concatenation is a view.
+        return self.W_o(output.transpose(1, 2).reshape(batch, nq, -1))

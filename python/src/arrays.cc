@@ -47,6 +47,31 @@ py::array float_array(py::handle obj, std::string_view fn, std::string_view name
                        "; expected float32 or float64");
 }
 
+py::array out_array(py::handle obj, std::string_view fn, std::string_view name, Dtype dtype) {
+  if (!py::isinstance<py::array>(obj)) {
+    throw py::type_error(prefix(fn, name) + " is a " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
+                         "; expected a NumPy array to write into");
+  }
+  py::array array = py::reinterpret_borrow<py::array>(obj);
+  const py::dtype dt = array.dtype();
+  const bool right_type = dt.kind() == 'f' && native_order(dt) &&
+                          dt.itemsize() == (dtype == Dtype::kFloat32 ? 4 : 8);
+  if (!right_type) {
+    throw py::type_error(prefix(fn, name) + " has dtype " + dtype_str(dt) + "; expected " +
+                         (dtype == Dtype::kFloat32 ? "float32" : "float64") +
+                         ", the inputs' dtype");
+  }
+  if (!array.writeable()) throw Error(prefix(fn, name) + " is read-only");
+  bool placed = reinterpret_cast<uintptr_t>(array.data()) % dt.itemsize() == 0;
+  for (py::ssize_t a = 0; a < array.ndim(); ++a) placed = placed && array.strides(a) % dt.itemsize() == 0;
+  if (!placed) {
+    throw Error(prefix(fn, name) + " is not aligned to its elements; pass an array qkv can "
+                                   "write in place");
+  }
+  return array;
+}
+
 Dtype dtype_of(const py::array& array) {
   return array.dtype().itemsize() == 4 ? Dtype::kFloat32 : Dtype::kFloat64;
 }

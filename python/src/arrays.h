@@ -30,6 +30,21 @@ enum class Dtype { kFloat32, kFloat64 };
 // float64". So is a NumPy array's dtype that qkv does not compute in.
 py::array float_array(py::handle obj, std::string_view fn, std::string_view name);
 
+// A caller's array to write a result into (NumPy's `out=`): an ndarray of
+// `dtype` in native byte order, writeable, aligned to its elements (else a
+// TypeError or qkv::Error naming fn and name); its shape and layout are the
+// library's to check. mutable_view_of gives the view qkv writes.
+py::array out_array(py::handle obj, std::string_view fn, std::string_view name, Dtype dtype);
+template <class T>
+TensorView<T> mutable_view_of(py::array& array) {
+  Shape shape, strides;
+  for (py::ssize_t a = 0; a < array.ndim(); ++a) {
+    shape.push_back(array.shape(a));
+    strides.push_back(array.strides(a) / static_cast<py::ssize_t>(sizeof(T)));
+  }
+  return TensorView<T>(static_cast<T*>(array.mutable_data()), shape, strides);
+}
+
 // The dtype of a float_array result.
 Dtype dtype_of(const py::array& array);
 

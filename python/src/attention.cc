@@ -106,7 +106,7 @@ py::object forward_result(py::object output, std::optional<py::object> weights,
 template <class T>
 py::object forward(std::string_view fn, Tensors& t, const std::optional<AdditiveWeights<T>>& additive,
                    py::handle lens_obj, const AttentionOptions& options, bool want_weights,
-                   bool want_lse) {
+                   bool want_lse, py::handle out = py::none()) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
@@ -123,7 +123,17 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
     return result_shape(shape, one);
   };
   const int64_t nq = q.size(n), nk = k.size(n), dv = v.size(n + 1);
-  auto [output, output_view] = new_array<T>(with_lead({nq, dv}));
+  py::object output;
+  TensorView<T> output_view;
+  if (out.is_none()) {
+    auto [array, view] = new_array<T>(with_lead({nq, dv}));
+    output = array;
+    output_view = view;
+  } else {  // the caller's array (its shape and layout checked by the library)
+    py::array array = out_array(out, fn, "out", dtype_of(t.arrays[0]));
+    output_view = mutable_view_of<T>(array);
+    output = array;
+  }
   AttentionOutputs<T> outputs{batched(output_view, one, 2), std::nullopt, std::nullopt};
   std::optional<py::object> weights, lse;
   if (want_weights) {
@@ -149,14 +159,17 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
 
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, double dropout, py::handle seed,
-                   bool return_weights, bool return_lse, const std::optional<std::string>& causal) {
+                   bool return_weights, bool return_lse, const std::optional<std::string>& causal,
+                   py::handle out) {
   Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   if (t.dtype == Dtype::kFloat32) {
-    return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse);
+    return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
+                          out);
   }
-  return forward<double>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse);
+  return forward<double>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
+                         out);
 }
 
 template <class T>
@@ -374,7 +387,7 @@ void register_attention(py::module_& m) {
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
-        py::arg("causal") = py::none(),
+        py::arg("causal") = py::none(), py::arg("out") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -407,6 +420,12 @@ Arguments:
         or 'bottom-right' (j <= i + Nk - Nq: queries that continue a key
         cache); combined with valid_lens by taking the smaller length. Key
         blocks no query may see are skipped.
+    out: None, or an array to write the output into and return, of the
+        output's shape and the inputs' dtype; any strides whose rows (the
+        last axis) are contiguous and do not overlap: e.g. heads written as
+        (B, Nq, H, Dv) memory viewed as (B, H, Nq, Dv), which a following
+        projection reads without a transpose. On an error it is left as it
+        was.
 
 Returns:
     output (B, Nq, Dv) (heads: (B, H, Nq, Dv)), or the tuple

@@ -18,12 +18,16 @@ Checked for every op of the NumPy API:
   - valid_lens as a list, tuple, Python or NumPy scalar (2-D inputs), 0-d
     array, and integer arrays of every width, signedness and byte order,
     strided or misaligned, all give the bits of an int64 array;
+  - scaled_dot_product_attention's out= writes into the caller's array (any
+    layout with contiguous, non-overlapping rows), returns it, and leaves a
+    bad one as it was;
   - the bits of the C++ library: the same inputs through the `qkv` command
     (`qkv softmax`, `qkv attend --scoring dot|additive`, with valid lengths,
     scale, dropout, weights and lse), float32 and float64, equal the Python
     results byte for byte.
 """
 
+import re
 import subprocess
 
 import numpy as np
@@ -596,3 +600,39 @@ def test_attention_bits_equal_the_cli(qkv_cli, tmp_path, dtype, case, rng):
     for name, g in zip(("o", "w", "lse"), got):
         assert_same_bits(g, np.load(tmp_path / f"{name}.npy"), f"{scoring} {name} vs qkv attend")
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_writes_into_out(dtype, rng):
+    """out=: the output written into the caller's array (heads as (B, Nq, H, Dv)
+    memory viewed as (B, H, Nq, Dv), a 3-D slice of a wider array) and that
+    array returned, with the bits of the call without it; bad destinations are
+    errors that leave them as they were."""
+    B, H, Hkv, Nq, Nk, D, Dv = 2, 4, 2, 5, 9, 8, 6
+    q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Nk, Dv)).astype(dtype)
+    want, lse = qkv.scaled_dot_product_attention(q, k, v, [3, 9], return_lse=True)
+    memory = np.full((B, Nq, H, Dv), np.nan, dtype)
+    out = memory.transpose(0, 2, 1, 3)
+    got, got_lse = qkv.scaled_dot_product_attention(q, k, v, [3, 9], return_lse=True, out=out)
+    assert got is out
+    assert np.array_equal(memory.transpose(0, 2, 1, 3), want) and np.array_equal(got_lse, lse)
+    wide = np.full((B, Nq, Dv + 3), np.nan, dtype)  # 3-D, rows Dv + 3 apart
+    q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]
+    got = qkv.scaled_dot_product_attention(q3, k3, v3, out=wide[:, :, 1:Dv + 1])
+    assert np.array_equal(got, qkv.scaled_dot_product_attention(q3, k3, v3))
+    assert np.isnan(wide[:, :, 0]).all() and np.isnan(wide[:, :, Dv + 1:]).all()
+    bad = [(np.zeros((B, H, Nq, Dv), np.float32 if dtype == np.float64 else np.float64),
+            TypeError, "out has dtype"),
+           ([0.0], TypeError, "out is a list; expected a NumPy array to write into"),
+           (np.zeros((B, H, Nq, Dv + 1), dtype), qkv.Error,
+            "outputs.output has shape [2, 4, 5, 7]; expected [2, 4, 5, 6]"),
+           (np.zeros((B, H, Nq, 2 * Dv), dtype)[..., ::2], qkv.Error,
+            "contiguous rows (stride 1 along Dv) that do not overlap"),
+           (np.broadcast_to(np.zeros(Dv, dtype), (B, H, Nq, Dv)), qkv.Error, "read-only")]
+    for array, error, message in bad:
+        before = np.array(array, copy=True)
+        with pytest.raises(error, match=re.escape(message)):
+            qkv.scaled_dot_product_attention(q, k, v, out=array)
+        assert np.array_equal(np.asarray(array), before)

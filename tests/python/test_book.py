@@ -62,6 +62,11 @@ def test_toy_outputs_are_the_books(printed):
         assert got.shape == (8,) and np.allclose(got, books, rtol=0, atol=1e-4), (title, got)
 
 
+def test_multi_head_attention_gives_the_books_shape(printed):
+    # §11.5's check_shape: (batch_size, num_queries, num_hiddens).
+    assert section(printed, "multi-head attention, output shape:").strip() == "(2, 4, 100)"
+
+
 def test_toy_weights_are_uniform_over_the_valid_keys(printed):
     got = numbers(section(printed, "its attention weights:")).reshape(2, 10)
     assert np.allclose(got[0], [0.5] * 2 + [0.0] * 8, atol=1e-4)

@@ -206,3 +206,102 @@ def test_keep_attention_weights_false(rng):
         # The output does not depend on the flag.
         assert relative_error(output, with_weights(*inputs, lens), floor=1.0) <= 1e-12
         assert with_weights.attention_weights is not None
+
+
+# ---- qkv.torch.MultiHeadAttention -----------------------------------------------------
+
+def book_and_qkv_mha(s, dtype, dropout=0.5):
+    """The book's MultiHeadAttention around the book's attention, and
+    qkv.torch.MultiHeadAttention loaded from its state_dict."""
+    sizes = (s["query_size"], s["key_size"], s["value_size"], s["num_hiddens"], s["heads"])
+    book = BookMultiHeadAttention(BookDotProductAttention(dropout), *sizes).to(dtype)
+    ours = qkv.torch.MultiHeadAttention(s["num_hiddens"], s["heads"], dropout).to(dtype)
+    ours.load_state_dict(book.state_dict())
+    return book, ours
+
+
+def mha_inputs(rng, s, dtype):
+    return [randn(rng, (s["B"], s["Nq"], s["query_size"]), dtype),
+            randn(rng, (s["B"], s["Nk"], s["key_size"]), dtype),
+            randn(rng, (s["B"], s["Nk"], s["value_size"]), dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lens_kind", [None, "B", "BNq"])
+def test_multi_head_module_loads_the_books_state_dict(rng, lens_kind, dtype):
+    for _ in range(10):
+        s = mha_shapes(rng)
+        book, ours = book_and_qkv_mha(s, dtype)
+        book.eval()
+        ours.eval()
+        assert list(ours.state_dict()) == list(book.state_dict()) == [
+            "W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"]
+        lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"], low=1)
+        compare(book, ours, mha_inputs(rng, s, dtype), lens, rng, dtype)
+        # The book's attention_weights shape, (B * heads, Nq, Nk), and values.
+        got = ours.attention.attention_weights
+        want = book.attention.attention_weights
+        assert got.shape == want.shape
+        assert relative_error(got, want, floor=1.0) <= TOL[dtype]
+
+
+def test_multi_head_module_with_dropout_is_the_folded_heads_bit_for_bit(rng):
+    """In training mode with the same torch seed, qkv's module and the book's
+    MultiHeadAttention around qkv.torch.DotProductAttention (heads folded into
+    the batch: the same dropout mask, (seed, b H + h, i, j)) agree exactly."""
+    s = mha_shapes(rng)
+    sizes = (s["query_size"], s["key_size"], s["value_size"], s["num_hiddens"], s["heads"])
+    folded = BookMultiHeadAttention(qkv.torch.DotProductAttention(0.4), *sizes).train()
+    ours = qkv.torch.MultiHeadAttention(s["num_hiddens"], s["heads"], 0.4).train()
+    ours.load_state_dict(folded.state_dict())
+    inputs = mha_inputs(rng, s, torch.float32)
+    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"], low=1)
+    torch.manual_seed(7)
+    want = folded(*inputs, lens)
+    torch.manual_seed(7)
+    got = ours(*inputs, lens)
+    assert torch.equal(got, want)
+
+
+def test_multi_head_module_grouped_query_heads(rng):
+    """num_kv_heads < num_heads against the same model in torch's formulas:
+    key and value heads repeat_interleave'd to the query heads."""
+    dtype = torch.float64
+    for heads, kv_heads in ((4, 2), (6, 1), (8, 4)):
+        B, Nq, Nk, d = 2, 5, 7, 3
+        ours = qkv.torch.MultiHeadAttention(heads * d, heads, 0.0, num_kv_heads=kv_heads,
+                                            bias=True).to(dtype).eval()
+        X, Y = randn(rng, (B, Nq, 6), dtype), randn(rng, (B, Nk, 5), dtype)
+        got = ours(X, Y, Y, torch.tensor([3, 7]))
+        assert ours.W_k.weight.shape == (kv_heads * d, 5)
+        q = ours.W_q(X).reshape(B, Nq, heads, d).transpose(1, 2)
+        k, v = (W(Y).reshape(B, Nk, kv_heads, d).transpose(1, 2)
+                .repeat_interleave(heads // kv_heads, dim=1) for W in (ours.W_k, ours.W_v))
+        scores = q @ k.transpose(-1, -2) / d ** 0.5
+        keep = torch.arange(Nk)[None, None, None, :] < torch.tensor([3, 7])[:, None, None, None]
+        attn = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+        want = ours.W_o(attn.transpose(1, 2).reshape(B, Nq, -1))
+        assert relative_error(got, want, floor=1.0) <= TOL[dtype], (heads, kv_heads)
+        g = randn(rng, got.shape, dtype)
+        grads = torch.autograd.grad(got, list(ours.parameters()), g)
+        want_grads = torch.autograd.grad(want, list(ours.parameters()), g)
+        for a, b in zip(grads, want_grads):
+            assert relative_error(a, b, floor=1.0) <= TOL[dtype], (heads, kv_heads)
+
+
+def test_heads_output_concatenates_without_a_copy(rng):
+    """The 4-D output is the (B, H, Nq, Dv) view of (B, Nq, H, Dv) memory, so
+    joining the heads for W_o is a view."""
+    q, k, v = (randn(rng, (2, 4, n, 8), torch.float32) for n in (5, 7, 7))
+    out = qkv.torch.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 4, 5, 8)
+    joined = out.transpose(1, 2).reshape(2, 5, 32)
+    assert out.transpose(1, 2).is_contiguous()
+    assert joined.data_ptr() == out.data_ptr()
+
+
+def test_multi_head_module_rejects_bad_head_counts():
+    with pytest.raises(ValueError, match="num_hiddens = 10 is not a multiple of num_heads = 4"):
+        qkv.torch.MultiHeadAttention(10, 4, 0.0)
+    with pytest.raises(ValueError, match="num_heads = 4 is not a multiple of num_kv_heads = 3"):
+        qkv.torch.MultiHeadAttention(12, 4, 0.0, num_kv_heads=3)
