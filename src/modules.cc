@@ -1,11 +1,13 @@
-// DotProductAttention and AdditiveAttention modules (d2l's, with explicit
-// backward) and the SGD step.
+// DotProductAttention, AdditiveAttention and MultiHeadAttention modules
+// (d2l's, with explicit backward) and the SGD step.
 #include "qkv/modules.h"
 
 #include <cmath>
 #include <string>
 
 #include "check.h"
+#include "kernels/blas.h"
+#include "kernels/parallel.h"
 #include "kernels/philox.h"
 
 namespace qkv {
@@ -176,9 +178,210 @@ void AdditiveAttention<T>::sgd_step(double lr) {
   qkv::sgd_step(w_v_.view(), d_w_v_.view(), lr);
 }
 
+// ---- MultiHeadAttention ------------------------------------------------------------
+
+namespace {
+
+constexpr std::string_view kMha = "MultiHeadAttention";
+
+// (B, N, count * d) features as the (B, count, N, d) view of its heads.
+template <class T>
+TensorView<T> heads_of(TensorView<T> x, int64_t count) {
+  const int64_t n = x.size(1), features = x.size(2), d = count > 0 ? features / count : 0;
+  return TensorView<T>(x.data(), Shape{x.size(0), count, n, d},
+                       Shape{n * features, d, features, 1});
+}
+
+// y (B, N, out) = x (B, N, in) wᵀ + b, x contiguous, w (out, in), b (out) or empty.
+template <class T>
+Tensor<T> project(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+  const int64_t rows = x.size(0) * x.size(1), in = x.size(2), out = w.size(0);
+  Tensor<T> y(Shape{x.size(0), x.size(1), out});
+  kernels::parallel_gemm<T>(false, true, rows, out, in, T(1), x.data(), in, w.data(), in, T(0),
+                            y.data(), out);
+  if (!b.empty()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < out; ++c) y.data()[r * out + c] += b.data()[c];
+    }
+  }
+  return y;
+}
+
+// The backward of project for heads: d_heads (B, count, N, d) contiguous is
+// dLoss/dy viewed as heads. d_w (count d, in) += sum_b d_heads[b, h]ᵀ x[b]
+// per head h (its d rows); d_b += the sums over (b, n); returns d_x (B, N,
+// in) = sum_h d_heads[b, h] w[h's rows]. Head by head on the heads' own
+// layout: no transpose of d_heads. Task cuts by shape only (determinism).
+template <class T>
+Tensor<T> project_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& d_heads,
+                           Tensor<T>& d_w, Tensor<T>& d_b) {
+  const int64_t batch = x.size(0), n = x.size(1), in = x.size(2);
+  const int64_t count = d_heads.size(1), d = d_heads.size(3);
+  const auto head = [&](int64_t b, int64_t h) { return d_heads.data() + (b * count + h) * n * d; };
+  kernels::parallel_for(count, [&](int64_t h) {
+    for (int64_t b = 0; b < batch; ++b) {
+      kernels::gemm(true, false, d, in, n, T(1), head(b, h), d, x.data() + b * n * in, in, T(1),
+                    d_w.data() + h * d * in, in);
+      if (d_b.empty()) continue;
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = 0; c < d; ++c) d_b.data()[h * d + c] += head(b, h)[i * d + c];
+      }
+    }
+  });
+  Tensor<T> d_x(x.shape());
+  kernels::parallel_for(batch, [&](int64_t b) {
+    for (int64_t h = 0; h < count; ++h) {
+      kernels::gemm(false, false, n, in, d, T(1), head(b, h), d, w.data() + h * d * in, in,
+                    h == 0 ? T(0) : T(1), d_x.data() + b * n * in, in);
+    }
+  });
+  return d_x;
+}
+
+// "MultiHeadAttention::forward: keys has shape [2, 5]; expected (B, Nk, key_size) with key_size 3"
+template <class T>
+void check_input(std::string_view fn, std::string_view name, ConstView<T> x, std::string_view axes,
+                 int64_t size) {
+  if (x.rank() != 3 || x.size(2) != size) {
+    fail(fn, std::string(name) + " has shape " + x.shape().str() + "; expected " +
+                 std::string(axes) + " with the last size " + std::to_string(size));
+  }
+}
+
+}  // namespace
+
+template <class T>
+MultiHeadAttention<T>::MultiHeadAttention(int64_t query_size, int64_t key_size,
+                                          int64_t value_size, int64_t num_hiddens,
+                                          int64_t num_heads, double dropout, bool bias,
+                                          int64_t num_kv_heads, uint64_t seed)
+    : num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads == 0 ? num_heads : num_kv_heads),
+      dropout_(dropout),
+      seed_(seed) {
+  detail::check_dropout(kMha, "dropout", dropout);
+  if (query_size < 0 || key_size < 0 || value_size < 0 || num_hiddens < 0) {
+    fail(kMha, "sizes must be >= 0; got query_size " + std::to_string(query_size) +
+                   ", key_size " + std::to_string(key_size) + ", value_size " +
+                   std::to_string(value_size) + ", num_hiddens " + std::to_string(num_hiddens));
+  }
+  if (num_heads < 1 || num_hiddens % num_heads != 0) {
+    fail(kMha, "num_hiddens = " + std::to_string(num_hiddens) + " is not a multiple of num_heads = " +
+                   std::to_string(num_heads));
+  }
+  if (num_kv_heads_ < 1 || num_heads % num_kv_heads_ != 0) {
+    fail(kMha, "num_heads = " + std::to_string(num_heads) +
+                   " is not a multiple of num_kv_heads = " + std::to_string(num_kv_heads_));
+  }
+  const int64_t kv_hiddens = num_hiddens / num_heads * num_kv_heads_;
+  params_.w_q = linear_init<T>(Shape{num_hiddens, query_size}, seed, 10);
+  params_.w_k = linear_init<T>(Shape{kv_hiddens, key_size}, seed, 11);
+  params_.w_v = linear_init<T>(Shape{kv_hiddens, value_size}, seed, 12);
+  params_.w_o = linear_init<T>(Shape{num_hiddens, num_hiddens}, seed, 13);
+  if (bias) {
+    // torch.nn.Linear's bias: U(±1/sqrt(in_features)), the weight's bound.
+    const auto bias_init = [&](int64_t out, int64_t in, uint32_t stream) {
+      Tensor<T> b = linear_init<T>(Shape{out, in}, seed, stream);
+      return Tensor<T>::copy_of(ConstView<T>(b.data(), Shape{out}, Shape{in}));
+    };
+    params_.b_q = bias_init(num_hiddens, query_size, 14);
+    params_.b_k = bias_init(kv_hiddens, key_size, 15);
+    params_.b_v = bias_init(kv_hiddens, value_size, 16);
+    params_.b_o = bias_init(num_hiddens, num_hiddens, 17);
+  }
+  zero_grad();
+}
+
+template <class T>
+Tensor<T> MultiHeadAttention<T>::forward(ConstView<T> queries, ConstView<T> keys,
+                                         ConstView<T> values, const ValidLens& valid_lens,
+                                         Causal causal) {
+  constexpr std::string_view fn = "MultiHeadAttention::forward";
+  check_input(fn, "queries", queries, "(B, Nq, query_size)", params_.w_q.size(1));
+  check_input(fn, "keys", keys, "(B, Nk, key_size)", params_.w_k.size(1));
+  check_input(fn, "values", values, "(B, Nk, value_size)", params_.w_v.size(1));
+  if (keys.size(0) != queries.size(0) || values.size(0) != queries.size(0) ||
+      values.size(1) != keys.size(1)) {
+    fail(fn, "queries " + queries.shape().str() + ", keys " + keys.shape().str() + " and values " +
+                 values.shape().str() + " must share B, and keys and values Nk");
+  }
+  AttentionOptions options = forward_options(dropout_, training_, seed_, forward_count_);
+  options.causal = causal;
+  queries_ = Tensor<T>::copy_of(queries);
+  keys_ = Tensor<T>::copy_of(keys);
+  values_ = Tensor<T>::copy_of(values);
+  q_proj_ = project(queries_, params_.w_q, params_.b_q);
+  k_proj_ = project(keys_, params_.w_k, params_.b_k);
+  v_proj_ = project(values_, params_.w_v, params_.b_v);
+  const int64_t batch = queries.size(0), nq = queries.size(1), nk = keys.size(1);
+  joined_ = Tensor<T>(Shape{batch, nq, params_.w_q.size(0)});
+  lse_ = Tensor<T>(Shape{batch, num_heads_, nq});
+  weights_ = keep_weights_ ? Tensor<T>(Shape{batch, num_heads_, nq, nk}) : Tensor<T>();
+  AttentionOutputs<T> outputs{heads_of(joined_.view(), num_heads_), std::nullopt, lse_.view()};
+  if (keep_weights_) outputs.weights = weights_.view();
+  ready_ = false;
+  scaled_dot_product_attention(heads_of(q_proj_.view(), num_heads_),
+                               heads_of(k_proj_.view(), num_kv_heads_),
+                               heads_of(v_proj_.view(), num_kv_heads_), valid_lens, options,
+                               outputs);
+  valid_lens_ = valid_lens.to_tensor();
+  options_ = options;
+  ready_ = true;
+  return project(joined_, params_.w_o, params_.b_o);
+}
+
+template <class T>
+MultiHeadGrads<T> MultiHeadAttention<T>::backward(ConstView<T> d_output) {
+  constexpr std::string_view fn = "MultiHeadAttention::backward";
+  check_ready(fn, ready_);
+  detail::check_shape(fn, "d_output", d_output, joined_.shape());
+  const Tensor<T> g = Tensor<T>::copy_of(d_output);
+  const int64_t rows = joined_.size(0) * joined_.size(1), hid = joined_.size(2);
+  // W_o: dW_o += gᵀ joined, db_o += column sums, d_joined = g W_o.
+  kernels::parallel_gemm<T>(true, false, hid, hid, rows, T(1), g.data(), hid, joined_.data(), hid,
+                            T(1), grads_.w_o.data(), hid);
+  if (!grads_.b_o.empty()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < hid; ++c) grads_.b_o.data()[c] += g.data()[r * hid + c];
+    }
+  }
+  Tensor<T> d_joined(joined_.shape());
+  kernels::parallel_gemm<T>(false, false, rows, hid, hid, T(1), g.data(), hid,
+                            params_.w_o.data(), hid, T(0), d_joined.data(), hid);
+  const DotProductGrads<T> heads = scaled_dot_product_attention_backward(
+      heads_of(q_proj_.view(), num_heads_), heads_of(k_proj_.view(), num_kv_heads_),
+      heads_of(v_proj_.view(), num_kv_heads_), ValidLens(valid_lens_), options_,
+      {heads_of(joined_.view(), num_heads_), lse_}, heads_of(d_joined.view(), num_heads_));
+  return {project_backward(queries_, params_.w_q, heads.d_queries, grads_.w_q, grads_.b_q),
+          project_backward(keys_, params_.w_k, heads.d_keys, grads_.w_k, grads_.b_k),
+          project_backward(values_, params_.w_v, heads.d_values, grads_.w_v, grads_.b_v)};
+}
+
+template <class T>
+void MultiHeadAttention<T>::zero_grad() {
+  for (auto [grad, param] : {std::pair{&grads_.w_q, &params_.w_q}, {&grads_.w_k, &params_.w_k},
+                             {&grads_.w_v, &params_.w_v}, {&grads_.w_o, &params_.w_o},
+                             {&grads_.b_q, &params_.b_q}, {&grads_.b_k, &params_.b_k},
+                             {&grads_.b_v, &params_.b_v}, {&grads_.b_o, &params_.b_o}}) {
+    *grad = param->empty() ? Tensor<T>() : Tensor<T>(param->shape());
+  }
+}
+
+template <class T>
+void MultiHeadAttention<T>::sgd_step(double lr) {
+  for (auto [param, grad] : {std::pair{&params_.w_q, &grads_.w_q}, {&params_.w_k, &grads_.w_k},
+                             {&params_.w_v, &grads_.w_v}, {&params_.w_o, &grads_.w_o},
+                             {&params_.b_q, &grads_.b_q}, {&params_.b_k, &grads_.b_k},
+                             {&params_.b_v, &grads_.b_v}, {&params_.b_o, &grads_.b_o}}) {
+    if (!param->empty()) qkv::sgd_step(param->view(), grad->view(), lr);
+  }
+}
+
 template class DotProductAttention<float>;
 template class DotProductAttention<double>;
 template class AdditiveAttention<float>;
 template class AdditiveAttention<double>;
+template class MultiHeadAttention<float>;
+template class MultiHeadAttention<double>;
 
 }  // namespace qkv

@@ -1,7 +1,10 @@
 // GoogleTest suite of the modules (qkv/modules.h): DotProductAttention and
 // AdditiveAttention against the function calls they wrap (forward, stored
 // weights, backward, the dropout seed sequence), parameter initialisation,
-// gradient accumulation, sgd_step, a small training run, and bad use.
+// gradient accumulation, sgd_step, a small training run, and bad use;
+// MultiHeadAttention against the book's computation with transposes (the
+// heads folded into the batch, key heads repeated for grouped queries) in
+// float64 plain loops around the reference attention.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -514,6 +517,244 @@ TYPED_TEST(Modules, BadUse) {
         },
         {"dropout"});
   }
+}
+
+// ---- MultiHeadAttention --------------------------------------------------------------
+
+// y (rows, out) = x (rows, in) wᵀ + b in double.
+std::vector<double> linear(const std::vector<double>& x, int64_t rows, int64_t in,
+                           const std::vector<double>& w, const std::vector<double>& b,
+                           int64_t out) {
+  std::vector<double> y(rows * out);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out; ++o) {
+      double sum = b.empty() ? 0.0 : b[o];
+      for (int64_t i = 0; i < in; ++i) sum += x[r * in + i] * w[o * in + i];
+      y[r * out + o] = sum;
+    }
+  return y;
+}
+
+template <class T>
+std::vector<double> doubles(const Tensor<T>& t) {
+  return std::vector<double>(t.values().begin(), t.values().end());
+}
+
+// The book's transpose_qkv: (B, N, count d) -> (B H, N, d) with head h of
+// batch b at b H + h, reading head h / (H / count) (count = H: each its own).
+Tensor<double> fold(const std::vector<double>& x, int64_t batch, int64_t n, int64_t count,
+                    int64_t heads, int64_t d) {
+  Tensor<double> out(Shape{batch * heads, n, d});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < d; ++c)
+          out(b * heads + h, i, c) = x[(b * n + i) * count * d + (h / (heads / count)) * d + c];
+  return out;
+}
+
+// The book's transpose_output: (B H, N, d) -> (B, N, H d); with `count` <
+// H, head h is added into head h / (H / count) (the gradient of fold).
+std::vector<double> unfold(const Tensor<double>& x, int64_t batch, int64_t count, int64_t heads) {
+  const int64_t n = x.size(1), d = x.size(2);
+  std::vector<double> out(batch * n * count * d, 0.0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < d; ++c)
+          out[(b * n + i) * count * d + (h / (heads / count)) * d + c] += x(b * heads + h, i, c);
+  return out;
+}
+
+struct MhaCase {
+  int64_t batch, nq, nk, query_size, key_size, value_size, hiddens, heads, kv_heads;
+  bool bias;
+  double dropout;
+  LensForm lens;
+  Causal causal;
+};
+
+// forward and backward of the module against the book's computation with
+// transposes in double around ref::scaled_dot_product_attention, the same
+// parameters and dropout seed.
+template <class T>
+void check_mha(Rng& rng, const MhaCase& c) {
+  SCOPED_TRACE("B=" + std::to_string(c.batch) + " Nq=" + std::to_string(c.nq) +
+               " Nk=" + std::to_string(c.nk) + " hiddens=" + std::to_string(c.hiddens) +
+               " heads=" + std::to_string(c.heads) + " kv_heads=" + std::to_string(c.kv_heads) +
+               " bias=" + std::to_string(c.bias) + " dropout=" + std::to_string(c.dropout));
+  const uint64_t module_seed = rng.next();
+  MultiHeadAttention<T> mha(c.query_size, c.key_size, c.value_size, c.hiddens, c.heads, c.dropout,
+                            c.bias, c.kv_heads, module_seed);
+  const Tensor<T> queries = random_tensor<T>(rng, {c.batch, c.nq, c.query_size});
+  const Tensor<T> keys = random_tensor<T>(rng, {c.batch, c.nk, c.key_size});
+  const Tensor<T> values = random_tensor<T>(rng, {c.batch, c.nk, c.value_size});
+  const OwnedLens lens = make_lens(rng, c.lens, false, c.batch, c.nq, c.nk, 0.0);
+  const Tensor<T> out = mha.forward(queries, keys, values, lens.get(), c.causal);
+  ASSERT_EQ(out.shape(), (Shape{c.batch, c.nq, c.hiddens}));
+
+  const int64_t d = c.hiddens / c.heads, kv = c.kv_heads == 0 ? c.heads : c.kv_heads;
+  const MultiHeadParams<T>& p = mha.params();
+  const auto q_proj = linear(doubles(queries), c.batch * c.nq, c.query_size, doubles(p.w_q),
+                             doubles(p.b_q), c.hiddens);
+  const auto k_proj = linear(doubles(keys), c.batch * c.nk, c.key_size, doubles(p.w_k),
+                             doubles(p.b_k), kv * d);
+  const auto v_proj = linear(doubles(values), c.batch * c.nk, c.value_size, doubles(p.w_v),
+                             doubles(p.b_v), kv * d);
+  const Tensor<double> q3 = fold(q_proj, c.batch, c.nq, c.heads, c.heads, d);
+  const Tensor<double> k3 = fold(k_proj, c.batch, c.nk, kv, c.heads, d);
+  const Tensor<double> v3 = fold(v_proj, c.batch, c.nk, kv, c.heads, d);
+  // d2l's repeat_interleave of the lengths.
+  Tensor<int64_t> lens3;
+  if (c.lens != LensForm::kNone) {
+    const bool per_query = c.lens == LensForm::kPerQuery;
+    lens3 = Tensor<int64_t>(per_query ? Shape{c.batch * c.heads, c.nq} : Shape{c.batch * c.heads});
+    for (int64_t bh = 0; bh < c.batch * c.heads; ++bh)
+      for (int64_t i = 0; i < (per_query ? c.nq : 1); ++i)
+        lens3.data()[bh * (per_query ? c.nq : 1) + i] = lens.at(bh / c.heads, i, c.nk);
+  }
+  AttentionOptions o;
+  o.dropout = c.dropout;
+  o.training = true;
+  o.seed = module_seed;  // the first training forward's mask
+  o.causal = c.causal;
+  const AttentionResult<double> att = ref::scaled_dot_product_attention(q3, k3, v3,
+                                                                        as_valid_lens(lens3), o);
+  const auto joined = unfold(att.output, c.batch, c.heads, c.heads);
+  const auto want = linear(joined, c.batch * c.nq, c.hiddens, doubles(p.w_o), doubles(p.b_o),
+                           c.hiddens);
+  const Tol tol = tol_for<T>(Tol{.atol = 2e-5, .rtol = 1e-4}, Tol{.atol = 1e-12, .rtol = 1e-10});
+  ASSERT_TRUE(expect_close(out, Tensor<double>(out.shape(), want), tol, "output"));
+  // attention_weights: (B, H, Nq, Nk), the folded weights.
+  ASSERT_EQ(mha.attention_weights().shape(), (Shape{c.batch, c.heads, c.nq, c.nk}));
+  expect_close(Tensor<T>::copy_of(ConstView<T>(mha.attention_weights().data(),
+                                               Shape{c.batch * c.heads, c.nq, c.nk})),
+               att.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "attention_weights");
+
+  // Backward: d_joined = g W_o, the reference attention's backward on the
+  // folded heads, then each projection's.
+  const Tensor<T> g = random_tensor<T>(rng, {c.batch, c.nq, c.hiddens});
+  const MultiHeadGrads<T> got = mha.backward(g);
+  const int64_t rows_q = c.batch * c.nq, rows_k = c.batch * c.nk;
+  std::vector<double> d_joined(rows_q * c.hiddens, 0.0), d_w_o(c.hiddens * c.hiddens, 0.0),
+      d_b_o(c.hiddens, 0.0);
+  const auto gd = doubles(g), w_o = doubles(p.w_o);
+  for (int64_t r = 0; r < rows_q; ++r)
+    for (int64_t o2 = 0; o2 < c.hiddens; ++o2) {
+      d_b_o[o2] += gd[r * c.hiddens + o2];
+      for (int64_t i = 0; i < c.hiddens; ++i) {
+        d_joined[r * c.hiddens + i] += gd[r * c.hiddens + o2] * w_o[o2 * c.hiddens + i];
+        d_w_o[o2 * c.hiddens + i] += gd[r * c.hiddens + o2] * joined[r * c.hiddens + i];
+      }
+    }
+  const Tensor<double> d_out3 = fold(d_joined, c.batch, c.nq, c.heads, c.heads, d);
+  const DotProductGrads<double> g3 = ref::scaled_dot_product_attention_backward(
+      q3, k3, v3, as_valid_lens(lens3), o, {att.output, att.lse}, d_out3);
+  struct Projection {
+    const char* name;
+    std::vector<double> d_proj, x;
+    int64_t rows, in, out;
+    const Tensor<T>*w, *got_dx, *got_dw, *got_db;
+  };
+  const Projection projections[] = {
+      {"queries", unfold(g3.d_queries, c.batch, c.heads, c.heads), doubles(queries), rows_q,
+       c.query_size, c.hiddens, &p.w_q, &got.d_queries, &mha.grads().w_q, &mha.grads().b_q},
+      {"keys", unfold(g3.d_keys, c.batch, kv, c.heads), doubles(keys), rows_k, c.key_size, kv * d,
+       &p.w_k, &got.d_keys, &mha.grads().w_k, &mha.grads().b_k},
+      {"values", unfold(g3.d_values, c.batch, kv, c.heads), doubles(values), rows_k,
+       c.value_size, kv * d, &p.w_v, &got.d_values, &mha.grads().w_v, &mha.grads().b_v}};
+  const Tol grad_tol =
+      tol_for<T>(Tol{.atol = 1e-4, .rtol = 1e-4}, Tol{.atol = 1e-11, .rtol = 1e-9});
+  for (const Projection& pr : projections) {
+    SCOPED_TRACE(pr.name);
+    std::vector<double> dx(pr.rows * pr.in, 0.0), dw(pr.out * pr.in, 0.0), db(pr.out, 0.0);
+    const auto w = doubles(*pr.w);
+    for (int64_t r = 0; r < pr.rows; ++r)
+      for (int64_t o2 = 0; o2 < pr.out; ++o2) {
+        const double gr = pr.d_proj[r * pr.out + o2];
+        db[o2] += gr;
+        for (int64_t i = 0; i < pr.in; ++i) {
+          dx[r * pr.in + i] += gr * w[o2 * pr.in + i];
+          dw[o2 * pr.in + i] += gr * pr.x[r * pr.in + i];
+        }
+      }
+    expect_close(*pr.got_dx, Tensor<double>(pr.got_dx->shape(), dx), grad_tol, "d_input");
+    expect_close(*pr.got_dw, Tensor<double>(pr.got_dw->shape(), dw), grad_tol, "d_w");
+    if (c.bias) expect_close(*pr.got_db, Tensor<double>(Shape{pr.out}, db), grad_tol, "d_b");
+  }
+  expect_close(mha.grads().w_o, Tensor<double>(Shape{c.hiddens, c.hiddens}, d_w_o), grad_tol,
+               "d_w_o");
+  if (c.bias) expect_close(mha.grads().b_o, Tensor<double>(Shape{c.hiddens}, d_b_o), grad_tol, "d_b_o");
+}
+
+TYPED_TEST(Modules, MultiHeadAttentionIsTheBooksWithoutTransposes) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const MhaCase cases[] = {
+      {2, 4, 6, 100, 100, 100, 100, 5, 0, false, 0.0, LensForm::kPerBatch, Causal::kNone},
+      {2, 7, 9, 6, 5, 4, 12, 4, 2, true, 0.0, LensForm::kPerQuery, Causal::kNone},
+      {3, 5, 5, 8, 8, 8, 16, 8, 1, false, 0.3, LensForm::kNone, Causal::kTopLeft},
+      {1, 300, 520, 16, 24, 8, 64, 4, 4, true, 0.1, LensForm::kPerBatch, Causal::kBottomRight},
+      {2, 1, 700, 32, 32, 32, 64, 8, 2, false, 0.0, LensForm::kPerBatch, Causal::kNone},
+  };
+  for (const MhaCase& c : cases) {
+    check_mha<TypeParam>(rng, c);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TYPED_TEST(Modules, MultiHeadAttentionAccumulatesAndSteps) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  MultiHeadAttention<T> mha(6, 5, 4, 12, 4, 0.0, true, 2, rng.next());
+  const Tensor<T> q = random_tensor<T>(rng, {2, 3, 6}), k = random_tensor<T>(rng, {2, 7, 5}),
+                  v = random_tensor<T>(rng, {2, 7, 4}), g = random_tensor<T>(rng, {2, 3, 12});
+  mha.forward(q, k, v);
+  mha.backward(g);
+  const MultiHeadParams<T> once = mha.grads();
+  mha.forward(q, k, v);
+  mha.backward(g);
+  for (const auto& [a, b] : {std::pair{&mha.grads().w_q, &once.w_q}, {&mha.grads().w_o, &once.w_o},
+                             {&mha.grads().b_k, &once.b_k}}) {
+    Tensor<T> twice(b->shape());
+    for (int64_t e = 0; e < b->numel(); ++e) twice.data()[e] = 2 * b->data()[e];
+    expect_close(*a, twice, tol_for<T>(Tol{.atol = 1e-6, .rtol = 1e-6},
+                                       Tol{.atol = 1e-14, .rtol = 1e-14}), "twice the gradient");
+  }
+  const Tensor<T> before = mha.params().w_v;
+  mha.sgd_step(0.5);
+  for (int64_t e = 0; e < before.numel(); ++e) {
+    ASSERT_EQ(mha.params().w_v.data()[e],
+              static_cast<T>(before.data()[e] - static_cast<T>(0.5) * mha.grads().w_v.data()[e]));
+  }
+  mha.zero_grad();
+  for (const T x : mha.grads().w_q.values()) ASSERT_EQ(x, T(0));
+}
+
+TYPED_TEST(Modules, MultiHeadAttentionBadUse) {
+  using T = TypeParam;
+  expect_error([] { MultiHeadAttention<T>(4, 4, 4, 10, 4); },
+               {"MultiHeadAttention", "num_hiddens = 10 is not a multiple of num_heads = 4"});
+  expect_error([] { MultiHeadAttention<T>(4, 4, 4, 12, 4, 0.0, false, 3); },
+               {"num_heads = 4 is not a multiple of num_kv_heads = 3"});
+  expect_error([] { MultiHeadAttention<T>(4, 4, 4, 12, 0); }, {"num_heads = 0"});
+  expect_error([] { MultiHeadAttention<T>(-1, 4, 4, 12, 4); }, {"sizes must be >= 0"});
+  expect_error([] { MultiHeadAttention<T>(4, 4, 4, 12, 4, 1.5); }, {"dropout"});
+  MultiHeadAttention<T> mha(4, 3, 2, 8, 2);
+  const Tensor<T> q(Shape{2, 5, 4}), k(Shape{2, 6, 3}), v(Shape{2, 6, 2});
+  expect_error([&] { mha.backward(Tensor<T>(Shape{2, 5, 8})); },
+               {"MultiHeadAttention::backward", "call forward first"});
+  expect_error([&] { mha.forward(Tensor<T>(Shape{2, 5, 3}), k, v); },
+               {"MultiHeadAttention::forward", "queries has shape [2, 5, 3]",
+                "(B, Nq, query_size) with the last size 4"});
+  expect_error([&] { mha.forward(q, k, Tensor<T>(Shape{2, 7, 2})); },
+               {"must share B, and keys and values Nk"});
+  mha.forward(q, k, v);
+  expect_error([&] { mha.backward(Tensor<T>(Shape{2, 5, 9})); },
+               {"d_output has shape [2, 5, 9]; expected [2, 5, 8]"});
 }
 
 }  // namespace

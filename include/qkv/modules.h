@@ -103,4 +103,84 @@ class AdditiveAttention {
   detail::AttentionCache<T> cache_;
 };
 
+// The parameters of a MultiHeadAttention (as torch.nn.Linear's: weights
+// (out_features, in_features), biases (out_features), empty without bias),
+// and the same shapes for their gradients.
+template <class T>
+struct MultiHeadParams {
+  Tensor<T> w_q, w_k, w_v, w_o;  // (hid, query_size), (kv_hid, key_size), (kv_hid, value_size), (hid, hid)
+  Tensor<T> b_q, b_k, b_v, b_o;  // (hid), (kv_hid), (kv_hid), (hid)
+};
+
+// What MultiHeadAttention::backward returns: the gradients of its inputs.
+template <class T>
+struct MultiHeadGrads {
+  Tensor<T> d_queries;  // (B, Nq, query_size)
+  Tensor<T> d_keys;     // (B, Nk, key_size)
+  Tensor<T> d_values;   // (B, Nk, value_size)
+};
+
+// d2l's MultiHeadAttention (section 11.5): W_q, W_k, W_v project the queries,
+// keys and values to num_hiddens features, split into num_heads heads of
+// d = num_hiddens / num_heads; scaled dot-product attention per head; W_o
+// mixes the joined heads. With num_kv_heads < num_heads (0: num_heads) keys
+// and values have num_kv_heads heads of d (W_k, W_v give num_kv_heads d
+// features) shared by num_heads / num_kv_heads query heads: grouped-query
+// attention. The heads are strided (B, H, N, d) views of the projections and
+// each head's output is written straight into its d columns of the joined
+// (B, Nq, num_hiddens) tensor: no head transposes, forward or backward.
+// Parameters initialised as torch.nn.Linear's default from `seed`; dropout on
+// the weights in training mode (a fresh mask per training forward, as
+// DotProductAttention); valid_lens (B) or (B, Nq) shared by the heads.
+// Gradients accumulate across backward calls until zero_grad().
+template <class T = float>
+class MultiHeadAttention {
+ public:
+  MultiHeadAttention(int64_t query_size, int64_t key_size, int64_t value_size,
+                     int64_t num_hiddens, int64_t num_heads, double dropout = 0.0,
+                     bool bias = false, int64_t num_kv_heads = 0, uint64_t seed = 0);
+
+  void train(bool on = true) { training_ = on; }
+  void eval() { training_ = false; }
+  bool training() const { return training_; }
+  int64_t num_heads() const { return num_heads_; }
+  int64_t num_kv_heads() const { return num_kv_heads_; }
+  // Whether forward keeps the weights (B, num_heads, Nq, Nk) (default true,
+  // as d2l; off saves that buffer).
+  void keep_attention_weights(bool on) { keep_weights_ = on; }
+
+  MultiHeadParams<T>& params() { return params_; }
+  const MultiHeadParams<T>& params() const { return params_; }
+  const MultiHeadParams<T>& grads() const { return grads_; }
+
+  // queries (B, Nq, query_size), keys (B, Nk, key_size), values (B, Nk,
+  // value_size) -> (B, Nq, num_hiddens).
+  Tensor<T> forward(ConstView<T> queries, ConstView<T> keys, ConstView<T> values,
+                    const ValidLens& valid_lens = {}, Causal causal = Causal::kNone);
+  // The last forward's weights (before dropout), (B, num_heads, Nq, Nk);
+  // empty when not kept.
+  const Tensor<T>& attention_weights() const { return weights_; }
+  // Gradients of the last forward's inputs given dLoss/d(output) (B, Nq,
+  // num_hiddens); adds the parameters' gradients into grads().
+  MultiHeadGrads<T> backward(ConstView<T> d_output);
+  void zero_grad();
+  // Every parameter -= lr * its gradient.
+  void sgd_step(double lr);
+
+ private:
+  int64_t num_heads_, num_kv_heads_;
+  double dropout_;
+  uint64_t seed_;
+  uint64_t forward_count_ = 0;
+  bool training_ = true;
+  bool keep_weights_ = true;
+  MultiHeadParams<T> params_, grads_;
+  // The last forward: its inputs (copies), lengths, options, the projections
+  // (B, N, features), the joined heads' output (B, Nq, num_hiddens) and lse.
+  Tensor<T> queries_, keys_, values_, q_proj_, k_proj_, v_proj_, joined_, lse_, weights_;
+  Tensor<int64_t> valid_lens_;
+  AttentionOptions options_;
+  bool ready_ = false;
+};
+
 }  // namespace qkv
