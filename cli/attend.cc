@@ -20,6 +20,7 @@ struct AttendArgs {
   std::string valid_lens;
   std::optional<double> scale;
   std::string causal;  // "", "top-left" or "bottom-right"
+  std::string window;  // "", or "L,R"
   std::string w_q, w_k, w_v;
   double dropout = 0.0;
   bool train = false;
@@ -46,6 +47,10 @@ void check_options(const AttendArgs& args) {
   if (additive && args.scale) {
     throw UsageError("--scale is for --scoring dot; additive attention has no scale");
   }
+  if (additive && !args.window.empty()) {
+    throw UsageError("--window is for --scoring dot; additive attention takes --valid-lens and "
+                     "--causal");
+  }
 }
 
 // `inputs` holds queries, keys, values and, for additive, w_q, w_k, w_v, all
@@ -65,6 +70,11 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   options.want_lse = !args.lse.empty();
   if (args.causal == "top-left") options.causal = Causal::kTopLeft;
   if (args.causal == "bottom-right") options.causal = Causal::kBottomRight;
+  if (!args.window.empty()) {
+    const size_t comma = args.window.find(',');
+    options.window_left = std::stoll(args.window.substr(0, comma));
+    options.window_right = std::stoll(args.window.substr(comma + 1));
+  }
 
   AttentionResult<T> result =
       args.scoring == "dot"
@@ -181,6 +191,26 @@ Command add_attend_command(CLI::App& parent) {
       ->expected(0, 1)
       ->default_str("top-left")
       ->check(CLI::IsMember({"top-left", "bottom-right"}));
+  app->add_option("--window", args->window,
+                  "dot only: a sliding window, query i sees keys j with i + Nk - Nq - L <= j <= "
+                  "i + Nk - Nq + R (FlashAttention's window_size); -1 leaves a side open; "
+                  "combines with --valid-lens and --causal")
+      ->type_name("L,R")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            const size_t comma = text.find(',');
+            const auto side = [](const std::string& part) {
+              char* end = nullptr;
+              const long long n = std::strtoll(part.c_str(), &end, 10);
+              return !part.empty() && end == part.c_str() + part.size() && n >= -1 &&
+                     n < (1LL << 40);
+            };
+            return comma != std::string::npos && side(text.substr(0, comma)) &&
+                           side(text.substr(comma + 1))
+                       ? std::string()
+                       : "must be two integers >= -1 as L,R (e.g. 256,0), got " + text;
+          },
+          ""));
   app->add_option("--dropout", args->dropout,
                   "Dropout probability on the weights, applied only with --train")
       ->type_name("P")

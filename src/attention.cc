@@ -220,6 +220,52 @@ ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& va
                " is not a qkv::Causal value");
 }
 
+// The masks of options as the kernels read them: mask as a (B, H, Nq, Nk)
+// view with zero strides where it broadcasts; key_mask (B, Nk); the window.
+void check_masks(std::string_view fn, const Dims& dims, const AttentionOptions& options,
+                 kernels::AttentionConfig& config) {
+  const Shape scores = heads_shape(dims, dims.heads, dims.nq, dims.nk);
+  if (options.mask.rank() > 0) {
+    const ConstView<uint8_t>& m = options.mask;
+    bool fits = m.rank() >= 1 && m.rank() <= scores.rank();
+    for (int a = 0; fits && a < m.rank(); ++a) {
+      const int64_t size = m.size(m.rank() - 1 - a), want = scores[scores.rank() - 1 - a];
+      fits = size == want || size == 1;
+    }
+    if (!fits) {
+      fail(fn, "options.mask has shape " + m.shape().str() + ", which does not broadcast to the "
+                   "scores " + scores.str() +
+                   " (aligned from the right, each axis 1 or the scores' size)");
+    }
+    // (B, H, Nq, Nk) with stride 0 along the axes the mask broadcasts over
+    // (3-D scores have no H axis: full axes 0, 2, 3).
+    const Shape full{dims.batch, dims.heads, dims.nq, dims.nk};
+    Shape strides{0, 0, 0, 0};
+    const int to_full_3d[] = {0, 2, 3};
+    for (int a = 0; a < m.rank(); ++a) {
+      const int scores_axis = scores.rank() - m.rank() + a;
+      const int axis = scores.rank() == 4 ? scores_axis : to_full_3d[scores_axis];
+      if (m.size(a) != 1) strides[axis] = m.stride(a);
+    }
+    config.mask = ConstView<uint8_t>(m.data(), full, strides);
+  }
+  if (options.key_mask.rank() > 0) {
+    detail::check_shape(fn, "options.key_mask", options.key_mask, Shape{dims.batch, dims.nk});
+    config.key_mask = options.key_mask;
+  }
+  for (const auto& [name, value] : {std::pair{"options.window_left", options.window_left},
+                                    {"options.window_right", options.window_right}}) {
+    if (value < -1) fail(fn, std::string(name) + " = " + std::to_string(value) + " is below -1");
+  }
+  config.window_left = options.window_left;
+  config.window_right = options.window_right;
+}
+
+bool has_masks(const AttentionOptions& options) {
+  return options.mask.rank() > 0 || options.key_mask.rank() > 0 || options.window_left != -1 ||
+         options.window_right != -1;
+}
+
 kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
                                      const ValidLens& valid_lens, const AttentionOptions& options) {
   detail::check_dropout(fn, "options.dropout", options.dropout);
@@ -230,8 +276,11 @@ kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
     fail(fn, "queries has D = 0, so the default scale 1/sqrt(D) is undefined; set options.scale");
   }
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.dq)));
-  return {kernel_lens(fn, dims, valid_lens, options), scale,
-          options.training ? options.dropout : 0.0, options.seed, dims.heads};
+  kernels::AttentionConfig config{kernel_lens(fn, dims, valid_lens, options), scale,
+                                  options.training ? options.dropout : 0.0, options.seed,
+                                  dims.heads};
+  check_masks(fn, dims, options, config);
+  return config;
 }
 
 kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
@@ -240,6 +289,10 @@ kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
   detail::check_dropout(fn, "options.dropout", options.dropout);
   if (options.scale) {
     fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
+  }
+  if (has_masks(options)) {
+    fail(fn, "options.mask, key_mask and window_left/right are for scaled dot-product "
+             "attention; additive attention takes valid_lens and causal");
   }
   return {kernel_lens(fn, dims, valid_lens, options), 1.0,
           options.training ? options.dropout : 0.0, options.seed};

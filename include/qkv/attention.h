@@ -46,6 +46,23 @@ struct AttentionOptions {
   // work. A query left with no key gets a zero output, lse -inf and zero
   // gradients (torch's math path gives NaN there).
   Causal causal = Causal::kNone;
+  // Which keys each query may see beyond valid_lens and causal (scaled
+  // dot-product attention; everything combines: a key takes part only where
+  // every rule lets it). Nonzero = takes part, as torch's boolean attn_mask.
+  // mask: broadcast against the scores (B, Nq, Nk), or (B, H, Nq, Nk) for
+  // heads: aligned from the right, each axis 1 or the scores' size, e.g.
+  // (Nq, Nk), (B, 1, Nq, Nk) or (B, 1, 1, Nk). Read in place, one byte per
+  // element; key blocks it leaves no key of are skipped.
+  ConstView<uint8_t> mask;
+  // key_mask (B, Nk): key j of batch element b takes part (key padding).
+  ConstView<uint8_t> key_mask;
+  // A sliding window (FlashAttention's window_size, aligned like
+  // Causal::kBottomRight): query i sees keys j with
+  // i + Nk - Nq - window_left <= j <= i + Nk - Nq + window_right; -1 leaves
+  // that side open, so (-1, 0) is bottom-right causal and (256, 0) a causal
+  // window of 257 keys. Blocks outside every row's window are skipped.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
 };
 
 template <class T>

@@ -64,6 +64,9 @@ def scaled_dot_product_attention(
     return_lse: bool = False,
     causal: Optional[str] = None,
     out: Optional[FloatArray] = None,
+    mask: Optional[ArrayLike] = None,
+    key_mask: Optional[ArrayLike] = None,
+    window: Optional[Tuple[int, int]] = None,
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
     queries: ArrayLike,
@@ -78,6 +81,9 @@ def scaled_dot_product_attention_backward(
     dropout: float = 0.0,
     seed: int = 0,
     causal: Optional[str] = None,
+    mask: Optional[ArrayLike] = None,
+    key_mask: Optional[ArrayLike] = None,
+    window: Optional[Tuple[int, int]] = None,
 ) -> ScaledDotProductAttentionGrads: ...
 def additive_attention(
     queries: ArrayLike,
@@ -174,6 +180,9 @@ def _scaled_dot_product_attention_bf16(
     return_weights: bool,
     return_lse: bool,
     causal: Optional[str],
+    mask: Optional[ArrayLike],
+    key_mask: Optional[ArrayLike],
+    window: Optional[Tuple[int, int]],
 ) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
 def _scaled_dot_product_attention_bf16_backward(
     queries: ArrayLike,
@@ -187,4 +196,7 @@ def _scaled_dot_product_attention_bf16_backward(
     dropout: float,
     seed: int,
     causal: Optional[str],
+    mask: Optional[ArrayLike],
+    key_mask: Optional[ArrayLike],
+    window: Optional[Tuple[int, int]],
 ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...

@@ -86,9 +86,29 @@ def _lens(fn, valid_lens):
 
 
 def _kept(lens):
-    """The lengths a backward will use: a copy, so that changing the caller's
-    tensor between forward and backward cannot change the gradients."""
+    """The lengths (or mask) a backward will use: a copy, so that changing the
+    caller's tensor between forward and backward cannot change the gradients."""
     return None if lens is None else np.array(lens)
+
+
+def _bool_mask(fn, attn_mask):
+    """attn_mask for the kernels: None, or a bool array (no copy of a CPU
+    tensor; True = takes part). A float mask (an additive bias) is not
+    supported yet."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"{fn}: attn_mask is a {type(attn_mask).__name__}; expected a "
+                        f"torch.Tensor")
+    if not attn_mask.is_cpu:
+        raise ValueError(f"{fn}: attn_mask is on {attn_mask.device}; qkv computes on the CPU")
+    if attn_mask.is_floating_point():
+        raise NotImplementedError(f"qkv.torch.{fn}: a float attn_mask (an additive bias) is not "
+                                  f"supported yet; a bool attn_mask is (True = takes part)")
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"{fn}: attn_mask has dtype "
+                        f"{str(attn_mask.dtype).removeprefix('torch.')}; expected bool")
+    return attn_mask.numpy()
 
 
 def _draw_seed():
@@ -146,7 +166,7 @@ def masked_softmax(X, valid_lens=None):
 
 # ---- scaled dot-product attention ------------------------------------------------
 
-def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal,
+def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
                   need_lse):
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
@@ -154,7 +174,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-            want_weights, need_lse, causal)
+            want_weights, need_lse, causal, mask, None, None)
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
         return output.to(torch.bfloat16), weights, output, lse
@@ -169,7 +189,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     parts = _qkv.scaled_dot_product_attention(
         _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
-        out=None if out is None else _array(out))
+        out=None if out is None else _array(out), mask=mask)
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts) if out is None else out
         return output, None, output, None
@@ -185,10 +205,10 @@ class _Sdpa(torch.autograd.Function):
     (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal):
-        ctx.config = (_kept(lens), scale, dropout_p, seed, causal)
+    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask):
+        ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask))
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
-                                                     seed, want_weights, causal, True)
+                                                     seed, want_weights, causal, mask, True)
         ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
         if weights is None:
             weights = query.new_empty(0)
@@ -199,22 +219,23 @@ class _Sdpa(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_output, _d_weights):
         query, key, value, output, lse = ctx.saved_tensors
-        lens, scale, dropout_p, seed, causal = ctx.config
+        lens, scale, dropout_p, seed, causal, mask = ctx.config
         if query.dtype == torch.bfloat16:
             grads = _qkv._scaled_dot_product_attention_bf16_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output.float()), lens, scale, dropout_p, seed, causal)
+                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None, None)
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed, causal=causal)
+                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed, causal=causal,
+                mask=mask)
             grads = [torch.from_numpy(g) for g in grads]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None,
-          enable_gqa=False):
+          enable_gqa=False, attn_mask=None):
     """Checks, runs the kernels (through _Sdpa when a gradient is wanted);
     (output, weights or None). 2-D and 3-D inputs go as they are (2-D is a
     batch of one); 4-D (B, H, N, D) as heads, read in place whatever their
@@ -236,9 +257,13 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                          f"{key.shape[-3]} (shapes {list(query.shape)}, {list(key.shape)}); "
                          f"pass enable_gqa=True for grouped-query attention")
     lens = _lens(fn, valid_lens)
+    mask = _bool_mask(fn, attn_mask)
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
     lead = None
+    if rank > 4 and mask is not None:
+        raise ValueError(f"{fn}: attn_mask takes inputs of rank 2 to 4; got query "
+                         f"{list(query.shape)}")
     if rank > 4:
         lead = query.shape[:-3]
         if key.shape[:-3] != lead or value.shape[:-3] != lead:
@@ -250,7 +275,8 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                              f"lengths; got query {list(query.shape)}")
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
         query, key, value = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
-    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal)
+    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal,
+            mask)
     if _needs_grad(query, key, value):
         output, weights = _Sdpa.apply(*args)
     else:
@@ -276,8 +302,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             in float32 and rounds the result). Any strides: 4-D heads
             (B, H, N, D) are read in place, so q.view(B, N, H, D).transpose(1, 2)
             costs no copy.
-        attn_mask: not supported yet (issue 15 brings masks); anything but
-            None raises NotImplementedError.
+        attn_mask: None, or a bool tensor broadcast against the scores
+            (..., Nq, Nk) as torch's (True = the key takes part); read in
+            place, blocks it masks entirely are skipped. Combined with
+            is_causal and valid_lens (a key takes part where all let it); a
+            query left with no key gives 0 where torch gives NaN. A float
+            attn_mask (an additive bias) raises NotImplementedError for now.
         is_causal: query i sees keys j <= i (torch's top-left alignment;
             with Nq > Nk the later queries see every key). Combined with
             valid_lens by taking the smaller length; key blocks no query may
@@ -299,7 +329,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         The output (..., Nq, Dv), query's dtype.
 
     Raises:
-        NotImplementedError: attn_mask given.
+        NotImplementedError: a float attn_mask.
         TypeError: a dtype qkv does not compute in, or mixed dtypes.
         ValueError: tensors not on the CPU, shapes that do not fit,
             dropout_p outside [0, 1] (qkv.Error, a ValueError, from the kernels).
@@ -312,11 +342,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             [[10., 11., 12., 13.]]])
     """
     fn = "scaled_dot_product_attention"
-    if attn_mask is not None:
-        raise NotImplementedError(f"qkv.torch.{fn}: attn_mask is not supported yet (masks "
-                                  f"arrive with issue 15); use valid_lens for d2l's lengths")
     return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
-                 "top-left" if is_causal else None, enable_gqa)[0]
+                 "top-left" if is_causal else None, enable_gqa, attn_mask)[0]
 
 
 # ---- additive attention ------------------------------------------------------------

@@ -48,6 +48,50 @@ AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_
   return options;
 }
 
+// The masks of a call (scaled dot-product attention): mask and key_mask as
+// bool or one-byte integer arrays read in place (nonzero = takes part; a
+// 1-D key_mask with 2-D inputs is the batch of one's), window (left, right).
+// `storage` keeps the arrays alive for the call.
+struct MaskArrays {
+  py::object mask, key_mask;
+};
+
+ConstView<uint8_t> byte_mask(py::handle obj, std::string_view fn, std::string_view name,
+                             py::object& storage) {
+  py::array array = py::module_::import("numpy").attr("asarray")(obj);
+  const py::dtype dt = array.dtype();
+  if (!((dt.kind() == 'b' || dt.kind() == 'u' || dt.kind() == 'i') && dt.itemsize() == 1)) {
+    throw py::type_error(std::string(fn) + ": " + std::string(name) + " has dtype " +
+                         py::cast<std::string>(dt.attr("__str__")()) +
+                         "; expected bool (or uint8/int8: nonzero = takes part)");
+  }
+  if (array.ndim() < 1 || array.ndim() > 4) {
+    throw Error(std::string(fn) + ": " + std::string(name) + " has " +
+                std::to_string(array.ndim()) + " axes; expected 1 to 4");
+  }
+  storage = array;
+  Shape shape, strides;
+  for (py::ssize_t a = 0; a < array.ndim(); ++a) {
+    shape.push_back(array.shape(a));
+    strides.push_back(array.strides(a));  // bytes: one per element
+  }
+  return ConstView<uint8_t>(static_cast<const uint8_t*>(array.data()), shape, strides);
+}
+
+void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::handle window,
+               bool batch_of_one, AttentionOptions& options, MaskArrays& storage) {
+  if (!mask.is_none()) options.mask = byte_mask(mask, fn, "mask", storage.mask);
+  if (!key_mask.is_none()) {
+    ConstView<uint8_t> keys = byte_mask(key_mask, fn, "key_mask", storage.key_mask);
+    options.key_mask = batch_of_one && keys.rank() == 1 ? keys.unsqueeze0() : keys;
+  }
+  if (!window.is_none()) {
+    const auto pair = py::cast<std::pair<int64_t, int64_t>>(window);
+    options.window_left = pair.first;
+    options.window_right = pair.second;
+  }
+}
+
 // 2-D inputs are a batch of one: every tensor whose rank is its unbatched
 // rank gets a leading axis of 1 (one of another rank is left for the
 // library's shape check to name).
@@ -160,10 +204,12 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, double dropout, py::handle seed,
                    bool return_weights, bool return_lse, const std::optional<std::string>& causal,
-                   py::handle out) {
+                   py::handle out, py::handle mask, py::handle key_mask, py::handle window) {
   Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
-  const AttentionOptions options =
+  AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+  MaskArrays masks;
+  set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   if (t.dtype == Dtype::kFloat32) {
     return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
                           out);
@@ -234,7 +280,8 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
                             std::optional<double> scale, double dropout, py::handle seed,
-                            const std::optional<std::string>& causal) {
+                            const std::optional<std::string>& causal, py::handle mask,
+                            py::handle key_mask, py::handle window) {
   Tensors t = float_arrays(kSdpaBackward,
                            {{"queries", q},
                             {"keys", k},
@@ -243,8 +290,10 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
-                                              causal_of(kSdpaBackward, causal));
+  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
+                                        causal_of(kSdpaBackward, causal));
+  MaskArrays masks;
+  set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
   return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
                                     : sdpa_backward<double>(t, valid_lens, options);
 }
@@ -321,10 +370,13 @@ Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, 
 py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                        std::optional<double> scale, double dropout, py::handle seed,
                        bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal) {
+                       const std::optional<std::string>& causal, py::handle mask,
+                       py::handle key_mask, py::handle window) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+  MaskArrays masks;
+  set_masks(kSdpa, mask, key_mask, window, in.batch_of_one, options, masks);
   options.want_weights = return_weights;
   options.want_lse = return_lse;
   AttentionResult<float> r;
@@ -344,7 +396,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
 py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, double dropout, py::handle seed,
-                                const std::optional<std::string>& causal) {
+                                const std::optional<std::string>& causal, py::handle mask,
+                                py::handle key_mask, py::handle window) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -353,8 +406,10 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
     check_same_dtype(saved.back(), Dtype::kFloat32, kSdpaBackward, name, "the bf16 path");
   }
   const bool one = in.batch_of_one;
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
-                                              causal_of(kSdpaBackward, causal));
+  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
+                                        causal_of(kSdpaBackward, causal));
+  MaskArrays masks;
+  set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
   const SavedForward<float> s{batched(view_of<float>(saved[0]), one, 2),
                               batched(view_of<float>(saved[1]), one, 1)};
   const ConstView<float> g = batched(view_of<float>(saved[2]), one, 2);
@@ -388,6 +443,8 @@ void register_attention(py::module_& m) {
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(), py::arg("out") = py::none(),
+        py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
+        py::arg("window") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -420,6 +477,17 @@ Arguments:
         or 'bottom-right' (j <= i + Nk - Nq: queries that continue a key
         cache); combined with valid_lens by taking the smaller length. Key
         blocks no query may see are skipped.
+    mask: None, or a bool array (uint8/int8: nonzero) saying which keys each
+        query sees (True = takes part, torch's boolean attn_mask), broadcast
+        against the scores (B, Nq, Nk) (heads: (B, H, Nq, Nk)) from the
+        right: (Nq, Nk), (B, 1, Nq, Nk), (1, H, 1, Nk), ... Read in place.
+    key_mask: None, or (B, Nk) bools: key j of batch element b takes part
+        (key padding; 2-D inputs: (Nk)).
+    window: None, or (left, right): query i sees keys j with
+        i + Nk - Nq - left <= j <= i + Nk - Nq + right (FlashAttention's
+        window_size; -1 leaves a side open). Everything combines: a key
+        takes part where valid_lens, causal, mask, key_mask and window all
+        let it; a query left with none gets 0 (lse -inf, zero gradients).
     out: None, or an array to write the output into and return, of the
         output's shape and the inputs' dtype; any strides whose rows (the
         last axis) are contiguous and do not overlap: e.g. heads written as
@@ -451,15 +519,16 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
         py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
-        py::arg("causal") = py::none(),
+        py::arg("causal") = py::none(), py::arg("mask") = py::none(),
+        py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs.
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
 from the seed, not stored.
 
 Arguments:
-    queries, keys, values, valid_lens, scale, dropout, seed: exactly as the
-        forward got them.
+    queries, keys, values, valid_lens, scale, dropout, seed, causal, mask,
+        key_mask, window: exactly as the forward got them.
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
 
@@ -540,12 +609,14 @@ Raises:
   m.def("_scaled_dot_product_attention_bf16", &sdpa_bf16_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout"),
         py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
+        py::arg("mask"), py::arg("key_mask"), py::arg("window"),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
         "(output, weights or None, lse or None) out.");
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
         py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
         py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
-        py::arg("dropout"), py::arg("seed"), py::arg("causal"),
+        py::arg("dropout"), py::arg("seed"), py::arg("causal"), py::arg("mask"),
+        py::arg("key_mask"), py::arg("window"),
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values).");
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "kernels/workspace.h"
 #include "qkv/bfloat16.h"
@@ -50,9 +51,70 @@ struct AttentionConfig {
   // head of b shares them), dropout from (seed, bh, i, j), so H heads behave
   // as a batch of B * H with each length repeated H times. 1 for 3-D inputs.
   int64_t heads = 1;
+  // Which keys each query may see beyond the lengths (scaled dot-product
+  // attention): mask (B, H, Nq, Nk) with zero strides where it broadcasts,
+  // key_mask (B, Nk), both nonzero = takes part and null data when absent;
+  // a window of keys [i + Nk - Nq - left, i + Nk - Nq + right] (-1:
+  // unbounded on that side). The kernels give a masked score -inf.
+  ConstView<uint8_t> mask;
+  ConstView<uint8_t> key_mask;
+  int64_t window_left = -1, window_right = -1;
   // The valid length of query i of head bh.
   int64_t len(int64_t bh, int64_t i, int64_t nk) const { return valid_lens(bh / heads, i, nk); }
+  bool masked() const {
+    return mask.data() != nullptr || key_mask.data() != nullptr || window_left >= 0 ||
+           window_right >= 0;
+  }
+  // Keys [lo, hi) of query i that the window leaves (all of [0, nk) without one).
+  int64_t window_begin(int64_t i, int64_t nq, int64_t nk) const {
+    return window_left < 0 ? 0 : std::max<int64_t>(i + nk - nq - window_left, 0);
+  }
+  int64_t window_end(int64_t i, int64_t nq, int64_t nk) const {
+    return window_right < 0 ? nk : std::clamp<int64_t>(i + nk - nq + window_right + 1, 0, nk);
+  }
+  // Whether query i of head bh sees key j by mask and key_mask (not the
+  // window or the length).
+  bool mask_keeps(int64_t bh, int64_t i, int64_t j) const {
+    const int64_t b = bh / heads, h = bh % heads;
+    return (mask.data() == nullptr || mask(b, h, i, j) != 0) &&
+           (key_mask.data() == nullptr || key_mask(b, j) != 0);
+  }
 };
+
+// Masks of a tile of scores: row r is query query(r) of head head(r), column
+// c key j0 + c, r < rows, c < cols. tile_has_keys: whether any (r, c) is
+// left by the window and the masks (a tile with none is skipped); it stops
+// at the first. mask_tile: sets the masked scores s[r * lds + c] to -inf.
+template <class Head, class Query>
+bool tile_has_keys(const AttentionConfig& config, int64_t rows, int64_t cols, int64_t j0,
+                   int64_t nq, int64_t nk, Head&& head, Query&& query) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = query(r);
+    const int64_t lo = std::max<int64_t>(config.window_begin(i, nq, nk), j0);
+    const int64_t hi = std::min<int64_t>(config.window_end(i, nq, nk), j0 + cols);
+    for (int64_t j = lo; j < hi; ++j) {
+      if (config.mask_keeps(head(r), i, j)) return true;
+    }
+  }
+  return false;
+}
+template <class T, class Head, class Query>
+void mask_tile(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, int64_t cols,
+               int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query) {
+  constexpr T kMasked = -std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bh = head(r), i = query(r);
+    T* row = s + r * lds;
+    const int64_t lo = std::clamp<int64_t>(config.window_begin(i, nq, nk) - j0, 0, cols);
+    const int64_t hi = std::clamp<int64_t>(config.window_end(i, nq, nk) - j0, lo, cols);
+    std::fill(row, row + lo, kMasked);
+    std::fill(row + hi, row + cols, kMasked);
+    if (config.mask.data() == nullptr && config.key_mask.data() == nullptr) continue;
+    for (int64_t c = lo; c < hi; ++c) {
+      if (!config.mask_keeps(bh, i, j0 + c)) row[c] = kMasked;
+    }
+  }
+}
 
 // Additive attention's parameters, validated: w_v flattened to (H).
 template <class T>

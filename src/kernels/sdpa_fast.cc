@@ -369,8 +369,8 @@ void fill_heads(TensorView<T> x, T value) {
 // apart). Writes out (Dv), the weights row (if wanted) and returns the lse.
 template <class In>
 typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, const In* v_b,
-                                  int64_t ldv, int64_t d, int64_t dv, int64_t len, int64_t nk,
-                                  int64_t bh, int64_t i, const AttentionConfig& config,
+                                  int64_t ldv, int64_t d, int64_t dv, int64_t len, int64_t nq,
+                                  int64_t nk, int64_t bh, int64_t i, const AttentionConfig& config,
                                   typename Flash<In>::Acc* out,
                                   typename Flash<In>::Acc* weights_row,
                                   const ForwardScratch<In>& sc) {
@@ -378,6 +378,10 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, con
   Acc* w = sc.row;
   Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, ldk, Acc(0),
                   w, len, sc.gemm);
+  if (config.masked()) {
+    mask_tile(config, w, len, 1, len, 0, nq, nk, [&](int64_t) { return bh; },
+              [&](int64_t) { return i; });
+  }
   const Acc lse = softmax_row(w, len, len, w);
   if (weights_row) {
     std::copy_n(w, len, weights_row);
@@ -482,6 +486,10 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
                                    (cols == kKeyBlock || j0 + cols == prepared_keys)
                                ? &key_blocks[j0 / kKeyBlock]
                                : nullptr;
+    // A tile the window and masks leave no key of: skipped, products and all.
+    if (config.masked() && !tile_has_keys(config, rows, cols, j0, nq, nk, row_head, row_query)) {
+      continue;
+    }
     if (products == Products::kRows) {
       fast::row_scores(rows, cols, d, scale, q_acc, ldq_acc, k_blk, ldk, s, cols);
     } else if (products == Products::kPacked) {
@@ -490,6 +498,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       rows_to_acc(k_blk, ldk, cols, d, sc.k_wide);
       fast::block_scores(rows, cols, d, scale, q_acc, d, sc.k_wide, d, s, cols, sc.block_pack);
     }
+    if (config.masked()) mask_tile(config, s, cols, rows, cols, j0, nq, nk, row_head, row_query);
     for (int64_t r = 0; r < rows; ++r) {
       sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
     }
@@ -545,21 +554,24 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       const int64_t cols = std::min(kKeyBlock, n_eff - j0);
       Flash<In>::scores(rows, cols, d, scale, q_blk, ldq, k_b + j0 * ldk, ldk, weights + j0, nk,
                         sc.gemm);
+      if (config.masked()) {
+        mask_tile(config, weights + j0, nk, rows, cols, j0, nq, nk, row_head, row_query);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         Acc* row = weights + r * nk + j0;
         const int64_t valid = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
-        if (valid > 0 && !sc.special[r]) {
+        if (valid > 0 && !sc.special[r] && sc.l[r] > Acc(0)) {
           fast::exp_shift_sum(row, sc.m[r], row, valid);
           fast::scale(row, Acc(1) / sc.l[r], valid);
         }
-        std::fill(row + (sc.special[r] ? 0 : valid), row + cols, Acc(0));
+        std::fill(row + (sc.special[r] || !(sc.l[r] > Acc(0)) ? 0 : valid), row + cols, Acc(0));
       }
     }
   }
 
   for (int64_t r = 0; r < rows; ++r) {
     if (!sc.special[r]) continue;
-    const Acc row_lse = exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nk,
+    const Acc row_lse = exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nq, nk,
                                   row_head(r), row_query(r), config, out + r * ldo,
                                   weights ? weights + r * nk : nullptr, sc);
     if (lse) lse[r] = row_lse;
@@ -683,7 +695,8 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     const int64_t bkv = kv_head(bh, q.size(1), k.size(1));
     const Acc row_lse = exact_row(head_rows(q, bh) + i * q.stride(2), head_rows(k, bkv),
                                   k.stride(2), head_rows(v, bkv), v.stride(2), d, dv,
-                                  config.len(bh, i, nk), nk, bh, i, config, out, nullptr, sc);
+                                  config.len(bh, i, nk), nq, nk, bh, i, config, out, nullptr,
+                                  sc);
     if (lse) *lse = row_lse;
     return;
   }
@@ -892,6 +905,12 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
     for (int64_t i0 = 0; i0 < nq; i0 += kBackQueryBlock) {
       const int64_t rows = std::min(kBackQueryBlock, nq - i0);
       if (longest_len(config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
+      const auto row_head = [&](int64_t) { return bh; };
+      const auto row_query = [&](int64_t r) { return i0 + r; };
+      if (config.masked() &&
+          !tile_has_keys(config, rows, cols, j0, nq, nk, row_head, row_query)) {
+        continue;  // no key of this tile is seen: no gradient
+      }
       const In* q_blk = head_rows(pb.q, bh) + i0 * ldq;
       const Acc* d_out_blk = head_rows(pb.d_out, bh) + i0 * ld_dout;
       // dO as the products see it: bf16 rounded row by row, else in place.
@@ -910,6 +929,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
       Acc* dp = sc.dp;
       Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, Acc(0), p, cols,
                       sc.gemm);
+      if (config.masked()) mask_tile(config, p, cols, rows, cols, j0, nq, nk, row_head, row_query);
       Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, Acc(0), dp,
                       cols, sc.gemm);
       for (int64_t r = 0; r < rows; ++r) {
@@ -1079,7 +1099,7 @@ bool small_head(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionC
                 const ForwardViews<T>& out) {
   return out.weights.data() == nullptr && q.size(3) <= kSmallHead && v.size(3) <= kSmallHead &&
          q.size(1) == 1 && k.size(1) == 1 && q.is_contiguous() && k.is_contiguous() &&
-         v.is_contiguous() && out.output.is_contiguous() &&
+         v.is_contiguous() && out.output.is_contiguous() && !config.masked() &&
          small_dim_applies(q.size(3), v.size(3), config);
 }
 

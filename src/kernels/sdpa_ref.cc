@@ -4,6 +4,8 @@
 // Heads are a batch: query head bh = b H + h attends over key head
 // b Hkv + h / (H / Hkv), as 3-D attention over B H batch elements with each
 // key head repeated for its H / Hkv query heads.
+#include <limits>
+
 #include "kernels/attend_ref.h"
 #include "kernels/kernels.h"
 
@@ -20,9 +22,11 @@ KeyHead key_head(ConstView<T> q, ConstView<T> k, int64_t bh) {
   return {bh / heads, (bh % heads) / group};
 }
 
-// scores (B H, Nq, Nk) = scale q kᵀ per head.
+// scores (B H, Nq, Nk) = scale q kᵀ per head; -inf where the window or a
+// mask leaves the key out (AttentionConfig).
 template <class T>
-Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, double scale) {
+Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, const AttentionConfig& config) {
+  const double scale = config.scale;
   const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2), d = q.size(3);
   Matrix scores(heads * nq * nk);
   for (int64_t bh = 0; bh < heads; ++bh) {
@@ -32,7 +36,9 @@ Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, double scale) {
       for (int64_t j = 0; j < nk; ++j) {
         double s = 0.0;
         for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q(b, h, i, c)) * k(kh.b, kh.h, j, c);
-        scores[(bh * nq + i) * nk + j] = s * scale;
+        const bool seen = j >= config.window_begin(i, nq, nk) && j < config.window_end(i, nq, nk) &&
+                          config.mask_keeps(bh, i, j);
+        scores[(bh * nq + i) * nk + j] = seen ? s * scale : -std::numeric_limits<double>::infinity();
       }
     }
   }
@@ -93,7 +99,7 @@ void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig&
       flat_heads(output.data(), heads, nq, dv),
       out.weights.data() ? flat_heads(out.weights.data(), heads, nq, nk) : TensorView<T>(),
       out.lse.data() ? TensorView<T>(out.lse.data(), Shape{heads, nq}) : TensorView<T>()};
-  attend(dot_product_scores(q, k, config.scale), heads, nq, nk,
+  attend(dot_product_scores(q, k, config), heads, nq, nk,
          ConstView<T>(flat_heads(values.data(), heads, nk, dv)), config, flat);
   scatter(Matrix(output.begin(), output.end()), out.output);
 }
@@ -110,7 +116,7 @@ void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const Attenti
   const std::vector<double> d_out = gather(d_output);
   std::vector<double> dv_per_head(heads * nk * dv);
   const Matrix ds = attend_backward(
-      dot_product_scores(q, k, config.scale), heads, nq, nk,
+      dot_product_scores(q, k, config), heads, nq, nk,
       ConstView<double>(flat_heads(values.data(), heads, nk, dv)), config,
       ConstView<double>(flat_heads(d_out.data(), heads, nq, dv)),
       flat_heads(dv_per_head.data(), heads, nk, dv));

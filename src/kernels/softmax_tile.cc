@@ -62,21 +62,24 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
       continue;
     }
-    // Pass 1: max, and x * 0 summed, which is NaN iff some x is NaN or ±inf.
+    // Pass 1: max, and x * 0 summed over the x that are not -inf, which is
+    // NaN iff some x is NaN or +inf. A -inf score (a masked key, or a -inf
+    // bias) has weight exactly 0 and needs no exact path.
     auto vmax = hn::Set(d, -kInf);
     auto probe = hn::Zero(d);
     const auto zero = hn::Zero(d);
+    const auto minus_inf = hn::Set(d, -kInf);
     int64_t j = 0;
     for (; j + lanes <= n; j += lanes) {
       const auto v = hn::LoadU(d, row + j);
       vmax = hn::Max(vmax, v);
-      probe = hn::MulAdd(v, zero, probe);
+      probe = hn::MulAdd(hn::IfThenZeroElse(hn::Eq(v, minus_inf), v), zero, probe);
     }
     if (j < n) {
       const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
       const auto v = LoadTail(d, row + j, static_cast<size_t>(n - j));
-      vmax = hn::Max(vmax, hn::IfThenElse(mask, v, hn::Set(d, -kInf)));
-      probe = hn::MulAdd(v, zero, probe);
+      vmax = hn::Max(vmax, hn::IfThenElse(mask, v, minus_inf));
+      probe = hn::MulAdd(hn::IfThenZeroElse(hn::Eq(v, minus_inf), v), zero, probe);
     }
     if (!(hn::GetLane(hn::SumOfLanes(d, probe)) == T(0))) {
       special[r] = 1;
@@ -88,6 +91,14 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       continue;
     }
     const T m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    if (m_new == -kInf) {  // every score so far is -inf: nothing to add yet
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
+      continue;
+    }
     // Pass 2: exp and sum, masked columns zeroed.
     const auto shift = hn::Set(d, m_new);
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);

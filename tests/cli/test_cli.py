@@ -440,6 +440,32 @@ class AttendTest(CliTest):
         self.expect_error("attend", self.additive_args(q, k, k, w, w, w[0]), [self.path("o.npy")],
                           ["has shape [2, 3, 3, 4]; expected 2-D (Nq, D) or 3-D (B, Nq, D)"])
 
+    def test_dot_window(self):
+        # --window L,R: query i sees keys i + Nk - Nq - L <= j <= i + Nk - Nq + R;
+        # the reference writes that out as per-(query, key) -inf scores.
+        q, k, v = self.attention_inputs(np.float64)  # (2, 3, 4), (2, 5, 4), (2, 5, 6)
+        for left, right in ((1, 0), (-1, 0), (0, 1), (2, -1)):
+            with self.subTest(window=(left, right)):
+                self.ok(*self.dot_args(q, k, v), "--window", f"{left},{right}",
+                        "--lse", self.path("lse.npy"))
+                i = np.arange(3)[:, None] + 5 - 3
+                j = np.arange(5)[None, :]
+                keep = ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
+                scores = np.where(keep, q @ k.transpose(0, 2, 1) / 2.0, -np.inf)
+                w = np.exp(scores - scores.max(-1, keepdims=True))
+                w /= w.sum(-1, keepdims=True)
+                self.assertClose(self.load(self.path("o.npy"), np.float64, (2, 3, 6)), w @ v,
+                                 np.float64)
+        for bad in ("1", "a,b", "-2,0", "1,2,3", "1,"):
+            with self.subTest(bad=bad):
+                r = run(*self.dot_args(q, k, v), "--window", bad)
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("--window", r.stderr)
+        w_q, w_k, w_v = self.additive_params(np.float64, key_size=4)
+        self.expect_error("attend", [*self.additive_args(q, k, v, w_q, w_k, w_v), "--window",
+                                     "1,0"], [self.path("o.npy")],
+                          ["--window is for --scoring dot"])
+
     def test_additive_3d_f4_and_f8(self):
         for dtype in (np.float32, np.float64):
             q, k, v = self.attention_inputs(dtype)

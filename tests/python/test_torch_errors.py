@@ -102,12 +102,20 @@ def test_mixed_dtypes_are_type_errors(op):
             assert name in str(info.value)
 
 
-def test_attn_mask_is_not_implemented():
+def test_attn_mask_errors():
     q, k, v = (t for _, t in good_args("sdpa"))
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="attn_mask"):
+    with pytest.raises(NotImplementedError, match="a float attn_mask .an additive bias. is not "
+                                                  "supported yet"):
         qkv.torch.scaled_dot_product_attention(q, k, v, torch.zeros(3, 5))
+    with pytest.raises(TypeError, match="attn_mask has dtype int64; expected bool"):
+        sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="attn_mask is a list"):
+        sdpa(q, k, v, attn_mask=[[True]])
+    with pytest.raises(qkv.Error, match=re.escape("options.mask has shape [4, 5], which does not "
+                                                  "broadcast to the scores")):
+        sdpa(q, k, v, attn_mask=torch.ones(4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask takes inputs of rank 2 to 4"):
+        sdpa(*(t[None, None] for t in (q, k, v)), attn_mask=torch.ones(3, 5, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("p", [1.5, -0.1, float("nan"), float("inf")])

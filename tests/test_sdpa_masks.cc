@@ -1,0 +1,374 @@
+// Masks of scaled dot-product attention (AttentionOptions::mask, key_mask,
+// window_left/right; docs/semantics.md, "Masks and windows"): the fused
+// kernels against the float64 reference, which gives a masked score -inf
+// before its softmax, forward and backward, on random cases across mask
+// broadcast forms, key masks, windows, lengths, causal alignments, dropout,
+// heads (grouped too) and Nq != Nk; exact masking (weight exactly 0 where
+// masked, a query with no key left all zeros with lse -inf and zero
+// gradients); the same results as the equivalent lengths and causal masks;
+// the same bits for any thread count; bf16; every error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_testing.h"
+#include "qkv/qkv.h"
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace qkv::test {
+namespace {
+
+// The broadcast forms of a mask against scores (B, H, Nq, Nk).
+enum class MaskForm { kNone, kFull, kQueriesKeys, kPerBatch, kPerHeadKeys };
+
+Shape mask_shape(MaskForm form, int64_t b, int64_t h, int64_t nq, int64_t nk) {
+  switch (form) {
+    case MaskForm::kNone:
+      return Shape{};
+    case MaskForm::kFull:
+      return Shape{b, h, nq, nk};
+    case MaskForm::kQueriesKeys:
+      return Shape{nq, nk};
+    case MaskForm::kPerBatch:
+      return Shape{b, 1, nq, nk};
+    case MaskForm::kPerHeadKeys:
+      return Shape{1, h, 1, nk};
+  }
+  return Shape{};
+}
+
+struct MaskCase {
+  int64_t batch, heads, kv_heads, nq, nk, d, dv;
+  MaskForm mask;
+  bool key_mask;
+  int64_t window_left, window_right;
+  LensForm lens;
+  Causal causal;
+  double dropout;
+  bool weights;
+};
+
+std::string describe(const MaskCase& c) {
+  return "B=" + std::to_string(c.batch) + " H=" + std::to_string(c.heads) +
+         " Hkv=" + std::to_string(c.kv_heads) + " Nq=" + std::to_string(c.nq) +
+         " Nk=" + std::to_string(c.nk) + " D=" + std::to_string(c.d) + " Dv=" + std::to_string(c.dv) +
+         " mask=" + std::to_string(static_cast<int>(c.mask)) +
+         " key_mask=" + std::to_string(c.key_mask) + " window=(" +
+         std::to_string(c.window_left) + ", " + std::to_string(c.window_right) +
+         ") lens=" + std::to_string(static_cast<int>(c.lens)) +
+         " causal=" + std::to_string(static_cast<int>(c.causal)) +
+         " dropout=" + std::to_string(c.dropout) + " weights=" + std::to_string(c.weights);
+}
+
+template <class T>
+struct MaskProblem {
+  Tensor<T> q, k, v;
+  Tensor<uint8_t> mask, key_mask;
+  OwnedLens lens;
+  AttentionOptions options;
+};
+
+Tensor<uint8_t> random_bits(Rng& rng, const Shape& shape, double keep) {
+  Tensor<uint8_t> t(shape);
+  for (uint8_t& x : t.values()) x = rng.bernoulli(keep) ? 1 : 0;
+  return t;
+}
+
+template <class T>
+MaskProblem<T> make_problem(Rng& rng, const MaskCase& c) {
+  MaskProblem<T> p;
+  p.q = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.d});
+  p.k = random_tensor<T>(rng, {c.batch, c.kv_heads, c.nk, c.d});
+  p.v = random_tensor<T>(rng, {c.batch, c.kv_heads, c.nk, c.dv});
+  if (c.mask != MaskForm::kNone) {
+    p.mask = random_bits(rng, mask_shape(c.mask, c.batch, c.heads, c.nq, c.nk), 0.5);
+    p.options.mask = p.mask.view();
+  }
+  if (c.key_mask) {
+    p.key_mask = random_bits(rng, Shape{c.batch, c.nk}, 0.7);
+    p.options.key_mask = p.key_mask.view();
+  }
+  p.options.window_left = c.window_left;
+  p.options.window_right = c.window_right;
+  p.lens = make_lens(rng, c.lens, rng.bernoulli(0.5), c.batch, c.nq, c.nk, 0.1);
+  p.options.causal = c.causal;
+  p.options.dropout = c.dropout;
+  p.options.training = c.dropout > 0.0;
+  p.options.seed = rng.next();
+  p.options.want_weights = c.weights;
+  p.options.want_lse = true;
+  return p;
+}
+
+// Whether query i of head (b, h) sees key j: the lengths, causal, window and
+// both masks, written out from their definitions.
+template <class T>
+bool sees(const MaskCase& c, const MaskProblem<T>& p, int64_t b, int64_t h, int64_t i,
+          int64_t j) {
+  int64_t len = p.lens.at(b, i, c.nk);
+  if (c.causal == Causal::kTopLeft) len = std::min(len, std::clamp<int64_t>(i + 1, 0, c.nk));
+  if (c.causal == Causal::kBottomRight) {
+    len = std::min(len, std::clamp<int64_t>(i + 1 + c.nk - c.nq, 0, c.nk));
+  }
+  if (j >= len) return false;
+  const int64_t diagonal = i + c.nk - c.nq;
+  if (c.window_left >= 0 && j < diagonal - c.window_left) return false;
+  if (c.window_right >= 0 && j > diagonal + c.window_right) return false;
+  if (c.key_mask && p.key_mask(b, j) == 0) return false;
+  if (c.mask != MaskForm::kNone) {
+    const Shape s = p.mask.shape();
+    const auto at = [&](int64_t idx, int axis) { return s[axis] == 1 ? 0 : idx; };
+    const uint8_t m = s.rank() == 2 ? p.mask(i, j)
+                                    : p.mask(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
+    if (m == 0) return false;
+  }
+  return true;
+}
+
+template <class T>
+void check_case(Rng& rng, const MaskCase& c) {
+  SCOPED_TRACE(describe(c));
+  const MaskProblem<T> p = make_problem<T>(rng, c);
+  const ValidLens lens = p.lens.get();
+  const AttentionResult<T> got = scaled_dot_product_attention(p.q, p.k, p.v, lens, p.options);
+  const AttentionResult<T> ref = ref::scaled_dot_product_attention(p.q, p.k, p.v, lens, p.options);
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  ASSERT_TRUE(expect_close(got.output, ref.output, kFloat ? kSdpa : kSdpaDouble, "output"));
+  ASSERT_TRUE(expect_close(got.lse, ref.lse, kFloat ? kSdpaLse : kSdpaLseDouble, "lse"));
+  // Exact masking, from the definitions: weight exactly 0 where a key is not
+  // seen; a query that sees none has output 0 and lse -inf.
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t h = 0; h < c.heads; ++h)
+      for (int64_t i = 0; i < c.nq; ++i) {
+        bool any = false;
+        for (int64_t j = 0; j < c.nk; ++j) {
+          const bool seen = sees(c, p, b, h, i, j);
+          any = any || seen;
+          if (c.weights && !seen) {
+            ASSERT_EQ(got.weights(b, h, i, j), T(0)) << "masked weight b=" << b << " h=" << h
+                                                     << " i=" << i << " j=" << j;
+          }
+        }
+        if (!any) {
+          ASSERT_EQ(got.lse(b, h, i), -std::numeric_limits<T>::infinity()) << "i=" << i;
+          for (int64_t e = 0; e < c.dv; ++e) ASSERT_EQ(got.output(b, h, i, e), T(0));
+        }
+      }
+  if (c.weights) {
+    ASSERT_TRUE(expect_close(got.weights, ref.weights, kFloat ? kSoftmax : kSoftmaxDouble,
+                             "weights"));
+  }
+  const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
+  const DotProductGrads<T> g =
+      scaled_dot_product_attention_backward(p.q, p.k, p.v, lens, p.options, {got.output, got.lse},
+                                            d_out);
+  const DotProductGrads<T> r = ref::scaled_dot_product_attention_backward(
+      p.q, p.k, p.v, lens, p.options, {ref.output, ref.lse}, d_out);
+  const Tol back = kFloat ? kSdpaBackward : kSdpaBackwardDouble;
+  expect_close(g.d_queries, r.d_queries, back, "d_queries");
+  expect_close(g.d_keys, r.d_keys, back, "d_keys");
+  expect_close(g.d_values, r.d_values, back, "d_values");
+}
+
+MaskCase random_case(Rng& rng) {
+  static const int64_t kGroups[][2] = {{1, 1}, {4, 4}, {4, 2}, {6, 1}};
+  const auto& g = kGroups[rng.uniform_int(0, 3)];
+  const int64_t nq = rng.bernoulli(0.2) ? rng.uniform_int(1, 3) : rng.uniform_int(1, 520);
+  const int64_t nk = rng.uniform_int(1, 700);
+  static const int64_t kDims[] = {1, 8, 16, 64};
+  const bool window = rng.bernoulli(0.4);
+  return MaskCase{rng.uniform_int(1, 2),
+                  g[0],
+                  g[1],
+                  nq,
+                  nk,
+                  kDims[rng.uniform_int(0, 3)],
+                  kDims[rng.uniform_int(0, 3)],
+                  static_cast<MaskForm>(rng.uniform_int(0, 4)),
+                  rng.bernoulli(0.4),
+                  window ? rng.uniform_int(-1, 300) : -1,
+                  window ? rng.uniform_int(-1, 40) : -1,
+                  static_cast<LensForm>(rng.uniform_int(0, 2)),
+                  static_cast<Causal>(rng.uniform_int(0, 2)),
+                  rng.bernoulli(0.3) ? 0.2 : 0.0,
+                  rng.bernoulli(0.3)};
+}
+
+template <class T>
+class Masks : public ::testing::Test {};
+using MaskTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(Masks, MaskTypes, TypeNames);
+
+TYPED_TEST(Masks, MatchTheReferenceForwardAndBackward) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  std::vector<MaskCase> cases = {
+      // Every form once: half the keys masked at random (several query and
+      // key blocks), a key mask, a sliding window of 256 with lengths, heads
+      // per batch, grouped heads decoding against a padded cache.
+      {2, 2, 2, 300, 600, 32, 16, MaskForm::kFull, false, -1, -1, LensForm::kNone, Causal::kNone,
+       0.0, true},
+      {1, 4, 2, 520, 520, 16, 16, MaskForm::kQueriesKeys, true, -1, -1, LensForm::kPerQuery,
+       Causal::kTopLeft, 0.2, false},
+      {2, 1, 1, 600, 600, 8, 8, MaskForm::kNone, false, 256, 0, LensForm::kPerBatch, Causal::kNone,
+       0.0, true},
+      {2, 3, 3, 40, 900, 16, 8, MaskForm::kPerBatch, true, 100, 20, LensForm::kNone,
+       Causal::kBottomRight, 0.0, false},
+      {1, 8, 2, 1, 3000, 64, 64, MaskForm::kPerHeadKeys, true, -1, -1, LensForm::kPerBatch,
+       Causal::kNone, 0.0, false},
+      // Masks that leave some queries no key at all.
+      {2, 2, 1, 50, 30, 8, 4, MaskForm::kFull, true, 2, 1, LensForm::kPerQuery, Causal::kNone,
+       0.0, true},
+  };
+  const int random_cases = kSanitized ? 4 : 30;
+  for (int n = 0; n < random_cases; ++n) cases.push_back(random_case(rng));
+  for (const MaskCase& c : cases) {
+    check_case<TypeParam>(rng, c);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// The masks that say what lengths and causal say give their results.
+TYPED_TEST(Masks, EqualTheLengthsAndCausalTheyRestate) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = 2, heads = 2, nq = 300, nk = 500, d = 16;
+  const Tensor<T> q = random_tensor<T>(rng, {batch, heads, nq, d});
+  const Tensor<T> k = random_tensor<T>(rng, {batch, heads, nk, d});
+  const Tensor<T> v = random_tensor<T>(rng, {batch, heads, nk, d});
+  const Tol tol = tol_for<T>(kSdpa, kSdpaDouble);
+  // tril(Nq, Nk) as a mask == Causal::kTopLeft.
+  Tensor<uint8_t> tril(Shape{nq, nk});
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < nk; ++j) tril(i, j) = j <= i ? 1 : 0;
+  AttentionOptions masked, causal;
+  masked.mask = tril.view();
+  causal.causal = Causal::kTopLeft;
+  expect_close(scaled_dot_product_attention(q, k, v, {}, masked).output,
+               scaled_dot_product_attention(q, k, v, {}, causal).output, tol, "tril mask");
+  // window (-1, 0) == Causal::kBottomRight.
+  AttentionOptions window, bottom_right;
+  window.window_right = 0;
+  bottom_right.causal = Causal::kBottomRight;
+  expect_close(scaled_dot_product_attention(q, k, v, {}, window).output,
+               scaled_dot_product_attention(q, k, v, {}, bottom_right).output, tol, "window");
+  // A key mask of prefixes == valid_lens (B).
+  const Tensor<int64_t> lens(Shape{batch}, std::vector<int64_t>{137, 444});
+  Tensor<uint8_t> prefixes(Shape{batch, nk});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < nk; ++j) prefixes(b, j) = j < lens.data()[b] ? 1 : 0;
+  AttentionOptions keys;
+  keys.key_mask = prefixes.view();
+  expect_close(scaled_dot_product_attention(q, k, v, {}, keys).output,
+               scaled_dot_product_attention(q, k, v, ValidLens(lens)).output, tol, "key mask");
+}
+
+TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const MaskCase c{2, 4, 2, 300, 700, 32, 32, MaskForm::kFull, true, 200, 10,
+                   LensForm::kPerBatch, Causal::kNone, 0.3, false};
+  const MaskProblem<T> p = make_problem<T>(rng, c);
+  const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
+  const int before = num_threads();
+  AttentionResult<T> one, two;
+  DotProductGrads<T> g_one, g_two;
+  for (const int threads : {1, 2}) {
+    set_num_threads(threads);
+    AttentionResult<T>& r = threads == 1 ? one : two;
+    r = scaled_dot_product_attention(p.q, p.k, p.v, p.lens.get(), p.options);
+    (threads == 1 ? g_one : g_two) = scaled_dot_product_attention_backward(
+        p.q, p.k, p.v, p.lens.get(), p.options, {r.output, r.lse}, d_out);
+  }
+  set_num_threads(before);
+  expect_bitwise_equal(two.output, one.output, "output");
+  expect_bitwise_equal(two.lse, one.lse, "lse");
+  expect_bitwise_equal(g_two.d_queries, g_one.d_queries, "d_queries");
+  expect_bitwise_equal(g_two.d_keys, g_one.d_keys, "d_keys");
+  expect_bitwise_equal(g_two.d_values, g_one.d_values, "d_values");
+}
+
+// bf16 inputs with masks against the float reference on the widened inputs
+// (docs/semantics.md's bound: 2^-8 max|v| / (1 - p) plus float rounding).
+TEST(MasksBf16, MatchTheFloatReferenceOnWidenedInputs) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const MaskCase cases[] = {
+      {2, 4, 2, 300, 600, 64, 64, MaskForm::kFull, true, -1, -1, LensForm::kNone, Causal::kNone,
+       0.0, false},
+      {1, 8, 1, 1, 2000, 64, 64, MaskForm::kPerHeadKeys, true, 500, 0, LensForm::kNone,
+       Causal::kNone, 0.0, false},
+  };
+  for (const MaskCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const MaskProblem<float> p = make_problem<float>(rng, c);
+    Tensor<bfloat16> qb(p.q.shape()), kb(p.k.shape()), vb(p.v.shape());
+    Tensor<float> qw(p.q.shape()), kw(p.k.shape()), vw(p.v.shape());
+    double max_v = 0;
+    for (const auto& [src, dst, wide] :
+         {std::tuple{&p.q, &qb, &qw}, {&p.k, &kb, &kw}, {&p.v, &vb, &vw}}) {
+      for (int64_t e = 0; e < src->numel(); ++e) {
+        dst->data()[e] = bfloat16(src->data()[e]);
+        wide->data()[e] = static_cast<float>(dst->data()[e]);
+      }
+    }
+    for (const float x : vw.values()) max_v = std::max(max_v, std::abs(static_cast<double>(x)));
+    const AttentionResult<float> got =
+        scaled_dot_product_attention(qb, kb, vb, p.lens.get(), p.options);
+    const AttentionResult<float> ref =
+        ref::scaled_dot_product_attention(qw, kw, vw, p.lens.get(), p.options);
+    expect_close(got.output, ref.output, Tol{.atol = (0x1p-8 + 1e-5) * max_v, .rtol = 0}, "output");
+    expect_close(got.lse, ref.lse, kSdpaLse, "lse");
+  }
+}
+
+TEST(MasksErrors, NameTheShapes) {
+  const Tensor<float> q(Shape{2, 4, 5, 8}), k(Shape{2, 2, 7, 8}), v(Shape{2, 2, 7, 3});
+  const Tensor<uint8_t> wrong(Shape{2, 3, 5, 7}), keys_wrong(Shape{2, 6}), good(Shape{5, 7});
+  AttentionOptions o;
+  o.mask = wrong.view();
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"scaled_dot_product_attention",
+                "options.mask has shape [2, 3, 5, 7], which does not broadcast to the scores "
+                "[2, 4, 5, 7]"});
+  o = AttentionOptions{};
+  o.key_mask = keys_wrong.view();
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"options.key_mask has shape [2, 6]; expected [2, 7]"});
+  o = AttentionOptions{};
+  o.window_left = -2;
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"options.window_left = -2 is below -1"});
+  // 3-D scores (B, Nq, Nk): a mask of rank 4 does not fit.
+  const Tensor<float> q3(Shape{2, 5, 8}), k3(Shape{2, 7, 8}), v3(Shape{2, 7, 3});
+  const Tensor<uint8_t> rank4(Shape{2, 1, 5, 7});
+  o = AttentionOptions{};
+  o.mask = rank4.view();
+  expect_error([&] { scaled_dot_product_attention(q3, k3, v3, {}, o); }, {"scores [2, 5, 7]"});
+  // The backward checks the same.
+  o = AttentionOptions{};
+  o.mask = wrong.view();
+  const Tensor<float> out(Shape{2, 4, 5, 3}), lse(Shape{2, 4, 5});
+  expect_error([&] { scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out); },
+               {"scaled_dot_product_attention_backward", "options.mask"});
+  // Additive attention takes none of them.
+  const Tensor<float> w_q(Shape{4, 8}), w_k(Shape{4, 8}), w_v(Shape{4});
+  o = AttentionOptions{};
+  o.mask = good.view();
+  expect_error([&] { additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o); },
+               {"additive_attention", "are for scaled dot-product attention"});
+}
+
+}  // namespace
+}  // namespace qkv::test
