@@ -104,14 +104,31 @@ void mask_tile(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, i
   constexpr T kMasked = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t bh = head(r), i = query(r);
+    const int64_t b = bh / config.heads, h = bh % config.heads;
     T* row = s + r * lds;
     const int64_t lo = std::clamp<int64_t>(config.window_begin(i, nq, nk) - j0, 0, cols);
     const int64_t hi = std::clamp<int64_t>(config.window_end(i, nq, nk) - j0, lo, cols);
     std::fill(row, row + lo, kMasked);
     std::fill(row + hi, row + cols, kMasked);
-    if (config.mask.data() == nullptr && config.key_mask.data() == nullptr) continue;
-    for (int64_t c = lo; c < hi; ++c) {
-      if (!config.mask_keeps(bh, i, j0 + c)) row[c] = kMasked;
+    // The row's mask bytes (stride 0 where the mask broadcasts over keys):
+    // branch-free selects the compiler vectorizes for a contiguous row.
+    const auto apply = [&](const uint8_t* bytes, int64_t stride) {
+      if (stride == 1) {
+        for (int64_t c = lo; c < hi; ++c) row[c] = bytes[c] != 0 ? row[c] : kMasked;
+      } else if (bytes[0] == 0 && stride == 0) {
+        std::fill(row + lo, row + hi, kMasked);
+      } else if (stride != 0) {
+        for (int64_t c = lo; c < hi; ++c) row[c] = bytes[c * stride] != 0 ? row[c] : kMasked;
+      }
+    };
+    if (config.mask.data() != nullptr) {
+      const ConstView<uint8_t>& m = config.mask;
+      apply(m.data() + b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * m.stride(3),
+            m.stride(3));
+    }
+    if (config.key_mask.data() != nullptr) {
+      const ConstView<uint8_t>& km = config.key_mask;
+      apply(km.data() + b * km.stride(0) + j0 * km.stride(1), km.stride(1));
     }
   }
 }
