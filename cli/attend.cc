@@ -21,6 +21,7 @@ struct AttendArgs {
   std::optional<double> scale;
   std::string causal;  // "", "top-left" or "bottom-right"
   std::string window;  // "", or "L,R"
+  std::string mask, key_mask;
   std::string w_q, w_k, w_v;
   double dropout = 0.0;
   bool train = false;
@@ -47,17 +48,26 @@ void check_options(const AttendArgs& args) {
   if (additive && args.scale) {
     throw UsageError("--scale is for --scoring dot; additive attention has no scale");
   }
-  if (additive && !args.window.empty()) {
-    throw UsageError("--window is for --scoring dot; additive attention takes --valid-lens and "
-                     "--causal");
+  for (const auto& [flag, value] : {std::pair{"--window", &args.window},
+                                     {"--mask", &args.mask}, {"--key-mask", &args.key_mask}}) {
+    if (additive && !value->empty()) {
+      throw UsageError(std::string(flag) + " is for --scoring dot; additive attention takes "
+                       "--valid-lens and --causal");
+    }
   }
 }
 
 // `inputs` holds queries, keys, values and, for additive, w_q, w_k, w_v, all
 // of float type T.
+// The masks as read (uint8), viewed by AttentionOptions; a 1-D key mask
+// with 2-D inputs is the batch of one's.
+struct Masks {
+  Tensor<uint8_t> mask, key_mask;
+};
+
 template <class T>
 std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTensor>& inputs,
-                               const ValidLens& valid_lens) {
+                               const ValidLens& valid_lens, const Masks& masks) {
   const auto in = [&](size_t i) -> const Tensor<T>& { return std::get<Tensor<T>>(inputs[i]); };
   const bool batched = in(0).rank() >= 3;  // 3-D, or heads (4-D)
   const auto as_batch = [&](size_t i) { return batch_view(in(i), batched); };
@@ -70,6 +80,11 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   options.want_lse = !args.lse.empty();
   if (args.causal == "top-left") options.causal = Causal::kTopLeft;
   if (args.causal == "bottom-right") options.causal = Causal::kBottomRight;
+  if (!masks.mask.empty()) options.mask = masks.mask.view();
+  if (!masks.key_mask.empty()) {
+    const ConstView<uint8_t> keys = masks.key_mask.view();
+    options.key_mask = !batched && keys.rank() == 1 ? keys.unsqueeze0() : keys;
+  }
   if (!args.window.empty()) {
     const size_t comma = args.window.find(',');
     options.window_left = std::stoll(args.window.substr(0, comma));
@@ -137,10 +152,13 @@ void run_attend(const AttendArgs& args) {
 
   LensTensor lens;  // the lengths as read, int32 or int64, viewed by valid_lens (no copy)
   const ValidLens valid_lens = read_valid_lens(args.valid_lens, inputs[0], q_shape, lens);
+  Masks masks;
+  if (!args.mask.empty()) masks.mask = load_byte_mask({"--mask", args.mask});
+  if (!args.key_mask.empty()) masks.key_mask = load_byte_mask({"--key-mask", args.key_mask});
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
-                    ? attend<float>(args, tensors, valid_lens)
-                    : attend<double>(args, tensors, valid_lens));
+                    ? attend<float>(args, tensors, valid_lens, masks)
+                    : attend<double>(args, tensors, valid_lens, masks));
 }
 
 }  // namespace
@@ -191,6 +209,16 @@ Command add_attend_command(CLI::App& parent) {
       ->expected(0, 1)
       ->default_str("top-left")
       ->check(CLI::IsMember({"top-left", "bottom-right"}));
+  require_path(app->add_option("--mask", args->mask,
+                               "dot only: which keys each query sees, bool or uint8 (nonzero = "
+                               "takes part, torch's boolean attn_mask), broadcast against the "
+                               "scores (B, Nq, Nk) or (B, H, Nq, Nk) from the right: (Nq, Nk), "
+                               "(B, 1, Nq, Nk), ..."))
+      ->type_name("M.npy");
+  require_path(app->add_option("--key-mask", args->key_mask,
+                               "dot only: (B, Nk) bool or uint8, key j of batch element b takes "
+                               "part where nonzero (key padding); (Nk) for 2-D inputs"))
+      ->type_name("K.npy");
   app->add_option("--window", args->window,
                   "dot only: a sliding window, query i sees keys j with i + Nk - Nq - L <= j <= "
                   "i + Nk - Nq + R (FlashAttention's window_size); -1 leaves a side open; "

@@ -28,7 +28,8 @@ namespace {
 std::string errno_text(int error) { return std::strerror(error); }
 
 const char* npy_dtype_name(const NpyArray& array) {
-  static constexpr const char* kNames[] = {"float32", "float64", "int32", "int64"};
+  static constexpr const char* kNames[] = {"float32", "float64", "int32", "int64",
+                                           "bool or uint8"};
   return kNames[array.index()];
 }
 
@@ -282,6 +283,14 @@ LensTensor load_valid_lens(const Input& input) {
   if (auto* i32 = std::get_if<Tensor<int32_t>>(&array)) return std::move(*i32);
   throw UsageError(input.describe() + " holds " + npy_dtype_name(array) +
                    "; valid lengths must be int32 or int64");
+}
+
+Tensor<uint8_t> load_byte_mask(const Input& input) {
+  OpenInput file(input);
+  NpyArray array = read_npy_input(input, file);
+  if (auto* bytes = std::get_if<Tensor<uint8_t>>(&array)) return std::move(*bytes);
+  throw UsageError(input.describe() + " holds " + npy_dtype_name(array) +
+                   "; a mask must be bool or uint8 (nonzero = takes part)");
 }
 
 std::string dtype_name(const FloatTensor& tensor) {

@@ -152,6 +152,9 @@ using LensTensor = std::variant<Tensor<int32_t>, Tensor<int64_t>>;
 
 // Reads int32 or int64 valid lengths; float lengths are an error.
 LensTensor load_valid_lens(const Input& input);
+// A bool or uint8 .npy file (a mask: nonzero = takes part); anything else
+// is a UsageError naming the file and its dtype.
+Tensor<uint8_t> load_byte_mask(const Input& input);
 
 // "float32", "float64"
 std::string dtype_name(const FloatTensor& tensor);

@@ -39,9 +39,21 @@ constexpr size_t kAlign = 64;
 // dtypes nest a few levels; the limit keeps hostile headers off the stack.
 constexpr int kMaxDepth = 32;
 
-enum class Dtype { kF4, kF8, kI4, kI8 };
+// kB1 (bool) and kU1 are both read into Tensor<uint8_t>, which is written as |u1.
+enum class Dtype { kF4, kF8, kI4, kI8, kB1, kU1 };
 
-size_t item_size(Dtype dtype) { return dtype == Dtype::kF4 || dtype == Dtype::kI4 ? 4 : 8; }
+size_t item_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF4:
+    case Dtype::kI4:
+      return 4;
+    case Dtype::kB1:
+    case Dtype::kU1:
+      return 1;
+    default:
+      return 8;
+  }
+}
 
 const char* dtype_name(Dtype dtype) {
   switch (dtype) {
@@ -53,6 +65,10 @@ const char* dtype_name(Dtype dtype) {
       return "<i4";
     case Dtype::kI8:
       return "<i8";
+    case Dtype::kB1:
+      return "|b1";
+    case Dtype::kU1:
+      return "|u1";
   }
   return "?";
 }
@@ -74,6 +90,10 @@ constexpr Dtype dtype_of<int32_t>() {
 template <>
 constexpr Dtype dtype_of<int64_t>() {
   return Dtype::kI8;
+}
+template <>
+constexpr Dtype dtype_of<uint8_t>() {
+  return Dtype::kU1;
 }
 
 // Who is reading what, for error messages: "<function>: <name>: <what>".
@@ -388,7 +408,7 @@ Preamble parse_preamble(const unsigned char* p, size_t file_size, const Where& w
 Dtype parse_descr(const Value& v, const Where& where) {
   if (v.kind == Value::Kind::kList) {
     where.fail("structured dtypes (a list 'descr'" + at(v.offset) +
-               ") are not supported; expected one of <f4, <f8, <i4, <i8");
+               ") are not supported; expected one of <f4, <f8, <i4, <i8, |b1, |u1");
   }
   if (v.kind != Value::Kind::kString) {
     where.fail(std::string("'descr'") + at(v.offset) + " is " + kind_name(v.kind) +
@@ -401,6 +421,12 @@ Dtype parse_descr(const Value& v, const Where& where) {
   if (type == "f8") dtype = Dtype::kF8;
   if (type == "i4") dtype = Dtype::kI4;
   if (type == "i8") dtype = Dtype::kI8;
+  // One-byte types have no byte order: '|' (NumPy's), or any of '<', '>', '='.
+  if (type == "b1" || type == "u1") {
+    if (d[0] == '|' || d[0] == '<' || d[0] == '>' || d[0] == '=') {
+      return type == "b1" ? Dtype::kB1 : Dtype::kU1;
+    }
+  }
   if (dtype && d[0] == '>') {
     where.fail("big-endian dtype " + quoted(d) + at(v.offset) +
                " is not supported; expected little-endian '<" + std::string(type) + "'");
@@ -411,7 +437,7 @@ Dtype parse_descr(const Value& v, const Where& where) {
     where.fail("object arrays (dtype " + quoted(d) + at(v.offset) + ") are not supported");
   }
   where.fail("unsupported dtype " + quoted(d) + at(v.offset) +
-             "; expected one of <f4, <f8, <i4, <i8");
+             "; expected one of <f4, <f8, <i4, <i8, |b1, |u1");
 }
 
 // Parses the dict of `header_len` bytes at `p` (file offset `base`) and checks
@@ -526,6 +552,9 @@ NpyArray make_array(const Header& h) {
       return Tensor<int32_t>(shape);
     case Dtype::kI8:
       return Tensor<int64_t>(shape);
+    case Dtype::kB1:
+    case Dtype::kU1:
+      return Tensor<uint8_t>(shape);
   }
   return {};
 }
@@ -658,6 +687,9 @@ NpyArray read_stream(int fd, std::string_view consumed, const Where& where) {
       return read_stream_data<int32_t>(fd, h, data, where);
     case Dtype::kI8:
       return read_stream_data<int64_t>(fd, h, data, where);
+    case Dtype::kB1:
+    case Dtype::kU1:
+      return read_stream_data<uint8_t>(fd, h, data, where);
   }
   return {};
 }
@@ -836,10 +868,12 @@ std::string npy_bytes(ConstView<float> array) { return to_bytes(array); }
 std::string npy_bytes(ConstView<double> array) { return to_bytes(array); }
 std::string npy_bytes(ConstView<int32_t> array) { return to_bytes(array); }
 std::string npy_bytes(ConstView<int64_t> array) { return to_bytes(array); }
+std::string npy_bytes(ConstView<uint8_t> array) { return to_bytes(array); }
 
 void write_npy(const std::string& path, ConstView<float> array) { write_file(path, array); }
 void write_npy(const std::string& path, ConstView<double> array) { write_file(path, array); }
 void write_npy(const std::string& path, ConstView<int32_t> array) { write_file(path, array); }
 void write_npy(const std::string& path, ConstView<int64_t> array) { write_file(path, array); }
+void write_npy(const std::string& path, ConstView<uint8_t> array) { write_file(path, array); }
 
 }  // namespace qkv

@@ -413,6 +413,45 @@ np.save(out + '/save_f4.npy', pattern('<f4', (4, 6))[::2, ::3])
   expect_bitwise_equal(held<float>(read_npy(dir / "save_f4.npy")), expected, "np.save slice");
 }
 
+// Masks: NumPy's bool (|b1) and uint8 (|u1) files read as uint8 bytes, and
+// ours (|u1) loaded by NumPy with the same values.
+TEST(NpyNumpy, BoolAndUint8RoundTripWithNumpy) {
+  TempDir dir;
+  const std::string script = R"(
+import sys
+import numpy as np
+out = sys.argv[1]
+a = (np.arange(24).reshape(2, 3, 4) % 3) == 1
+np.save(out + '/bool.npy', a)
+np.save(out + '/uint8.npy', (np.arange(24, dtype='u1') * 11).reshape(4, 6))
+with open(out + '/bool_le.npy', 'wb') as f:  # '<b1' as some writers spell it
+    f.write(np.lib.format.magic(1, 0))
+    header = "{'descr': '<b1', 'fortran_order': False, 'shape': (3,), }"
+    header += ' ' * (64 - 10 - len(header) - 1) + '\n'
+    f.write(len(header).to_bytes(2, 'little') + header.encode() + bytes([1, 0, 1]))
+)";
+  ASSERT_TRUE(run_python(dir, script, "'" + dir.path() + "'"));
+  Tensor<uint8_t> want_bool(Shape{2, 3, 4});
+  for (int64_t e = 0; e < 24; ++e) want_bool.data()[e] = e % 3 == 1 ? 1 : 0;
+  expect_bitwise_equal(held<uint8_t>(read_npy(dir / "bool.npy")), want_bool, "bool");
+  Tensor<uint8_t> want_u8(Shape{4, 6});
+  for (int64_t e = 0; e < 24; ++e) want_u8.data()[e] = static_cast<uint8_t>(e * 11);
+  expect_bitwise_equal(held<uint8_t>(read_npy(dir / "uint8.npy")), want_u8, "uint8");
+  expect_bitwise_equal(held<uint8_t>(read_npy(dir / "bool_le.npy")),
+                       Tensor<uint8_t>(Shape{3}, std::vector<uint8_t>{1, 0, 1}), "<b1");
+  // Ours: |u1, which NumPy loads as uint8 with the same bytes.
+  write_npy(dir / "ours.npy", want_u8.view());
+  const std::string check = R"(
+import sys
+import numpy as np
+a = np.load(sys.argv[1] + '/ours.npy')
+assert a.dtype == np.uint8 and a.shape == (4, 6), (a.dtype, a.shape)
+assert (a.ravel() == (np.arange(24) * 11) % 256).all()
+)";
+  EXPECT_TRUE(run_python(dir, check, "'" + dir.path() + "'"));
+  expect_bitwise_equal(held<uint8_t>(parse(npy_bytes(want_u8.view()))), want_u8, "round trip");
+}
+
 TEST(NpyNumpy, NumpyLoadsOurFilesWithIdenticalValues) {
   TempDir dir;
   // name, dtype, shape: written here, checked by NumPy against the same pattern.
@@ -476,8 +515,7 @@ np.save(out + '/big_endian.npy', a.astype('>f8'))
 np.save(out + '/object.npy', np.array([1, 'x', None], dtype=object), allow_pickle=True)
 np.save(out + '/half.npy', a.astype('<f2'))
 np.save(out + '/complex.npy', a.astype('<c8'))
-np.save(out + '/bool.npy', a > 2)
-np.save(out + '/uint8.npy', a.astype('u1'))
+np.save(out + '/int8.npy', a.astype('i1'))
 np.save(out + '/structured.npy', np.zeros(3, dtype=[('x', '<f4'), ('y', '<i4')]))
 np.save(out + '/rank5.npy', np.zeros((1, 2, 1, 2, 1), dtype='<f4'))
 )";
@@ -488,8 +526,7 @@ np.save(out + '/rank5.npy', np.zeros((1, 2, 1, 2, 1), dtype='<f4'))
       {"object.npy", {"object arrays", "'|O'"}},
       {"half.npy", {"unsupported dtype '<f2'"}},
       {"complex.npy", {"unsupported dtype '<c8'"}},
-      {"bool.npy", {"unsupported dtype '|b1'"}},
-      {"uint8.npy", {"unsupported dtype '|u1'"}},
+      {"int8.npy", {"unsupported dtype '|i1'"}},
       {"structured.npy", {"structured dtypes"}},
       {"rank5.npy", {"[1, 2, 1, 2, 1]", "rank 5", "at most 4"}},
   };
@@ -579,7 +616,7 @@ TEST(NpyReject, ObjectArrays) {
 }
 
 TEST(NpyReject, OtherDtypesNameTheDtype) {
-  for (std::string dtype : {"<f2", "<c16", "|u1", "<i2", "<u4", "<U5", "|f4", "f4", "float32"}) {
+  for (std::string dtype : {"<f2", "<c16", "|i1", "<i2", "<u4", "<U5", "|f4", "f4", "float32"}) {
     SCOPED_TRACE(dtype);
     const std::string dict = "{'descr': '" + dtype + "', 'fortran_order': False, 'shape': (2,), }";
     const size_t offset = dict_start(1) + dict.find("'" + dtype + "'");

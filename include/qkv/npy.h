@@ -1,5 +1,6 @@
 // Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0;
-// little-endian <f4, <f8, <i4, <i8; C order). Anything else — Fortran order,
+// little-endian <f4, <f8, <i4, <i8, and the one-byte bool |b1 and uint8 |u1
+// (both read as uint8_t, written as |u1); C order). Anything else — Fortran order,
 // big-endian, other dtypes, truncated data, a header that disagrees with the
 // file size — is a qkv::Error saying what and at which byte offset.
 #pragma once
@@ -15,7 +16,8 @@
 namespace qkv {
 
 // An array read from a .npy file, in the type the file holds.
-using NpyArray = std::variant<Tensor<float>, Tensor<double>, Tensor<int32_t>, Tensor<int64_t>>;
+using NpyArray = std::variant<Tensor<float>, Tensor<double>, Tensor<int32_t>, Tensor<int64_t>,
+                              Tensor<uint8_t>>;
 
 // Parses a whole .npy file held in memory. `name` goes into error messages.
 NpyArray parse_npy(const void* bytes, size_t size, const std::string& name = "<memory>");
@@ -35,6 +37,7 @@ std::string npy_bytes(ConstView<float> array);
 std::string npy_bytes(ConstView<double> array);
 std::string npy_bytes(ConstView<int32_t> array);
 std::string npy_bytes(ConstView<int64_t> array);
+std::string npy_bytes(ConstView<uint8_t> array);
 
 // Writes a .npy file atomically, as a StagedFile (qkv/staged_file.h): to a
 // temporary file beside `path`, renamed over it only once complete and on
@@ -45,5 +48,6 @@ void write_npy(const std::string& path, ConstView<float> array);
 void write_npy(const std::string& path, ConstView<double> array);
 void write_npy(const std::string& path, ConstView<int32_t> array);
 void write_npy(const std::string& path, ConstView<int64_t> array);
+void write_npy(const std::string& path, ConstView<uint8_t> array);
 
 }  // namespace qkv

@@ -466,6 +466,46 @@ class AttendTest(CliTest):
                                      "1,0"], [self.path("o.npy")],
                           ["--window is for --scoring dot"])
 
+    def test_dot_mask_and_key_mask(self):
+        # --mask (bool or uint8, broadcast against the scores) and --key-mask
+        # (B, Nk): the reference gives the masked scores -inf.
+        q, k, v = self.attention_inputs(np.float64)  # (2, 3, 4), (2, 5, 4), (2, 5, 6)
+        mask = self.rng.random((3, 5)) < 0.6
+        mask[:, 0] = True
+        keys = self.rng.random((2, 5)) < 0.7
+        keys[:, 0] = True
+        for mask_file in (mask, mask.astype(np.uint8), mask[None].repeat(2, 0)):
+            with self.subTest(mask=(mask_file.dtype, mask_file.shape)):
+                self.ok(*self.dot_args(q, k, v), "--mask", self.save("m.npy", mask_file),
+                        "--key-mask", self.save("km.npy", keys))
+                keep = mask[None] & keys[:, None, :]
+                scores = np.where(keep, q @ k.transpose(0, 2, 1) / 2.0, -np.inf)
+                w = np.exp(scores - scores.max(-1, keepdims=True))
+                w /= w.sum(-1, keepdims=True)
+                self.assertClose(self.load(self.path("o.npy"), np.float64, (2, 3, 6)), w @ v,
+                                 np.float64)
+        # 2-D inputs: a (Nk) key mask is the batch of one's.
+        self.ok(*self.dot_args(q[0], k[0], v[0]), "--key-mask", self.save("km.npy", keys[0]))
+        scores = np.where(keys[0][None, :], q[0] @ k[0].T / 2.0, -np.inf)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        self.assertClose(self.load(self.path("o.npy"), np.float64, (3, 6)),
+                         (w / w.sum(-1, keepdims=True)) @ v[0], np.float64)
+        out = [self.path("o.npy")]
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--mask",
+                                     self.save("mf.npy", mask.astype(np.float32))], out,
+                          ["--mask", "holds float32; a mask must be bool or uint8"])
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--mask",
+                                     self.save("m4.npy", np.ones((4, 5), bool))], out,
+                          ["options.mask has shape [4, 5], which does not broadcast to the "
+                           "scores [2, 3, 5]"])
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--key-mask",
+                                     self.save("k3.npy", np.ones((2, 3), bool))], out,
+                          ["options.key_mask has shape [2, 3]; expected [2, 5]"])
+        w_q, w_k, w_v = self.additive_params(np.float64, key_size=4)
+        self.expect_error("attend", [*self.additive_args(q, k, v, w_q, w_k, w_v), "--mask",
+                                     self.save("m.npy", mask)], out,
+                          ["--mask is for --scoring dot"])
+
     def test_additive_3d_f4_and_f8(self):
         for dtype in (np.float32, np.float64):
             q, k, v = self.attention_inputs(dtype)
