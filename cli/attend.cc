@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 
 #include "common.h"
 #include "qkv/attention.h"
@@ -21,7 +22,7 @@ struct AttendArgs {
   std::optional<double> scale;
   std::string causal;  // "", "top-left" or "bottom-right"
   std::string window;  // "", or "L,R"
-  std::string mask, key_mask;
+  std::string mask, key_mask, bias;
   std::string w_q, w_k, w_v;
   double dropout = 0.0;
   bool train = false;
@@ -49,7 +50,8 @@ void check_options(const AttendArgs& args) {
     throw UsageError("--scale is for --scoring dot; additive attention has no scale");
   }
   for (const auto& [flag, value] : {std::pair{"--window", &args.window},
-                                     {"--mask", &args.mask}, {"--key-mask", &args.key_mask}}) {
+                                     {"--mask", &args.mask}, {"--key-mask", &args.key_mask},
+                                     {"--bias", &args.bias}}) {
     if (additive && !value->empty()) {
       throw UsageError(std::string(flag) + " is for --scoring dot; additive attention takes "
                        "--valid-lens and --causal");
@@ -59,10 +61,11 @@ void check_options(const AttendArgs& args) {
 
 // `inputs` holds queries, keys, values and, for additive, w_q, w_k, w_v, all
 // of float type T.
-// The masks as read (uint8), viewed by AttentionOptions; a 1-D key mask
-// with 2-D inputs is the batch of one's.
+// The masks as read (uint8) and the bias (the inputs' float type), viewed
+// by AttentionOptions; a 1-D key mask with 2-D inputs is the batch of one's.
 struct Masks {
   Tensor<uint8_t> mask, key_mask;
+  std::optional<FloatTensor> bias;
 };
 
 template <class T>
@@ -85,6 +88,7 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
     const ConstView<uint8_t> keys = masks.key_mask.view();
     options.key_mask = !batched && keys.rank() == 1 ? keys.unsqueeze0() : keys;
   }
+  if (masks.bias) options.bias = ConstView<T>(std::get<Tensor<T>>(*masks.bias).view());
   if (!args.window.empty()) {
     const size_t comma = args.window.find(',');
     options.window_left = std::stoll(args.window.substr(0, comma));
@@ -155,6 +159,15 @@ void run_attend(const AttendArgs& args) {
   Masks masks;
   if (!args.mask.empty()) masks.mask = load_byte_mask({"--mask", args.mask});
   if (!args.key_mask.empty()) masks.key_mask = load_byte_mask({"--key-mask", args.key_mask});
+  if (!args.bias.empty()) {
+    const Input input{"--bias", args.bias};
+    masks.bias = load_float(input);
+    if (masks.bias->index() != tensors[0].index()) {
+      throw UsageError(input.describe() + " is " + dtype_name(*masks.bias) + " but " +
+                       inputs[0].describe() + " is " + dtype_name(tensors[0]) +
+                       "; the bias must have the inputs' float type");
+    }
+  }
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
                     ? attend<float>(args, tensors, valid_lens, masks)
@@ -219,6 +232,11 @@ Command add_attend_command(CLI::App& parent) {
                                "dot only: (B, Nk) bool or uint8, key j of batch element b takes "
                                "part where nonzero (key padding); (Nk) for 2-D inputs"))
       ->type_name("K.npy");
+  require_path(app->add_option("--bias", args->bias,
+                               "dot only: an additive bias of the scaled scores (torch's float "
+                               "attn_mask: ALiBi, relative positions), the inputs' float type, "
+                               "broadcast like --mask; -inf leaves a key out"))
+      ->type_name("B.npy");
   app->add_option("--window", args->window,
                   "dot only: a sliding window, query i sees keys j with i + Nk - Nq - L <= j <= "
                   "i + Nk - Nq + R (FlashAttention's window_size); -1 leaves a side open; "

@@ -9,7 +9,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "check.h"
@@ -220,34 +222,41 @@ ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& va
                " is not a qkv::Causal value");
 }
 
+// A view that broadcasts against the scores (B, Nq, Nk), or (B, H, Nq, Nk)
+// for heads (aligned from the right, each axis 1 or the scores' size), as
+// the kernels read it: (B, H, Nq, Nk) with stride 0 along the axes it
+// broadcasts over (3-D scores have no H axis: full axes 0, 2, 3).
+template <class T>
+TensorView<T> broadcast_to_scores(std::string_view fn, std::string_view name, TensorView<T> m,
+                                  const Dims& dims) {
+  const Shape scores = heads_shape(dims, dims.heads, dims.nq, dims.nk);
+  bool fits = m.rank() >= 1 && m.rank() <= scores.rank();
+  for (int a = 0; fits && a < m.rank(); ++a) {
+    const int64_t size = m.size(m.rank() - 1 - a), want = scores[scores.rank() - 1 - a];
+    fits = size == want || size == 1;
+  }
+  if (!fits) {
+    fail(fn, std::string(name) + " has shape " + m.shape().str() +
+                 ", which does not broadcast to the scores " + scores.str() +
+                 " (aligned from the right, each axis 1 or the scores' size)");
+  }
+  const Shape full{dims.batch, dims.heads, dims.nq, dims.nk};
+  Shape strides{0, 0, 0, 0};
+  const int to_full_3d[] = {0, 2, 3};
+  for (int a = 0; a < m.rank(); ++a) {
+    const int scores_axis = scores.rank() - m.rank() + a;
+    const int axis = scores.rank() == 4 ? scores_axis : to_full_3d[scores_axis];
+    if (m.size(a) != 1) strides[axis] = m.stride(a);
+  }
+  return TensorView<T>(m.data(), full, strides);
+}
+
 // The masks of options as the kernels read them: mask as a (B, H, Nq, Nk)
 // view with zero strides where it broadcasts; key_mask (B, Nk); the window.
 void check_masks(std::string_view fn, const Dims& dims, const AttentionOptions& options,
                  kernels::AttentionConfig& config) {
-  const Shape scores = heads_shape(dims, dims.heads, dims.nq, dims.nk);
   if (options.mask.rank() > 0) {
-    const ConstView<uint8_t>& m = options.mask;
-    bool fits = m.rank() >= 1 && m.rank() <= scores.rank();
-    for (int a = 0; fits && a < m.rank(); ++a) {
-      const int64_t size = m.size(m.rank() - 1 - a), want = scores[scores.rank() - 1 - a];
-      fits = size == want || size == 1;
-    }
-    if (!fits) {
-      fail(fn, "options.mask has shape " + m.shape().str() + ", which does not broadcast to the "
-                   "scores " + scores.str() +
-                   " (aligned from the right, each axis 1 or the scores' size)");
-    }
-    // (B, H, Nq, Nk) with stride 0 along the axes the mask broadcasts over
-    // (3-D scores have no H axis: full axes 0, 2, 3).
-    const Shape full{dims.batch, dims.heads, dims.nq, dims.nk};
-    Shape strides{0, 0, 0, 0};
-    const int to_full_3d[] = {0, 2, 3};
-    for (int a = 0; a < m.rank(); ++a) {
-      const int scores_axis = scores.rank() - m.rank() + a;
-      const int axis = scores.rank() == 4 ? scores_axis : to_full_3d[scores_axis];
-      if (m.size(a) != 1) strides[axis] = m.stride(a);
-    }
-    config.mask = ConstView<uint8_t>(m.data(), full, strides);
+    config.mask = broadcast_to_scores(fn, "options.mask", options.mask, dims);
   }
   if (options.key_mask.rank() > 0) {
     detail::check_shape(fn, "options.key_mask", options.key_mask, Shape{dims.batch, dims.nk});
@@ -261,11 +270,46 @@ void check_masks(std::string_view fn, const Dims& dims, const AttentionOptions& 
   config.window_right = options.window_right;
 }
 
-bool has_masks(const AttentionOptions& options) {
-  return options.mask.rank() > 0 || options.key_mask.rank() > 0 || options.window_left != -1 ||
-         options.window_right != -1;
+const char* type_name(float) { return "float32"; }
+const char* type_name(double) { return "float64"; }
+
+bool has_bias(const AttentionOptions& options) {
+  return !std::holds_alternative<std::monostate>(options.bias);
 }
 
+// options.bias as the kernels read it, in the accumulation type Acc (float
+// for float and bf16 inputs, double for double), broadcast like the mask.
+template <class Acc>
+void check_bias(std::string_view fn, const Dims& dims, const AttentionOptions& options,
+                kernels::AttentionConfig& config) {
+  if (!has_bias(options)) {
+    if (options.want_bias_grad) {
+      fail(fn, "options.want_bias_grad is set but options.bias is empty");
+    }
+    return;
+  }
+  const ConstView<Acc>* bias = std::get_if<ConstView<Acc>>(&options.bias);
+  if (bias == nullptr) {
+    fail(fn, std::string("options.bias is ") + (std::is_same_v<Acc, float> ? "float64" : "float32") +
+                 " but the inputs compute in " + type_name(Acc()) + "; give a " +
+                 type_name(Acc()) + " bias (float32 for float32 and bfloat16 inputs, float64 "
+                 "for float64 ones)");
+  }
+  const ConstView<Acc> full = broadcast_to_scores(fn, "options.bias", *bias, dims);
+  if constexpr (std::is_same_v<Acc, float>) {
+    config.bias_float = full;
+  } else {
+    config.bias_double = full;
+  }
+}
+
+bool has_masks(const AttentionOptions& options) {
+  return options.mask.rank() > 0 || options.key_mask.rank() > 0 || options.window_left != -1 ||
+         options.window_right != -1 || has_bias(options) || options.want_bias_grad;
+}
+
+// Acc: the type the kernels compute in (the bias's type).
+template <class Acc>
 kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
                                      const ValidLens& valid_lens, const AttentionOptions& options) {
   detail::check_dropout(fn, "options.dropout", options.dropout);
@@ -280,6 +324,7 @@ kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
                                   options.training ? options.dropout : 0.0, options.seed,
                                   dims.heads};
   check_masks(fn, dims, options, config);
+  check_bias<Acc>(fn, dims, options, config);
   return config;
 }
 
@@ -291,7 +336,7 @@ kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
     fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
   }
   if (has_masks(options)) {
-    fail(fn, "options.mask, key_mask and window_left/right are for scaled dot-product "
+    fail(fn, "options.mask, key_mask, window_left/right and bias are for scaled dot-product "
              "attention; additive attention takes valid_lens and causal");
   }
   return {kernel_lens(fn, dims, valid_lens, options), 1.0,
@@ -387,13 +432,32 @@ kernels::ForwardViews<T> destinations(std::string_view fn, Version version, cons
 
 // ---- scaled dot-product ------------------------------------------------------
 
+// The gradients of a backward, allocated in the inputs' shapes (and the
+// bias's when asked for), and the views the kernels write them through.
+template <class In, class Acc>
+kernels::SdpaGradViews<Acc> gradient_views(ConstView<In> q, ConstView<In> k, ConstView<In> v,
+                                           const Dims& dims, const AttentionOptions& options,
+                                           DotProductGrads<Acc>& grads) {
+  grads.d_queries = Tensor<Acc>(q.shape());
+  grads.d_keys = Tensor<Acc>(k.shape());
+  grads.d_values = Tensor<Acc>(v.shape());
+  kernels::SdpaGradViews<Acc> out{kernels::as_heads(grads.d_queries.view()),
+                                  kernels::as_heads(grads.d_keys.view()),
+                                  kernels::as_heads(grads.d_values.view())};
+  if (options.want_bias_grad) {
+    grads.d_bias = Tensor<Acc>(std::get<ConstView<Acc>>(options.bias).shape());
+    out.d_bias = broadcast_to_scores(kSdpaBackward, "options.bias", grads.d_bias.view(), dims);
+  }
+  return out;
+}
+
 // The forward into the caller's outputs (given) or into a new result.
 template <class T>
 AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
                                 const ValidLens& valid_lens, const AttentionOptions& options,
                                 const AttentionOutputs<T>* given = nullptr) {
   const Dims dims = check_sdpa_inputs(kSdpa, q, k, v, valid_lens);
-  const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
+  const kernels::AttentionConfig config = sdpa_config<T>(kSdpa, dims, valid_lens, options);
   AttentionResult<T> result;
   kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result);
   out.output = kernels::as_heads(out.output);
@@ -411,12 +475,10 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
                                  const ValidLens& valid_lens, const AttentionOptions& options,
                                  const SavedForward<T>& saved, ConstView<T> d_output) {
   const Dims dims = check_sdpa_inputs(kSdpaBackward, q, k, v, valid_lens);
-  const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
+  const kernels::AttentionConfig config = sdpa_config<T>(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
-  DotProductGrads<T> grads{Tensor<T>(q.shape()), Tensor<T>(k.shape()), Tensor<T>(v.shape())};
-  const kernels::SdpaGradViews<T> out{kernels::as_heads(grads.d_queries.view()),
-                                      kernels::as_heads(grads.d_keys.view()),
-                                      kernels::as_heads(grads.d_values.view())};
+  DotProductGrads<T> grads;
+  const kernels::SdpaGradViews<T> out = gradient_views(q, k, v, dims, options, grads);
   if (version == Version::kFast) {
     const KernelOperand<T> qk(q), kk(k), vk(v), ok(saved.output), gk(d_output);
     const detail::Contiguous<T> lc(saved.lse);
@@ -449,7 +511,7 @@ AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat
                                          ConstView<bfloat16> v, const ValidLens& valid_lens,
                                          const AttentionOptions& options) {
   const Dims dims = check_sdpa_inputs(kSdpa, q, k, v, valid_lens);
-  const kernels::AttentionConfig config = sdpa_config(kSdpa, dims, valid_lens, options);
+  const kernels::AttentionConfig config = sdpa_config<float>(kSdpa, dims, valid_lens, options);
   AttentionResult<float> result;
   kernels::ForwardViews<float> out =
       destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
@@ -465,21 +527,20 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
                                           const SavedForward<float>& saved,
                                           ConstView<float> d_output) {
   const Dims dims = check_sdpa_inputs(kSdpaBackward, q, k, v, valid_lens);
-  const kernels::AttentionConfig config = sdpa_config(kSdpaBackward, dims, valid_lens, options);
+  const kernels::AttentionConfig config =
+      sdpa_config<float>(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
   if (bf16_backward_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
     return sdpa_backward<float>(Version::kFast, qf, kf, vf, valid_lens, options, saved, d_output);
   }
-  DotProductGrads<float> grads{Tensor<float>(q.shape()), Tensor<float>(k.shape()),
-                               Tensor<float>(v.shape())};
+  DotProductGrads<float> grads;
+  const kernels::SdpaGradViews<float> out = gradient_views(q, k, v, dims, options, grads);
   const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
   const KernelOperand<float> ok(saved.output), gk(d_output);
   const detail::Contiguous<float> lc(saved.lse);
-  fast_sdpa_backward<bfloat16, float>(
-      qk.view(), kk.view(), vk.view(), config, {ok.view(), lc.view()}, gk.view(),
-      {kernels::as_heads(grads.d_queries.view()), kernels::as_heads(grads.d_keys.view()),
-       kernels::as_heads(grads.d_values.view())});
+  fast_sdpa_backward<bfloat16, float>(qk.view(), kk.view(), vk.view(), config,
+                                      {ok.view(), lc.view()}, gk.view(), out);
   return grads;
 }
 

@@ -24,7 +24,7 @@ namespace qkv::test {
 namespace {
 
 // The broadcast forms of a mask against scores (B, H, Nq, Nk).
-enum class MaskForm { kNone, kFull, kQueriesKeys, kPerBatch, kPerHeadKeys };
+enum class MaskForm { kNone, kFull, kQueriesKeys, kPerBatch, kPerHeadKeys, kPerQuery };
 
 Shape mask_shape(MaskForm form, int64_t b, int64_t h, int64_t nq, int64_t nk) {
   switch (form) {
@@ -38,6 +38,8 @@ Shape mask_shape(MaskForm form, int64_t b, int64_t h, int64_t nq, int64_t nk) {
       return Shape{b, 1, nq, nk};
     case MaskForm::kPerHeadKeys:
       return Shape{1, h, 1, nk};
+    case MaskForm::kPerQuery:  // one value per query row, the same for every key
+      return Shape{b, 1, nq, 1};
   }
   return Shape{};
 }
@@ -51,6 +53,7 @@ struct MaskCase {
   Causal causal;
   double dropout;
   bool weights;
+  MaskForm bias = MaskForm::kNone;  // a float bias of this form, with its gradient
 };
 
 std::string describe(const MaskCase& c) {
@@ -62,13 +65,15 @@ std::string describe(const MaskCase& c) {
          std::to_string(c.window_left) + ", " + std::to_string(c.window_right) +
          ") lens=" + std::to_string(static_cast<int>(c.lens)) +
          " causal=" + std::to_string(static_cast<int>(c.causal)) +
-         " dropout=" + std::to_string(c.dropout) + " weights=" + std::to_string(c.weights);
+         " dropout=" + std::to_string(c.dropout) + " weights=" + std::to_string(c.weights) +
+         " bias=" + std::to_string(static_cast<int>(c.bias));
 }
 
 template <class T>
 struct MaskProblem {
   Tensor<T> q, k, v;
   Tensor<uint8_t> mask, key_mask;
+  Tensor<T> bias;
   OwnedLens lens;
   AttentionOptions options;
 };
@@ -92,6 +97,15 @@ MaskProblem<T> make_problem(Rng& rng, const MaskCase& c) {
   if (c.key_mask) {
     p.key_mask = random_bits(rng, Shape{c.batch, c.nk}, 0.7);
     p.options.key_mask = p.key_mask.view();
+  }
+  if (c.bias != MaskForm::kNone) {
+    // N(0, 2) (ALiBi-like magnitudes) with a tenth of the keys -inf.
+    p.bias = random_tensor<T>(rng, mask_shape(c.bias, c.batch, c.heads, c.nq, c.nk));
+    for (T& x : p.bias.values()) {
+      x = rng.bernoulli(0.1) ? -std::numeric_limits<T>::infinity() : T(2) * x;
+    }
+    p.options.bias = ConstView<T>(p.bias.view());
+    p.options.want_bias_grad = true;
   }
   p.options.window_left = c.window_left;
   p.options.window_right = c.window_right;
@@ -126,6 +140,13 @@ bool sees(const MaskCase& c, const MaskProblem<T>& p, int64_t b, int64_t h, int6
     const uint8_t m = s.rank() == 2 ? p.mask(i, j)
                                     : p.mask(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
     if (m == 0) return false;
+  }
+  if (c.bias != MaskForm::kNone) {  // a -inf bias leaves the key out too
+    const Shape s = p.bias.shape();
+    const auto at = [&](int64_t idx, int axis) { return s[axis] == 1 ? 0 : idx; };
+    const T x = s.rank() == 2 ? p.bias(at(i, 0), at(j, 1))
+                              : p.bias(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
+    if (x == -std::numeric_limits<T>::infinity()) return false;
   }
   return true;
 }
@@ -173,6 +194,10 @@ void check_case(Rng& rng, const MaskCase& c) {
   expect_close(g.d_queries, r.d_queries, back, "d_queries");
   expect_close(g.d_keys, r.d_keys, back, "d_keys");
   expect_close(g.d_values, r.d_values, back, "d_values");
+  if (c.bias != MaskForm::kNone) {
+    ASSERT_EQ(g.d_bias.shape(), p.bias.shape());
+    expect_close(g.d_bias, r.d_bias, back, "d_bias");
+  }
 }
 
 MaskCase random_case(Rng& rng) {
@@ -189,14 +214,16 @@ MaskCase random_case(Rng& rng) {
                   nk,
                   kDims[rng.uniform_int(0, 3)],
                   kDims[rng.uniform_int(0, 3)],
-                  static_cast<MaskForm>(rng.uniform_int(0, 4)),
+                  static_cast<MaskForm>(rng.uniform_int(0, 5)),
                   rng.bernoulli(0.4),
                   window ? rng.uniform_int(-1, 300) : -1,
                   window ? rng.uniform_int(-1, 40) : -1,
                   static_cast<LensForm>(rng.uniform_int(0, 2)),
                   static_cast<Causal>(rng.uniform_int(0, 2)),
                   rng.bernoulli(0.3) ? 0.2 : 0.0,
-                  rng.bernoulli(0.3)};
+                  rng.bernoulli(0.3),
+                  rng.bernoulli(0.5) ? static_cast<MaskForm>(rng.uniform_int(1, 5))
+                                     : MaskForm::kNone};
 }
 
 template <class T>
@@ -225,6 +252,17 @@ TYPED_TEST(Masks, MatchTheReferenceForwardAndBackward) {
       // Masks that leave some queries no key at all.
       {2, 2, 1, 50, 30, 8, 4, MaskForm::kFull, true, 2, 1, LensForm::kPerQuery, Causal::kNone,
        0.0, true},
+      // Biases: full; (Nq, Nk) shared by batch elements and grouped heads,
+      // with causal and dropout; per head and key against a long cache
+      // (decoding); constant along the keys (no effect, gradient 0).
+      {2, 2, 2, 300, 600, 32, 16, MaskForm::kNone, false, -1, -1, LensForm::kNone, Causal::kNone,
+       0.0, true, MaskForm::kFull},
+      {2, 4, 2, 520, 520, 16, 16, MaskForm::kNone, false, -1, -1, LensForm::kPerQuery,
+       Causal::kTopLeft, 0.2, false, MaskForm::kQueriesKeys},
+      {2, 8, 2, 1, 3000, 64, 64, MaskForm::kNone, true, -1, -1, LensForm::kPerBatch,
+       Causal::kNone, 0.0, false, MaskForm::kPerHeadKeys},
+      {2, 2, 1, 50, 300, 8, 4, MaskForm::kQueriesKeys, false, -1, -1, LensForm::kNone,
+       Causal::kNone, 0.2, true, MaskForm::kPerQuery},
   };
   const int random_cases = kSanitized ? 4 : 30;
   for (int n = 0; n < random_cases; ++n) cases.push_back(random_case(rng));
@@ -277,7 +315,7 @@ TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   const MaskCase c{2, 4, 2, 300, 700, 32, 32, MaskForm::kFull, true, 200, 10,
-                   LensForm::kPerBatch, Causal::kNone, 0.3, false};
+                   LensForm::kPerBatch, Causal::kNone, 0.3, false, MaskForm::kQueriesKeys};
   const MaskProblem<T> p = make_problem<T>(rng, c);
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
   const int before = num_threads();
@@ -296,6 +334,59 @@ TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
   expect_bitwise_equal(g_two.d_queries, g_one.d_queries, "d_queries");
   expect_bitwise_equal(g_two.d_keys, g_one.d_keys, "d_keys");
   expect_bitwise_equal(g_two.d_values, g_one.d_values, "d_values");
+  expect_bitwise_equal(g_two.d_bias, g_one.d_bias, "d_bias");
+}
+
+// The bias gradient against central differences of sum(output * d_out) in
+// float64, for a bias of each broadcast form (the reference's dS is checked
+// the same way, so both are held to the definition, not to each other).
+TEST(BiasGradient, MatchesFiniteDifferences) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = 2, heads = 2, kv_heads = 1, nq = 5, nk = 7, d = 4;
+  const Tensor<double> q = random_tensor<double>(rng, {batch, heads, nq, d});
+  const Tensor<double> k = random_tensor<double>(rng, {batch, kv_heads, nk, d});
+  const Tensor<double> v = random_tensor<double>(rng, {batch, kv_heads, nk, d});
+  const Tensor<double> d_out = random_tensor<double>(rng, {batch, heads, nq, d});
+  for (const MaskForm form : {MaskForm::kFull, MaskForm::kQueriesKeys, MaskForm::kPerBatch,
+                              MaskForm::kPerHeadKeys, MaskForm::kPerQuery}) {
+    SCOPED_TRACE("bias form " + std::to_string(static_cast<int>(form)));
+    Tensor<double> bias = random_tensor<double>(rng, mask_shape(form, batch, heads, nq, nk));
+    AttentionOptions o;
+    o.causal = Causal::kBottomRight;
+    o.bias = ConstView<double>(bias.view());
+    o.want_bias_grad = true;
+    o.want_lse = true;
+    const auto loss = [&] {
+      const Tensor<double> out = scaled_dot_product_attention(q, k, v, {}, o).output;
+      double sum = 0;
+      for (int64_t e = 0; e < out.numel(); ++e) sum += out.data()[e] * d_out.data()[e];
+      return sum;
+    };
+    const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, {}, o);
+    const Tensor<double> got =
+        scaled_dot_product_attention_backward(q, k, v, {}, o, {fwd.output, fwd.lse}, d_out).d_bias;
+    const Tensor<double> ref =
+        ref::scaled_dot_product_attention_backward(q, k, v, {}, o, {fwd.output, fwd.lse}, d_out)
+            .d_bias;
+    ASSERT_EQ(got.shape(), bias.shape());
+    const double h = 1e-6;
+    for (int64_t e = 0; e < bias.numel(); ++e) {
+      const double x = bias.data()[e];
+      bias.data()[e] = x + h;
+      const double up = loss();
+      bias.data()[e] = x - h;
+      const double down = loss();
+      bias.data()[e] = x;
+      const double numeric = (up - down) / (2 * h);
+      EXPECT_NEAR(got.data()[e], numeric, 1e-8) << "element " << e;
+      EXPECT_NEAR(ref.data()[e], numeric, 1e-8) << "element " << e;
+    }
+    if (form == MaskForm::kPerQuery) {  // constant along the keys: exactly 0
+      for (const double g : got.values()) EXPECT_EQ(g, 0.0);
+    }
+  }
 }
 
 // bf16 inputs with masks against the float reference on the widened inputs
@@ -308,7 +399,9 @@ TEST(MasksBf16, MatchTheFloatReferenceOnWidenedInputs) {
       {2, 4, 2, 300, 600, 64, 64, MaskForm::kFull, true, -1, -1, LensForm::kNone, Causal::kNone,
        0.0, false},
       {1, 8, 1, 1, 2000, 64, 64, MaskForm::kPerHeadKeys, true, 500, 0, LensForm::kNone,
-       Causal::kNone, 0.0, false},
+       Causal::kNone, 0.0, false, MaskForm::kPerHeadKeys},
+      {1, 4, 4, 200, 300, 64, 64, MaskForm::kNone, false, -1, -1, LensForm::kNone,
+       Causal::kTopLeft, 0.0, false, MaskForm::kQueriesKeys},
   };
   for (const MaskCase& c : cases) {
     SCOPED_TRACE(describe(c));
@@ -333,6 +426,30 @@ TEST(MasksBf16, MatchTheFloatReferenceOnWidenedInputs) {
   }
 }
 
+// No batch (B = 0) or no heads with a bias: nothing to compute, and the
+// bias gradient of a (Nq, Nk) bias is all zeros (every element written).
+TEST(BiasGradient, EmptyBatchGivesZeros) {
+  for (const int64_t batch : {0, 2}) {
+    const int64_t heads = batch == 0 ? 2 : 0;
+    const Tensor<float> q(Shape{batch, heads, 3, 4}), k(Shape{batch, heads, 5, 4});
+    const Tensor<float> v(Shape{batch, heads, 5, 2}), d_out(Shape{batch, heads, 3, 2});
+    const Tensor<float> bias(Shape{3, 5}, 1.0f);
+    AttentionOptions o;
+    o.bias = ConstView<float>(bias.view());
+    o.want_bias_grad = true;
+    o.want_lse = true;
+    const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, {}, o);
+    for (const bool fast : {true, false}) {
+      const DotProductGrads<float> g =
+          fast ? scaled_dot_product_attention_backward(q, k, v, {}, o, {r.output, r.lse}, d_out)
+               : ref::scaled_dot_product_attention_backward(q, k, v, {}, o, {r.output, r.lse},
+                                                             d_out);
+      ASSERT_EQ(g.d_bias.shape(), bias.shape());
+      for (const float x : g.d_bias.values()) EXPECT_EQ(x, 0.0f) << "fast " << fast;
+    }
+  }
+}
+
 TEST(MasksErrors, NameTheShapes) {
   const Tensor<float> q(Shape{2, 4, 5, 8}), k(Shape{2, 2, 7, 8}), v(Shape{2, 2, 7, 3});
   const Tensor<uint8_t> wrong(Shape{2, 3, 5, 7}), keys_wrong(Shape{2, 6}), good(Shape{5, 7});
@@ -346,6 +463,24 @@ TEST(MasksErrors, NameTheShapes) {
   o.key_mask = keys_wrong.view();
   expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
                {"options.key_mask has shape [2, 6]; expected [2, 7]"});
+  o = AttentionOptions{};
+  const Tensor<float> bias_wrong(Shape{3, 1, 7});
+  o.bias = ConstView<float>(bias_wrong.view());
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"options.bias has shape [3, 1, 7], which does not broadcast to the scores "
+                "[2, 4, 5, 7]"});
+  const Tensor<double> bias64(Shape{5, 7});
+  o.bias = ConstView<double>(bias64.view());
+  expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
+               {"options.bias is float64 but the inputs compute in float32"});
+  o = AttentionOptions{};
+  o.want_bias_grad = true;
+  {
+    const Tensor<float> out(Shape{2, 4, 5, 3}), lse(Shape{2, 4, 5});
+    expect_error([&] { scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out); },
+                 {"scaled_dot_product_attention_backward",
+                  "options.want_bias_grad is set but options.bias is empty"});
+  }
   o = AttentionOptions{};
   o.window_left = -2;
   expect_error([&] { scaled_dot_product_attention(q, k, v, {}, o); },
@@ -366,6 +501,11 @@ TEST(MasksErrors, NameTheShapes) {
   const Tensor<float> w_q(Shape{4, 8}), w_k(Shape{4, 8}), w_v(Shape{4});
   o = AttentionOptions{};
   o.mask = good.view();
+  expect_error([&] { additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o); },
+               {"additive_attention", "are for scaled dot-product attention"});
+  const Tensor<float> bias_good(Shape{5, 7});
+  o = AttentionOptions{};
+  o.bias = ConstView<float>(bias_good.view());
   expect_error([&] { additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o); },
                {"additive_attention", "are for scaled dot-product attention"});
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <variant>
 
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
@@ -23,6 +24,10 @@ enum class Causal {
   // first Nq - Nk queries see no key.
   kBottomRight,
 };
+
+// A float bias of either precision (AttentionOptions::bias): empty, float32
+// or float64.
+using BiasView = std::variant<std::monostate, ConstView<float>, ConstView<double>>;
 
 struct AttentionOptions {
   // Multiplies the dot products; default 1/sqrt(D). Scaled dot-product only:
@@ -63,6 +68,16 @@ struct AttentionOptions {
   // window of 257 keys. Blocks outside every row's window are skipped.
   int64_t window_left = -1;
   int64_t window_right = -1;
+  // An additive bias of the scores (torch's float attn_mask: relative
+  // positions, ALiBi): score = scale q.k + bias, broadcast like mask, read in
+  // place and added tile by tile. float32 for float32 and bfloat16 inputs,
+  // float64 for float64 ones. -inf leaves a key out like a mask; masks win
+  // over the bias (a masked key is -inf whatever its bias).
+  BiasView bias;
+  // The backward also returns d_bias, the gradient of the bias in its own
+  // shape (summed over the axes it broadcasts along; exactly 0 where the
+  // bias is constant along the keys, which cannot change the weights).
+  bool want_bias_grad = false;
 };
 
 template <class T>
@@ -86,6 +101,7 @@ struct DotProductGrads {
   Tensor<T> d_queries;  // (B, Nq, D)
   Tensor<T> d_keys;     // (B, Nk, D)
   Tensor<T> d_values;   // (B, Nk, Dv)
+  Tensor<T> d_bias;     // the shape of options.bias; empty unless options.want_bias_grad
 };
 
 template <class T>

@@ -28,6 +28,12 @@ class ScaledDotProductAttentionGrads(NamedTuple):
     d_keys: FloatArray
     d_values: FloatArray
 
+class ScaledDotProductAttentionBiasGrads(NamedTuple):
+    d_queries: FloatArray
+    d_keys: FloatArray
+    d_values: FloatArray
+    d_bias: FloatArray
+
 class AdditiveAttentionGrads(NamedTuple):
     d_queries: FloatArray
     d_keys: FloatArray
@@ -67,6 +73,7 @@ def scaled_dot_product_attention(
     mask: Optional[ArrayLike] = None,
     key_mask: Optional[ArrayLike] = None,
     window: Optional[Tuple[int, int]] = None,
+    bias: Optional[ArrayLike] = None,
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
     queries: ArrayLike,
@@ -84,7 +91,9 @@ def scaled_dot_product_attention_backward(
     mask: Optional[ArrayLike] = None,
     key_mask: Optional[ArrayLike] = None,
     window: Optional[Tuple[int, int]] = None,
-) -> ScaledDotProductAttentionGrads: ...
+    bias: Optional[ArrayLike] = None,
+    bias_grad: bool = True,
+) -> Union[ScaledDotProductAttentionGrads, ScaledDotProductAttentionBiasGrads]: ...
 def additive_attention(
     queries: ArrayLike,
     keys: ArrayLike,
@@ -183,6 +192,7 @@ def _scaled_dot_product_attention_bf16(
     mask: Optional[ArrayLike],
     key_mask: Optional[ArrayLike],
     window: Optional[Tuple[int, int]],
+    bias: Optional[ArrayLike] = None,
 ) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
 def _scaled_dot_product_attention_bf16_backward(
     queries: ArrayLike,
@@ -199,4 +209,6 @@ def _scaled_dot_product_attention_bf16_backward(
     mask: Optional[ArrayLike],
     key_mask: Optional[ArrayLike],
     window: Optional[Tuple[int, int]],
-) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
+    bias: Optional[ArrayLike] = None,
+    bias_grad: bool = True,
+) -> Tuple[FloatArray, FloatArray, FloatArray, Optional[FloatArray]]: ...

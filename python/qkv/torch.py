@@ -91,24 +91,27 @@ def _kept(lens):
     return None if lens is None else np.array(lens)
 
 
-def _bool_mask(fn, attn_mask):
-    """attn_mask for the kernels: None, or a bool array (no copy of a CPU
-    tensor; True = takes part). A float mask (an additive bias) is not
-    supported yet."""
+def _attn_mask(fn, attn_mask, query):
+    """attn_mask for the kernels: (mask, bias), each None or: mask a bool
+    array (no copy of a CPU tensor; True = takes part), bias a float tensor
+    in the type the kernels compute in (float64 for float64 queries, else
+    float32; converted by a differentiable .to, so its gradient reaches the
+    caller's tensor in its own dtype)."""
     if attn_mask is None:
-        return None
+        return None, None
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"{fn}: attn_mask is a {type(attn_mask).__name__}; expected a "
                         f"torch.Tensor")
     if not attn_mask.is_cpu:
         raise ValueError(f"{fn}: attn_mask is on {attn_mask.device}; qkv computes on the CPU")
     if attn_mask.is_floating_point():
-        raise NotImplementedError(f"qkv.torch.{fn}: a float attn_mask (an additive bias) is not "
-                                  f"supported yet; a bool attn_mask is (True = takes part)")
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        return None, attn_mask.to(compute)
     if attn_mask.dtype != torch.bool:
         raise TypeError(f"{fn}: attn_mask has dtype "
-                        f"{str(attn_mask.dtype).removeprefix('torch.')}; expected bool")
-    return attn_mask.numpy()
+                        f"{str(attn_mask.dtype).removeprefix('torch.')}; expected bool or "
+                        f"a float dtype (an additive bias)")
+    return attn_mask.numpy(), None
 
 
 def _draw_seed():
@@ -167,14 +170,15 @@ def masked_softmax(X, valid_lens=None):
 # ---- scaled dot-product attention ------------------------------------------------
 
 def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                  need_lse):
+                  bias, need_lse):
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
     has query's dtype."""
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-            want_weights, need_lse, causal, mask, None, None)
+            want_weights, need_lse, causal, mask, None, None,
+            None if bias is None else _array(bias))
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
         return output.to(torch.bfloat16), weights, output, lse
@@ -189,7 +193,8 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     parts = _qkv.scaled_dot_product_attention(
         _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
-        out=None if out is None else _array(out), mask=mask)
+        out=None if out is None else _array(out), mask=mask,
+        bias=None if bias is None else _array(bias))
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts) if out is None else out
         return output, None, output, None
@@ -202,14 +207,16 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
 
 class _Sdpa(torch.autograd.Function):
     """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D; or heads (B, H, Nq, D),
-    (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights)."""
+    (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights); differentiable in
+    query, key, value and the float bias."""
 
     @staticmethod
-    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask):
+    def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
+                bias):
         ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask))
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
-                                                     seed, want_weights, causal, mask, True)
-        ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse))
+                                                     seed, want_weights, causal, mask, bias, True)
+        ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse), bias)
         if weights is None:
             weights = query.new_empty(0)
         ctx.mark_non_differentiable(weights)
@@ -218,20 +225,25 @@ class _Sdpa(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_output, _d_weights):
-        query, key, value, output, lse = ctx.saved_tensors
+        query, key, value, output, lse, bias = ctx.saved_tensors
         lens, scale, dropout_p, seed, causal, mask = ctx.config
+        bias_array = None if bias is None else _array(bias)
+        bias_grad = bias is not None and ctx.needs_input_grad[10]
         if query.dtype == torch.bfloat16:
-            grads = _qkv._scaled_dot_product_attention_bf16_backward(
+            *grads, d_bias = _qkv._scaled_dot_product_attention_bf16_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None, None)
+                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None, None,
+                bias_array, bias_grad)
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed, causal=causal,
-                mask=mask)
-            grads = [torch.from_numpy(g) for g in grads]
-        return (*grads, None, None, None, None, None, None, None)
+                mask=mask, bias=bias_array, bias_grad=bias_grad)
+            d_bias = grads[3] if bias_grad else None
+            grads = [torch.from_numpy(g) for g in grads[:3]]
+        d_bias = None if d_bias is None else torch.from_numpy(d_bias)
+        return (*grads, None, None, None, None, None, None, None, d_bias)
 
 
 def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None,
@@ -257,11 +269,11 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                          f"{key.shape[-3]} (shapes {list(query.shape)}, {list(key.shape)}); "
                          f"pass enable_gqa=True for grouped-query attention")
     lens = _lens(fn, valid_lens)
-    mask = _bool_mask(fn, attn_mask)
+    mask, bias = _attn_mask(fn, attn_mask, query)
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
     lead = None
-    if rank > 4 and mask is not None:
+    if rank > 4 and attn_mask is not None:
         raise ValueError(f"{fn}: attn_mask takes inputs of rank 2 to 4; got query "
                          f"{list(query.shape)}")
     if rank > 4:
@@ -276,8 +288,8 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
         query, key, value = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
     args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal,
-            mask)
-    if _needs_grad(query, key, value):
+            mask, bias)
+    if _needs_grad(query, key, value, *(() if bias is None else (bias,))):
         output, weights = _Sdpa.apply(*args)
     else:
         output, weights = _sdpa_forward(*args, False)[:2]
@@ -302,12 +314,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             in float32 and rounds the result). Any strides: 4-D heads
             (B, H, N, D) are read in place, so q.view(B, N, H, D).transpose(1, 2)
             costs no copy.
-        attn_mask: None, or a bool tensor broadcast against the scores
-            (..., Nq, Nk) as torch's (True = the key takes part); read in
-            place, blocks it masks entirely are skipped. Combined with
-            is_causal and valid_lens (a key takes part where all let it); a
-            query left with no key gives 0 where torch gives NaN. A float
-            attn_mask (an additive bias) raises NotImplementedError for now.
+        attn_mask: None, or a tensor broadcast against the scores
+            (..., Nq, Nk), as torch's: bool (True = the key takes part; read
+            in place, blocks it masks entirely are skipped) or float, a
+            bias added to the scaled scores (ALiBi, relative positions; -inf
+            leaves a key out), differentiable (its gradient is summed over
+            the axes it broadcasts along). Combined with is_causal and
+            valid_lens (a key takes part where all let it); a query left
+            with no key gives 0 where torch gives NaN.
         is_causal: query i sees keys j <= i (torch's top-left alignment;
             with Nq > Nk the later queries see every key). Combined with
             valid_lens by taking the smaller length; key blocks no query may
@@ -329,7 +343,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         The output (..., Nq, Dv), query's dtype.
 
     Raises:
-        NotImplementedError: a float attn_mask.
         TypeError: a dtype qkv does not compute in, or mixed dtypes.
         ValueError: tensors not on the CPU, shapes that do not fit,
             dropout_p outside [0, 1] (qkv.Error, a ValueError, from the kernels).

@@ -24,7 +24,7 @@ constexpr std::string_view kAdditive = "additive_attention";
 constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
 
 // The gradient tuples (namedtuples made at import, attributes of the module).
-py::handle sdpa_grads_type, additive_grads_type;
+py::handle sdpa_grads_type, sdpa_bias_grads_type, additive_grads_type;
 
 // causal: None, "top-left" (torch's is_causal) or "bottom-right".
 Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) {
@@ -53,7 +53,7 @@ AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_
 // 1-D key_mask with 2-D inputs is the batch of one's), window (left, right).
 // `storage` keeps the arrays alive for the call.
 struct MaskArrays {
-  py::object mask, key_mask;
+  py::object mask, key_mask, bias;
 };
 
 ConstView<uint8_t> byte_mask(py::handle obj, std::string_view fn, std::string_view name,
@@ -76,6 +76,23 @@ ConstView<uint8_t> byte_mask(py::handle obj, std::string_view fn, std::string_vi
     strides.push_back(array.strides(a));  // bytes: one per element
   }
   return ConstView<uint8_t>(static_cast<const uint8_t*>(array.data()), shape, strides);
+}
+
+// bias: a float array of the type the kernels compute in (float32 for
+// float32 and bf16 inputs, float64 for float64), read in place.
+void set_bias(std::string_view fn, py::handle bias, Dtype compute, AttentionOptions& options,
+              MaskArrays& storage) {
+  if (bias.is_none()) return;
+  py::array array = float_array(bias, fn, "bias");
+  check_same_dtype(array, compute, fn, "bias",
+                   compute == Dtype::kFloat32 ? "the inputs (float32 for bf16 inputs)"
+                                              : "the inputs");
+  storage.bias = array;
+  if (compute == Dtype::kFloat32) {
+    options.bias = view_of<float>(array);
+  } else {
+    options.bias = view_of<double>(array);
+  }
 }
 
 void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::handle window,
@@ -204,12 +221,14 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, double dropout, py::handle seed,
                    bool return_weights, bool return_lse, const std::optional<std::string>& causal,
-                   py::handle out, py::handle mask, py::handle key_mask, py::handle window) {
+                   py::handle out, py::handle mask, py::handle key_mask, py::handle window,
+                   py::handle bias) {
   Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
+  set_bias(kSdpa, bias, t.dtype, options, masks);
   if (t.dtype == Dtype::kFloat32) {
     return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
                           out);
@@ -272,16 +291,21 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
     py::gil_scoped_release release;
     g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output);
   }
-  return sdpa_grads_type(to_numpy(std::move(g.d_queries), result_shape(q.shape(), one)),
-                         to_numpy(std::move(g.d_keys), result_shape(k.shape(), one)),
-                         to_numpy(std::move(g.d_values), result_shape(v.shape(), one)));
+  py::object dq = to_numpy(std::move(g.d_queries), result_shape(q.shape(), one));
+  py::object dk = to_numpy(std::move(g.d_keys), result_shape(k.shape(), one));
+  py::object dv = to_numpy(std::move(g.d_values), result_shape(v.shape(), one));
+  if (options.want_bias_grad) {
+    return sdpa_bias_grads_type(dq, dk, dv, to_numpy(std::move(g.d_bias)));
+  }
+  return sdpa_grads_type(dq, dk, dv);
 }
 
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
                             std::optional<double> scale, double dropout, py::handle seed,
                             const std::optional<std::string>& causal, py::handle mask,
-                            py::handle key_mask, py::handle window) {
+                            py::handle key_mask, py::handle window, py::handle bias,
+                            bool bias_grad) {
   Tensors t = float_arrays(kSdpaBackward,
                            {{"queries", q},
                             {"keys", k},
@@ -294,6 +318,8 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                                         causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
+  set_bias(kSdpaBackward, bias, t.dtype, options, masks);
+  options.want_bias_grad = !bias.is_none() && bias_grad;
   return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
                                     : sdpa_backward<double>(t, valid_lens, options);
 }
@@ -371,12 +397,13 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
                        std::optional<double> scale, double dropout, py::handle seed,
                        bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal, py::handle mask,
-                       py::handle key_mask, py::handle window) {
+                       py::handle key_mask, py::handle window, py::handle bias) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, in.batch_of_one, options, masks);
+  set_bias(kSdpa, bias, Dtype::kFloat32, options, masks);
   options.want_weights = return_weights;
   options.want_lse = return_lse;
   AttentionResult<float> r;
@@ -397,7 +424,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, double dropout, py::handle seed,
                                 const std::optional<std::string>& causal, py::handle mask,
-                                py::handle key_mask, py::handle window) {
+                                py::handle key_mask, py::handle window, py::handle bias,
+                                bool bias_grad) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -410,6 +438,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                         causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
+  set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
+  options.want_bias_grad = !bias.is_none() && bias_grad;
   const SavedForward<float> s{batched(view_of<float>(saved[0]), one, 2),
                               batched(view_of<float>(saved[1]), one, 1)};
   const ConstView<float> g = batched(view_of<float>(saved[2]), one, 2);
@@ -420,7 +450,9 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   }
   return py::make_tuple(to_numpy(std::move(grads.d_queries), result_shape(in.q.shape(), one)),
                         to_numpy(std::move(grads.d_keys), result_shape(in.k.shape(), one)),
-                        to_numpy(std::move(grads.d_values), result_shape(in.v.shape(), one)));
+                        to_numpy(std::move(grads.d_values), result_shape(in.v.shape(), one)),
+                        options.want_bias_grad ? py::object(to_numpy(std::move(grads.d_bias)))
+                                               : py::none());
 }
 
 }  // namespace
@@ -429,6 +461,11 @@ void register_attention(py::module_& m) {
   const py::object namedtuple = py::module_::import("collections").attr("namedtuple");
   m.attr("ScaledDotProductAttentionGrads") = namedtuple(
       "ScaledDotProductAttentionGrads", py::make_tuple("d_queries", "d_keys", "d_values"));
+  // What the backward returns when it also gives the bias's gradient.
+  m.attr("ScaledDotProductAttentionBiasGrads") =
+      namedtuple("ScaledDotProductAttentionBiasGrads",
+                 py::make_tuple("d_queries", "d_keys", "d_values", "d_bias"));
+  m.attr("ScaledDotProductAttentionBiasGrads").attr("__module__") = "qkv";
   m.attr("AdditiveAttentionGrads") =
       namedtuple("AdditiveAttentionGrads",
                  py::make_tuple("d_queries", "d_keys", "d_values", "d_W_q", "d_W_k", "d_w_v"));
@@ -436,6 +473,7 @@ void register_attention(py::module_& m) {
   m.attr("AdditiveAttentionGrads").attr("__module__") = "qkv";
   // Borrowed from the module, which lives as long as the interpreter.
   sdpa_grads_type = m.attr("ScaledDotProductAttentionGrads");
+  sdpa_bias_grads_type = m.attr("ScaledDotProductAttentionBiasGrads");
   additive_grads_type = m.attr("AdditiveAttentionGrads");
 
   m.def("scaled_dot_product_attention", &sdpa_py, py::arg("queries"), py::arg("keys"),
@@ -444,8 +482,8 @@ void register_attention(py::module_& m) {
         py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(), py::arg("out") = py::none(),
         py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
-        py::arg("window") = py::none(),
-        R"(Scaled dot-product attention: softmax(Q K^T * scale) V, masked and fused.
+        py::arg("window") = py::none(), py::arg("bias") = py::none(),
+        R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
 Masked keys are never read; a query with valid length 0 gets a zero output.
@@ -488,6 +526,10 @@ Arguments:
         window_size; -1 leaves a side open). Everything combines: a key
         takes part where valid_lens, causal, mask, key_mask and window all
         let it; a query left with none gets 0 (lse -inf, zero gradients).
+    bias: None, or a float array added to the scaled scores (torch's float
+        attn_mask: ALiBi, relative positions), broadcast like mask, of the
+        inputs' dtype; read in place. -inf leaves a key out; masks win over
+        the bias.
     out: None, or an array to write the output into and return, of the
         output's shape and the inputs' dtype; any strides whose rows (the
         last axis) are contiguous and do not overlap: e.g. heads written as
@@ -521,21 +563,27 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
         py::arg("causal") = py::none(), py::arg("mask") = py::none(),
         py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
-        R"(Gradients of scaled_dot_product_attention with respect to its inputs.
+        py::arg("bias") = py::none(), py::arg("bias_grad") = true,
+        R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
 from the seed, not stored.
 
 Arguments:
     queries, keys, values, valid_lens, scale, dropout, seed, causal, mask,
-        key_mask, window: exactly as the forward got them.
+        key_mask, window, bias: exactly as the forward got them.
+    bias_grad: with a bias, also return d_bias (False skips it).
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
 
 Returns:
     qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), a
     named tuple of new arrays shaped like the inputs (heads: d_keys and
-    d_values summed over the query heads that share each key head).
+    d_values summed over the query heads that share each key head); with a
+    bias (and bias_grad), qkv.ScaledDotProductAttentionBiasGrads(d_queries,
+    d_keys, d_values, d_bias): d_bias has the bias's shape, summed over the
+    axes it broadcasts along (exactly 0 where it is constant along the keys,
+    which cannot change the weights).
 
 Raises:
     TypeError, qkv.Error (a ValueError): as the forward; also output, lse
@@ -609,16 +657,17 @@ Raises:
   m.def("_scaled_dot_product_attention_bf16", &sdpa_bf16_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout"),
         py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
-        py::arg("mask"), py::arg("key_mask"), py::arg("window"),
+        py::arg("mask"), py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
         "(output, weights or None, lse or None) out.");
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
         py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
         py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
         py::arg("dropout"), py::arg("seed"), py::arg("causal"), py::arg("mask"),
-        py::arg("key_mask"), py::arg("window"),
+        py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
+        py::arg("bias_grad") = true,
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
-        "d_values).");
+        "d_values, d_bias or None).");
 }
 
 }  // namespace qkv::python

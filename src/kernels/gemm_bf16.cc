@@ -79,11 +79,6 @@ void scale_c(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 // The products of two bf16 values are exact in float, so this differs from
 // the native paths only in summation order (and in keeping denormal inputs).
 
-// The rows x cols matrix x (leading dimension ld) as contiguous floats.
-void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols, float* out) {
-  for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out + r * cols, cols);
-}
-
 #if defined(__x86_64__)
 
 // ---- which instructions this CPU (and OS) offers ------------------------------

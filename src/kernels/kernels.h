@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/workspace.h"
 #include "qkv/bfloat16.h"
@@ -56,15 +57,39 @@ struct AttentionConfig {
   // key_mask (B, Nk), both nonzero = takes part and null data when absent;
   // a window of keys [i + Nk - Nq - left, i + Nk - Nq + right] (-1:
   // unbounded on that side). The kernels give a masked score -inf.
-  ConstView<uint8_t> mask;
-  ConstView<uint8_t> key_mask;
+  ConstView<uint8_t> mask = {};
+  ConstView<uint8_t> key_mask = {};
   int64_t window_left = -1, window_right = -1;
+  // An additive bias of the scores, (B, H, Nq, Nk) with zero strides where
+  // it broadcasts, in the accumulation type: bias_float for float and bf16
+  // inputs, bias_double for double (null data when absent). Added before the
+  // masks, so a masked key stays -inf whatever its bias.
+  ConstView<float> bias_float = {};
+  ConstView<double> bias_double = {};
+  template <class Acc>
+  ConstView<Acc> bias() const {
+    if constexpr (std::is_same_v<Acc, float>) {
+      return bias_float;
+    } else {
+      return bias_double;
+    }
+  }
+  bool biased() const { return bias_float.data() != nullptr || bias_double.data() != nullptr; }
+  // The bias of query i of head bh at key j, in double (0 without one).
+  double bias_at(int64_t bh, int64_t i, int64_t j) const {
+    const int64_t b = bh / heads, h = bh % heads;
+    if (bias_float.data() != nullptr) return bias_float(b, h, i, j);
+    if (bias_double.data() != nullptr) return bias_double(b, h, i, j);
+    return 0.0;
+  }
   // The valid length of query i of head bh.
   int64_t len(int64_t bh, int64_t i, int64_t nk) const { return valid_lens(bh / heads, i, nk); }
   bool masked() const {
     return mask.data() != nullptr || key_mask.data() != nullptr || window_left >= 0 ||
            window_right >= 0;
   }
+  // Whether the scores get anything after scale q.k: a bias or masks.
+  bool adjusts_scores() const { return masked() || biased(); }
   // Keys [lo, hi) of query i that the window leaves (all of [0, nk) without one).
   int64_t window_begin(int64_t i, int64_t nq, int64_t nk) const {
     return window_left < 0 ? 0 : std::max<int64_t>(i + nk - nq - window_left, 0);
@@ -133,6 +158,31 @@ void mask_tile(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, i
   }
 }
 
+// A tile of scores as the softmax takes it: the bias added, then the
+// masked scores set to -inf (bias first, so a masked key is -inf even where
+// its bias is +inf or NaN). Rows and columns as in mask_tile.
+template <class T, class Head, class Query>
+void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, int64_t cols,
+                   int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query) {
+  const ConstView<T> bias = config.bias<T>();
+  if (bias.data() != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t bh = head(r), i = query(r);
+      const T* row = bias.data() + (bh / config.heads) * bias.stride(0) +
+                     (bh % config.heads) * bias.stride(1) + i * bias.stride(2) +
+                     j0 * bias.stride(3);
+      T* out = s + r * lds;
+      const int64_t stride = bias.stride(3);
+      if (stride == 1) {
+        for (int64_t c = 0; c < cols; ++c) out[c] += row[c];
+      } else {
+        for (int64_t c = 0; c < cols; ++c) out[c] += row[c * stride];
+      }
+    }
+  }
+  if (config.masked()) mask_tile(config, s, lds, rows, cols, j0, nq, nk, head, query);
+}
+
 // Additive attention's parameters, validated: w_v flattened to (H).
 template <class T>
 struct AdditiveParams {
@@ -165,7 +215,25 @@ struct SdpaGradViews {
   TensorView<T> d_queries;  // (B, H, Nq, D)
   TensorView<T> d_keys;     // (B, Hkv, Nk, D)
   TensorView<T> d_values;   // (B, Hkv, Nk, Dv)
+  // The bias gradient, summed over the axes the bias broadcasts along: (B,
+  // H, Nq, Nk) with zero strides there, over a contiguous buffer of its own
+  // elements (bias_grad_extent of them); null data unless asked for.
+  TensorView<T> d_bias = {};
 };
+
+// The elements under a d_bias view (SdpaGradViews): 1 + the largest offset
+// (axes it broadcasts along have stride 0 and add nothing, even when empty:
+// a (Nq, Nk) bias of a batch of none still has its elements).
+template <class T>
+int64_t bias_grad_extent(TensorView<T> d_bias) {
+  int64_t extent = 1;
+  for (int a = 0; a < d_bias.rank(); ++a) {
+    if (d_bias.stride(a) == 0) continue;
+    if (d_bias.size(a) == 0) return 0;
+    extent += (d_bias.size(a) - 1) * d_bias.stride(a);
+  }
+  return extent;
+}
 
 template <class T>
 struct AdditiveGradViews {

@@ -335,19 +335,6 @@ inline int64_t kv_head(int64_t bh, int64_t heads, int64_t kv_heads) {
   return (bh / heads) * kv_heads + (bh % heads) / (heads / kv_heads);
 }
 
-// dst (rows x cols, contiguous) = src (rows ld apart) in the accumulation
-// type: bf16 widened exactly, float and double copied.
-template <class In, class Acc>
-void rows_to_acc(const In* src, int64_t ld, int64_t rows, int64_t cols, Acc* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if constexpr (std::is_same_v<In, Acc>) {
-      std::copy_n(src + r * ld, cols, dst + r * cols);
-    } else {
-      fast::to_float(src + r * ld, dst + r * cols, cols);
-    }
-  }
-}
-
 // x[r * ld + c] = value for the rows x cols block at x.
 template <class T>
 void fill_rows(T* x, int64_t ld, int64_t rows, int64_t cols, T value) {
@@ -378,9 +365,9 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, con
   Acc* w = sc.row;
   Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, ldk, Acc(0),
                   w, len, sc.gemm);
-  if (config.masked()) {
-    mask_tile(config, w, len, 1, len, 0, nq, nk, [&](int64_t) { return bh; },
-              [&](int64_t) { return i; });
+  if (config.adjusts_scores()) {
+    adjust_scores(config, w, len, 1, len, 0, nq, nk, [&](int64_t) { return bh; },
+                  [&](int64_t) { return i; });
   }
   const Acc lse = softmax_row(w, len, len, w);
   if (weights_row) {
@@ -457,7 +444,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   int64_t ldq_acc = d;
   if (products != Products::kPacked) {
     if constexpr (Flash<In>::kConverts) {
-      rows_to_acc(q_blk, ldq, rows, d, sc.q_rows);
+      fast::widen_rows(q_blk, ldq, rows, d, sc.q_rows);
       q_acc = sc.q_rows;
     } else {
       q_acc = q_blk;
@@ -495,10 +482,12 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
     } else if (products == Products::kPacked) {
       Flash<In>::scores(prepared, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, s, cols, sc.gemm);
     } else if constexpr (Flash<In>::kConverts) {
-      rows_to_acc(k_blk, ldk, cols, d, sc.k_wide);
+      fast::widen_rows(k_blk, ldk, cols, d, sc.k_wide);
       fast::block_scores(rows, cols, d, scale, q_acc, d, sc.k_wide, d, s, cols, sc.block_pack);
     }
-    if (config.masked()) mask_tile(config, s, cols, rows, cols, j0, nq, nk, row_head, row_query);
+    if (config.adjusts_scores()) {
+      adjust_scores(config, s, cols, rows, cols, j0, nq, nk, row_head, row_query);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       sc.valid[r] = std::clamp<int64_t>(sc.len[r] - j0, 0, cols);
     }
@@ -525,7 +514,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_blk, ldv, out, ldo,
                             sc.gemm);
     } else if constexpr (Flash<In>::kConverts) {
-      rows_to_acc(v_blk, ldv, cols, dv, sc.v_wide);
+      fast::widen_rows(v_blk, ldv, cols, dv, sc.v_wide);
       fast::block_accumulate(rows, dv, cols, s, cols, sc.v_wide, dv, out, ldo, sc.block_pack);
     }
   }
@@ -554,8 +543,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       const int64_t cols = std::min(kKeyBlock, n_eff - j0);
       Flash<In>::scores(rows, cols, d, scale, q_blk, ldq, k_b + j0 * ldk, ldk, weights + j0, nk,
                         sc.gemm);
-      if (config.masked()) {
-        mask_tile(config, weights + j0, nk, rows, cols, j0, nq, nk, row_head, row_query);
+      if (config.adjusts_scores()) {
+        adjust_scores(config, weights + j0, nk, rows, cols, j0, nq, nk, row_head, row_query);
       }
       for (int64_t r = 0; r < rows; ++r) {
         Acc* row = weights + r * nk + j0;
@@ -871,6 +860,7 @@ struct BackwardProblem {
   TensorView<Acc> d_queries;  // written straight when groups == 1
   TensorView<Acc> d_keys;     // (B, Hkv, Nk, D)
   TensorView<Acc> d_values;   // (B, Hkv, Nk, Dv)
+  TensorView<Acc> d_bias;     // (B, H, Nq, Nk), zero strides where it broadcasts; or null
 };
 
 // One key block [j0, j0 + cols) of key head bkv against every query block
@@ -929,7 +919,9 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
       Acc* dp = sc.dp;
       Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, Acc(0), p, cols,
                       sc.gemm);
-      if (config.masked()) mask_tile(config, p, cols, rows, cols, j0, nq, nk, row_head, row_query);
+      if (config.adjusts_scores()) {
+        adjust_scores(config, p, cols, rows, cols, j0, nq, nk, row_head, row_query);
+      }
       Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, Acc(0), dp,
                       cols, sc.gemm);
       for (int64_t r = 0; r < rows; ++r) {
@@ -952,6 +944,12 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
         // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
         fast::softmax_grad(p_row, dp_row, pb.delta[bh * nq + i], dp_row, valid);
         std::fill(dp_row + valid, dp_row + cols, Acc(0));
+        if (pb.d_bias.data() != nullptr) {  // dS is the gradient of the biased score
+          const TensorView<Acc>& db = pb.d_bias;
+          Acc* g = db.data() + b * db.stride(0) + (bh % heads) * db.stride(1) +
+                   i * db.stride(2) + j0 * db.stride(3);
+          for (int64_t c = 0; c < valid; ++c) g[c * db.stride(3)] += dp_row[c];
+        }
         if (dropout) apply_dropout(p_row, sc.keep, inv_keep, valid);
       }
       const In* p_op = Flash<In>::operand(p, rows * cols, sc.p_operand);
@@ -976,6 +974,18 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
 // Key groups per key head: enough (key head, group) tasks for the cores,
 // never more groups than key blocks; shapes only (determinism). No heads
 // (B = 0) have nothing to split (one group).
+// A bias gradient shared by key heads (the bias broadcasts over B, or over
+// H with several key heads) sums the dS of several tasks into one element;
+// then a task takes its key blocks of every key head, in head order
+// (task_heads = 1), so each element has one writer and one order of
+// summation whatever the threads.
+template <class Acc>
+bool shared_bias_grad(TensorView<Acc> d_bias, int64_t kv_heads_per_batch) {
+  return d_bias.data() != nullptr && ((d_bias.stride(0) == 0 && d_bias.size(0) > 1) ||
+                                      (d_bias.stride(1) == 0 && kv_heads_per_batch > 1));
+}
+int64_t task_heads(int64_t kv_heads, bool shared) { return shared ? 1 : kv_heads; }
+
 int64_t backward_groups(int64_t kv_heads, int64_t nk) {
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
   return std::clamp<int64_t>(ceil_div(kMinBackwardTasks, std::max<int64_t>(kv_heads, 1)), 1,
@@ -997,10 +1007,10 @@ struct BackwardWorkspace {
 template <class In>
 BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t heads, int64_t kv_heads,
                                          int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                                         int num_threads) {
+                                         bool shared, int num_threads) {
   using Acc = typename Flash<In>::Acc;
   BackwardWorkspace<In> ws;
-  const int64_t groups = backward_groups(kv_heads, nk);
+  const int64_t groups = backward_groups(task_heads(kv_heads, shared), nk);
   ws.delta = slicer.take<Acc>(heads * nq);
   if (groups > 1) ws.parts = slicer.take<Acc>(groups * heads * nq * d);
   ws.slot_words = counted_words([&](Slicer& count) { backward_scratch<In>(count, d, dv); });
@@ -1010,10 +1020,11 @@ BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t heads, int64_t 
 
 template <class In>
 size_t backward_workspace_size(ConstView<In> q, ConstView<In> k, ConstView<In> v,
-                               int num_threads) {
+                               TensorView<typename Flash<In>::Acc> d_bias, int num_threads) {
   return counted_words([&](Slicer& count) {
     backward_workspace<In>(count, q.size(0) * q.size(1), k.size(0) * k.size(1), q.size(2),
-                           k.size(2), q.size(3), v.size(3), num_threads);
+                           k.size(2), q.size(3), v.size(3), shared_bias_grad(d_bias, k.size(1)),
+                           num_threads);
   });
 }
 
@@ -1026,13 +1037,19 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   const int64_t heads = q.size(0) * q.size(1), kv_heads = k.size(0) * k.size(1);
   const int64_t nq = q.size(2), nk = k.size(2), d = q.size(3), dv = v.size(3);
   const ConstView<Acc> output = saved.output;
+  const bool bias_grad = grads.d_bias.data() != nullptr;
+  const bool shared = shared_bias_grad(grads.d_bias, k.size(1));
   Slicer slicer(workspace.data);
-  const BackwardWorkspace<In> ws =
-      backward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv, workspace.num_threads);
+  const BackwardWorkspace<In> ws = backward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv,
+                                                          shared, workspace.num_threads);
   // Keys no query sees get no gradient, and dQ is accumulated into.
   fill_heads(grads.d_queries, Acc(0));
   fill_heads(grads.d_keys, Acc(0));
   fill_heads(grads.d_values, Acc(0));
+  if (bias_grad) std::fill_n(grads.d_bias.data(), bias_grad_extent(grads.d_bias), Acc(0));
+  // A bias the same for every key of a row leaves the weights as they are:
+  // its gradient, sum_j P_ij (dP_ij - D_i) = D_i - D_i, is exactly 0.
+  const bool key_constant_bias = bias_grad && grads.d_bias.stride(3) == 0 && nk > 1;
 
   // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
   const int64_t rows = heads * nq;
@@ -1045,7 +1062,8 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   });
 
   const int64_t key_blocks = ceil_div(nk, kBackKeyBlock);
-  const int64_t groups = backward_groups(kv_heads, nk);
+  const int64_t tasks_per_group = task_heads(kv_heads, shared);
+  const int64_t groups = backward_groups(tasks_per_group, nk);
   const int64_t blocks_per_group = ceil_div(key_blocks, groups);
   if (groups > 1) std::fill_n(ws.parts, groups * heads * nq * d, Acc(0));
   const BackwardProblem<In> pb{q,
@@ -1060,19 +1078,26 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                                groups > 1 ? ws.parts : nullptr,
                                grads.d_queries,
                                grads.d_keys,
-                               grads.d_values};
+                               grads.d_values,
+                               key_constant_bias ? TensorView<Acc>() : grads.d_bias};
 
-  kernels::parallel_for_slots(kv_heads * groups, workspace.num_threads, [&](int64_t task, int slot) {
+  // Task (key head, group), or with a shared bias gradient (group) over every key head.
+  const int64_t heads_per_task = shared ? kv_heads : 1;
+  kernels::parallel_for_slots(tasks_per_group * groups, workspace.num_threads,
+                              [&](int64_t task, int slot) {
     Slicer slot_slicer(ws.slots + slot * ws.slot_words);
     const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
-    const int64_t bkv = task / groups, g = task % groups;
-    const int64_t seen = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
-    const int64_t first = g * blocks_per_group;
-    const int64_t last = std::min(key_blocks, first + blocks_per_group);
-    for (int64_t kb = first; kb < last; ++kb) {
-      const int64_t j0 = kb * kBackKeyBlock;
-      if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
-      backward_key_block(pb, bkv, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
+    const int64_t g = task % groups;
+    for (int64_t bkv = (task / groups) * heads_per_task;
+         bkv < (task / groups + 1) * heads_per_task; ++bkv) {
+      const int64_t seen = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
+      const int64_t first = g * blocks_per_group;
+      const int64_t last = std::min(key_blocks, first + blocks_per_group);
+      for (int64_t kb = first; kb < last; ++kb) {
+        const int64_t j0 = kb * kBackKeyBlock;
+        if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
+        backward_key_block(pb, bkv, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
+      }
     }
   });
 
@@ -1099,7 +1124,7 @@ bool small_head(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionC
                 const ForwardViews<T>& out) {
   return out.weights.data() == nullptr && q.size(3) <= kSmallHead && v.size(3) <= kSmallHead &&
          q.size(1) == 1 && k.size(1) == 1 && q.is_contiguous() && k.is_contiguous() &&
-         v.is_contiguous() && out.output.is_contiguous() && !config.masked() &&
+         v.is_contiguous() && out.output.is_contiguous() && !config.adjusts_scores() &&
          small_dim_applies(q.size(3), v.size(3), config);
 }
 
@@ -1158,8 +1183,7 @@ size_t sdpa_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T>
   (void)config;
   (void)saved;
   (void)d_output;
-  (void)grads;
-  return backward_workspace_size<T>(q, k, v, num_threads);
+  return backward_workspace_size<T>(q, k, v, grads.d_bias, num_threads);
 }
 
 template <class T>
@@ -1176,8 +1200,7 @@ size_t sdpa_backward_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k
   (void)config;
   (void)saved;
   (void)d_output;
-  (void)grads;
-  return backward_workspace_size<bfloat16>(q, k, v, num_threads);
+  return backward_workspace_size<bfloat16>(q, k, v, grads.d_bias, num_threads);
 }
 
 void sdpa_backward(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,

@@ -22,8 +22,8 @@ KeyHead key_head(ConstView<T> q, ConstView<T> k, int64_t bh) {
   return {bh / heads, (bh % heads) / group};
 }
 
-// scores (B H, Nq, Nk) = scale q kᵀ per head; -inf where the window or a
-// mask leaves the key out (AttentionConfig).
+// scores (B H, Nq, Nk) = scale q kᵀ + bias per head; -inf where the window
+// or a mask leaves the key out (AttentionConfig).
 template <class T>
 Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, const AttentionConfig& config) {
   const double scale = config.scale;
@@ -38,7 +38,8 @@ Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, const AttentionConfig&
         for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q(b, h, i, c)) * k(kh.b, kh.h, j, c);
         const bool seen = j >= config.window_begin(i, nq, nk) && j < config.window_end(i, nq, nk) &&
                           config.mask_keeps(bh, i, j);
-        scores[(bh * nq + i) * nk + j] = seen ? s * scale : -std::numeric_limits<double>::infinity();
+        scores[(bh * nq + i) * nk + j] =
+            seen ? s * scale + config.bias_at(bh, i, j) : -std::numeric_limits<double>::infinity();
       }
     }
   }
@@ -144,6 +145,21 @@ void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const Attenti
   scatter(dq, grads.d_queries);
   scatter(dk, grads.d_keys);
   scatter(dvs, grads.d_values);
+  if (grads.d_bias.data() != nullptr) {
+    // d bias = dS, summed in double over the axes the bias broadcasts along.
+    const TensorView<T>& db = grads.d_bias;
+    Matrix sums(bias_grad_extent(db), 0.0);
+    for (int64_t bh = 0; bh < heads; ++bh) {
+      const int64_t b = bh / q.size(1), h = bh % q.size(1);
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t j = 0; j < nk; ++j) {
+          sums[b * db.stride(0) + h * db.stride(1) + i * db.stride(2) + j * db.stride(3)] +=
+              ds[(bh * nq + i) * nk + j];
+        }
+      }
+    }
+    for (size_t e = 0; e < sums.size(); ++e) db.data()[e] = static_cast<T>(sums[e]);
+  }
 }
 
 template void sdpa<float>(ConstView<float>, ConstView<float>, ConstView<float>,

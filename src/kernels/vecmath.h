@@ -35,6 +35,10 @@ void softmax_grad(const double* w, const double* g, double c, double* out, int64
 
 // out[j] = float(x[j]), exact (a bf16's bits are a float's upper half).
 void to_float(const bfloat16* x, float* out, int64_t n);
+// The rows x cols matrix x (leading dimension ld) as contiguous floats.
+inline void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r) to_float(x + r * ld, out + r * cols, cols);
+}
 
 // ---- memory-bound masked softmax --------------------------------------------
 

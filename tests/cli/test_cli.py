@@ -506,6 +506,46 @@ class AttendTest(CliTest):
                                      self.save("m.npy", mask)], out,
                           ["--mask is for --scoring dot"])
 
+    def test_dot_bias(self):
+        # --bias (the inputs' float type, broadcast against the scores, -inf
+        # leaves a key out): the reference adds it to the scaled scores.
+        for dtype in (np.float32, np.float64):
+            q, k, v = self.attention_inputs(dtype)  # (2, 3, 4), (2, 5, 4), (2, 5, 6)
+            bias = (2.0 * self.rng.normal(size=(3, 5))).astype(dtype)
+            bias[1, 2] = -np.inf
+            mask = np.ones((3, 5), bool)
+            mask[0, 4] = False
+            for bias_file in (bias, bias[None].repeat(2, 0), bias[None, :, :1]):
+                with self.subTest(dtype=dtype, bias=bias_file.shape):
+                    self.ok(*self.dot_args(q, k, v), "--bias", self.save("b.npy", bias_file),
+                            "--mask", self.save("m.npy", mask), "--causal", "bottom-right",
+                            "--lse", self.path("lse.npy"))
+                    i = np.arange(3)[:, None] + 5 - 3
+                    keep = mask & (np.arange(5)[None, :] <= i)
+                    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 2, 1) / 2.0
+                    scores = np.where(keep, scores + bias_file, -np.inf)
+                    w = np.exp(scores - scores.max(-1, keepdims=True))
+                    w /= w.sum(-1, keepdims=True)
+                    self.assertClose(self.load(self.path("o.npy"), dtype, (2, 3, 6)),
+                                     w @ v.astype(np.float64), dtype)
+        q, k, v = self.attention_inputs(np.float32)
+        out = [self.path("o.npy")]
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--bias",
+                                     self.save("b64.npy", np.zeros((3, 5)))], out,
+                          ["--bias", "is float64 but", "is float32; the bias must have the "
+                           "inputs' float type"])
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--bias",
+                                     self.save("b4.npy", np.zeros((4, 5), np.float32))], out,
+                          ["options.bias has shape [4, 5], which does not broadcast to the "
+                           "scores [2, 3, 5]"])
+        self.expect_error("attend", [*self.dot_args(q, k, v), "--bias",
+                                     self.save("bb.npy", np.zeros((3, 5), bool))], out,
+                          ["--bias"])
+        w_q, w_k, w_v = self.additive_params(np.float32, key_size=4)
+        self.expect_error("attend", [*self.additive_args(q, k, v, w_q, w_k, w_v), "--bias",
+                                     self.save("b.npy", np.zeros((3, 5), np.float32))], out,
+                          ["--bias is for --scoring dot"])
+
     def test_additive_3d_f4_and_f8(self):
         for dtype in (np.float32, np.float64):
             q, k, v = self.attention_inputs(dtype)

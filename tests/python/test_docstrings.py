@@ -51,7 +51,8 @@ def torch_order():
 
 ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
 IDS = [f"{module}.{name}" for module, name in ORDER]
-TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "AdditiveAttentionGrads"}
+TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
+         "AdditiveAttentionGrads"}
 
 
 def resolve(module, name):

@@ -26,11 +26,10 @@ import torch
 
 import qkv
 import qkv.torch
-from torch_formulas import randn, relative_error
+from torch_formulas import heads_shapes, randn, random_heads_case, relative_error
 
 NUM_CASES = 100
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-GROUPS = [(1, 1), (2, 2), (4, 2), (6, 1)]
 
 
 def masked_math(q, k, v, keep):
@@ -42,18 +41,6 @@ def masked_math(q, k, v, keep):
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~keep, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def random_case(rng):
-    heads, kv_heads = GROUPS[int(rng.integers(len(GROUPS)))]
-    three_d = rng.random() < 0.25
-    if three_d:
-        heads = kv_heads = 1
-    batch = int(rng.integers(1, 3))
-    nq = int(rng.choice([1, 3, 33, 300]))
-    nk = int(rng.choice([1, 7, 64, 500]))
-    dim, dv = int(rng.choice([4, 17, 64])), int(rng.choice([3, 16, 64]))
-    return three_d, batch, heads, kv_heads, nq, nk, dim, dv
 
 
 def random_mask(rng, three_d, batch, heads, nq, nk):
@@ -69,18 +56,12 @@ def random_mask(rng, three_d, batch, heads, nq, nk):
     return keep
 
 
-def shapes(three_d, batch, heads, kv_heads, nq, nk, dim, dv):
-    if three_d:
-        return (batch, nq, dim), (batch, nk, dim), (batch, nk, dv)
-    return (batch, heads, nq, dim), (batch, kv_heads, nk, dim), (batch, kv_heads, nk, dv)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attn_mask_matches_torch_math_forward_and_backward(dtype, seed):
     rng = np.random.default_rng(seed)
     for case in range(NUM_CASES):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_case(rng)
-        q, k, v = (randn(rng, s, dtype, requires_grad=True) for s in shapes(*c))
+        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
+        q, k, v = (randn(rng, s, dtype, requires_grad=True) for s in heads_shapes(*c))
         keep = random_mask(rng, three_d, batch, heads, nq, nk)
         causal = bool(rng.random() < 0.3)
         got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal,
@@ -101,8 +82,8 @@ def test_attn_mask_matches_torch_math_forward_and_backward(dtype, seed):
 def test_attn_mask_bf16_matches_the_float64_math(seed):
     rng = np.random.default_rng(seed)
     for case in range(NUM_CASES // 2):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_case(rng)
-        q, k, v = (randn(rng, s, torch.float32).bfloat16() for s in shapes(*c))
+        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
+        q, k, v = (randn(rng, s, torch.float32).bfloat16() for s in heads_shapes(*c))
         keep = random_mask(rng, three_d, batch, heads, nq, nk)
         got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
         assert got.dtype == torch.bfloat16
@@ -120,8 +101,8 @@ def test_numpy_key_mask_and_window_match_torch_math(dtype, seed):
     key (torch: NaN rows, compared apart: qkv gives 0)."""
     rng = np.random.default_rng(seed)
     for case in range(NUM_CASES):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_case(rng)
-        q, k, v = (rng.standard_normal(s).astype(dtype) for s in shapes(*c))
+        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
+        q, k, v = (rng.standard_normal(s).astype(dtype) for s in heads_shapes(*c))
         left, right = int(rng.integers(-1, 100)), int(rng.integers(-1, 10))
         diagonal = np.arange(nq) + nk - nq
         inside = (diagonal >= 0) & (diagonal < nk)

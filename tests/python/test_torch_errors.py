@@ -104,10 +104,10 @@ def test_mixed_dtypes_are_type_errors(op):
 
 def test_attn_mask_errors():
     q, k, v = (t for _, t in good_args("sdpa"))
-    with pytest.raises(NotImplementedError, match="a float attn_mask .an additive bias. is not "
-                                                  "supported yet"):
-        qkv.torch.scaled_dot_product_attention(q, k, v, torch.zeros(3, 5))
-    with pytest.raises(TypeError, match="attn_mask has dtype int64; expected bool"):
+    with pytest.raises(qkv.Error, match=re.escape("options.bias has shape [4, 5], which does "
+                                                  "not broadcast to the scores")):
+        sdpa(q, k, v, attn_mask=torch.zeros(4, 5))
+    with pytest.raises(TypeError, match="attn_mask has dtype int64; expected bool or a float"):
         sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.int64))
     with pytest.raises(TypeError, match="attn_mask is a list"):
         sdpa(q, k, v, attn_mask=[[True]])

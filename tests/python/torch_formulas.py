@@ -110,6 +110,31 @@ def additive_reference(q, k, v, W_q, W_k, w_v, valid_lens=None, keep=None):
     return weights @ v
 
 
+# Heads and key heads of the mask and bias peer tests: (H, Hkv) pairs.
+HEAD_GROUPS = [(1, 1), (2, 2), (4, 2), (6, 1)]
+
+
+def random_heads_case(rng):
+    """(three_d, B, H, Hkv, Nq, Nk, D, Dv): 3-D inputs a quarter of the time
+    (H = Hkv = 1), else heads grouped or not; Nq up to 300, Nk up to 500."""
+    heads, kv_heads = HEAD_GROUPS[int(rng.integers(len(HEAD_GROUPS)))]
+    three_d = rng.random() < 0.25
+    if three_d:
+        heads = kv_heads = 1
+    batch = int(rng.integers(1, 3))
+    nq = int(rng.choice([1, 3, 33, 300]))
+    nk = int(rng.choice([1, 7, 64, 500]))
+    dim, dv = int(rng.choice([4, 17, 64])), int(rng.choice([3, 16, 64]))
+    return three_d, batch, heads, kv_heads, nq, nk, dim, dv
+
+
+def heads_shapes(three_d, batch, heads, kv_heads, nq, nk, dim, dv):
+    """The query, key and value shapes of a random_heads_case."""
+    if three_d:
+        return (batch, nq, dim), (batch, nk, dim), (batch, nk, dv)
+    return (batch, heads, nq, dim), (batch, kv_heads, nk, dim), (batch, kv_heads, nk, dv)
+
+
 def relative_error(got, want, floor=1e-300):
     """max |got - want| / max(max |want|, floor), in float64. A floor of the
     inputs' size keeps a result that is exactly 0 in the formulas (dQ with one
