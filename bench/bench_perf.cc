@@ -139,6 +139,16 @@ Tensor<qkv::bfloat16> to_bf16(const Tensor<float>& t) {
   return out;
 }
 
+// N(0, 1) inputs of type In (float32, or bf16 rounded from the same floats).
+template <class In>
+Tensor<In> random_input(const qkv::Shape& shape, uint32_t seed) {
+  if constexpr (std::is_same_v<In, float>) {
+    return random_normal(shape, seed);
+  } else {
+    return to_bf16(random_normal(shape, seed));
+  }
+}
+
 // The valid lengths the driver passed (the same ones PyTorch gets), or an
 // empty tensor for "no mask".
 struct Lens {
@@ -214,16 +224,9 @@ template <class In>
 void sdpa_decode(const Runner& run) {
   constexpr int64_t kBatch = 8, kKeys = 131072, kDim = 64;
   qkv::set_num_threads(2);
-  const auto input = [](const qkv::Shape& shape, uint64_t seed) {
-    if constexpr (std::is_same_v<In, float>) {
-      return random_normal(shape, seed);
-    } else {
-      return to_bf16(random_normal(shape, seed));
-    }
-  };
-  const Tensor<In> q = input({kBatch, 1, kDim}, 1);
-  const Tensor<In> k = input({kBatch, kKeys, kDim}, 2);
-  const Tensor<In> v = input({kBatch, kKeys, kDim}, 3);
+  const Tensor<In> q = random_input<In>({kBatch, 1, kDim}, 1);
+  const Tensor<In> k = random_input<In>({kBatch, kKeys, kDim}, 2);
+  const Tensor<In> v = random_input<In>({kBatch, kKeys, kDim}, 3);
   auto call = [&] {
     const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
         ConstView<In>(q), ConstView<In>(k), ConstView<In>(v), ValidLens{});
@@ -231,6 +234,111 @@ void sdpa_decode(const Runner& run) {
     return bytes_of(r.output);
   };
   run(call, 4.0 * kDim * kBatch * kKeys, 2.0 * kDim * kBatch * kKeys * sizeof(In));
+}
+
+// ---- transformer attention (issue 15) --------------------------------------------------
+
+// The forms of issue 15's rows, B = 2, H = 8, N = 4096, d = 64, float32 (or bf16).
+enum class Heads {
+  kPlain,      // (B, H, N, d), no mask
+  kStrided,    // the same read from (B, N, H, d) memory, viewed as heads
+  kCausal,     // is_causal (top-left)
+  kMask,       // a random boolean (N, N) mask of half the keys (key 0 kept)
+  kWindow,     // a causal sliding window of 256 keys (window_left 255, right 0)
+  kBias,       // a float (N, N) bias, N(0, 1), broadcast over B and H
+};
+
+// (query, key) pairs each form keeps: the work it cannot skip.
+double kept_pairs(Heads form, int64_t batch, int64_t heads, int64_t n) {
+  const double rows = static_cast<double>(batch * heads);
+  switch (form) {
+    case Heads::kCausal:
+      return rows * static_cast<double>(n) * static_cast<double>(n + 1) / 2;
+    case Heads::kMask:
+      return rows * static_cast<double>(n) * static_cast<double>(n) / 2;
+    case Heads::kWindow: {
+      double pairs = 0;
+      for (int64_t i = 0; i < n; ++i) pairs += static_cast<double>(std::min<int64_t>(i + 1, 256));
+      return rows * pairs;
+    }
+    default:
+      return rows * static_cast<double>(n) * static_cast<double>(n);
+  }
+}
+
+// Forward (or forward + backward) of one form. FLOPs: 4 d (forward) or 14 d
+// (forward + backward) per kept pair.
+template <class In>
+void heads_attention(const Runner& run, Heads form, bool backward) {
+  constexpr int64_t kBatch = 2, kHeads = 8, kN = 4096, kDim = 64;
+  qkv::set_num_threads(2);
+  // (B, N, H, d) memory for the strided form, (B, H, N, d) otherwise.
+  const bool strided = form == Heads::kStrided;
+  const qkv::Shape shape =
+      strided ? qkv::Shape{kBatch, kN, kHeads, kDim} : qkv::Shape{kBatch, kHeads, kN, kDim};
+  const Tensor<In> q = random_input<In>(shape, 1);
+  const Tensor<In> k = random_input<In>(shape, 2);
+  const Tensor<In> v = random_input<In>(shape, 3);
+  const auto heads_view = [&](const Tensor<In>& t) {
+    return strided ? ConstView<In>(t.data(), {kBatch, kHeads, kN, kDim},
+                                   {kN * kHeads * kDim, kDim, kHeads * kDim, 1})
+                   : ConstView<In>(t);
+  };
+  const Tensor<float> d_out = random_normal({kBatch, kHeads, kN, kDim}, 4);
+  Tensor<uint8_t> mask;
+  Tensor<float> bias;
+  qkv::AttentionOptions options;
+  options.want_lse = backward;
+  if (form == Heads::kCausal) options.causal = qkv::Causal::kTopLeft;
+  if (form == Heads::kMask) {
+    mask = Tensor<uint8_t>({kN, kN});
+    std::mt19937 gen(5);
+    for (uint8_t& x : mask.values()) x = static_cast<uint8_t>(gen() & 1u);
+    for (int64_t i = 0; i < kN; ++i) mask(i, 0) = 1;
+    options.mask = mask.view();
+  }
+  if (form == Heads::kWindow) {
+    options.window_left = 255;
+    options.window_right = 0;
+  }
+  if (form == Heads::kBias) {
+    bias = random_normal({kN, kN}, 6);
+    options.bias = ConstView<float>(bias);
+  }
+  auto call = [&] {
+    const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
+        heads_view(q), heads_view(k), heads_view(v), ValidLens{}, options);
+    benchmark::DoNotOptimize(r.output.data());
+    int64_t returned = bytes_of(r.output) + bytes_of(r.lse);
+    if (backward) {
+      const qkv::DotProductGrads<float> g = qkv::scaled_dot_product_attention_backward(
+          heads_view(q), heads_view(k), heads_view(v), ValidLens{}, options, {r.output, r.lse},
+          d_out);
+      benchmark::DoNotOptimize(g.d_queries.data());
+      returned += bytes_of(g.d_queries) + bytes_of(g.d_keys) + bytes_of(g.d_values);
+    }
+    return returned;
+  };
+  run(call, (backward ? 14.0 : 4.0) * kDim * kept_pairs(form, kBatch, kHeads, kN), 0);
+}
+
+// Decoding with grouped heads: one query per head, B = 1, H = 32, Hkv = 8,
+// Nk = 65536, d = 128 (issue 15's shape, llama-style), float32 or bf16.
+// Memory-bound: the bytes counted are those of K and V, read once per call.
+template <class In>
+void gqa_decode(const Runner& run) {
+  constexpr int64_t kHeads = 32, kKvHeads = 8, kKeys = 65536, kDim = 128;
+  qkv::set_num_threads(2);
+  const Tensor<In> q = random_input<In>({1, kHeads, 1, kDim}, 1);
+  const Tensor<In> k = random_input<In>({1, kKvHeads, kKeys, kDim}, 2);
+  const Tensor<In> v = random_input<In>({1, kKvHeads, kKeys, kDim}, 3);
+  auto call = [&] {
+    const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
+        ConstView<In>(q), ConstView<In>(k), ConstView<In>(v), ValidLens{});
+    benchmark::DoNotOptimize(r.output.data());
+    return bytes_of(r.output);
+  };
+  run(call, 4.0 * kDim * kHeads * kKeys, 2.0 * kDim * kKvHeads * kKeys * sizeof(In));
 }
 
 // Row-major C (m x n) = alpha A (m x k) op(B), the rows of C split into one
@@ -443,6 +551,29 @@ void register_all() {
   // Decoding (issue 14: bf16 >= 1.3x float32 where memory-bound).
   add("sdpa_decode/fused/B8_Nk131072", [](const Runner& run) { sdpa_decode<float>(run); });
   add("sdpa_decode/bf16/B8_Nk131072", [](const Runner& run) { sdpa_decode<qkv::bfloat16>(run); });
+  // Issue 15: heads (B=2, H=8, N=4096, d=64) with masks, a window, a bias,
+  // a strided layout; bf16 causal; grouped-query decoding.
+  const std::pair<Heads, const char*> forms[] = {
+      {Heads::kPlain, "B2_H8_N4096"},          {Heads::kStrided, "B2_H8_N4096_bnhd"},
+      {Heads::kCausal, "B2_H8_N4096_causal"},  {Heads::kMask, "B2_H8_N4096_mask"},
+      {Heads::kWindow, "B2_H8_N4096_window256"}, {Heads::kBias, "B2_H8_N4096_bias"}};
+  for (const auto& [form, shape] : forms) {
+    const Heads f = form;
+    add(std::string("mha_fwd/fused/") + shape,
+        [=](const Runner& run) { heads_attention<float>(run, f, false); });
+  }
+  add("mha_fwdbwd/fused/B2_H8_N4096", [](const Runner& run) {
+    heads_attention<float>(run, Heads::kPlain, true);
+  });
+  add("mha_fwdbwd/fused/B2_H8_N4096_causal", [](const Runner& run) {
+    heads_attention<float>(run, Heads::kCausal, true);
+  });
+  add("mha_fwd/bf16/B2_H8_N4096_causal", [](const Runner& run) {
+    heads_attention<qkv::bfloat16>(run, Heads::kCausal, false);
+  });
+  add("gqa_decode/fused/B1_H32_Hkv8_Nk65536", [](const Runner& run) { gqa_decode<float>(run); });
+  add("gqa_decode/bf16/B1_H32_Hkv8_Nk65536",
+      [](const Runner& run) { gqa_decode<qkv::bfloat16>(run); });
   // The same at 1 thread: how well the 2 threads scale.
   add("sdpa_fwd/fused_1thread/B2_N4096_nomask",
       [](const Runner& run) { sdpa_forward(run, 2, 4096, nullptr, 1); });

@@ -257,6 +257,75 @@ def softmax_forward(batch, n, lens, repeats):
     return measure(run, repeats)
 
 
+# ---- transformer attention (issue 15): torch 2.x's documented math -------------------
+# Debian's torch 1.13 has no scaled_dot_product_attention; this is the
+# reference implementation its documentation gives (scores, += bias or
+# masked_fill(-inf), softmax, @ V; key heads repeat_interleave'd for GQA).
+
+def math_attention(q, k, v, keep=None, bias=None):
+    if q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+    if bias is not None:
+        scores += bias
+    if keep is not None:
+        scores.masked_fill_(~keep, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def heads_keep_and_bias(form, n):
+    """The mask or bias of bench_perf.cc's form (the same kind, its own random draw)."""
+    gen = torch.Generator().manual_seed(5)
+    if form == "causal":
+        return torch.ones(n, n, dtype=torch.bool).tril(), None
+    if form == "mask":
+        keep = torch.rand(n, n, generator=gen) < 0.5
+        keep[:, 0] = True
+        return keep, None
+    if form == "window256":
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        return (j <= i) & (j > i - 256), None
+    if form == "bias":
+        return None, torch.randn(n, n, generator=gen)
+    return None, None
+
+
+def heads_attention(form, backward, repeats, batch=2, heads=8, n=4096, dim=64):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, d_out = (torch.randn(batch, heads, n, dim, generator=gen) for _ in range(4))
+    keep, bias = heads_keep_and_bias(form, n)
+    if not backward:
+        def run():
+            with torch.no_grad():
+                return (math_attention(q, k, v, keep, bias),)
+        return measure(run, repeats)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    def clear():
+        for t in (q, k, v):
+            t.grad = None
+
+    def run():
+        out = math_attention(q, k, v, keep, bias)
+        out.backward(d_out)
+        return (out.detach(), q.grad, k.grad, v.grad)
+    return measure(run, repeats, before=clear)
+
+
+def gqa_decode(repeats, heads=32, kv_heads=8, keys=65536, dim=128):
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, heads, 1, dim, generator=gen)
+    k, v = (torch.randn(1, kv_heads, keys, dim, generator=gen) for _ in range(2))
+
+    def run():
+        with torch.no_grad():
+            return (math_attention(q, k, v),)
+    return measure(run, repeats)
+
+
 def nw_exact(n, repeats):
     rng = np.random.default_rng(8)
     x = np.sort(rng.uniform(0.0, 5.0, n))
@@ -325,6 +394,16 @@ def main():
          lambda: softmax_forward(32, 512, None, args.repeats))
     case("nw_exact/d2l_torch/N30000", 3 * scores_bytes(1, 30000, 30000),
          lambda: nw_exact(30000, args.repeats))
+    # Issue 15's rows: (B, H, N, N) float32 scores are 1 GiB at B=2, H=8, N=4096.
+    heads_scores = scores_bytes(16, 4096, 4096)
+    for form in ("", "_causal", "_mask", "_window256", "_bias"):
+        case("mha_fwd/d2l_torch/B2_H8_N4096" + form, 3 * heads_scores,
+             lambda: heads_attention(form.lstrip("_"), False, args.repeats))
+    for form in ("", "_causal"):
+        case("mha_fwdbwd/d2l_torch/B2_H8_N4096" + form, 6 * heads_scores,
+             lambda: heads_attention(form.lstrip("_"), True, args.repeats))
+    case("gqa_decode/d2l_torch/B1_H32_Hkv8_Nk65536", 3 * 32 * 65536 * 128 * 4,
+         lambda: gqa_decode(args.repeats))
     # The sweep: each N's need estimated as 4x the previous N's measured peak
     # (the d2l formulation is quadratic), else 4 score matrices.
     previous = None

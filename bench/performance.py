@@ -520,6 +520,129 @@ def targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens, simd_
     return lines, met, len(rows)
 
 
+# Issue 15's rows (bench_perf.cc's heads_attention and gqa_decode): B=2, H=8,
+# N=4096, d=64 float32 unless named; the fused kernels' tiles are 256 x 256.
+MHA_N, MHA_TILE, MHA_WINDOW = 4096, 256, 256
+
+
+def window_tiles_kept(n=MHA_N, tile=MHA_TILE, window=MHA_WINDOW):
+    """The fraction of (query block, key block) tiles a causal window of `window`
+    keys leaves some key in (the tiles the kernel computes)."""
+    blocks = n // tile
+    kept = 0
+    for qb in range(blocks):
+        first = max(0, qb * tile - (window - 1)) // tile
+        kept += qb - first + 1
+    return kept / (blocks * blocks)
+
+
+def transformer_section(cases, sgemm_rate, copy_rate, info, simd_target):
+    """Issue 15's targets: heads, masks, a window, a bias, bf16 causal, GQA decoding."""
+    def get(op, impl, shape):
+        return cases.get((op, impl, shape), Case(None, None))
+
+    shape = "B2_H8_N4096"
+    plain, strided = get("mha_fwd", "fused", shape), get("mha_fwd", "fused", shape + "_bnhd")
+    causal, mask = get("mha_fwd", "fused", shape + "_causal"), get("mha_fwd", "fused", shape + "_mask")
+    window, bias = get("mha_fwd", "fused", shape + "_window256"), get("mha_fwd", "fused", shape + "_bias")
+    fb, fb_causal = get("mha_fwdbwd", "fused", shape), get("mha_fwdbwd", "fused", shape + "_causal")
+    bf16_causal = get("mha_fwd", "bf16", shape + "_causal")
+    dec, dec_bf16 = (get("gqa_decode", impl, "B1_H32_Hkv8_Nk65536") for impl in ("fused", "bf16"))
+    native_bf16 = bool(info["flags"].get("avx512_bf16")) and "avx512" in simd_target
+
+    def seconds(case):
+        if case.error:
+            return f"error: {case.error}"
+        return "not measured" if case.seconds is None else fmt_s(case.seconds)
+
+    def torch_cell(case):
+        if case.torch_skipped:
+            return f"not run: {case.torch_skipped}"
+        return "–" if case.torch_seconds is None else fmt_s(case.torch_seconds)
+
+    def at_most(value, bound):
+        return None if value is None else value <= bound
+
+    def at_least(value, bound):
+        return None if value is None else value >= bound
+
+    rows = []
+    p, s = ratio(causal.flops, sgemm_rate), ratio(plain.seconds, causal.seconds)
+    ok = None if p is None or s is None else (p >= 0.80 and s >= 1.8)
+    rows.append(("Causal forward", "≥ 80 % of sgemm on the lower triangle's flops; ≥ 1.8× "
+                 "faster than qkv unmasked", seconds(causal), torch_cell(causal),
+                 f"{fmt_pct(p)} of sgemm; {fmt_x(s)} faster than unmasked "
+                 f"({fmt_s(plain.seconds)}); {fmt_x(causal.speedup())} PyTorch", ok))
+    p = ratio(fb_causal.flops, sgemm_rate)
+    rows.append(("Causal forward + backward", "≥ 70 % of sgemm (14·d flops per kept pair)",
+                 seconds(fb_causal), torch_cell(fb_causal),
+                 f"{fmt_pct(p)} of sgemm (unmasked: {fmt_pct(ratio(fb.flops, sgemm_rate))}); "
+                 f"{fmt_x(fb_causal.speedup())} PyTorch", at_least(p, 0.70)))
+    r = ratio(strided.seconds, plain.seconds)
+    rows.append(("(B, N, H, d) memory read as heads (no copy)", "within 5 % of contiguous "
+                 "(B, H, N, d)", seconds(strided), "–",
+                 f"{fmt_x(r)} the contiguous time", at_most(r, 1.05)))
+    r = ratio(mask.seconds, plain.seconds)
+    rows.append(("Random boolean (N, N) mask, half the keys", "within 15 % of unmasked",
+                 seconds(mask), torch_cell(mask),
+                 f"{fmt_x(r)} the unmasked time; {fmt_x(mask.speedup())} PyTorch",
+                 at_most(r, 1.15)))
+    kept = window_tiles_kept()
+    r = ratio(window.seconds, plain.seconds)
+    per_tile = None if r is None else r / kept
+    rows.append((f"Causal sliding window of {MHA_WINDOW} keys",
+                 "time proportional to the tiles kept (≤ 1.25× the unmasked time per tile)",
+                 seconds(window), torch_cell(window),
+                 f"{fmt_x(r)} the unmasked time for {fmt_pct(kept)} of the tiles "
+                 f"({per_tile:.2f}× per tile); {fmt_x(window.speedup())} PyTorch"
+                 if per_tile is not None else "not measured", at_most(per_tile, 1.25)))
+    r = ratio(bias.seconds, plain.seconds)
+    rows.append(("Float (N, N) bias, broadcast over B and H", "within 20 % of unmasked",
+                 seconds(bias), torch_cell(bias),
+                 f"{fmt_x(r)} the unmasked time; {fmt_x(bias.speedup())} PyTorch",
+                 at_most(r, 1.20)))
+    r = ratio(causal.seconds, bf16_causal.seconds)
+    rows.append(("bf16 causal forward", "≥ 1.8× qkv's float32 causal where the CPU has "
+                 "AVX512-BF16", seconds(bf16_causal), "–",
+                 f"{fmt_x(r)} float32 causal "
+                 + ("(this run has AVX512-BF16)" if native_bf16
+                    else "(no AVX512-BF16 in this run: the target does not apply)"),
+                 at_least(r, 1.8) if native_bf16 else None))
+    for label, case in (("float32", dec), ("bf16", dec_bf16)):
+        f = ratio(case.bytes_rate, copy_rate)
+        rows.append((f"Decoding, B=1, H=32, Hkv=8, Nq=1, Nk=65536, d=128, {label}",
+                     "≥ 70 % of the copy bandwidth on the bytes of K and V",
+                     seconds(case), torch_cell(case) if label == "float32" else "–",
+                     f"{fmt_pct(f)} of copy ({fmt_bytes(case.bytes_rate)}/s)"
+                     + (f"; {fmt_x(case.speedup())} PyTorch" if label == "float32" else ""),
+                     at_least(f, 0.70)))
+    lines = ["## Transformer attention: heads, masks, bias, windows, decoding (issue 15)", "",
+             f"Heads B=2, H=8, N={MHA_N}, d=64, float32 unless named, 2 threads; PyTorch is "
+             "torch 2.x's documented math for `scaled_dot_product_attention` (Debian's torch "
+             "1.13 has none): scores, `+= bias` or `masked_fill(-inf)`, softmax, `@ V`, key heads "
+             "`repeat_interleave`d for grouped-query attention. FLOP/s count the kept (query, "
+             "key) pairs only (causal: the lower triangle).", "",
+             "| Case | Target | qkv | PyTorch math | Measured | Verdict |", "|---|---|---|---|---|---|"]
+    for label, target, q, t, measured, ok in rows:
+        lines.append(f"| {label} | {target} | {q} | {t} | {measured} | {verdict(ok)} |")
+    met = sum(1 for r in rows if r[5])
+    applicable = sum(1 for r in rows if r[5] is not None)
+    lines += ["", f"**{met} of {applicable} applicable targets met in this run.**", "",
+              "Peak memory beyond inputs and outputs, one fresh process per op:", "",
+              "| Case | qkv | PyTorch math |", "|---|---|---|"]
+    for label, case in (("unmasked forward", plain), ("(B, N, H, d) forward", strided),
+                        ("causal forward", causal), ("random mask forward", mask),
+                        ("window forward", window), ("bias forward", bias),
+                        ("forward + backward", fb), ("causal forward + backward", fb_causal),
+                        ("bf16 causal forward", bf16_causal), ("decoding float32", dec),
+                        ("decoding bf16", dec_bf16)):
+        torch_mem = (fmt_bytes(case.torch_extra) if case.torch_extra is not None
+                     else ("not run" if case.torch_skipped else "–"))
+        lines.append(f"| {label} | {fmt_bytes(case.extra)} | {torch_mem} |")
+    lines.append("")
+    return lines
+
+
 def floors_section(ratio_targets, sgemm_rate):
     """For the speed-up targets: the best speed-up the work allows at the sgemm rate.
 
@@ -1016,6 +1139,7 @@ def write_page(path, info, roof_context, torch_info, cases, roof, roof_end, poli
               "driver):", "", "```", command, "```", ""]
     lines += targets_section(cases, sgemm_rate, copy_rate, sdpa_lens, softmax_lens,
                              simd_target)[0]
+    lines += transformer_section(cases, sgemm_rate, copy_rate, info, simd_target)
     lines += roofline_section(roof, roof_end, sgemm_rate, copy_rate)
     lines += details_section(cases, sgemm_rate, copy_rate)
     lines += sweep_section(cases, sgemm_rate, os.path.basename(figure))
