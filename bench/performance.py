@@ -613,7 +613,8 @@ def transformer_section(cases, sgemm_rate, copy_rate, info, simd_target):
         rows.append((f"Decoding, B=1, H=32, Hkv=8, Nq=1, Nk=65536, d=128, {label}",
                      "≥ 70 % of the copy bandwidth on the bytes of K and V",
                      seconds(case), torch_cell(case) if label == "float32" else "–",
-                     f"{fmt_pct(f)} of copy ({fmt_bytes(case.bytes_rate)}/s)"
+                     (f"{fmt_pct(f)} of copy ({case.bytes_rate / 1e9:.1f} GB/s)"
+                      if case.bytes_rate else "not measured")
                      + (f"; {fmt_x(case.speedup())} PyTorch" if label == "float32" else ""),
                      at_least(f, 0.70)))
     lines = ["## Transformer attention: heads, masks, bias, windows, decoding (issue 15)", "",

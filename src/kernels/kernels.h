@@ -158,31 +158,6 @@ void mask_tile(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, i
   }
 }
 
-// A tile of scores as the softmax takes it: the bias added, then the
-// masked scores set to -inf (bias first, so a masked key is -inf even where
-// its bias is +inf or NaN). Rows and columns as in mask_tile.
-template <class T, class Head, class Query>
-void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, int64_t cols,
-                   int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query) {
-  const ConstView<T> bias = config.bias<T>();
-  if (bias.data() != nullptr) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t bh = head(r), i = query(r);
-      const T* row = bias.data() + (bh / config.heads) * bias.stride(0) +
-                     (bh % config.heads) * bias.stride(1) + i * bias.stride(2) +
-                     j0 * bias.stride(3);
-      T* out = s + r * lds;
-      const int64_t stride = bias.stride(3);
-      if (stride == 1) {
-        for (int64_t c = 0; c < cols; ++c) out[c] += row[c];
-      } else {
-        for (int64_t c = 0; c < cols; ++c) out[c] += row[c * stride];
-      }
-    }
-  }
-  if (config.masked()) mask_tile(config, s, lds, rows, cols, j0, nq, nk, head, query);
-}
-
 // Additive attention's parameters, validated: w_v flattened to (H).
 template <class T>
 struct AdditiveParams {

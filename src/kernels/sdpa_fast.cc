@@ -350,6 +350,31 @@ void fill_heads(TensorView<T> x, T value) {
   }
 }
 
+// A tile of scores as the softmax takes it: the bias added, then the
+// masked scores set to -inf (bias first, so a masked key is -inf even where
+// its bias is +inf or NaN). Rows and columns as in mask_tile.
+template <class T, class Head, class Query>
+void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t rows, int64_t cols,
+                   int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query) {
+  const ConstView<T> bias = config.bias<T>();
+  if (bias.data() != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t bh = head(r), i = query(r);
+      const T* row = bias.data() + (bh / config.heads) * bias.stride(0) +
+                     (bh % config.heads) * bias.stride(1) + i * bias.stride(2) +
+                     j0 * bias.stride(3);
+      T* out = s + r * lds;
+      const int64_t stride = bias.stride(3);
+      if (stride == 1) {
+        fast::add(out, row, cols);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) out[c] += row[c * stride];
+      }
+    }
+  }
+  if (config.masked()) mask_tile(config, s, lds, rows, cols, j0, nq, nk, head, query);
+}
+
 // One query row the careful way (its valid scores are not all finite): all
 // its scores, the exact masked softmax, dropout, and the weighted sum of the
 // values. q_i: the row; k_b, v_b: its head's keys and values (rows ldk, ldv
@@ -567,6 +592,15 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   }
 }
 
+// Whether a bias or mask is read alike by several heads (zero strides over
+// B or H): then the forward takes the heads of a query block in a row.
+bool shared_by_heads(const AttentionConfig& config) {
+  const auto shared = [](const auto& view) {
+    return view.data() != nullptr && (view.stride(0) == 0 || view.stride(1) == 0);
+  };
+  return shared(config.bias_float) || shared(config.bias_double) || shared(config.mask);
+}
+
 // Doubles of one thread's forward scratch.
 template <class In>
 size_t forward_slot_words(int64_t nk, int64_t d, int64_t dv) {
@@ -751,6 +785,12 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
       grouped_rows_per_task(q.size(1), k.size(1), nq, weights.data() != nullptr);
   const int64_t group_tasks = grouped ? ceil_div(group * nq, grouped) : 0;
   const int64_t row_tasks = grouped ? kv_heads * group_tasks : heads * blocks;
+  // A bias or mask shared by the heads: the tasks of one query block, every
+  // head, run one after another, so that block's rows of it come from
+  // memory once and from cache for the other heads (B=2, H=8, N=4096, 2
+  // threads, an (N, N) float bias: 1.16x -> 1.13x the unbiased time; a
+  // random (N, N) mask of bytes: 1.10-1.14x either way).
+  const bool block_major = shared_by_heads(config);
   kernels::parallel_for_slots(
       row_tasks * chunks, workspace.num_threads, [&](int64_t task, int slot) {
         Slicer slot_slicer(ws.slots + slot * ws.slot_words);
@@ -764,8 +804,8 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
           i0 = first % nq;
           rows = std::min(grouped, group * nq - first);
         } else {
-          bh = rt / blocks;
-          i0 = (rt % blocks) * kQueryBlock;
+          bh = block_major ? rt % heads : rt / blocks;
+          i0 = (block_major ? rt / heads : rt % blocks) * kQueryBlock;
           rows = std::min(kQueryBlock, nq - i0);
         }
         const int64_t bkv = kv_head(bh, q.size(1), k.size(1));

@@ -107,6 +107,17 @@ void Scale(T* x, T s, int64_t n_signed) {
 }
 
 template <class T>
+void Add(T* x, const T* y, int64_t n_signed) {
+  const hn::ScalableTag<T> d;
+  const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(hn::Add(hn::LoadU(d, x + i), hn::LoadU(d, y + i)), d, x + i);
+  }
+  for (; i < n; ++i) x[i] += y[i];
+}
+
+template <class T>
 T Dot(const T* a, const T* b, int64_t n_signed) {
   const hn::ScalableTag<T> d;
   const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
@@ -244,6 +255,8 @@ double ExpShiftSumF64(const double* x, double s, double* o, int64_t n) {
 }
 void ScaleF32(float* x, float s, int64_t n) { Scale(x, s, n); }
 void ScaleF64(double* x, double s, int64_t n) { Scale(x, s, n); }
+void AddF32(float* x, const float* y, int64_t n) { Add(x, y, n); }
+void AddF64(double* x, const double* y, int64_t n) { Add(x, y, n); }
 float DotF32(const float* a, const float* b, int64_t n) { return Dot(a, b, n); }
 double DotF64(const double* a, const double* b, int64_t n) { return Dot(a, b, n); }
 void SoftmaxGradF32(const float* w, const float* g, float c, float* o, int64_t n) {
@@ -280,6 +293,8 @@ HWY_EXPORT(ExpShiftSumF32);
 HWY_EXPORT(ExpShiftSumF64);
 HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
+HWY_EXPORT(AddF32);
+HWY_EXPORT(AddF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(SoftmaxGradF32);
@@ -324,6 +339,8 @@ double exp_shift_sum(const double* x, double s, double* o, int64_t n) {
 }
 void scale(float* x, float s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF32)(x, s, n); }
 void scale(double* x, double s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF64)(x, s, n); }
+void add(float* x, const float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(AddF32)(x, y, n); }
+void add(double* x, const double* y, int64_t n) { HWY_DYNAMIC_DISPATCH(AddF64)(x, y, n); }
 float dot(const float* a, const float* b, int64_t n) {
   return HWY_DYNAMIC_DISPATCH(DotF32)(a, b, n);
 }

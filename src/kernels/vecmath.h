@@ -25,6 +25,10 @@ double exp_shift_sum(const double* x, double shift, double* out, int64_t n);
 void scale(float* x, float s, int64_t n);
 void scale(double* x, double s, int64_t n);
 
+// x[j] += y[j] (a bias row added to a row of scores).
+void add(float* x, const float* y, int64_t n);
+void add(double* x, const double* y, int64_t n);
+
 // sum_j a[j] * b[j].
 float dot(const float* a, const float* b, int64_t n);
 double dot(const double* a, const double* b, int64_t n);
