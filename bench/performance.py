@@ -71,6 +71,8 @@ ATEN_CPU_CAPABILITY = {"avx2": "avx2", "sse4": "default", "scalar": "default"}
 RUNS_DIR = os.path.join(ROOT, "docs", "perf-runs")
 # Hand-written: what the profiles found, carried into docs/performance.md.
 FINDINGS = os.path.join(ROOT, "docs", "perf-findings.md")
+# Hand-written: what was measured about issue 15's unmet rows.
+TRANSFORMER_FINDINGS = os.path.join(ROOT, "docs", "perf-findings-transformer.md")
 
 # A phase during which other processes kept more than this many cores busy
 # (on average) marks the run as noisy.
@@ -641,6 +643,9 @@ def transformer_section(cases, sgemm_rate, copy_rate, info, simd_target):
                      else ("not run" if case.torch_skipped else "–"))
         lines.append(f"| {label} | {fmt_bytes(case.extra)} | {torch_mem} |")
     lines.append("")
+    if os.path.exists(TRANSFORMER_FINDINGS):
+        with open(TRANSFORMER_FINDINGS) as f:
+            lines += [f.read().rstrip("\n"), ""]
     return lines
 
 
