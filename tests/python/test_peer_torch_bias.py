@@ -168,3 +168,45 @@ def test_bias_with_bool_semantics_of_minus_inf():
     a = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     b = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     assert relative_error(a, b) <= 1e-15
+
+
+def test_numpy_bias_errors_name_the_function_the_bias_and_both_types_or_shapes():
+    """A bias of the wrong float type, a non-float bias and one that does not
+    broadcast against the scores: clear errors before anything is computed,
+    forward and backward, float32, float64 and bf16 inputs."""
+    rng = np.random.default_rng(7)
+    q32, k32, v32 = (rng.standard_normal((2, 3, 4, 8)).astype(np.float32) for _ in range(3))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q32, k32, v32))
+    out, lse = qkv.scaled_dot_product_attention(q32, k32, v32, return_lse=True)
+    good = np.zeros((4, 4), np.float32)
+    cases = [
+        # (call, error type, message fragments)
+        (lambda: qkv.scaled_dot_product_attention(q32, k32, v32, bias=good.astype(np.float64)),
+         TypeError, ["scaled_dot_product_attention", "bias has dtype float64",
+                     "the inputs (float32 for bf16 inputs) has float32"]),
+        (lambda: qkv.scaled_dot_product_attention(q64, k64, v64, bias=good),
+         TypeError, ["scaled_dot_product_attention", "bias has dtype float32",
+                     "the inputs has float64"]),
+        (lambda: qkv.scaled_dot_product_attention(q32, k32, v32, bias=good.astype(np.int32)),
+         TypeError, ["scaled_dot_product_attention", "bias"]),
+        (lambda: qkv.scaled_dot_product_attention_backward(
+            q32, k32, v32, out, lse, out, bias=good.astype(np.float64)),
+         TypeError, ["scaled_dot_product_attention_backward", "bias has dtype float64"]),
+        (lambda: qkv.scaled_dot_product_attention(q32, k32, v32, bias=np.zeros((3, 4), np.float32)),
+         qkv.Error, ["scaled_dot_product_attention", "bias has shape [3, 4]", "[2, 3, 4, 4]"]),
+        (lambda: qkv.scaled_dot_product_attention_backward(
+            q32, k32, v32, out, lse, out, bias=np.zeros((2, 2, 4, 4), np.float32)),
+         qkv.Error, ["scaled_dot_product_attention_backward", "bias has shape [2, 2, 4, 4]"]),
+    ]
+    bits = q32.view(np.int32).astype(np.int16)  # any int16 array serves as bf16 bits here
+    # qkv.torch's bf16 path (its private entry point: qkv.torch converts a float
+    # attn_mask to float32 before it gets here).
+    cases.append((lambda: qkv._qkv._scaled_dot_product_attention_bf16(
+        bits, bits, bits, None, None, 0.0, 0, False, False, None, None, None, None,
+        good.astype(np.float64)),
+        TypeError, ["bias has dtype float64", "float32 for bf16 inputs"]))
+    for number, (call, error, fragments) in enumerate(cases):
+        with pytest.raises(error) as caught:
+            call()
+        for fragment in fragments:
+            assert fragment in str(caught.value), f"case {number}: {caught.value}"
