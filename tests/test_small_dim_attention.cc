@@ -275,8 +275,11 @@ TYPED_TEST(SmallDimAttention, NonFiniteRowsFollowDesign) {
     for (ScoreKind kind : {ScoreKind::kDotProduct, ScoreKind::kNegSquaredDistance}) {
       SCOPED_TRACE(kind_name(kind));
       const Tensor<T>* b = kind == ScoreKind::kDotProduct ? &bias : nullptr;
-      // For the distance kind, non-finite scores come from the queries.
-      Tensor<T> qk = q;
+      // For the distance kind, non-finite scores come from the queries (whole
+      // rows) and from single keys that some rows' lengths cover: a NaN
+      // among finite distances (the kernel finds it in its max pass) or an
+      // infinite one (score -inf, weight 0).
+      Tensor<T> qk = q, kk = k;
       if (kind == ScoreKind::kNegSquaredDistance) {
         for (T& x : qk.values()) {
           const double u = rng.uniform();
@@ -285,9 +288,16 @@ TYPED_TEST(SmallDimAttention, NonFiniteRowsFollowDesign) {
           else if (u < 0.06)
             x = inf;
         }
+        for (int64_t bb = 0; bb < batch; ++bb) {
+          int64_t longest = 0;
+          for (int64_t i = 0; i < nq; ++i) longest = std::max(longest, lens(bb, i, nk));
+          if (longest == 0 || rng.bernoulli(0.5)) continue;
+          kk(bb, rng.uniform_int(0, longest - 1), rng.uniform_int(0, dim - 1)) =
+              rng.bernoulli(0.5) ? nan : inf;
+        }
       }
-      const Expected want = plain_attention(qk, k, v, b, kind, 0.7, lens);
-      const Got got = run_kernel(qk, k, v, b, kind, 0.7, lens);
+      const Expected want = plain_attention(qk, kk, v, b, kind, 0.7, lens);
+      const Got got = run_kernel(qk, kk, v, b, kind, 0.7, lens);
       if (!expect_close(got.out, want.out, out_tol<T>(), "output", "b q d")) return;
       if (!expect_close(got.lse, want.lse, lse_tol<T>(), "lse", "b q")) return;
     }

@@ -74,6 +74,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 static_assert(HWY_MAX_BYTES <= kSmallDimPadBytes, "vectors longer than the key padding");
 
+using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNaNCostsABlend;
 using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive;
 
 // The kR-query block kernel. kKind: the score function; kDv the number of
@@ -186,22 +187,38 @@ void RunBlock(const SmallDimProblem<T>& pr, int64_t b, int64_t i0) {
   // then forms s - m as scale (min - raw), the difference before the scaling,
   // exactly 0 at the nearest key (its weight exactly 1, as the reference's)
   // and without the rounding of large scores of far queries.
+  // kNegSq also looks for NaN distances here (the max cannot show them: Min
+  // drops a NaN operand), so that pass 2's exp can skip its NaN blend where
+  // that costs instructions: 6 % of the kernel at D = 1 on AVX2, where this
+  // search costs 2 %; not at AVX-512 (Exp512 keeps NaN for free, and the
+  // search cost 5 % there).
+  constexpr bool kNanInPass1 = kKind == kNegSq && ExpNaNCostsABlend(d);
   V raw[kR], vext[kR];
+  hn::Mask<decltype(d)> nan_seen[kR];
   const T ext_init = kKind == kNegSq ? inf : -inf;
   auto extreme = [&](V a, V b) {
     if constexpr (kKind == kNegSq) return hn::Min(a, b);
     return hn::Max(a, b);
   };
-  for (int r = 0; r < kR; ++r) vext[r] = hn::Set(d, ext_init);
+  for (int r = 0; r < kR; ++r) {
+    vext[r] = hn::Set(d, ext_init);
+    nan_seen[r] = hn::FirstN(d, 0);
+  }
   int64_t j = 0;
   for (; j < full_end; j += lanes) {
     RawScores<decltype(d), kKind, kR>(d, kt, nk_pad, dim, qs, bias, j, raw);
-    for (int r = 0; r < kR; ++r) vext[r] = extreme(vext[r], raw[r]);
+    for (int r = 0; r < kR; ++r) {
+      vext[r] = extreme(vext[r], raw[r]);
+      if constexpr (kNanInPass1) nan_seen[r] = hn::Or(nan_seen[r], hn::IsNaN(raw[r]));
+    }
   }
   for (; j < end; j += lanes) {
     RawScores<decltype(d), kKind, kR>(d, kt, nk_pad, dim, qs, bias, j, raw);
     for (int r = 0; r < kR; ++r) {
-      vext[r] = hn::IfThenElse(ValidLanes(d, len[r], j), extreme(vext[r], raw[r]), vext[r]);
+      const auto valid = ValidLanes(d, len[r], j);
+      vext[r] = hn::IfThenElse(valid, extreme(vext[r], raw[r]), vext[r]);
+      if constexpr (kNanInPass1)
+        nan_seen[r] = hn::Or(nan_seen[r], hn::And(valid, hn::IsNaN(raw[r])));
     }
   }
   // DESIGN.md §3 per row. Max (Min) ignores or keeps a NaN depending on the
@@ -222,7 +239,7 @@ void RunBlock(const SmallDimProblem<T>& pr, int64_t b, int64_t i0) {
       ext[r] = m[r] = hn::GetLane(hn::MaxOfLanes(d, vext[r]));
     }
     finished[r] = true;
-    if (m[r] == inf || std::isnan(m[r])) {
+    if (m[r] == inf || std::isnan(m[r]) || (kNanInPass1 && !hn::AllFalse(d, nan_seen[r]))) {
       finished_value[r] = finished_lse[r] = nan;
     } else if (m[r] == -inf) {
       const bool has_nan = HasNan<decltype(d), kKind, kR>(d, pr, kt, bias, qs, r, len[r]);
@@ -253,7 +270,7 @@ void RunBlock(const SmallDimProblem<T>& pr, int64_t b, int64_t i0) {
     V v[kDv];
     for (int c = 0; c < kDv; ++c) v[c] = hn::Load(d, vt + c * nk_pad + j);
     for (int r = 0; r < kR; ++r) {
-      const V e = ExpNonPositive(d, shifted(raw[r], r));
+      const V e = ExpNonPositive<kNanInPass1>(d, shifted(raw[r], r));
       sum[r] = hn::Add(sum[r], e);
       for (int c = 0; c < kDv; ++c) acc[r][c] = hn::MulAdd(e, v[c], acc[r][c]);
     }
@@ -264,7 +281,7 @@ void RunBlock(const SmallDimProblem<T>& pr, int64_t b, int64_t i0) {
     for (int c = 0; c < kDv; ++c) v[c] = hn::Load(d, vt + c * nk_pad + j);
     for (int r = 0; r < kR; ++r) {
       const auto valid = ValidLanes(d, len[r], j);
-      const V e = hn::IfThenElseZero(valid, ExpNonPositive(d, shifted(raw[r], r)));
+      const V e = hn::IfThenElseZero(valid, ExpNonPositive<kNanInPass1>(d, shifted(raw[r], r)));
       sum[r] = hn::Add(sum[r], e);
       for (int c = 0; c < kDv; ++c) {
         acc[r][c] = hn::IfThenElse(valid, hn::MulAdd(e, v[c], acc[r][c]), acc[r][c]);
@@ -441,8 +458,10 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
   assert(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && output.is_contiguous());
   assert(k.size(2) == dim && v.size(1) == nk && output.size(2) == dv);
   assert(kind == ScoreKind::kDotProduct || key_bias == nullptr);
-  // The Gaussian exponent: scale > 0 (pass 1 looks for the nearest key).
-  assert(kind == ScoreKind::kDotProduct || config.scale > 0);
+  // The Gaussian exponent: scale > 0 (pass 1 looks for the nearest key) and
+  // finite (pass 2's exp skips its NaN blend: (min - raw) * scale is NaN
+  // only for a NaN distance, which pass 1 finds).
+  assert(kind == ScoreKind::kDotProduct || (config.scale > 0 && std::isfinite(config.scale)));
   if (batch == 0 || nq == 0) return;
   const int64_t nk_pad = padded_keys<T>(nk);
   Slicer slicer(workspace.data);

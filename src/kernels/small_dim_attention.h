@@ -21,7 +21,8 @@ enum class ScoreKind {
   // score[i, j] = config.scale * (q_i . k_j) + key_bias[j] (key_bias may be null)
   kDotProduct,
   // score[i, j] = -config.scale * |q_i - k_j|^2, formed from the differences
-  // (no cancellation: the Gaussian kernel's exponent at any bandwidth)
+  // (no cancellation: the Gaussian kernel's exponent at any bandwidth);
+  // config.scale must be positive and finite
   kNegSquaredDistance,
 };
 
