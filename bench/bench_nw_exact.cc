@@ -4,7 +4,8 @@
 // and float32, and reports the peak RSS growth and the max relative error of
 // predict on 500 sampled queries against a long double plain loop.
 // docs/regression.md (Exact evaluation) has the d2l PyTorch formulation it
-// is compared with.
+// is compared with. Last, the kernels' exp alone on n * t arguments: the
+// fused kernel's floor, since it makes one exp per (query, key).
 //   bench_nw_exact [n=30000] [threads=0 (qkv default)] [reps=5] [h=1]
 #include <sys/resource.h>
 #include <time.h>
@@ -83,6 +84,23 @@ Timing time_kernel(const std::vector<double>& x, const std::vector<double>& y,
   });
 }
 
+// The kernels' exp alone (kernels::fast::exp_non_positive, one thread) on
+// count arguments in [-12.5, 0] (the range of the chapter's -|q - k|^2 / 2),
+// 4096 at a time from L1: the exact kernel makes one exp per (query, key),
+// so this is its floor at D = 1.
+template <class T>
+Timing time_exp(int64_t count, int reps) {
+  constexpr int64_t kChunk = 4096;
+  std::vector<T> args(kChunk), out(kChunk);
+  for (int64_t i = 0; i < kChunk; ++i)
+    args[i] = static_cast<T>(-12.5 * static_cast<double>(i) / kChunk);
+  return median_seconds(reps, [&] {
+    for (int64_t done = 0; done < count; done += kChunk) {
+      qkv::kernels::fast::exp_non_positive(args.data(), out.data(), std::min(kChunk, count - done));
+    }
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -135,6 +153,9 @@ int main(int argc, char** argv) {
 
   const Timing kernel64_s = time_kernel<double>(x, y, q, h, reps);
   const Timing kernel32_s = time_kernel<float>(x, y, q, h, reps);
+  const int64_t count = n * t;
+  const Timing exp64_s = time_exp<double>(count, reps);
+  const Timing exp32_s = time_exp<float>(count, reps);
   const double evals = static_cast<double>(n) * static_cast<double>(t);
   std::printf("n = t = %lld, h = %g, threads %d, median of %d\n", static_cast<long long>(n), h,
               qkv::num_threads(), reps);
@@ -148,5 +169,10 @@ int main(int argc, char** argv) {
               kernel64_s.wall, kernel64_s.cpu, evals / kernel64_s.wall * 1e-9);
   std::printf("kernels::fast::small_dim_forward float32: %.4f s wall, %.4f s cpu (%.2f G/s)\n",
               kernel32_s.wall, kernel32_s.cpu, evals / kernel32_s.wall * 1e-9);
+  // One thread whatever the setting: compare with the kernels' lines above.
+  std::printf(
+      "its exp alone, n * t calls, one thread: float64 %.4f s cpu (%.2f ns each), "
+      "float32 %.4f s cpu (%.2f ns each)\n",
+      exp64_s.cpu, exp64_s.cpu / evals * 1e9, exp32_s.cpu, exp32_s.cpu / evals * 1e9);
   return 0;
 }

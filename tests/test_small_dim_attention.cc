@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <vector>
@@ -428,6 +429,65 @@ TYPED_TEST(SmallDimAttention, ExpErrorIsAboutOneUlp) {
   // e / (1 + e) adds the sum's and the division's roundings.
   EXPECT_LE(worst_mixed, 3 * bound);
   EXPECT_GT(got.out(0, 0, 0), 0.0);  // x = lowest_normal itself still counts
+}
+
+// exp_non_positive, the kernels' exp on its own (what bench_nw_exact times
+// as the Gaussian kernel's floor): the bound above against a long double
+// exp, exactly 1 at 0, exactly 0 below the normal range and at -inf, NaN
+// kept, a length no target's lanes divide (the tail), and in place.
+TYPED_TEST(SmallDimAttention, ExpAloneIsAboutOneUlpOverItsRange) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE("SIMD target " + simd_target());
+  Rng rng(seed);
+  const bool is_float = sizeof(T) == 4;
+  const T lowest_normal = is_float ? T(-87) : T(-708);
+  const double bound = is_float ? 0x1p-22 : 0x1p-51;
+  const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+  const int64_t n = 100003;
+  std::vector<T> x(static_cast<size_t>(n));
+  for (T& v : x) {
+    v = static_cast<T>(rng.bernoulli(0.1) ? rng.uniform(-1, 0)
+                                          : rng.uniform(1.2 * lowest_normal, 0));
+  }
+  const std::vector<T> named = {T(0),
+                                lowest_normal,
+                                std::nextafter(lowest_normal, T(0)),
+                                std::nextafter(lowest_normal, T(-1000)),
+                                -inf,
+                                nan,
+                                T(-1e30)};
+  for (size_t i = 0; i < named.size(); ++i) {
+    x[i] = named[i];
+    x[static_cast<size_t>(n) - 1 - i] = named[i];  // and in the tail
+  }
+  std::vector<T> out(x.size(), T(-1));
+  kernels::fast::exp_non_positive(x.data(), out.data(), n);
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      ASSERT_TRUE(std::isnan(out[i])) << "i = " << i;
+    } else if (x[i] < lowest_normal) {
+      ASSERT_EQ(out[i], T(0)) << "x = " << x[i];
+    } else {
+      const long double e = std::exp(static_cast<long double>(x[i]));
+      ASSERT_GT(out[i], T(0)) << "x = " << x[i];
+      worst = std::max(worst, static_cast<double>(std::abs(out[i] - e) / e));
+    }
+  }
+  std::printf("exp alone, relative error: %.3g\n", worst);
+  EXPECT_LE(worst, bound);
+  EXPECT_EQ(out[0], T(1));
+  std::vector<T> in_place = x;
+  kernels::fast::exp_non_positive(in_place.data(), in_place.data(), n);
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(out[i])) {
+      ASSERT_TRUE(std::isnan(in_place[i])) << "i = " << i;
+    } else {
+      ASSERT_EQ(in_place[i], out[i]) << "i = " << i;
+    }
+  }
 }
 
 // The random check and the exp over its whole range with -inf and NaN

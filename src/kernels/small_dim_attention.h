@@ -45,4 +45,11 @@ void small_dim_forward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const T* 
                        ScoreKind kind, const AttentionConfig& config, TensorView<T> output,
                        TensorView<T> lse, Workspace workspace);
 
+// out[i] = exp(x[i]) by the kernel's exp (kernels/exp-inl.h) on this run's
+// SIMD target, for x[i] <= ~0: below -708 (float: -87), incl. -inf, exactly
+// 0; NaN stays NaN. For the tests of its error and the benchmark of its cost
+// (bench_nw_exact). out may alias x.
+void exp_non_positive(const float* x, float* out, int64_t n);
+void exp_non_positive(const double* x, double* out, int64_t n);
+
 }  // namespace qkv::kernels::fast
