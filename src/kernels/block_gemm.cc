@@ -123,20 +123,65 @@ HWY_INLINE void panel_rows_nv(int64_t nv, const float* a, int64_t lda, const flo
   }
 }
 
+#if HWY_TARGET == HWY_AVX2
+// Columns [0, 8) of 8 rows (ld_in apart) stored as 8 rows of 8 (ld_out
+// apart): three rounds of 8 shuffles in registers (pairs of floats, then of
+// doubles within 128-bit blocks, then the blocks).
+template <class D8>
+HWY_INLINE void transpose_8x8(D8 d, const float* HWY_RESTRICT in, int64_t ld_in,
+                              float* HWY_RESTRICT out, int64_t ld_out) {
+  const hn::Repartition<double, D8> dd;
+  using V = hn::Vec<D8>;
+  V t[8];
+  for (int i = 0; i < 8; i += 2) {
+    const V r0 = hn::LoadU(d, in + i * ld_in), r1 = hn::LoadU(d, in + (i + 1) * ld_in);
+    t[i] = hn::InterleaveLower(d, r0, r1);      // r0_0 r1_0 r0_1 r1_1 | r0_4 r1_4 r0_5 r1_5
+    t[i + 1] = hn::InterleaveUpper(d, r0, r1);  // columns 2, 3 | 6, 7
+  }
+  V u[8];  // u[c] rows 0-3 of columns c | c + 4, u[4 + c] rows 4-7
+  for (int h = 0; h < 8; h += 4) {
+    const auto a0 = hn::BitCast(dd, t[h]), a1 = hn::BitCast(dd, t[h + 1]);
+    const auto b0 = hn::BitCast(dd, t[h + 2]), b1 = hn::BitCast(dd, t[h + 3]);
+    u[h] = hn::BitCast(d, hn::InterleaveLower(dd, a0, b0));
+    u[h + 1] = hn::BitCast(d, hn::InterleaveUpper(dd, a0, b0));
+    u[h + 2] = hn::BitCast(d, hn::InterleaveLower(dd, a1, b1));
+    u[h + 3] = hn::BitCast(d, hn::InterleaveUpper(dd, a1, b1));
+  }
+  for (int c = 0; c < 4; ++c) {
+    hn::StoreU(hn::ConcatLowerLower(d, u[4 + c], u[c]), d, out + c * ld_out);
+    hn::StoreU(hn::ConcatUpperUpper(d, u[4 + c], u[c]), d, out + (c + 4) * ld_out);
+  }
+}
+#endif
+
 // Rows [0, cols) of B (each k long, ldb apart) as a k x width panel of Bᵀ,
 // columns [cols, width) zero. A full panel takes one gather per vector and
 // row of the panel: the transpose is ~k n loads against 2 k n m flops of the
-// product (~10 % of the S time in the bench at 128 x 256 x 64).
+// product (~10 % of the S time in the bench at 128 x 256 x 64). With 8
+// lanes (AVX2) whole 8 x 8 blocks are transposed in registers instead: the
+// gathers were 6.5 % of the SDPA forward's time there (one thread, B=2,
+// N=4096, d=64, perf record).
 HWY_INLINE void pack_bt(const float* b, int64_t ldb, int64_t cols, int64_t k, int64_t width,
                         float* HWY_RESTRICT panel) {
   const D d;
   const hn::RebindToSigned<D> di;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   if (cols == width && ldb <= std::numeric_limits<int32_t>::max() / lanes) {
+    int64_t k_done = 0;
+#if HWY_TARGET == HWY_AVX2
+    {
+      k_done = k / 8 * 8;
+      for (int64_t kk = 0; kk < k_done; kk += 8) {
+        for (int64_t v = 0; v < width; v += 8) {
+          transpose_8x8(d, b + v * ldb + kk, ldb, panel + kk * width + v, width);
+        }
+      }
+    }
+#endif
     HWY_ALIGN int32_t offsets[hn::MaxLanes(hn::RebindToSigned<D>())];
     for (int64_t i = 0; i < lanes; ++i) offsets[i] = static_cast<int32_t>(i * ldb);
     const auto idx = hn::Load(di, offsets);
-    for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t kk = k_done; kk < k; ++kk) {
       for (int64_t v = 0; v < width; v += lanes) {
         hn::Store(hn::GatherIndex(d, b + v * ldb + kk, idx), d, panel + kk * width + v);
       }
