@@ -12,6 +12,7 @@
 #include <iostream>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_suite.h"
@@ -163,17 +164,22 @@ TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
   Rng rng(seed);
   for (const int64_t hidden : {1, 7, 16, 17, 64}) {
     for (const int64_t rows : {1, 3, 4, 5, 9}) {
-      for (const double spread : {1.0, 30.0}) {
+      // Features past kExpRange (20) on the query side, or on a few keys
+      // (their blocks of 16 keys take the tanh path, the others do not; past
+      // 44.4, exp(2 fk) overflows float).
+      for (const auto [spread, key_spread] : {std::pair{1.0, 2.0}, {30.0, 2.0}, {1.0, 60.0}}) {
         const int64_t keys = rng.uniform_int(1, 70), ldk = (keys + 15) / 16 * 16;
         SCOPED_TRACE("H=" + std::to_string(hidden) + " rows=" + std::to_string(rows) +
-                     " keys=" + std::to_string(keys) + " feature spread " + std::to_string(spread));
+                     " keys=" + std::to_string(keys) + " feature spread " + std::to_string(spread) +
+                     " far keys' spread " + std::to_string(key_spread));
         std::vector<float> fq(static_cast<size_t>(rows * hidden)), wv(static_cast<size_t>(hidden));
         std::vector<float> fkt(static_cast<size_t>(hidden * ldk), 0.0f);
         for (float& x : fq) x = static_cast<float>(rng.uniform(-spread, spread));
         for (float& x : wv) x = static_cast<float>(rng.uniform(-1.5, 1.5));
         for (int64_t h = 0; h < hidden; ++h) {
           for (int64_t j = 0; j < keys; ++j) {
-            fkt[h * ldk + j] = static_cast<float>(rng.uniform(-2.0, 2.0));
+            const double far = j % 19 == 5 ? key_spread : 2.0;
+            fkt[h * ldk + j] = static_cast<float>(rng.uniform(-far, far));
           }
         }
         std::vector<int64_t> lens(static_cast<size_t>(rows));
@@ -181,10 +187,12 @@ TEST(AdditiveTile, ScoresMatchALongDoubleLoop) {
         lens[0] = keys;
         const float sentinel = -12345.0f;
         std::vector<float> s(static_cast<size_t>(rows * ldk), sentinel);
-        const kernels::fast::AdditiveFeatures<float> f{fq.data(), hidden,    fkt.data(),
-                                                       ldk,       wv.data(), hidden};
-        std::vector<double> scratch(
-            kernels::fast::additive_scores_scratch_words<float>(hidden, keys));
+        std::vector<float> ekt(fkt.size());
+        std::vector<uint8_t> block_ok(static_cast<size_t>(ldk / kernels::fast::kAdditivePad));
+        kernels::fast::additive_key_exps(fkt.data(), hidden, ldk, ekt.data(), block_ok.data());
+        const kernels::fast::AdditiveFeatures<float> f{
+            fq.data(), hidden, fkt.data(), ldk, wv.data(), hidden, ekt.data(), block_ok.data()};
+        std::vector<double> scratch(kernels::fast::additive_scores_scratch_words<float>(hidden));
         kernels::fast::additive_scores(f, rows, lens.data(), s.data(), ldk, scratch.data());
         double wv_abs = 0;
         for (const float w : wv) wv_abs += std::fabs(w);

@@ -3,8 +3,8 @@
 // here: random shapes around the SIMD widths, both score kinds, with and
 // without key bias, every form of valid lengths, DESIGN.md §3's non-finite
 // rows, masked keys never read, thread-count independence and the exp's
-// error. CTest runs them once per SIMD target (the AVX-512 exp and the
-// generic one).
+// error. CTest runs them once per SIMD target (the exp has three forms:
+// AVX-512's 16-entry table, AVX2's 8-entry table and the generic one).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -492,7 +492,8 @@ TYPED_TEST(SmallDimAttention, ExpAloneIsAboutOneUlpOverItsRange) {
 
 // The random check and the exp over its whole range with -inf and NaN
 // scores, on the SIMD target of this run (CTest runs it once per target:
-// AVX-512 takes the table-driven exp, the others the generic one).
+// AVX-512 and AVX2 take their table-driven exps, SSE4 and scalar the
+// generic one).
 TYPED_TEST(SmallDimAttention, RandomCasesAndExpRangeOnThisTarget) {
   using T = TypeParam;
   const uint64_t seed = test_seed();

@@ -95,7 +95,7 @@ size_t forward_slot_words(const ForwardScratch& f) {
   return (f.local_scores ? slice_words<T>(f.rows * f.nk) : 0) +
          (f.dropped_copy ? slice_words<T>(f.rows * f.nk) : 0) +
          (f.keep ? slice_words<uint8_t>(f.nk) : 0) + slice_words<int64_t>(f.rows) +
-         fast::additive_scores_scratch_words<T>(f.hidden, f.nk);
+         fast::additive_scores_scratch_words<T>(f.hidden);
 }
 
 // Runs the forward over tasks (b, query block), each with the scratch of its
@@ -180,14 +180,72 @@ void project_keys_transposed(ConstView<T> k, ConstView<T> w_k, const ValidLens& 
 // The partials cost 4 B Nq H elements.
 constexpr int64_t kKeyChunks = 4;
 
+// float's fast path carries the keys' exponentials (additive_tile.h).
+template <class T>
+constexpr bool kKeyExps = sizeof(T) == 4;
+
 // The whole-problem slices, in the order they are cut: the forward's fq
-// (B, Nq, H) and fkt (B, H, ldk); the backward adds d(fq)'s partials
-// (kKeyChunks, B, Nq, H), d(fk) transposed (B, H, ldk), d(w_v)'s partials
-// (B kKeyChunks, H) and d(fq) (B, Nq, H).
+// (B, Nq, H) and fkt (B, H, ldk), for float the keys' exponentials ekt
+// (B, H, ldk) and block_ok (B, ldk / kAdditivePad); the backward adds d(fq)'s
+// partials (kKeyChunks, B, Nq, H), d(fk) transposed (B, H, ldk), d(w_v)'s
+// partials (B kKeyChunks, H) and d(fq) (B, Nq, H).
 template <class T>
 size_t projection_words(int64_t batch, int64_t nq, int64_t hidden, int64_t ldk) {
-  return slice_words<T>(batch * nq * hidden) + slice_words<T>(batch * hidden * ldk);
+  size_t words = slice_words<T>(batch * nq * hidden) + slice_words<T>(batch * hidden * ldk);
+  if constexpr (kKeyExps<T>) {
+    words += slice_words<T>(batch * hidden * ldk) +
+             slice_words<uint8_t>(batch * ldk / fast::kAdditivePad);
+  }
+  return words;
 }
+
+// Both passes' first step: W_q q (B, Nq, H), (W_k k)^T (B, H, ldk) and, for
+// float, the keys' exponentials (fast::additive_key_exps), cut from `cursor`
+// in projection_words' order.
+template <class T>
+struct Projected {
+  T* fq;
+  T* fkt;
+  T* ekt = nullptr;             // float: (B, H, ldk)
+  uint8_t* block_ok = nullptr;  // float: (B, ldk / kAdditivePad)
+  int64_t nq, hidden, ldk;
+
+  // Batch element b's features from query i0 and key k0 on (k0 a multiple of
+  // kAdditivePad), with w_v.
+  fast::AdditiveFeatures<T> features(int64_t b, int64_t i0, int64_t k0, const T* wv) const {
+    fast::AdditiveFeatures<T> f{
+        fq + (b * nq + i0) * hidden, hidden, fkt + b * hidden * ldk + k0, ldk, wv, hidden};
+    if constexpr (kKeyExps<T>) {
+      f.ekt = ekt + b * hidden * ldk + k0;
+      f.block_ok = block_ok + (b * ldk + k0) / fast::kAdditivePad;
+    }
+    return f;
+  }
+};
+
+template <class T>
+Projected<T> project_all(double** cursor, ConstView<T> q, ConstView<T> k,
+                         const AdditiveParams<T>& params, const ValidLens& lens) {
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
+  Projected<T> p;
+  p.nq = nq;
+  p.hidden = hidden;
+  p.ldk = round_up(nk, fast::kAdditivePad);
+  p.fq = take_slice<T>(cursor, batch * nq * hidden);
+  p.fkt = take_slice<T>(cursor, batch * hidden * p.ldk);
+  project(q, params.w_q, p.fq);
+  project_keys_transposed(k, params.w_k, lens, nq, p.ldk, p.fkt);
+  if constexpr (kKeyExps<T>) {
+    p.ekt = take_slice<T>(cursor, batch * hidden * p.ldk);
+    p.block_ok = take_slice<uint8_t>(cursor, batch * p.ldk / fast::kAdditivePad);
+    kernels::parallel_for(batch, [&](int64_t b) {
+      fast::additive_key_exps(p.fkt + b * hidden * p.ldk, hidden, p.ldk, p.ekt + b * hidden * p.ldk,
+                              p.block_ok + b * p.ldk / fast::kAdditivePad);
+    });
+  }
+  return p;
+}
+
 template <class T>
 size_t backward_sums_words(int64_t batch, int64_t nq, int64_t hidden, int64_t ldk) {
   return slice_words<T>(kKeyChunks * batch * nq * hidden) + slice_words<T>(batch * hidden * ldk) +
@@ -204,7 +262,7 @@ size_t backward_slot_words(int64_t nq, int64_t nk, int64_t hidden, bool dropout)
   const int64_t chunk = round_up(ceil_div(nk, kKeyChunks), fast::kAdditivePad);
   return 2 * slice_words<T>(rows * chunk) + (dropout ? slice_words<T>(rows * chunk) : 0) +
          2 * slice_words<T>(rows) + slice_words<int64_t>(rows) + slice_words<uint8_t>(chunk) +
-         fast::additive_grad_tile_scratch_words<T>(hidden, chunk);
+         fast::additive_grad_tile_scratch_words<T>(hidden);
 }
 
 }  // namespace
@@ -242,12 +300,8 @@ void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditivePara
   const ValidLens& lens = config.valid_lens;
   // The (B, Nq, Nk, H) features are never formed: W_q q and W_k k once, then
   // each score's tanh-and-reduce happens in registers, keys across the lanes.
-  const int64_t ldk = round_up(nk, fast::kAdditivePad);
   double* cursor = workspace.data;
-  T* const fq = take_slice<T>(&cursor, batch * nq * hidden);
-  T* const fkt = take_slice<T>(&cursor, batch * hidden * ldk);
-  project(q, params.w_q, fq);
-  project_keys_transposed(k, params.w_k, lens, nq, ldk, fkt);
+  const Projected<T> proj = project_all(&cursor, q, k, params, lens);
   const int slots = std::max(workspace.num_threads, 1);
   const size_t slot_words =
       forward_slot_words<T>(forward_scratch(nq, nk, hidden, config, out.weights.data() != nullptr));
@@ -256,10 +310,8 @@ void additive(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AdditivePara
       [&](int64_t b, int64_t i0, int64_t rows, int64_t, T* s, int64_t lds, double* scratch) {
         int64_t* const row_lens = take_slice<int64_t>(&scratch, rows);
         for (int64_t r = 0; r < rows; ++r) row_lens[r] = lens(b, i0 + r, nk);
-        const fast::AdditiveFeatures<T> f{fq + (b * nq + i0) * hidden, hidden,
-                                          fkt + b * hidden * ldk,      ldk,
-                                          params.w_v.data(),           hidden};
-        fast::additive_scores(f, rows, row_lens, s, lds, scratch);
+        fast::additive_scores(proj.features(b, i0, 0, params.w_v.data()), rows, row_lens, s, lds,
+                              scratch);
       });
 }
 
@@ -273,12 +325,9 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), hidden = params.w_q.size(0);
   const int64_t dq = q.size(2), dk = k.size(2), dv = v.size(2);
   const ValidLens& lens = config.valid_lens;
-  const int64_t ldk = round_up(nk, fast::kAdditivePad);
   double* cursor = workspace.data;
-  T* const fq = take_slice<T>(&cursor, batch * nq * hidden);
-  T* const fkt = take_slice<T>(&cursor, batch * hidden * ldk);
-  project(q, params.w_q, fq);
-  project_keys_transposed(k, params.w_k, lens, nq, ldk, fkt);
+  const Projected<T> proj = project_all(&cursor, q, k, params, lens);
+  const int64_t ldk = proj.ldk;
   // Accumulated into (every element, skipped tasks' too, is read afterwards).
   const int64_t fq_size = batch * nq * hidden, dwv_size = batch * kKeyChunks * hidden;
   T* const dfq_parts = take_slice<T>(&cursor, kKeyChunks * fq_size);  // (chunks, B, Nq, H)
@@ -317,8 +366,7 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
     T* const d_row = take_slice<T>(&scratch, max_rows);
     int64_t* const n_valid = take_slice<int64_t>(&scratch, max_rows);
     uint8_t* const keep = take_slice<uint8_t>(&scratch, ld);
-    const fast::AdditiveFeatures<T> f_b{
-        fq + b * nq * hidden, hidden, fkt + b * hidden * ldk + k0, ldk, params.w_v.data(), hidden};
+    const fast::AdditiveFeatures<T> f_b = proj.features(b, 0, k0, params.w_v.data());
     T* d_values_b = grads.d_values.data() + b * nk * dv;
     for (int64_t i0 = 0; i0 < nq; i0 += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, nq - i0);

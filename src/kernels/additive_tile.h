@@ -34,42 +34,52 @@ inline constexpr int64_t kAdditivePad = 16;
 // reciprocal's latency, and one load of the key features serves all four.
 inline constexpr int64_t kAdditiveRows = 4;
 
+// The float fast path carries exp(2 fk) for every key, computed once per call
+// by additive_key_exps (it was once per 64-query tile, 8 times over at
+// Nq = 512: 3.8 % of the forward's samples at (4, 512, 512), h = 64), and
+// which blocks of kAdditivePad keys have every feature within the range where
+// exp(2 fq) exp(2 fk) stays finite; a tile takes the tanh path for the other
+// blocks. For one batch element's fkt (H, ldk), ldk a multiple of
+// kAdditivePad: ekt (H, ldk) and block_ok (ldk / kAdditivePad). double always takes the tanh
+// path and needs none of it.
+void additive_key_exps(const float* fkt, int64_t hidden, int64_t ldk, float* ekt,
+                       uint8_t* block_ok);
+
 // The tiles allocate nothing: their scratch is `scratch`, that many doubles
-// (workspace.h), cut into 64-byte slices inside. For keys [0, n) (n the
-// longest of the tile's lens), float keeps exp(2 fk) of the keys (H x n
-// rounded up to kAdditivePad, so it serves any lane count up to 16), which
-// of those vectors are in range, and exp(2 fq) of one query group; double
-// (always the tanh path) needs none of it. The "+ 1" are the padding the
-// tiles' own allocations had.
+// (workspace.h), cut into 64-byte slices inside. Float keeps exp(2 fq) of one
+// query group; double (always the tanh path) needs none of it. The "+ 1" are
+// the padding the tiles' own allocations had.
 template <class T>
-size_t additive_scores_scratch_words(int64_t hidden, int64_t n) {
+size_t additive_scores_scratch_words(int64_t hidden) {
   if constexpr (sizeof(T) != 4) return 0;
-  const int64_t n_all = (n + kAdditivePad - 1) / kAdditivePad * kAdditivePad;
-  return slice_words<T>(hidden * n_all + 1) + slice_words<T>(kAdditiveRows * hidden + 1) +
-         slice_words<uint8_t>(n_all);
+  return slice_words<T>(kAdditiveRows * hidden + 1);
 }
 // The backward tile's: the above plus r, d_fq's and d_wv's partial sums by
 // lane, (2 kAdditiveRows + 1) H vectors of at most kAdditivePad lanes.
 template <class T>
-size_t additive_grad_tile_scratch_words(int64_t hidden, int64_t n) {
+size_t additive_grad_tile_scratch_words(int64_t hidden) {
   return slice_words<T>((2 * kAdditiveRows + 1) * hidden * kAdditivePad + 1) +
-         additive_scores_scratch_words<T>(hidden, n);
+         additive_scores_scratch_words<T>(hidden);
 }
 
-// One batch element's projected features, offset to a tile's first query and key.
+// One batch element's projected features, offset to a tile's first query and
+// key (a multiple of kAdditivePad), and for float their exponentials
+// (additive_key_exps, offset alike).
 template <class T>
 struct AdditiveFeatures {
   const T* fq;  // (rows, H), row stride ldq: W_q q
   int64_t ldq;
   const T* fkt;  // (H, keys), row stride ldk (a multiple of kAdditivePad): (W_k k)^T
   int64_t ldk;
-  const T* wv;     // (H)
-  int64_t hidden;  // H
+  const T* wv;                        // (H)
+  int64_t hidden;                     // H
+  const T* ekt = nullptr;             // float: (H, keys), row stride ldk: exp(2 fkt)
+  const uint8_t* block_ok = nullptr;  // float: per kAdditivePad keys
 };
 
 // s[r * lds + j] = score(r, j) for r < rows, j < lens[r]; nothing else is
-// written. fkt is read up to lens rounded up to kAdditivePad. scratch holds
-// additive_scores_scratch_words<T>(f.hidden, longest of lens) doubles.
+// written. fkt (and ekt) are read up to lens rounded up to kAdditivePad.
+// scratch holds additive_scores_scratch_words<T>(f.hidden) doubles.
 void additive_scores(const AdditiveFeatures<float>& f, int64_t rows, const int64_t* lens, float* s,
                      int64_t lds, double* scratch);
 void additive_scores(const AdditiveFeatures<double>& f, int64_t rows, const int64_t* lens,
@@ -99,8 +109,7 @@ struct AdditiveGradTile {
   T* d_fkt;  // (H, keys), row stride f.ldk, accumulated
   T* d_wv;   // (H), accumulated
 };
-// scratch holds additive_grad_tile_scratch_words<T>(f.hidden, longest of
-// tile.lens) doubles.
+// scratch holds additive_grad_tile_scratch_words<T>(f.hidden) doubles.
 void additive_grad_tile(const AdditiveFeatures<float>& f, const AdditiveGradTile<float>& tile,
                         double* scratch);
 void additive_grad_tile(const AdditiveFeatures<double>& f, const AdditiveGradTile<double>& tile,
