@@ -7,6 +7,7 @@ are read in place, never copied) and return new arrays:
     scaled_dot_product_attention, scaled_dot_product_attention_backward
     additive_attention, additive_attention_backward
     attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
+    merge_attention (attention over parts of a key set, merged by their lse)
     nadaraya_watson, KernelRegression, silverman_bandwidth, scott_bandwidth, train_parametric
     set_num_threads, get_num_threads, simd_target, simd_targets, set_simd_target, simd_info
 
@@ -24,6 +25,7 @@ from ._qkv import (  # noqa: F401  (the public API, re-exported)
     Error,
     IoError,
     KernelRegression,
+    MergedAttention,
     ScaledDotProductAttentionGrads,
     ScaledDotProductAttentionBiasGrads,
     __version__,
@@ -34,6 +36,7 @@ from ._qkv import (  # noqa: F401  (the public API, re-exported)
     get_num_threads,
     masked_softmax,
     masked_softmax_backward,
+    merge_attention,
     nadaraya_watson,
     one_hot_lookup,
     one_hot_weights,
@@ -55,6 +58,7 @@ __all__ = [
     "Error",
     "IoError",
     "KernelRegression",
+    "MergedAttention",
     "ScaledDotProductAttentionGrads",
     "ScaledDotProductAttentionBiasGrads",
     "__version__",
@@ -65,6 +69,7 @@ __all__ = [
     "get_num_threads",
     "masked_softmax",
     "masked_softmax_backward",
+    "merge_attention",
     "nadaraya_watson",
     "one_hot_lookup",
     "one_hot_weights",

@@ -34,6 +34,10 @@ class ScaledDotProductAttentionBiasGrads(NamedTuple):
     d_values: FloatArray
     d_bias: FloatArray
 
+class MergedAttention(NamedTuple):
+    output: FloatArray
+    lse: FloatArray
+
 class AdditiveAttentionGrads(NamedTuple):
     d_queries: FloatArray
     d_keys: FloatArray
@@ -134,6 +138,11 @@ def one_hot_weights(index: ArrayLike, num_keys: int) -> npt.NDArray[np.float32]:
 def uniform_weights(
     batch: int, num_queries: int, num_keys: int, valid_lens: ValidLens = None
 ) -> npt.NDArray[np.float32]: ...
+
+# ---- merging attention over parts of a key set ----
+def merge_attention(
+    outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
+) -> MergedAttention: ...
 
 # ---- Nadaraya-Watson ----
 def nadaraya_watson(

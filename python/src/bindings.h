@@ -11,6 +11,7 @@ void register_runtime(pybind11::module_& m);     // runtime.cc: version, threads
 void register_softmax(pybind11::module_& m);     // softmax.cc: masked softmax and its backward
 void register_attention(pybind11::module_& m);   // attention.cc: SDPA, additive, backward, bf16
 void register_pooling(pybind11::module_& m);     // pooling.cc: pooling with given weights
+void register_merge(pybind11::module_& m);       // merge.cc: merging attention over parts of a key set
 void register_regression(pybind11::module_& m);  // regression.cc: Nadaraya-Watson
 
 }  // namespace qkv::python

@@ -10,5 +10,6 @@ PYBIND11_MODULE(_qkv, m) {
   qkv::python::register_softmax(m);
   qkv::python::register_attention(m);
   qkv::python::register_pooling(m);
+  qkv::python::register_merge(m);
   qkv::python::register_regression(m);
 }

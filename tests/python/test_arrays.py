@@ -219,6 +219,18 @@ def make_lookup(rng, dtype, batch):
             "values": normal(rng, dtype, lead(batch, NK, DV))}
 
 
+def make_merge(rng, dtype, batch):
+    # Attention over keys [0, 15) and [15, NK), each with its output and lse.
+    a = make_qkv(rng, dtype, batch)
+    parts = {}
+    for s, (lo, hi) in enumerate(((0, 15), (15, NK))):
+        out, lse = qkv.scaled_dot_product_attention(
+            a["queries"], a["keys"][..., lo:hi, :], a["values"][..., lo:hi, :],
+            np.clip(a["valid_lens"] - lo, 0, hi - lo), return_lse=True)
+        parts[f"output{s}"], parts[f"lse{s}"] = out, lse
+    return parts
+
+
 OPS = {
     "masked_softmax": (make_softmax, qkv.masked_softmax),
     "masked_softmax_backward": (make_softmax_backward, qkv.masked_softmax_backward),
@@ -237,6 +249,9 @@ OPS = {
     "attention_pooling": (make_pooling, qkv.attention_pooling),
     "average_pooling": (make_average, qkv.average_pooling),
     "one_hot_lookup": (make_lookup, qkv.one_hot_lookup),
+    "merge_attention": (
+        make_merge, lambda output0, output1, lse0, lse1: qkv.merge_attention(
+            [output0, output1], [lse0, lse1])),
 }
 
 

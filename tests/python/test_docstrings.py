@@ -8,7 +8,7 @@ an example, and every example runs and prints what it shows.
 - The examples run with doctest (NORMALIZE_WHITESPACE) in the order they
   appear in the sources, since later examples use names (q, k, v, x, y)
   defined by earlier ones: python/src/softmax.cc, attention.cc, pooling.cc,
-  regression.cc, runtime.cc (the order of their m.def / py::class_
+  merge.cc, regression.cc, runtime.cc (the order of their m.def / py::class_
   registrations), then python/qkv/torch.py, all in one globals dict holding
   np, torch and qkv (with qkv.torch imported). Each docstring is one test.
 """
@@ -26,7 +26,8 @@ import qkv.torch
 
 SOURCE = os.environ.get("QKV_SOURCE_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BINDING_FILES = ["softmax.cc", "attention.cc", "pooling.cc", "regression.cc", "runtime.cc"]
+BINDING_FILES = ["softmax.cc", "attention.cc", "pooling.cc", "merge.cc", "regression.cc",
+                 "runtime.cc"]
 
 
 def binding_order():
@@ -52,7 +53,7 @@ def torch_order():
 ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
 IDS = [f"{module}.{name}" for module, name in ORDER]
 TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
-         "AdditiveAttentionGrads"}
+         "AdditiveAttentionGrads", "MergedAttention"}
 
 
 def resolve(module, name):

@@ -1,0 +1,102 @@
+// merge_attention for NumPy arrays: partial attention results over disjoint
+// key sets (outputs and lses) merged into the result over their union.
+#include "qkv/merge.h"
+
+#include <string>
+#include <vector>
+
+#include "arrays.h"
+#include "bindings.h"
+
+namespace qkv::python {
+namespace {
+
+constexpr std::string_view kFn = "merge_attention";
+
+py::handle merged_type;  // qkv.MergedAttention: a namedtuple made at import, held by the module
+
+// The arrays of a list or tuple argument, each named "name[s]".
+std::vector<py::array> float_arrays(py::handle seq, std::string_view name) {
+  if (!py::isinstance<py::list>(seq) && !py::isinstance<py::tuple>(seq)) {
+    throw py::type_error(std::string(kFn) + ": " + std::string(name) + " is a " +
+                         std::string(py::str(seq.get_type().attr("__name__"))) +
+                         "; expected a list or tuple of arrays");
+  }
+  std::vector<py::array> arrays;
+  size_t s = 0;
+  for (py::handle item : seq) {
+    arrays.push_back(float_array(item, kFn, std::string(name) + "[" + std::to_string(s++) + "]"));
+  }
+  return arrays;
+}
+
+py::object merge_attention_py(py::handle outputs_obj, py::handle lses_obj) {
+  std::vector<py::array> outputs = float_arrays(outputs_obj, "outputs");
+  std::vector<py::array> lses = float_arrays(lses_obj, "lses");
+  const Dtype dtype = outputs.empty() ? Dtype::kFloat32 : dtype_of(outputs[0]);
+  for (size_t s = 0; s < outputs.size(); ++s) {
+    check_same_dtype(outputs[s], dtype, kFn, "outputs[" + std::to_string(s) + "]", "outputs[0]");
+  }
+  for (size_t s = 0; s < lses.size(); ++s) {
+    check_same_dtype(lses[s], dtype, kFn, "lses[" + std::to_string(s) + "]", "outputs[0]");
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<ConstView<T>> output_views, lse_views;
+    for (py::array& a : outputs) output_views.push_back(view_of<T>(a));
+    for (py::array& a : lses) lse_views.push_back(view_of<T>(a));
+    MergedAttention<T> merged;
+    {
+      py::gil_scoped_release release;
+      merged = merge_attention(output_views, lse_views);
+    }
+    return merged_type(to_numpy(std::move(merged.output)), to_numpy(std::move(merged.lse)));
+  };
+  return dtype == Dtype::kFloat32 ? run(float{}) : run(double{});
+}
+
+}  // namespace
+
+void register_merge(py::module_& m) {
+  m.attr("MergedAttention") =
+      py::module_::import("collections")
+          .attr("namedtuple")("MergedAttention", py::make_tuple("output", "lse"));
+  m.attr("MergedAttention").attr("__module__") = "qkv";
+  merged_type = m.attr("MergedAttention");
+
+  m.def("merge_attention", &merge_attention_py, py::arg("outputs"), py::arg("lses"),
+        R"(Merges attention computed over disjoint parts of a key set into attention over all of it.
+
+Per row, parts s in the order given: lse = log sum_s exp(lse_s) and
+output = sum_s exp(lse_s - lse) output_s, summed in double with the largest
+lse_s taken out first. A part with lse -inf (no keys) has weight 0 and is not
+read; a row whose parts are all -inf gets lse -inf and output 0; a NaN or
++inf lse makes the row NaN. The backward of a split key set is each part's
+backward given the merged output and lse (docs/semantics.md).
+
+Arguments:
+    outputs: list or tuple of arrays (..., Nq, Dv), one shape, e.g. the
+        outputs of scaled_dot_product_attention over each part of the keys.
+    lses: their log-sum-exps (..., Nq) (return_lse=True), one per output.
+        float32 or float64, one dtype for all.
+
+Returns:
+    MergedAttention(output, lse): new arrays of the inputs' shapes and dtype.
+
+Raises:
+    TypeError: outputs or lses not a list or tuple, dtypes that are not
+        float32/float64, or two different ones.
+    qkv.Error (a ValueError): no parts, different counts or shapes.
+
+>>> rng = np.random.default_rng(0)
+>>> queries, keys, values = rng.normal(size=(2, 4)), rng.normal(size=(10, 4)), rng.normal(size=(10, 3))
+>>> o1, l1 = qkv.scaled_dot_product_attention(queries, keys[:6], values[:6], return_lse=True)
+>>> o2, l2 = qkv.scaled_dot_product_attention(queries, keys[6:], values[6:], return_lse=True)
+>>> merged = qkv.merge_attention([o1, o2], [l1, l2])
+>>> whole, lse = qkv.scaled_dot_product_attention(queries, keys, values, return_lse=True)
+>>> bool(np.allclose(merged.output, whole) and np.allclose(merged.lse, lse))
+True
+)");
+}
+
+}  // namespace qkv::python

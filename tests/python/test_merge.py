@@ -1,0 +1,165 @@
+"""qkv.merge_attention: attention over parts of a key set merged by log-sum-exp.
+
+- Peer: PyTorch. Attention over all the keys written in torch (float64,
+  softmax(Q K^T / sqrt(D)) V and torch.logsumexp of the scores, valid lengths
+  as -inf scores) equals qkv's attention over a random split of the keys
+  (empty parts too) merged by qkv.merge_attention, float32 and float64, for
+  no, (B) and (B, Nq) valid lengths; the merged lse equals
+  torch.logsumexp over the stacked parts' lses.
+- The backward of a split key set: torch's autograd of attention over all
+  the keys gives the dQ, dK, dV that the parts' qkv backwards return when
+  handed the merged output and lse (dQ summed over the parts).
+- Rules: a part with lse -inf is not read; all parts -inf give lse -inf and
+  output 0; a NaN lse gives a NaN row; the result is a MergedAttention
+  named tuple of new arrays in the inputs' dtype.
+- Errors: TypeError for a non-sequence, a non-float dtype or mixed dtypes;
+  qkv.Error (a ValueError) for no parts, mismatched counts or shapes.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+
+DTYPES = [np.float32, np.float64]
+TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}
+
+
+def torch_attention(q, k, v, lens):
+    """Attention over all keys in float64 torch: (output, lse); valid lens as -inf scores."""
+    q, k, v = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if lens is not None:
+        lens_t = torch.from_numpy(lens)
+        if lens_t.ndim == 1:
+            lens_t = lens_t[:, None].expand(scores.shape[:2])
+        keep = torch.arange(k.shape[1])[None, None, :] < lens_t[:, :, None]
+        scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: 0
+    return (weights @ v).numpy(), lse.numpy()
+
+
+def random_split(rng, nk, parts):
+    cuts = np.sort(rng.integers(0, nk + 1, size=parts - 1))
+    return [0, *cuts.tolist(), nk]
+
+
+def part_lens(lens, a, b):
+    return None if lens is None else np.clip(lens - a, 0, b - a)
+
+
+def attend_parts(q, k, v, lens, cuts):
+    """qkv's attention with lse over each part [a, b) of the keys: ([outputs], [lses])."""
+    outputs, lses = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        out, lse = qkv.scaled_dot_product_attention(
+            q, k[:, a:b], v[:, a:b], part_lens(lens, a, b), return_lse=True)
+        outputs.append(out)
+        lses.append(lse)
+    return outputs, lses
+
+
+def make_lens(rng, kind, batch, nq, nk):
+    if kind is None:
+        return None
+    shape = (batch,) if kind == "B" else (batch, nq)
+    return rng.integers(0, nk + 1, size=shape).astype(np.int64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [None, "B", "BNq"])
+def test_split_attention_merged_equals_torch_over_all_keys(dtype, kind, rng):
+    for _ in range(15):
+        batch, nq, nk = rng.integers(1, 4), rng.integers(1, 8), rng.integers(0, 50)
+        dim, dv, parts = rng.integers(1, 17), rng.integers(1, 9), rng.integers(1, 5)
+        q = rng.normal(size=(batch, nq, dim)).astype(dtype)
+        k = rng.normal(size=(batch, nk, dim)).astype(dtype)
+        v = rng.normal(size=(batch, nk, dv)).astype(dtype)
+        lens = make_lens(rng, kind, batch, nq, nk)
+        cuts = random_split(rng, nk, parts)
+        outputs, lses = attend_parts(q, k, v, lens, cuts)
+        merged = qkv.merge_attention(outputs, lses)
+        assert isinstance(merged, qkv.MergedAttention)
+        assert merged.output.dtype == dtype and merged.lse.dtype == dtype
+        want_out, want_lse = torch_attention(q, k, v, lens)
+        context = f"B={batch} Nq={nq} Nk={nk} cuts={cuts} lens={lens}"
+        np.testing.assert_allclose(merged.output, want_out, **TOL[dtype], err_msg=context)
+        np.testing.assert_allclose(merged.lse, want_lse, **TOL[dtype], err_msg=context)
+        # The merge's own formula, as torch writes it.
+        stacked = torch.from_numpy(np.stack(lses).astype(np.float64))
+        np.testing.assert_allclose(merged.lse, torch.logsumexp(stacked, dim=0).numpy(),
+                                   **TOL[dtype], err_msg=context)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_of_a_split_key_set_equals_torch_autograd(dtype, rng):
+    for _ in range(10):
+        batch, nq, nk = rng.integers(1, 3), rng.integers(1, 7), rng.integers(1, 40)
+        dim, dv, parts = rng.integers(1, 9), rng.integers(1, 6), rng.integers(2, 5)
+        q = rng.normal(size=(batch, nq, dim)).astype(dtype)
+        k = rng.normal(size=(batch, nk, dim)).astype(dtype)
+        v = rng.normal(size=(batch, nk, dv)).astype(dtype)
+        d_out = rng.normal(size=(batch, nq, dv)).astype(dtype)
+        lens = rng.integers(1, nk + 1, size=(batch, nq)).astype(np.int64)
+        cuts = random_split(rng, nk, parts)
+        merged = qkv.merge_attention(*attend_parts(q, k, v, lens, cuts))
+        d_q = np.zeros_like(q)
+        d_k, d_v = np.zeros_like(k), np.zeros_like(v)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            g = qkv.scaled_dot_product_attention_backward(
+                q, k[:, a:b], v[:, a:b], merged.output, merged.lse, d_out,
+                part_lens(lens, a, b))
+            d_q += g.d_queries
+            d_k[:, a:b] = g.d_keys
+            d_v[:, a:b] = g.d_values
+
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in (q, k, v))
+        scores = tq @ tk.transpose(-1, -2) / math.sqrt(dim)
+        keep = torch.arange(nk)[None, None, :] < torch.from_numpy(lens)[:, :, None]
+        out = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1) @ tv
+        out.backward(torch.from_numpy(d_out.astype(np.float64)))
+        context = f"B={batch} Nq={nq} Nk={nk} cuts={cuts}"
+        np.testing.assert_allclose(d_q, tq.grad.numpy(), **TOL[dtype], err_msg=context)
+        np.testing.assert_allclose(d_k, tk.grad.numpy(), **TOL[dtype], err_msg=context)
+        np.testing.assert_allclose(d_v, tv.grad.numpy(), **TOL[dtype], err_msg=context)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_parts_nan_rows_and_new_arrays(dtype, rng):
+    out = rng.normal(size=(2, 3, 4)).astype(dtype)
+    lse = rng.normal(size=(2, 3)).astype(dtype)
+    nan_out = np.full_like(out, np.nan)
+    empty_lse = np.full_like(lse, -np.inf)
+    merged = qkv.merge_attention([nan_out, out], (empty_lse, lse))
+    np.testing.assert_array_equal(merged.output, out)  # the empty part is not read
+    np.testing.assert_array_equal(merged.lse, lse)
+    assert not np.shares_memory(merged.output, out) and merged.output.flags.c_contiguous
+    none = qkv.merge_attention([nan_out], [empty_lse])
+    np.testing.assert_array_equal(none.output, np.zeros_like(out))
+    np.testing.assert_array_equal(none.lse, empty_lse)
+    bad = lse.copy()
+    bad[1, 2] = np.nan
+    row = qkv.merge_attention([out, out], [lse, bad])
+    assert np.isnan(row.lse[1, 2]) and np.isnan(row.output[1, 2]).all()
+    assert np.isfinite(np.delete(row.lse.ravel(), 5)).all()
+
+
+def test_errors_name_the_argument():
+    out = np.zeros((2, 3, 4), np.float32)
+    lse = np.zeros((2, 3), np.float32)
+    with pytest.raises(TypeError, match="merge_attention: outputs is a ndarray; expected a list"):
+        qkv.merge_attention(out, [lse])
+    with pytest.raises(TypeError, match=r"merge_attention: lses\[0\] has dtype int64"):
+        qkv.merge_attention([out], [np.zeros((2, 3), np.int64)])
+    with pytest.raises(TypeError, match=r"outputs\[1\] has dtype float64 but outputs\[0\]"):
+        qkv.merge_attention([out, out.astype(np.float64)], [lse, lse])
+    with pytest.raises(qkv.Error, match="merge_attention: outputs is empty"):
+        qkv.merge_attention([], [])
+    with pytest.raises(ValueError, match="outputs has 2 parts but lses has 1"):
+        qkv.merge_attention([out, out], [lse])
+    with pytest.raises(qkv.Error, match=r"lses\[0\] has shape \[2, 4\]; expected \[2, 3\]"):
+        qkv.merge_attention([out], [np.zeros((2, 4), np.float32)])
