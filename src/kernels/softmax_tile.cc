@@ -62,26 +62,31 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
       continue;
     }
-    // Pass 1: max, and x * 0 summed over the x that are not -inf, which is
-    // NaN iff some x is NaN or +inf. A -inf score (a masked key, or a -inf
-    // bias) has weight exactly 0 and needs no exact path.
-    auto vmax = hn::Set(d, -kInf);
-    auto probe = hn::Zero(d);
-    const auto zero = hn::Zero(d);
+    // Pass 1: max, and whether some x is NaN or +inf: not (x < +inf). A -inf
+    // score (a masked key, or a -inf bias) has weight exactly 0 and needs no
+    // exact path. Two max chains and a mask OR, all 1-2 cycles deep: the
+    // earlier probe (x * 0 summed by FMA) made a 4-cycle chain per vector,
+    // 16 % of this function's samples at AVX2.
     const auto minus_inf = hn::Set(d, -kInf);
+    const auto plus_inf = hn::Set(d, kInf);
+    auto vmax0 = minus_inf, vmax1 = minus_inf;
+    auto bad = hn::FirstN(d, 0);  // no lane yet
     int64_t j = 0;
-    for (; j + lanes <= n; j += lanes) {
-      const auto v = hn::LoadU(d, row + j);
-      vmax = hn::Max(vmax, v);
-      probe = hn::MulAdd(hn::IfThenZeroElse(hn::Eq(v, minus_inf), v), zero, probe);
+    for (; j + 2 * lanes <= n; j += 2 * lanes) {
+      const auto v0 = hn::LoadU(d, row + j);
+      const auto v1 = hn::LoadU(d, row + j + lanes);
+      vmax0 = hn::Max(vmax0, v0);
+      vmax1 = hn::Max(vmax1, v1);
+      bad = hn::Or(bad, hn::Or(hn::Not(hn::Lt(v0, plus_inf)), hn::Not(hn::Lt(v1, plus_inf))));
     }
-    if (j < n) {
-      const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
-      const auto v = LoadTail(d, row + j, static_cast<size_t>(n - j));
-      vmax = hn::Max(vmax, hn::IfThenElse(mask, v, minus_inf));
-      probe = hn::MulAdd(hn::IfThenZeroElse(hn::Eq(v, minus_inf), v), zero, probe);
+    for (; j < n; j += lanes) {
+      const size_t count = static_cast<size_t>(std::min(lanes, n - j));
+      const auto v = LoadTail(d, row + j, count, -kInf);
+      vmax0 = hn::Max(vmax0, v);
+      bad = hn::Or(bad, hn::Not(hn::Lt(v, plus_inf)));
     }
-    if (!(hn::GetLane(hn::SumOfLanes(d, probe)) == T(0))) {
+    const auto vmax = hn::Max(vmax0, vmax1);
+    if (!hn::AllFalse(d, bad)) {
       special[r] = 1;
       if (row16) {
         ZeroBf16(row16, cols);
@@ -99,35 +104,52 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
       continue;
     }
-    // Pass 2: exp and sum, masked columns zeroed.
+    // Pass 2: exp and sum, masked columns zeroed. With 32 registers
+    // (AVX-512) two vectors a step with a sum each; with 16 (AVX2 and below)
+    // the second vector's temporaries and sum beside the exp's constants went
+    // to the stack (a chain through memory at every step, 10 % of this
+    // function's samples), so one vector a step: SDPA forward at (2, 4096,
+    // 4096), d = 64, one thread, capped at avx2, 102-106 -> 98-103 ms; at
+    // AVX-512 one vector a step was 2 % slower.
     const auto shift = hn::Set(d, m_new);
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
     j = 0;
-    for (; j + 2 * lanes <= n; j += 2 * lanes) {
-      const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
-      const auto e1 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
-      if constexpr (sizeof(T) == 4) {
-        if (row16) {
-          StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
-          StoreBf16(d, e1, row16 + j + lanes, static_cast<size_t>(lanes));
+    if constexpr (hn::MaxLanes(d) * sizeof(T) >= 64) {
+      for (; j + 2 * lanes <= n; j += 2 * lanes) {
+        const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+        const auto e1 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
+        if constexpr (sizeof(T) == 4) {
+          if (row16) {
+            StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
+            StoreBf16(d, e1, row16 + j + lanes, static_cast<size_t>(lanes));
+          }
         }
+        if (!row16) {
+          hn::StoreU(e0, d, row + j);
+          hn::StoreU(e1, d, row + j + lanes);
+        }
+        sum0 = hn::Add(sum0, e0);
+        sum1 = hn::Add(sum1, e1);
       }
-      if (!row16) {
-        hn::StoreU(e0, d, row + j);
-        hn::StoreU(e1, d, row + j + lanes);
-      }
-      sum0 = hn::Add(sum0, e0);
-      sum1 = hn::Add(sum1, e1);
     }
-    for (; j < n; j += lanes) {
-      const size_t count = static_cast<size_t>(std::min(lanes, n - j));
-      const auto e = hn::IfThenElseZero(
-          hn::FirstN(d, count), ExpNonPositive<true>(d, hn::Sub(LoadTail(d, row + j, count), shift)));
+    for (; j + lanes <= n; j += lanes) {
+      const auto e = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+      if constexpr (sizeof(T) == 4) {
+        if (row16) StoreBf16(d, e, row16 + j, static_cast<size_t>(lanes));
+      }
+      if (!row16) hn::StoreU(e, d, row + j);
+      sum0 = hn::Add(sum0, e);
+    }
+    if (j < n) {
+      const auto count = static_cast<size_t>(n - j);
+      const auto e =
+          hn::IfThenElseZero(hn::FirstN(d, count),
+                             ExpNonPositive<true>(d, hn::Sub(LoadTail(d, row + j, count), shift)));
       if constexpr (sizeof(T) == 4) {
         if (row16) StoreBf16(d, e, row16 + j, count);
       }
       if (!row16) StoreTail(d, e, row + j, count);
-      sum0 = hn::Add(sum0, e);
+      sum1 = hn::Add(sum1, e);
     }
     if (row16) {
       ZeroBf16(row16 + n, cols - n);
@@ -162,8 +184,8 @@ HWY_EXPORT(SoftmaxTileUpdateD);
 
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
                          float* l, float* correction, uint8_t* special, bfloat16* p_bf16) {
-  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)(s, rows, cols, valid, m, l, correction, special,
-                                           reinterpret_cast<uint16_t*>(p_bf16));
+  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)
+  (s, rows, cols, valid, m, l, correction, special, reinterpret_cast<uint16_t*>(p_bf16));
 }
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special) {
