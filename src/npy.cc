@@ -40,7 +40,9 @@ constexpr size_t kAlign = 64;
 constexpr int kMaxDepth = 32;
 
 // kB1 (bool) and kU1 are both read into Tensor<uint8_t>, which is written as |u1.
-enum class Dtype { kF4, kF8, kI4, kI8, kB1, kU1 };
+// kU2 (<u2, the bits of bfloat16 data) only through parse_npy_header: the
+// readers into tensors refuse it like any other unsupported dtype.
+enum class Dtype { kF4, kF8, kI4, kI8, kB1, kU1, kU2 };
 
 size_t item_size(Dtype dtype) {
   switch (dtype) {
@@ -50,6 +52,8 @@ size_t item_size(Dtype dtype) {
     case Dtype::kB1:
     case Dtype::kU1:
       return 1;
+    case Dtype::kU2:
+      return 2;
     default:
       return 8;
   }
@@ -69,6 +73,8 @@ const char* dtype_name(Dtype dtype) {
       return "|b1";
     case Dtype::kU1:
       return "|u1";
+    case Dtype::kU2:
+      return "<u2";
   }
   return "?";
 }
@@ -405,7 +411,8 @@ Preamble parse_preamble(const unsigned char* p, size_t file_size, const Where& w
   return pre;
 }
 
-Dtype parse_descr(const Value& v, const Where& where) {
+// `allow_u2`: also take '<u2' (parse_npy_header's readers of bfloat16 bits).
+Dtype parse_descr(const Value& v, const Where& where, bool allow_u2) {
   if (v.kind == Value::Kind::kList) {
     where.fail("structured dtypes (a list 'descr'" + at(v.offset) +
                ") are not supported; expected one of <f4, <f8, <i4, <i8, |b1, |u1");
@@ -421,6 +428,7 @@ Dtype parse_descr(const Value& v, const Where& where) {
   if (type == "f8") dtype = Dtype::kF8;
   if (type == "i4") dtype = Dtype::kI4;
   if (type == "i8") dtype = Dtype::kI8;
+  if (type == "u2" && allow_u2) dtype = Dtype::kU2;
   // One-byte types have no byte order: '|' (NumPy's), or any of '<', '>', '='.
   if (type == "b1" || type == "u1") {
     if (d[0] == '|' || d[0] == '<' || d[0] == '>' || d[0] == '=') {
@@ -442,7 +450,8 @@ Dtype parse_descr(const Value& v, const Where& where) {
 
 // Parses the dict of `header_len` bytes at `p` (file offset `base`) and checks
 // the shape against the dtype; the data length is left to the caller.
-Header parse_header_dict(const unsigned char* p, const Preamble& pre, const Where& where) {
+Header parse_header_dict(const unsigned char* p, const Preamble& pre, const Where& where,
+                         bool allow_u2 = false) {
   std::string_view text(reinterpret_cast<const char*>(p), pre.header_len);
   HeaderParser parser(text, pre.header_start, where);
   auto entries = parser.parse_dict();
@@ -478,7 +487,7 @@ Header parse_header_dict(const unsigned char* p, const Preamble& pre, const Wher
   }
 
   Header h;
-  h.dtype = parse_descr(*descr, where);
+  h.dtype = parse_descr(*descr, where, allow_u2);
 
   if (fortran_order->kind == Value::Kind::kTrue) {
     where.fail("Fortran-order arrays are not supported ('fortran_order': True" +
@@ -555,6 +564,8 @@ NpyArray make_array(const Header& h) {
     case Dtype::kB1:
     case Dtype::kU1:
       return Tensor<uint8_t>(shape);
+    case Dtype::kU2:  // refused by parse_descr here
+      break;
   }
   return {};
 }
@@ -690,6 +701,8 @@ NpyArray read_stream(int fd, std::string_view consumed, const Where& where) {
     case Dtype::kB1:
     case Dtype::kU1:
       return read_stream_data<uint8_t>(fd, h, data, where);
+    case Dtype::kU2:  // refused by parse_descr here
+      break;
   }
   return {};
 }
@@ -850,6 +863,25 @@ NpyArray parse_npy(const void* bytes, size_t size, const std::string& name) {
   }
   static const unsigned char kNothing = 0;
   return parse(bytes ? bytes : &kNothing, size, Where{"parse_npy", name});
+}
+
+NpyHeader parse_npy_header(const void* bytes, size_t size, const std::string& name) {
+  const Where where{"parse_npy_header", name};
+  if (bytes == nullptr && size > 0) where.fail("null buffer of " + std::to_string(size) + " bytes");
+  static const unsigned char kNothing = 0;
+  const auto* p = bytes ? static_cast<const unsigned char*>(bytes) : &kNothing;
+  const Preamble pre = parse_preamble(p, size, where);
+  const Header h = parse_header_dict(p + pre.header_start, pre, where, /*allow_u2=*/true);
+  check_data_length(h, size - h.data_offset, where);
+  return {dtype_name(h.dtype), Shape(h.shape.begin(), h.shape.end()), h.data_offset, h.nbytes};
+}
+
+std::string npy_header_bytes(std::string_view descr, const Shape& shape) {
+  for (Dtype dtype : {Dtype::kF4, Dtype::kF8, Dtype::kI4, Dtype::kI8, Dtype::kU1, Dtype::kU2}) {
+    if (descr == dtype_name(dtype)) return header_bytes(dtype, shape);
+  }
+  fail("npy_header_bytes", "unsupported dtype " + quoted(descr) +
+                               "; expected one of <f4, <f8, <i4, <i8, |u1, <u2");
 }
 
 NpyArray read_npy(const std::string& path) {

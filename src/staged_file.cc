@@ -112,10 +112,9 @@ fs::path directory_of(const std::string& path) {
   return parent.empty() ? fs::path(".") : parent;
 }
 
-// 0666 minus the umask, what open(2) gives a new file, rather than mkstemp's
-// 0600. Reading the umask with umask(2) would change it for a moment in every
-// thread; Linux reports it in /proc/self/status instead.
-mode_t new_file_mode() {
+// Linux reports the umask in /proc/self/status; reading it with umask(2)
+// would change it for a moment in every thread.
+mode_t current_umask() {
   mode_t mask = 022;
   if (std::FILE* f = std::fopen("/proc/self/status", "re")) {
     char line[256];
@@ -128,7 +127,7 @@ mode_t new_file_mode() {
     }
     std::fclose(f);
   }
-  return 0666 & ~mask;
+  return mask;
 }
 
 // The key two outputs share if they lead to the same regular file: the real
@@ -218,7 +217,8 @@ StagedFile::StagedFile(std::string_view function, std::string_view name, std::st
   } else {
     target_ = follow_links(function_, where(), path_);
     // An existing file keeps its permissions, as open(2) with O_TRUNC would.
-    mode = ::stat(target_.c_str(), &st) == 0 ? st.st_mode & 07777 : new_file_mode();
+    // A new file gets what open(2) would give it, not mkstemp's 0600.
+    mode = ::stat(target_.c_str(), &st) == 0 ? st.st_mode & 07777 : mode_after_umask(0666);
     // Long names are cut so the temporary name stays within NAME_MAX.
     const std::string base = fs::path(target_).filename().string().substr(0, 200);
     pattern = (directory_of(target_) / ("." + base + ".qkv-XXXXXX")).string();
@@ -373,6 +373,8 @@ void write_files(std::string_view function, const std::vector<OutputBytes>& file
   }
   for (StagedFile& file : staged) file.commit();
 }
+
+unsigned mode_after_umask(unsigned mode) { return mode & ~static_cast<unsigned>(current_umask()); }
 
 void remove_staged_files() noexcept {
   for (int slot = 0; slot < kSlots; ++slot) {

@@ -631,6 +631,32 @@ TEST(NpyReject, OtherDtypesNameTheDtype) {
                {"'descr' at offset", "is an integer"});
 }
 
+TEST(NpyHeaderOnly, ViewsTheDataInPlaceAndTakesUint16) {
+  // parse_npy_header: the key-value store's chunks, read where they are mapped.
+  for (const auto& [descr, item] : {std::pair{"<f4", 4}, {"<u2", 2}, {"<i8", 8}, {"|u1", 1}}) {
+    SCOPED_TRACE(descr);
+    const std::string header = npy_header_bytes(descr, Shape{3, 5});
+    EXPECT_EQ(header.size() % 64, 0u);
+    const std::string bytes = header + std::string(static_cast<size_t>(15 * item), '\x7f');
+    const NpyHeader h = parse_npy_header(bytes.data(), bytes.size(), "chunk.npy");
+    EXPECT_EQ(h.descr, descr);
+    EXPECT_EQ(h.shape, Shape({3, 5}));
+    EXPECT_EQ(h.data_offset, header.size());
+    EXPECT_EQ(h.data_bytes, static_cast<size_t>(15 * item));
+    // The data must be exactly as long as the header says.
+    expect_error([&] { parse_npy_header(bytes.data(), bytes.size() - 1, "chunk.npy"); },
+                 {"parse_npy_header: chunk.npy: truncated data"});
+    const std::string longer = bytes + "x";
+    expect_error([&] { parse_npy_header(longer.data(), longer.size(), "chunk.npy"); },
+                 {"parse_npy_header: chunk.npy: header lies about size"});
+  }
+  // The readers into tensors refuse <u2 like any other dtype they do not take.
+  const std::string u2 = npy_header_bytes("<u2", Shape{2}) + std::string(4, '\0');
+  expect_error([&] { parse(u2); }, {"unsupported dtype '<u2'"});
+  expect_error([&] { parse_npy_header("\x93NUMPX", 6, "x.npy"); }, {"parse_npy_header", "bad magic"});
+  expect_error([&] { npy_header_bytes("<f2", Shape{2}); }, {"npy_header_bytes", "'<f2'"});
+}
+
 TEST(NpyReject, BigEndian) {
   for (std::string dtype : {">f4", ">f8", ">i4", ">i8"}) {
     SCOPED_TRACE(dtype);

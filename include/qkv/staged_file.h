@@ -95,6 +95,11 @@ struct OutputBytes {
 // such a failure stay.) The paths are checked by check_output_paths first.
 void write_files(std::string_view function, const std::vector<OutputBytes>& files);
 
+// The permissions open(2) or mkdir(2) give a new file or directory asked
+// for with `mode`: `mode` minus the process's umask, read without changing
+// it (umask(2) would change it for a moment in every thread).
+unsigned mode_after_umask(unsigned mode);
+
 // Removes the temporary files of every StagedFile alive in the process, with
 // unlink(2) only: async-signal-safe, for a handler of SIGINT or SIGTERM that
 // then re-raises the signal (the qkv command installs one). A process killed
