@@ -2,13 +2,16 @@
 //   queries: (B, Nq, D)   keys: (B, Nk, Dk)   values: (B, Nk, Dv)   or all 2-D, a batch of one
 //   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
 //   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
+//   --store STORE (keys and values from a key-value store): queries (Nq, D) -> out (Nq, Dv)
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 
 #include "common.h"
+#include "progress.h"
 #include "qkv/attention.h"
+#include "qkv/store_attention.h"
 #include "qkv/npy.h"
 #include "qkv/valid_lens.h"
 
@@ -29,7 +32,53 @@ struct AttendArgs {
   uint64_t seed = 0;
   std::string out, weights, lse;
   std::optional<int> threads;
+  // --store: attention over a key-value store's rows.
+  std::string store;
+  int64_t top_k = 0;
+  std::string top_ids, top_weights;
+  bool quiet = false;
 };
+
+// --store's option combinations, found before any file is read.
+void check_store_options(const AttendArgs& args) {
+  if (args.store.empty()) {
+    if (args.scoring.empty()) throw UsageError("--scoring is required (dot or additive)");
+    for (const auto& [flag, given] :
+         {std::pair{"--top-k", args.top_k != 0}, {"--top-ids", !args.top_ids.empty()},
+          {"--top-weights", !args.top_weights.empty()}, {"--quiet", args.quiet}}) {
+      if (given) throw UsageError(std::string(flag) + " is for attention over --store");
+    }
+    if (args.keys.empty() || args.values.empty()) {
+      throw UsageError("--keys and --values are required (or --store)");
+    }
+    return;
+  }
+  if (!args.scoring.empty() && args.scoring != "dot") {
+    throw UsageError("--scoring " + args.scoring + " does not take --store; attention over a "
+                     "store is scaled dot-product (--scoring dot)");
+  }
+  std::vector<std::string> conflicts;
+  for (const auto& [flag, given] :
+       {std::pair{"--keys", !args.keys.empty()}, {"--values", !args.values.empty()},
+        {"--causal", !args.causal.empty()}, {"--window", !args.window.empty()},
+        {"--mask", !args.mask.empty()}, {"--key-mask", !args.key_mask.empty()},
+        {"--bias", !args.bias.empty()}, {"--dropout", args.dropout != 0.0},
+        {"--train", args.train}, {"--weights", !args.weights.empty()}}) {
+    if (given) conflicts.push_back(flag);
+  }
+  if (!conflicts.empty()) {
+    throw UsageError(join(conflicts, ", ", " and ") + (conflicts.size() == 1 ? " does" : " do") +
+                     " not go with --store: the keys and values are the store's rows, which "
+                     "--valid-lens limits per query");
+  }
+  if (args.top_k > 0 && args.top_ids.empty() && args.top_weights.empty()) {
+    throw UsageError("--top-k " + std::to_string(args.top_k) +
+                     " needs --top-ids I.npy or --top-weights W.npy (or both)");
+  }
+  if (args.top_k == 0 && (!args.top_ids.empty() || !args.top_weights.empty())) {
+    throw UsageError("--top-ids and --top-weights need --top-k K");
+  }
+}
 
 // Option combinations that cannot mean anything, found before any file is read.
 void check_options(const AttendArgs& args) {
@@ -112,7 +161,58 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   return files;
 }
 
+// qkv attend --store: attention over a key-value store's rows.
+void run_store_attend(const AttendArgs& args) {
+  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
+  if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
+  if (!args.top_ids.empty()) outputs.emplace_back("--top-ids", args.top_ids);
+  if (!args.top_weights.empty()) outputs.emplace_back("--top-weights", args.top_weights);
+  check_output_paths(outputs);
+  apply_threads(args.threads);
+
+  // The store's manifest and files' sizes now; their checksums are
+  // `qkv store verify`'s (reading every chunk twice would double the work).
+  const KeyValueStore store = KeyValueStore::open(args.store, StoreCheck::kStructure);
+  const Input queries_input{"--queries", args.queries};
+  FloatTensor read = load_float(queries_input);
+  const Shape q_shape = shape_of(read);
+  if (q_shape.rank() != 2) {
+    throw UsageError(queries_input.describe() + " has shape " + q_shape.str() +
+                     "; with --store, expected 2-D (Nq, D)");
+  }
+  Tensor<float> queries(q_shape);
+  std::visit(
+      [&](const auto& t) {
+        for (int64_t i = 0; i < t.numel(); ++i) queries.data()[i] = static_cast<float>(t.data()[i]);
+      },
+      read);
+  LensTensor lens;
+  const ValidLens valid_rows = read_valid_lens(args.valid_lens, queries_input, q_shape, lens);
+
+  StoreAttentionOptions options;
+  options.scale = args.scale;
+  options.top_k = args.top_k;
+  Progress progress("qkv attend --store", args.quiet);
+  options.progress = [&progress](int64_t done, int64_t total) { progress.update(done, total); };
+  // valid_rows arrives as (1) or (1, Nq) views of the batch of one.
+  StoreAttentionResult result = attend(queries.view(), store, valid_rows, options);
+  progress.finish();
+
+  std::vector<OutputFile> files;
+  files.push_back({"--out", args.out, npy_bytes(result.output.view())});
+  if (!args.lse.empty()) files.push_back({"--lse", args.lse, npy_bytes(result.lse.view())});
+  if (!args.top_ids.empty()) {
+    files.push_back({"--top-ids", args.top_ids, npy_bytes(result.top_ids.view())});
+  }
+  if (!args.top_weights.empty()) {
+    files.push_back({"--top-weights", args.top_weights, npy_bytes(result.top_weights.view())});
+  }
+  write_outputs(files);
+}
+
 void run_attend(const AttendArgs& args) {
+  check_store_options(args);
+  if (!args.store.empty()) return run_store_attend(args);
   check_options(args);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
   if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
@@ -181,8 +281,8 @@ Command add_attend_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
   app->add_option("--scoring", args->scoring,
-                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k)")
-      ->required()
+                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); required "
+                  "except with --store (dot)")
       ->check(CLI::IsMember({"dot", "additive"}));
   require_path(app->add_option("--queries", args->queries,
                                "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))
@@ -191,12 +291,27 @@ Command add_attend_command(CLI::App& parent) {
   require_path(app->add_option("--keys", args->keys,
                                "Keys K.npy: (B, Nk, Dk), or (Nk, Dk); heads: (B, Hkv, Nk, D), H a "
                                "multiple of Hkv (grouped-query attention)"))
-      ->type_name("K.npy")
-      ->required();
+      ->type_name("K.npy");
   require_path(app->add_option("--values", args->values,
                                "Values V.npy: (B, Nk, Dv), or (Nk, Dv); heads: (B, Hkv, Nk, Dv)"))
-      ->type_name("V.npy")
-      ->required();
+      ->type_name("V.npy");
+  require_path(app->add_option("--store", args->store,
+                               "Attend over a key-value store's rows (qkv store create) instead "
+                               "of --keys and --values: queries (Nq, D), read chunk by chunk; "
+                               "--valid-lens then limits each query to the store's first rows"))
+      ->type_name("STORE");
+  require_integer(app->add_option("--top-k", args->top_k,
+                                  "With --store: also find each query's K rows of largest weight"))
+      ->type_name("K")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 36));
+  require_path(app->add_option("--top-ids", args->top_ids,
+                               "With --top-k: their row ids in the store (Nq, K) int64, largest "
+                               "weight first; -1 where a query has fewer than K rows"))
+      ->type_name("I.npy");
+  require_path(app->add_option("--top-weights", args->top_weights,
+                               "With --top-k: their weights (Nq, K) float32; 0 where the id is -1"))
+      ->type_name("W.npy");
+  app->add_flag("--quiet", args->quiet, "With --store: no progress on stderr");
   require_path(
       app->add_option(
           "--valid-lens", args->valid_lens,

@@ -41,13 +41,15 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
     ;;
   test)
     scripts/install-deps.sh test
-    # Fuzz the .npy reader first (clang's libFuzzer with ASan, bounded to a minute).
+    # Fuzz the file readers first (clang's libFuzzer with ASan, bounded to a
+    # minute each): the .npy reader and the key-value store's manifest reader.
     if [ ! -f build/fuzz/CMakeCache.txt ]; then
       cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++-14 \
         -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF >/dev/null
     fi
-    cmake --build build/fuzz -j "$jobs" --target npy_fuzz
-    fuzz/run_npy_fuzz.sh build/fuzz/npy_fuzz 60
+    cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz
+    fuzz/run_fuzz.sh npy build/fuzz/npy_fuzz 60
+    fuzz/run_fuzz.sh manifest build/fuzz/manifest_fuzz 60
     # Debug with AddressSanitizer + UndefinedBehaviorSanitizer.
     configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug -DQKV_SANITIZE=ON -DQKV_BUILD_BENCH=OFF
     ctest --test-dir build/asan --output-on-failure -j "$jobs"

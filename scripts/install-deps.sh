@@ -2,13 +2,15 @@
 # Installs the Debian 12 packages qkv needs, and nothing if they are all
 # there already (idempotent). Usage: scripts/install-deps.sh [build|test]
 #   build: the compiler, CMake and the libraries the qkv library, command and
-#          Python package use (pybind11 and NumPy for /usr/bin/python3)
+#          Python package use (pybind11 and NumPy for /usr/bin/python3; the
+#          key-value store's JSON and checksum headers)
 #   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer, pytest,
 #          venv/pip/setuptools/wheel (the package's pip install is tested) and
 #          the peers the tests compare against (PyTorch, statsmodels)
 set -euo pipefail
 
 build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
+                nlohmann-json3-dev libxxhash-dev
                 python3 python3-dev python3-numpy pybind11-dev)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
                python3-pytest python3-venv python3-pip python3-setuptools python3-wheel

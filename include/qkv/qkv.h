@@ -13,6 +13,8 @@
 #include "qkv/pooling.h"
 #include "qkv/simd.h"
 #include "qkv/staged_file.h"
+#include "qkv/store.h"
+#include "qkv/store_attention.h"
 #include "qkv/tensor.h"
 #include "qkv/threads.h"
 #include "qkv/valid_lens.h"

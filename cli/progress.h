@@ -1,0 +1,31 @@
+// Progress of long work on stderr (the key-value store's commands, attention
+// over a store): a bar with the rate and the time left, redrawn in place,
+// when stderr is a terminal; otherwise a plain line every few seconds and a
+// last one when done; nothing with --quiet.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace qkv::cli {
+
+class Progress {
+ public:
+  // `what` starts each line ("qkv store create"); `quiet` silences it.
+  Progress(std::string what, bool quiet);
+  // `done` of `total` bytes so far.
+  void update(int64_t done, int64_t total);
+  // Ends the bar's line (terminal) or prints the last line (if any was printed).
+  void finish();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  std::string what_;
+  bool on_, terminal_;
+  Clock::time_point start_, last_;
+  int64_t done_ = 0, total_ = 0;
+  bool printed_ = false;
+};
+
+}  // namespace qkv::cli

@@ -1,0 +1,149 @@
+// An on-disk key-value store: the keys (N, D) and values (N, Dv) of an
+// attention database, kept in a directory of chunk files (.npy, float32 or
+// bfloat16, memory-mapped when read) and a manifest (manifest.json: the
+// sizes, the dtype, each chunk's files and an XXH3-64 checksum of each).
+// docs/scale.md has the format. Changes are atomic: new chunk files are
+// written and flushed to disk under temporary names and renamed into place,
+// and only then is the manifest replaced by a rename, so a crash or a kill at
+// any point leaves the store as it was before the change or after it.
+// Attention over a store is in qkv/store_attention.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+enum class StoreDtype { kFloat32, kBFloat16 };
+// "float32", "bfloat16"
+std::string_view store_dtype_name(StoreDtype dtype);
+
+// 2^18 rows: at D = Dv = 64 in float32 a chunk's keys are 64 MiB, large
+// enough that a chunk's attention call (and, read cold, its read) pays for
+// its set-up, small enough that 10^7 rows make 39 chunks to share among
+// threads or MPI ranks.
+inline constexpr int64_t kDefaultChunkRows = int64_t{1} << 18;
+
+// One chunk: rows [first_row, first_row + rows) of the store.
+struct StoreChunk {
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  std::string keys_file, values_file;  // names inside the store's directory
+  uint64_t keys_xxh3 = 0, values_xxh3 = 0;  // XXH3-64 of each whole file
+};
+
+// How much open() checks. kStructure: the manifest, and each chunk file's
+// presence, size and .npy header against it (a truncated, missing or
+// replaced file); O(chunks). kChecksums: that too, and every file's checksum
+// (an altered byte anywhere), which reads the whole store.
+enum class StoreCheck { kStructure, kChecksums };
+
+// Called as work proceeds with the bytes done and the bytes in all, for
+// progress reports; may be empty.
+using StoreProgress = std::function<void(int64_t done, int64_t total)>;
+
+// A file mapped read-only into memory (MAP_SHARED: the page cache's pages,
+// no copy). Moves, unmaps when destroyed.
+class MappedFile {
+ public:
+  MappedFile() = default;
+  // Maps the whole of `path`; Error naming it if it cannot be opened or mapped.
+  MappedFile(std::string_view function, const std::string& path);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const unsigned char* data() const { return data_; }
+  size_t size() const { return size_; }
+  // Asks the kernel to start reading the file into the page cache now
+  // (madvise WILLNEED), so a cold read overlaps the work before it.
+  void prefetch() const;
+
+ private:
+  const unsigned char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// One chunk's keys (rows, D) and values (rows, Dv), mapped; views stay valid
+// while it lives.
+struct MappedChunk {
+  MappedFile keys_file, values_file;
+  const void* keys = nullptr;    // float or bfloat16, as the store's dtype
+  const void* values = nullptr;
+};
+
+class KeyValueStore {
+ public:
+  // Creates a new store at `dir` from keys (N, D) and values (N, Dv), any
+  // strides, rounded to bfloat16 (to nearest, ties to even) for kBFloat16,
+  // in chunks of at most `chunk_rows` rows (N = 0 makes an empty store).
+  // `dir` must not exist; its parent must. The store is built in a
+  // temporary directory beside it and renamed into place when complete, so
+  // a failed or killed create leaves nothing at `dir`. Error for bad shapes,
+  // a non-finite size or an existing `dir`; IoError when the system fails.
+  static KeyValueStore create(const std::string& dir, ConstView<float> keys,
+                              ConstView<float> values, StoreDtype dtype = StoreDtype::kFloat32,
+                              int64_t chunk_rows = kDefaultChunkRows,
+                              const StoreProgress& progress = {});
+  // Opens an existing store, checking it as `check` says; Error naming the
+  // file and what is wrong with it (a malformed manifest, a missing,
+  // truncated or altered chunk).
+  static KeyValueStore open(const std::string& dir, StoreCheck check = StoreCheck::kChecksums,
+                            const StoreProgress& progress = {});
+
+  // Appends rows: keys (N, D) and values (N, Dv) with this store's D and Dv,
+  // as new chunks after the last (the last chunk is never rewritten, so it
+  // may stay shorter than chunk_rows). Atomic: the chunk files are written,
+  // flushed and renamed into place, then the manifest is replaced by a
+  // rename. Holds the store's lock file (flock) meanwhile: a second appender
+  // gets an Error at once and writes nothing. Reads the manifest again under
+  // the lock, so appends by other processes since open() are kept; this
+  // object then describes the store after the append.
+  void append(ConstView<float> keys, ConstView<float> values, const StoreProgress& progress = {});
+
+  // Reads every chunk file and checks its size, header and checksum against
+  // the manifest; Error naming the first file that disagrees.
+  void verify(const StoreProgress& progress = {}) const;
+
+  // Maps chunk `index`'s files, checking their sizes and headers against the
+  // manifest again (a file truncated since open() would fault when read).
+  MappedChunk map_chunk(size_t index) const;
+
+  const std::string& dir() const { return dir_; }
+  StoreDtype dtype() const { return dtype_; }
+  int64_t rows() const { return rows_; }
+  int64_t key_dim() const { return key_dim_; }
+  int64_t value_dim() const { return value_dim_; }
+  int64_t chunk_rows() const { return chunk_rows_; }
+  const std::vector<StoreChunk>& chunks() const { return chunks_; }
+  // The bytes of all chunk files.
+  int64_t file_bytes() const;
+
+  // Parses a manifest's text (what open() reads from manifest.json);
+  // Error naming `name` and what is wrong. For tests and the fuzzer.
+  static KeyValueStore parse_manifest(std::string_view text, const std::string& name);
+  // The manifest's text for this store.
+  std::string manifest_text() const;
+
+ private:
+  // map_chunk, with errors told as `function`'s.
+  MappedChunk map_checked(std::string_view function, size_t index) const;
+  // verify, with errors told as `function`'s.
+  void check_checksums(std::string_view function, const StoreProgress& progress) const;
+
+  std::string dir_;
+  StoreDtype dtype_ = StoreDtype::kFloat32;
+  int64_t rows_ = 0, key_dim_ = 0, value_dim_ = 0, chunk_rows_ = kDefaultChunkRows;
+  std::vector<StoreChunk> chunks_;
+};
+
+}  // namespace qkv

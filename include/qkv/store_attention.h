@@ -1,0 +1,53 @@
+// Scaled dot-product attention over a key-value store (qkv/store.h) too
+// large to hold in memory: the fused kernel runs over the store's chunks one
+// after another (each mapped, the next one's read started ahead of it), and
+// the chunks' partial results are merged by their log-sum-exps in chunk
+// order (qkv/merge.h), so the result is attention over every row at once,
+// to float rounding. Memory: the queries, output and lse, one chunk's
+// partial output, and with top_k one chunk's weights (Nq x chunk_rows
+// floats): independent of the store's size.
+//   queries: (Nq, D)   store: keys (N, D), values (N, Dv)   valid_rows: absent, one, or (Nq)
+//   output: (Nq, Dv)   lse: (Nq)   top_ids, top_weights: (Nq, top_k)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "qkv/store.h"
+#include "qkv/tensor.h"
+#include "qkv/valid_lens.h"
+
+namespace qkv {
+
+struct StoreAttentionOptions {
+  // Multiplies the dot products; default 1/sqrt(D).
+  std::optional<double> scale;
+  // Also return each query's top_k rows by weight: their row ids in the store
+  // and their weights (over the whole store), by weight, largest first (ties:
+  // the smaller row id first). A query with fewer than top_k valid rows gets
+  // id -1 and weight 0 in the places left over. 0 <= top_k <= the store's rows.
+  int64_t top_k = 0;
+  // Called after each chunk with the chunk bytes done and in all.
+  StoreProgress progress;
+};
+
+struct StoreAttentionResult {
+  Tensor<float> output;       // (Nq, Dv)
+  Tensor<float> lse;          // (Nq): log sum_j exp(scale q.k_j) over the valid rows
+  Tensor<int64_t> top_ids;    // (Nq, top_k), empty unless top_k > 0
+  Tensor<float> top_weights;  // (Nq, top_k), empty unless top_k > 0
+};
+
+// softmax(scale Q Kᵀ) V over the store's rows. valid_rows, as the valid
+// lengths of a batch of one (ValidLens::for_batch_of_one): absent (every row),
+// one count (a scalar or (1)) or one per query ((Nq) or (1, Nq)): query i sees
+// rows [0, valid_rows[i]) only, and chunks no query sees are not read. A
+// query with no row gets output 0 and lse -inf. A bfloat16 store takes the
+// queries rounded to bfloat16 (products in float32, results in float32).
+// Throws Error for bad shapes or options before reading any chunk, and for a
+// chunk file that no longer matches the manifest when it is mapped.
+StoreAttentionResult attend(ConstView<float> queries, const KeyValueStore& store,
+                            const ValidLens& valid_rows = {},
+                            const StoreAttentionOptions& options = {});
+
+}  // namespace qkv

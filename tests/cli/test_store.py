@@ -1,0 +1,373 @@
+#!/usr/bin/python3
+"""Tests of `qkv store` (create, append, info, verify) and `qkv attend --store`
+through the command line: the rows read back with NumPy (chunks are .npy
+files), appends killed at random moments (the store opens and verifies, and
+holds the rows before or after the append, never between), two appenders at
+once (one wins, the other is told, nothing is lost), damage named with exit 2,
+progress on a terminal, and attention over a store against a float64 NumPy
+reference. The harness (running qkv, temporary directories, expect_error) is
+test_cli.py's.
+
+Usage: test_store.py --qkv PATH [unittest arguments, e.g. a TestCase name]
+NumPy is required: if it cannot be imported this script fails.
+"""
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+
+
+def bf16(x):
+    """float32 rounded to bfloat16 (nearest, ties to even), as float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+class StoreCase(test_cli.CliTest):
+    def create(self, name, keys, values, *extra):
+        store = self.path(name)
+        self.ok("store", "create", "--keys", self.save(name + "-k.npy", keys),
+                "--values", self.save(name + "-v.npy", values), "--out", store, *extra)
+        return store
+
+    def info(self, store):
+        return json.loads(self.ok("store", "info", store, "--json").stdout)
+
+    def rows(self, store):
+        """The store's keys and values, read with NumPy from its manifest and chunks."""
+        with open(os.path.join(store, "manifest.json")) as f:
+            manifest = json.load(f)
+        keys, values = [], []
+        for chunk in manifest["chunks"]:
+            for name, out in (("keys", keys), ("values", values)):
+                a = np.load(os.path.join(store, chunk[name]))
+                self.assertEqual(a.shape[0], chunk["rows"])
+                if manifest["dtype"] == "bfloat16":
+                    self.assertEqual(a.dtype, np.uint16)
+                    a = (a.astype(np.uint32) << 16).view(np.float32)
+                out.append(a)
+        d, dv = manifest["key_dim"], manifest["value_dim"]
+        return (np.concatenate(keys) if keys else np.zeros((0, d), np.float32),
+                np.concatenate(values) if values else np.zeros((0, dv), np.float32))
+
+
+class CreateTest(StoreCase):
+    def test_rows_come_back_in_every_dtype_and_chunking(self):
+        for dtype in ("float32", "bfloat16"):
+            for n, chunk_rows in ((0, 5), (1, 5), (23, 5), (23, 23), (23, 1000)):
+                k = self.rng.normal(size=(n, 6)).astype(np.float32)
+                v = self.rng.normal(size=(n, 3))  # float64, stored as float32 or bfloat16
+                name = f"{dtype}-{n}-{chunk_rows}"
+                r = self.ok("store", "create", "--keys", self.save(name + "k.npy", k),
+                            "--values", self.save(name + "v.npy", v), "--out", self.path(name),
+                            "--dtype", dtype, "--chunk-rows", chunk_rows, "--json")
+                summary = json.loads(r.stdout)
+                self.assertEqual(summary["rows"], n)
+                self.assertEqual(summary["chunks"], -(-n // chunk_rows))
+                self.assertEqual((summary["key_dim"], summary["value_dim"]), (6, 3))
+                self.assertEqual(summary["dtype"], dtype)
+                self.assertEqual(self.info(self.path(name)), summary)
+                got_k, got_v = self.rows(self.path(name))
+                want_k, want_v = k, v.astype(np.float32)
+                if dtype == "bfloat16":
+                    want_k, want_v = bf16(want_k), bf16(want_v)
+                np.testing.assert_array_equal(got_k, want_k)
+                np.testing.assert_array_equal(got_v, want_v)
+                self.assertIn("ok", self.ok("store", "verify", self.path(name)).stdout)
+
+    def test_text_summary(self):
+        store = self.create("s", np.ones((10, 4), np.float32), np.ones((10, 2), np.float32),
+                            "--chunk-rows", 4)
+        out = self.ok("store", "info", store).stdout
+        for fragment in (store, "10 rows", "D = 4", "Dv = 2", "float32", "3 chunks"):
+            self.assertIn(fragment, out)
+
+    def test_progress_on_a_terminal_and_quiet(self):
+        k = self.rng.normal(size=(50000, 64)).astype(np.float32)
+        args = ["store", "create", "--keys", self.save("k.npy", k), "--values", self.save("v.npy", k)]
+        for quiet in (False, True):
+            store = self.path(f"s{quiet}")
+            leader, follower = pty.openpty()
+            p = subprocess.Popen([test_cli.QKV] + args + ["--out", store] + (["--quiet"] if quiet else []),
+                                 stdout=subprocess.PIPE, stderr=follower)
+            os.close(follower)
+            shown = b""
+            while True:
+                try:
+                    data = os.read(leader, 4096)
+                except OSError:  # the terminal's other end closed: qkv exited
+                    break
+                if not data:
+                    break
+                shown += data
+            os.close(leader)
+            self.assertEqual(p.wait(timeout=120), 0, shown)
+            p.stdout.close()
+            text = shown.decode()
+            if quiet:
+                self.assertEqual(text, "")
+            else:
+                for fragment in ("qkv store create: [", "100%", "MiB", "/s", "done"):
+                    self.assertIn(fragment, text)
+
+    def test_errors(self):
+        k, v = self.save("k.npy", np.ones((5, 3), np.float32)), self.save("v.npy", np.ones((5, 2)))
+        exists = self.create("exists", np.ones((2, 3), np.float32), np.ones((2, 2), np.float32))
+        new = self.path("new")
+        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", exists],
+                          [], ["already exists"])
+        self.expect_error("store", ["store", "create", "--keys", k, "--values",
+                                    self.save("v4.npy", np.ones((4, 2))), "--out", new],
+                          [], ["[5, 3]", "[4, 2]", "same N"])
+        self.expect_error("store", ["store", "create", "--keys", self.save("k1.npy", np.ones(5)),
+                                    "--values", v, "--out", new], [], ["(N, D)"])
+        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", new,
+                                    "--chunk-rows", "0"], [], ["--chunk-rows"])
+        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", new,
+                                    "--dtype", "float16"], [], ["--dtype"])
+        self.expect_error("store", ["store", "create", "--keys", self.path("missing.npy"),
+                                    "--values", v, "--out", new], [], ["--keys", "missing.npy"])
+        self.expect_error("store", ["store", "info", self.path("nothing")], [], ["nothing"])
+        self.expect_error("store", ["store"], [], ["subcommand"])
+        self.assertFalse(os.path.exists(new))
+        self.assertEqual(sorted(os.listdir(self.dir)),
+                         sorted(["exists", "exists-k.npy", "exists-v.npy", "k.npy", "v.npy",
+                                 "v4.npy", "k1.npy"]))
+
+
+class AppendTest(StoreCase):
+    def test_appends_keep_every_row(self):
+        k = self.rng.normal(size=(40, 5)).astype(np.float32)
+        v = self.rng.normal(size=(40, 2)).astype(np.float32)
+        store = self.create("s", k[:7], v[:7], "--chunk-rows", 4)
+        for a, b in ((7, 20), (20, 21), (21, 40)):
+            r = self.ok("store", "append", store, "--keys", self.save("ak.npy", k[a:b]),
+                        "--values", self.save("av.npy", v[a:b]), "--json")
+            self.assertEqual(json.loads(r.stdout)["rows"], b)
+        got_k, got_v = self.rows(store)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+        self.ok("store", "verify", store)
+
+    def test_errors_change_nothing(self):
+        store = self.create("s", np.ones((4, 3), np.float32), np.ones((4, 2), np.float32))
+        def contents():
+            out = {}
+            for name in os.listdir(store):
+                with open(os.path.join(store, name), "rb") as f:
+                    out[name] = f.read()
+            return out
+
+        before = contents()
+        self.expect_error("store", ["store", "append", store,
+                                    "--keys", self.save("k.npy", np.ones((2, 4), np.float32)),
+                                    "--values", self.save("v.npy", np.ones((2, 2), np.float32))],
+                          [], ["D = 3", "[2, 4]"])
+        self.expect_error("store", ["store", "append", self.path("nothing"),
+                                    "--keys", self.path("k.npy"), "--values", self.path("v.npy")],
+                          [], ["nothing"])
+        self.assertEqual(contents(), before)
+
+    def test_two_appenders_at_once(self):
+        """The second append while the first holds the lock: exit 1, told why,
+        nothing of its rows written; the first's rows all there."""
+        store = self.create("s", np.zeros((1, 64), np.float32), np.zeros((1, 64), np.float32),
+                            "--chunk-rows", 4096)
+        big = self.rng.normal(size=(400000, 64)).astype(np.float32)
+        first = subprocess.Popen([test_cli.QKV, "store", "append", store, "--quiet",
+                                  "--keys", self.save("big.npy", big), "--values", self.path("big.npy")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Wait until the first writes its chunks (it holds the lock from before that).
+        deadline = time.monotonic() + 60
+        while not any(f.startswith(".keys-") for f in os.listdir(store)):
+            self.assertIsNone(first.poll(), "the first append ended before it was caught writing")
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.002)
+        second = test_cli.run("store", "append", store, "--keys", self.save("k.npy", np.ones((3, 64), np.float32)),
+                              "--values", self.path("k.npy"))
+        out, err = first.communicate(timeout=300)
+        self.assertEqual(first.returncode, 0, err)
+        self.assertEqual(second.returncode, 1, second.stderr)
+        self.assertTrue(second.stderr.startswith("qkv store: error: "), second.stderr)
+        for fragment in ("another process", os.path.join(store, "lock"), "nothing was written"):
+            self.assertIn(fragment, second.stderr)
+        self.assertEqual(self.info(store)["rows"], 400001)
+        got_k, _ = self.rows(store)
+        np.testing.assert_array_equal(got_k[1:], big)
+        self.ok("store", "verify", store)
+
+
+class KillTest(StoreCase):
+    def test_killed_appends_leave_the_store_before_or_after(self):
+        """Appends killed (SIGKILL, or SIGTERM) at random moments: each time the
+        store opens, verifies and holds the rows from before the append or
+        after it; the next append clears what the killed one left."""
+        n0, n1 = 1000, 150000
+        k = self.rng.normal(size=(n0 + n1, 32)).astype(np.float32)
+        v = self.rng.normal(size=(n0 + n1, 16)).astype(np.float32)
+        store = self.create("s", k[:n0], v[:n0], "--chunk-rows", 2000)
+        add_k, add_v = self.save("ak.npy", k[n0:]), self.save("av.npy", v[n0:])
+        original = self.path("original")
+        os.rename(store, original)
+
+        def append(at):
+            subprocess.run(["cp", "-a", original, store], check=True)
+            p = subprocess.Popen([test_cli.QKV, "store", "append", store, "--quiet",
+                                  "--keys", add_k, "--values", add_v],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            start = time.monotonic()
+            if at is None:
+                p.wait(timeout=300)
+                return time.monotonic() - start, p.returncode
+            time.sleep(at)
+            p.send_signal(signal.SIGKILL if self.rng.random() < 0.75 else signal.SIGTERM)
+            p.wait(timeout=300)
+            return at, p.returncode
+
+        took, status = append(None)
+        self.assertEqual(status, 0)
+        outcomes = {"before": 0, "after": 0}
+        for _ in range(16):
+            subprocess.run(["rm", "-rf", store], check=True)
+            at = self.rng.uniform(0.0, took * 1.1)
+            append(at)
+            r = test_cli.run("store", "verify", store, "--json")
+            self.assertEqual(r.returncode, 0, f"killed at {at:.3f} s of {took:.3f} s: {r.stderr}")
+            rows = self.info(store)["rows"]
+            self.assertIn(rows, (n0, n0 + n1), f"killed at {at:.3f} s")
+            outcomes["before" if rows == n0 else "after"] += 1
+            got_k, got_v = self.rows(store)
+            np.testing.assert_array_equal(got_k, k[:rows])
+            np.testing.assert_array_equal(got_v, v[:rows])
+        # The next append after a killed one clears its leftovers and succeeds.
+        r = test_cli.run("store", "append", store, "--keys", self.save("ek.npy", k[:5]),
+                         "--values", self.save("ev.npy", v[:5]), "--quiet")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse([f for f in os.listdir(store) if f.startswith(".")])
+        self.ok("store", "verify", store)
+        print(f"\n  16 appends of {took:.2f} s killed at random: {outcomes}", file=sys.stderr)
+        self.assertGreater(outcomes["before"], 0, outcomes)  # the kills did land mid-append
+
+
+class DamageTest(StoreCase):
+    def test_damage_is_named_with_exit_2(self):
+        k = self.rng.normal(size=(30, 4)).astype(np.float32)
+        store = self.create("s", k, k, "--chunk-rows", 8)
+        q = self.save("q.npy", k[:2])
+        out = self.path("o.npy")
+        with open(os.path.join(store, "manifest.json")) as f:
+            manifest = json.load(f)
+        chunk = os.path.join(store, manifest["chunks"][1]["values"])
+        with open(chunk, "rb") as f:
+            data = bytearray(f.read())
+        data[-1] ^= 0x20
+        with open(chunk, "wb") as f:
+            f.write(data)
+        self.expect_error("store", ["store", "verify", store], [], [chunk, "checksum", "altered"])
+        self.ok("store", "info", store)  # sizes and headers are whole
+        os.truncate(chunk, len(data) - 4)
+        self.expect_error("store", ["store", "verify", store], [], [chunk, "truncated"])
+        self.expect_error("store", ["store", "info", store], [], [chunk, "truncated"])
+        self.expect_error("attend", ["attend", "--store", store, "--queries", q, "--out", out],
+                          [out], [chunk, "truncated"])
+        with open(os.path.join(store, "manifest.json"), "w") as f:
+            f.write("{not json")
+        self.expect_error("store", ["store", "info", store], [], ["manifest.json", "not valid JSON"])
+
+
+class AttendStoreTest(StoreCase):
+    def reference(self, q, k, v, lens, scale=None):
+        q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+        s = q @ k.T * (1 / np.sqrt(q.shape[1]) if scale is None else scale)
+        mask = np.arange(k.shape[0])[None, :] < np.asarray(lens)[:, None]
+        m = np.where(mask, s, -np.inf).max(axis=1, keepdims=True)
+        e = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+        total = e.sum(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(total > 0, e / total, 0)
+            return w @ v, (np.log(total) + m)[:, 0], w
+
+    def test_against_numpy(self):
+        for dtype in ("float32", "bfloat16"):
+            n, d, dv, nq = 900, 16, 8, 7
+            k = self.rng.normal(size=(n, d)).astype(np.float32)
+            v = self.rng.normal(size=(n, dv)).astype(np.float32)
+            q = self.rng.normal(size=(nq, d)).astype(np.float32)
+            store = self.create(dtype, k, v, "--dtype", dtype, "--chunk-rows", 128)
+            if dtype == "bfloat16":
+                k, v, q = bf16(k), bf16(v), bf16(q)
+            per_query = np.array([0, 1, 128, 129, 500, 900, 77], np.int64)
+            for lens_arg, lens in ((None, [n] * nq), (np.int32(300), [300] * nq),
+                                   (per_query, per_query)):
+                args = ["attend", "--store", store, "--queries", self.save("q.npy", q),
+                        "--out", self.path("o.npy"), "--lse", self.path("lse.npy"),
+                        "--top-k", 5, "--top-ids", self.path("ids.npy"),
+                        "--top-weights", self.path("tw.npy"), "--scale", 0.3]
+                if lens_arg is not None:
+                    args += ["--valid-lens", self.save("lens.npy", lens_arg)]
+                self.ok(*args)
+                ref_o, ref_lse, ref_w = self.reference(q, k, v, lens, 0.3)
+                np.testing.assert_allclose(self.load(self.path("o.npy"), np.float32, (nq, dv)),
+                                           ref_o, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(self.load(self.path("lse.npy"), np.float32, (nq,)),
+                                           ref_lse, rtol=2e-6, atol=2e-6)
+                ids = self.load(self.path("ids.npy"), np.int64, (nq, 5))
+                tw = self.load(self.path("tw.npy"), np.float32, (nq, 5))
+                for i in range(nq):
+                    order = np.argsort(-ref_w[i], kind="stable")[:min(5, lens[i])]
+                    np.testing.assert_allclose(tw[i, :len(order)], ref_w[i, order], rtol=1e-4, atol=1e-6)
+                    np.testing.assert_allclose(ref_w[i, ids[i, :len(order)]], ref_w[i, order],
+                                               rtol=1e-4, atol=1e-6)
+                    self.assertTrue((ids[i, len(order):] == -1).all())
+                    self.assertTrue((tw[i, len(order):] == 0).all())
+
+    def test_default_scale_and_output_only(self):
+        k = self.rng.normal(size=(50, 4)).astype(np.float32)
+        store = self.create("s", k, k)
+        q = self.rng.normal(size=(3, 4)).astype(np.float32)
+        self.ok("attend", "--store", store, "--queries", self.save("q.npy", q), "--out", self.path("o.npy"))
+        np.testing.assert_allclose(self.load(self.path("o.npy"), np.float32, (3, 4)),
+                                   self.reference(q, k, k, [50] * 3)[0], rtol=1e-4, atol=1e-5)
+
+    def test_errors(self):
+        k = np.ones((10, 4), np.float32)
+        store = self.create("s", k, k)
+        q = self.save("q.npy", np.ones((2, 4), np.float32))
+        out, ids = self.path("o.npy"), self.path("ids.npy")
+        base = ["attend", "--store", store, "--queries", q, "--out", out]
+        self.expect_error("attend", base + ["--keys", q], [out], ["--keys", "--store"])
+        self.expect_error("attend", base + ["--scoring", "additive"], [out], ["--store", "dot"])
+        self.expect_error("attend", base + ["--causal", "--mask", q], [out],
+                          ["--causal and --mask", "--store"])
+        self.expect_error("attend", base + ["--weights", ids], [out, ids], ["--weights"])
+        self.expect_error("attend", base + ["--top-ids", ids], [out, ids], ["--top-k"])
+        self.expect_error("attend", base + ["--top-k", 2], [out], ["--top-ids", "--top-weights"])
+        self.expect_error("attend", base + ["--top-k", 11, "--top-ids", ids], [out, ids],
+                          ["top_k = 11", "10 rows"])
+        self.expect_error("attend", ["attend", "--store", store, "--queries",
+                                     self.save("q5.npy", np.ones((2, 5), np.float32)), "--out", out],
+                          [out], ["[2, 5]", "D = 4"])
+        self.expect_error("attend", ["attend", "--store", store, "--queries",
+                                     self.save("q3.npy", np.ones((1, 2, 4), np.float32)), "--out", out],
+                          [out], ["2-D (Nq, D)"])
+        self.expect_error("attend", base + ["--valid-lens", self.save("l.npy", np.array([11, 2]))],
+                          [out], ["11"])
+        self.expect_error("attend", ["attend", "--store", self.path("nothing"), "--queries", q,
+                                     "--out", out], [out], ["nothing"])
+        self.expect_error("attend", ["attend", "--scoring", "dot", "--queries", q, "--keys", q,
+                                     "--values", q, "--out", out, "--top-k", 1], [out],
+                          ["--top-k", "--store"])
+
+
+if __name__ == "__main__":
+    test_cli.main()

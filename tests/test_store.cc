@@ -1,0 +1,606 @@
+// Tests of the on-disk key-value store (qkv/store.h) and attention over it
+// (qkv/store_attention.h): round trips of float32 and bfloat16 rows through
+// chunk files; appends (also from a stale object) and their atomicity
+// pieces (the lock, leftovers of killed appends); every kind of damage open()
+// and verify() must name; manifest parsing errors; attention over a store
+// against a float64 plain loop over all rows, with every valid-rows form,
+// top-k against sorting, chunks no query sees left unread, 1 and 2 threads
+// bitwise; every error. Killing a real appender is tests/cli/test_store.py's.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "qkv/store.h"
+#include "qkv/store_attention.h"
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace qkv::test {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/qkv-store-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    root_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  std::string path(const std::string& name) const { return (fs::path(root_) / name).string(); }
+  std::vector<std::string> listing(const std::string& dir) const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+  std::string root_;
+};
+
+// The store's rows read back through map_chunk, as float.
+struct ReadBack {
+  Tensor<float> keys, values;
+};
+ReadBack read_back(const KeyValueStore& store) {
+  ReadBack all{Tensor<float>(Shape{store.rows(), store.key_dim()}),
+               Tensor<float>(Shape{store.rows(), store.value_dim()})};
+  for (size_t c = 0; c < store.chunks().size(); ++c) {
+    const StoreChunk& chunk = store.chunks()[c];
+    const MappedChunk mapped = store.map_chunk(c);
+    for (const auto& [dest, source, dim] :
+         {std::tuple{&all.keys, mapped.keys, store.key_dim()},
+          std::tuple{&all.values, mapped.values, store.value_dim()}}) {
+      for (int64_t i = 0; i < chunk.rows * dim; ++i) {
+        float x;
+        if (store.dtype() == StoreDtype::kFloat32) {
+          x = static_cast<const float*>(source)[i];
+        } else {
+          x = static_cast<float>(static_cast<const bfloat16*>(source)[i]);
+        }
+        dest->data()[chunk.first_row * dim + i] = x;
+      }
+    }
+  }
+  return all;
+}
+
+Tensor<float> rounded_to_bf16(const Tensor<float>& x) {
+  Tensor<float> out(x.shape());
+  for (int64_t i = 0; i < x.numel(); ++i) out.data()[i] = static_cast<float>(bfloat16(x.data()[i]));
+  return out;
+}
+
+Tensor<float> rows_of(const Tensor<float>& x, int64_t first, int64_t n) {
+  Tensor<float> out(Shape{n, x.size(1)});
+  std::copy_n(x.data() + first * x.size(1), n * x.size(1), out.data());
+  return out;
+}
+
+void flip_byte(const std::string& file, long offset) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
+// ---- round trips ----------------------------------------------------------------
+
+TEST_F(StoreTest, RowsComeBackAsWrittenInEveryChunking) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int made = 0;
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{64}, rng.uniform_int(65, 300)}) {
+      for (int64_t chunk_rows : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{1000}}) {
+        if (n / chunk_rows > 80) continue;
+        const int64_t d = rng.uniform_int(1, 9), dv = rng.uniform_int(1, 9);
+        const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -3, 3);
+        const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv}, -3, 3);
+        const std::string dir = path("s" + std::to_string(made++));
+        const KeyValueStore created = KeyValueStore::create(dir, keys, values, dtype, chunk_rows);
+        const KeyValueStore store = KeyValueStore::open(dir);
+        SCOPED_TRACE(dir + " n=" + std::to_string(n) + " chunk_rows=" + std::to_string(chunk_rows));
+        EXPECT_EQ(store.rows(), n);
+        EXPECT_EQ(store.key_dim(), d);
+        EXPECT_EQ(store.value_dim(), dv);
+        EXPECT_EQ(store.dtype(), dtype);
+        EXPECT_EQ(store.chunk_rows(), chunk_rows);
+        EXPECT_EQ(store.chunks().size(), static_cast<size_t>((n + chunk_rows - 1) / chunk_rows));
+        EXPECT_EQ(store.manifest_text(), created.manifest_text());
+        int64_t next_row = 0, bytes = 0;
+        for (const StoreChunk& chunk : store.chunks()) {
+          EXPECT_EQ(chunk.first_row, next_row);
+          EXPECT_GE(chunk.rows, 1);
+          EXPECT_LE(chunk.rows, chunk_rows);
+          next_row += chunk.rows;
+          bytes += static_cast<int64_t>(fs::file_size(fs::path(dir) / chunk.keys_file) +
+                                        fs::file_size(fs::path(dir) / chunk.values_file));
+        }
+        EXPECT_EQ(store.file_bytes(), bytes);
+        const ReadBack back = read_back(store);
+        const bool bf16 = dtype == StoreDtype::kBFloat16;
+        expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(keys) : keys, "keys");
+        expect_bitwise_equal(back.values, bf16 ? rounded_to_bf16(values) : values, "values");
+      }
+    }
+  }
+}
+
+TEST_F(StoreTest, ChunkFilesAreNumPyFiles) {
+  // NumPy reads a chunk as (rows, D) <f4, or <u2 holding bfloat16's bits.
+  const Tensor<float> keys({3, 2}, {1, 2, 3, 4, 5, 6.5f});
+  const Tensor<float> values({3, 1}, {-1, 0, 1});
+  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
+  const NpyArray read = read_npy((fs::path(store.dir()) / store.chunks()[0].keys_file).string());
+  expect_bitwise_equal(std::get<Tensor<float>>(read), keys, "keys chunk");
+  const KeyValueStore bf = KeyValueStore::create(path("b"), keys, values, StoreDtype::kBFloat16);
+  const std::string file = (fs::path(bf.dir()) / bf.chunks()[0].keys_file).string();
+  expect_error([&] { read_npy(file); }, {"<u2"});  // not a dtype the tensor readers take
+  std::ifstream in(file, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const NpyHeader header = parse_npy_header(bytes.data(), bytes.size(), file);
+  EXPECT_EQ(header.descr, "<u2");
+  EXPECT_EQ(header.shape, Shape({3, 2}));
+  uint16_t bits;
+  std::memcpy(&bits, bytes.data() + header.data_offset + 5 * 2, 2);
+  EXPECT_EQ(bits, bfloat16(6.5f).bits);
+}
+
+TEST_F(StoreTest, StridedInputsAreGathered) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> wide = random_tensor<float>(rng, Shape{10, 8});
+  // Every other column of every row: keys (10, 4) with strides (8, 2).
+  const ConstView<float> keys(wide.data(), Shape{10, 4}, Shape{8, 2});
+  const ConstView<float> values(wide.data() + 1, Shape{10, 4}, Shape{8, 2});
+  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 3);
+  const ReadBack back = read_back(store);
+  expect_bitwise_equal(back.keys, Tensor<float>::copy_of(keys), "keys");
+  expect_bitwise_equal(back.values, Tensor<float>::copy_of(values), "values");
+}
+
+// ---- appends --------------------------------------------------------------------
+
+TEST_F(StoreTest, AppendsAddChunksAndKeepEveryRow) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    const std::string dir = path(dtype == StoreDtype::kFloat32 ? "f" : "b");
+    Tensor<float> all_keys = random_tensor<float>(rng, Shape{60, 5});
+    Tensor<float> all_values = random_tensor<float>(rng, Shape{60, 3});
+    KeyValueStore store = KeyValueStore::create(dir, rows_of(all_keys, 0, 10),
+                                                rows_of(all_values, 0, 10), dtype, 8);
+    // A second object opened now goes stale when `store` appends; its own
+    // append must still keep those rows (it reads the manifest under the lock).
+    KeyValueStore stale = KeyValueStore::open(dir);
+    store.append(rows_of(all_keys, 10, 20), rows_of(all_values, 10, 20));
+    EXPECT_EQ(store.rows(), 30);
+    stale.append(rows_of(all_keys, 30, 17), rows_of(all_values, 30, 17));
+    EXPECT_EQ(stale.rows(), 47);
+    stale.append(Tensor<float>(Shape{0, 5}), Tensor<float>(Shape{0, 3}));  // nothing to add
+    KeyValueStore again = KeyValueStore::open(dir);
+    again.append(rows_of(all_keys, 47, 13), rows_of(all_values, 47, 13));
+    const KeyValueStore last = KeyValueStore::open(dir);
+    EXPECT_EQ(last.rows(), 60);
+    // 10 = 8 + 2, 20 = 8 + 8 + 4, 17 = 8 + 8 + 1, 13 = 8 + 5: earlier chunks never rewritten.
+    std::vector<int64_t> sizes;
+    for (const StoreChunk& c : last.chunks()) sizes.push_back(c.rows);
+    EXPECT_EQ(sizes, (std::vector<int64_t>{8, 2, 8, 8, 4, 8, 8, 1, 8, 5}));
+    const ReadBack back = read_back(last);
+    const bool bf16 = dtype == StoreDtype::kBFloat16;
+    expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(all_keys) : all_keys, "keys");
+    expect_bitwise_equal(back.values, bf16 ? rounded_to_bf16(all_values) : all_values, "values");
+  }
+}
+
+TEST_F(StoreTest, AppendOfOtherSizesChangesNothing) {
+  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
+  KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
+  const std::string before = store.manifest_text();
+  expect_error([&] { store.append(Tensor<float>(Shape{2, 4}), Tensor<float>(Shape{2, 2})); },
+               {"KeyValueStore::append", "[2, 4]", "D = 3", "Dv = 2"});
+  expect_error([&] { store.append(Tensor<float>(Shape{2, 3}), Tensor<float>(Shape{3, 2})); },
+               {"KeyValueStore::append", "[2, 3]", "[3, 2]", "one value row per key row"});
+  expect_error([&] { store.append(Tensor<float>(Shape{3}), Tensor<float>(Shape{3, 2})); },
+               {"keys has shape [3]", "(N, D)"});
+  EXPECT_EQ(KeyValueStore::open(path("s")).manifest_text(), before);
+  EXPECT_EQ(listing(path("s")),
+            (std::vector<std::string>{"keys-000000.npy", "lock", "manifest.json", "values-000000.npy"}));
+}
+
+TEST_F(StoreTest, ASecondAppenderGetsAnErrorAndWritesNothing) {
+  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
+  KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
+  const std::vector<std::string> files = listing(path("s"));
+  {
+    // Another appender holds the lock (flock on <store>/lock, as append does).
+    const int fd = ::open(path("s/lock").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+    expect_io_error([&] { store.append(keys, values); },
+                    {"KeyValueStore::append", path("s"), "another process", "nothing was written"});
+    ::close(fd);
+  }
+  EXPECT_EQ(listing(path("s")), files);
+  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 4);
+  store.append(keys, values);  // the lock is free again
+  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 8);
+}
+
+TEST_F(StoreTest, AnAppendClearsWhatAKilledAppendLeft) {
+  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
+  KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 4);
+  // A killed append leaves renamed chunk files the manifest never named and
+  // staged temporary files.
+  for (const char* name : {"keys-000001.npy", "values-000001.npy", ".keys-000002.npy.qkv-Ab12Cd",
+                           ".manifest.json.qkv-Zz99Yy"}) {
+    std::ofstream(path(std::string("s/") + name)) << "left behind";
+  }
+  std::ofstream(path("s/notes.txt")) << "the user's own file";
+  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 4);  // readers ignore them
+  store.append(keys, values);
+  EXPECT_EQ(listing(path("s")),
+            (std::vector<std::string>{"keys-000000.npy", "keys-000001.npy", "lock", "manifest.json",
+                                      "notes.txt", "values-000000.npy", "values-000001.npy"}));
+  KeyValueStore::open(path("s"), StoreCheck::kChecksums);  // the new chunk 1 is whole
+}
+
+// ---- create's errors ---------------------------------------------------------------
+
+TEST_F(StoreTest, CreateRefusesAnExistingPathAndBadArguments) {
+  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
+  fs::create_directory(path("exists"));
+  expect_error([&] { KeyValueStore::create(path("exists"), keys, values); },
+               {"KeyValueStore::create", path("exists"), "already exists"});
+  std::ofstream(path("file")) << "x";
+  expect_error([&] { KeyValueStore::create(path("file"), keys, values); }, {"already exists"});
+  expect_error([&] { KeyValueStore::create(path("no/such/dir/s"), keys, values); },
+               {"KeyValueStore::create", "cannot create a directory"});
+  expect_error([&] { KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 0); },
+               {"chunk_rows = 0"});
+  expect_error([&] { KeyValueStore::create(path("s"), keys, Tensor<float>(Shape{3, 2})); },
+               {"[4, 3]", "[3, 2]"});
+  expect_error([&] { KeyValueStore::create(path("s"), Tensor<float>(Shape{4, 0}), values); },
+               {"D >= 1"});
+  // Nothing left behind by the failures: no store, no temporary directory.
+  EXPECT_EQ(listing(root_), (std::vector<std::string>{"exists", "file"}));
+}
+
+TEST_F(StoreTest, AFailedCreateLeavesNoDirectory) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> keys = random_tensor<float>(rng, Shape{4096, 64});
+  const Tensor<float> values = random_tensor<float>(rng, Shape{4096, 64});
+  {
+    const FileSizeLimit limit(100000);  // the first chunk file fails part way
+    expect_io_error([&] { KeyValueStore::create(path("s"), keys, values); }, {"cannot write"});
+  }
+  EXPECT_TRUE(listing(root_).empty());
+}
+
+// ---- damage open() and verify() find ------------------------------------------------
+
+TEST_F(StoreTest, DamagedChunksAreNamed) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> keys = random_tensor<float>(rng, Shape{30, 4});
+  const Tensor<float> values = random_tensor<float>(rng, Shape{30, 2});
+  const auto fresh = [&](const std::string& name) {
+    return KeyValueStore::create(path(name), keys, values, StoreDtype::kFloat32, 8);
+  };
+  {  // a flipped byte in the data: only the checksums see it
+    const KeyValueStore store = fresh("flip");
+    const std::string file = path("flip/") + store.chunks()[2].values_file;
+    flip_byte(file, static_cast<long>(fs::file_size(file)) - 3);
+    KeyValueStore::open(path("flip"), StoreCheck::kStructure);
+    expect_error([&] { KeyValueStore::open(path("flip")); },
+                 {"KeyValueStore::open", file, "checksum", "altered"});
+    expect_error([&] { store.verify(); }, {"KeyValueStore::verify", file, "altered"});
+  }
+  {  // a truncated chunk: open() finds it without checksums, and so does map_chunk
+    const KeyValueStore store = fresh("cut");
+    const std::string file = path("cut/") + store.chunks()[1].keys_file;
+    fs::resize_file(file, fs::file_size(file) - 4);
+    expect_error([&] { KeyValueStore::open(path("cut"), StoreCheck::kStructure); },
+                 {"KeyValueStore::open", file, "truncated"});
+    expect_error([&] { store.map_chunk(1); }, {"KeyValueStore::map_chunk", file, "truncated"});
+    expect_error([&] { store.verify(); }, {file});
+  }
+  {  // a missing chunk file
+    const KeyValueStore store = fresh("gone");
+    const std::string file = path("gone/") + store.chunks()[3].values_file;
+    fs::remove(file);
+    expect_error([&] { KeyValueStore::open(path("gone"), StoreCheck::kStructure); },
+                 {file, "cannot open"});
+  }
+  {  // a chunk file replaced by another array (another shape, another dtype)
+    const KeyValueStore store = fresh("swap");
+    const std::string file = path("swap/") + store.chunks()[0].keys_file;
+    write_npy(file, Tensor<float>(Shape{8, 5}).view());
+    expect_error([&] { KeyValueStore::open(path("swap"), StoreCheck::kStructure); },
+                 {file, "[8, 5]", "[8, 4]", "replaced"});
+    write_npy(file, Tensor<double>(Shape{8, 4}).view());
+    expect_error([&] { KeyValueStore::open(path("swap"), StoreCheck::kStructure); },
+                 {file, "<f8", "<f4", "replaced"});
+  }
+  {  // not a store at all
+    expect_error([&] { KeyValueStore::open(path("nothing")); }, {path("nothing"), "cannot open"});
+    fs::create_directory(path("empty"));
+    expect_error([&] { KeyValueStore::open(path("empty")); }, {"not a store", "manifest.json"});
+  }
+}
+
+// ---- the manifest -------------------------------------------------------------
+
+TEST(StoreManifest, EveryMistakeIsNamed) {
+  const std::string good = R"({"format": "qkv key-value store", "version": 1, "dtype": "float32",
+    "key_dim": 4, "value_dim": 2, "chunk_rows": 8, "rows": 10, "chunks": [
+    {"rows": 8, "keys": "keys-000000.npy", "keys_xxh3": "0123456789abcdef",
+     "values": "values-000000.npy", "values_xxh3": "fedcba9876543210"},
+    {"rows": 2, "keys": "k1.npy", "keys_xxh3": "0000000000000000",
+     "values": "v1.npy", "values_xxh3": "ffffffffffffffff"}]})";
+  const KeyValueStore store = KeyValueStore::parse_manifest(good, "m.json");
+  EXPECT_EQ(store.rows(), 10);
+  EXPECT_EQ(store.chunks()[1].first_row, 8);
+  EXPECT_EQ(store.chunks()[0].keys_xxh3, 0x0123456789abcdefULL);
+  EXPECT_EQ(store.chunks()[1].values_xxh3, 0xffffffffffffffffULL);
+  // The text written back parses to the same store.
+  EXPECT_EQ(KeyValueStore::parse_manifest(store.manifest_text(), "again").manifest_text(),
+            store.manifest_text());
+
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return text.replace(at, from.size(), to);
+  };
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"", {"not valid JSON"}},
+      {"{", {"not valid JSON"}},
+      {"[1, 2]", {"is a JSON array", "expected an object"}},
+      {with("qkv key-value store", "something else"), {"\"format\"", "something else"}},
+      {with("\"version\": 1", "\"version\": 2"), {"\"version\" is 2", "reads version 1"}},
+      {with("\"version\": 1", "\"version\": \"1\""), {"\"version\"", "expected an integer"}},
+      {with("float32", "float16"), {"\"dtype\" is \"float16\""}},
+      {with("\"key_dim\": 4", "\"key_dim\": 0"), {"\"key_dim\" is 0"}},
+      {with("\"key_dim\": 4", "\"key_dim\": 4.5"), {"\"key_dim\"", "expected an integer"}},
+      {with("\"key_dim\": 4", "\"key_dim\": 1e400"), {"not valid JSON", "1e400"}},  // fuzz-found
+      {with("\"value_dim\": 2", "\"value_dim\": -2"), {"\"value_dim\" is -2"}},
+      {with("\"rows\": 10", "\"rows\": 18446744073709551615"), {"\"rows\" is 18446744073709551615"}},
+      {with("\"rows\": 10", "\"rows\": 11"), {"\"rows\" is 11", "the chunks hold 10"}},
+      {with("\"chunk_rows\": 8", "\"chunk_rows\": 4"), {"chunks[0] \"rows\" is 8"}},
+      {with("\"rows\": 2", "\"rows\": 0"), {"chunks[1] \"rows\" is 0"}},
+      {with("\"k1.npy\"", "\"../k1.npy\""), {"chunks[1] \"keys\"", "a file in the store's directory"}},
+      {with("\"k1.npy\"", "\".hidden\""), {"chunks[1] \"keys\""}},
+      {with("\"k1.npy\"", "\"manifest.json\""), {"chunks[1]", "manifest.json"}},
+      {with("\"k1.npy\"", "\"keys-000000.npy\""), {"chunks[1]", "uses already"}},
+      {with("\"0000000000000000\"", "\"00000000000000\""), {"chunks[1] \"keys_xxh3\"", "16 hex"}},
+      {with("\"0000000000000000\"", "\"000000000000000G\""), {"16 hex digits"}},
+      {with("\"dtype\"", "\"extra\": 1, \"dtype\""), {"unknown member \"extra\""}},
+      {with("\"rows\": 2,", "\"rows\": 2, \"more\": 1,"), {"chunks[1] has an unknown member"}},
+      {with("\"chunks\": [", "\"chunks\": 5, \"x\": ["), {"unknown member \"x\""}},
+      {with(", \"value_dim\": 2", ""), {"has no \"value_dim\""}},
+  };
+  for (const auto& [text, fragments] : cases) {
+    SCOPED_TRACE(text);
+    const std::string message = expect_error(
+        [&] { KeyValueStore::parse_manifest(text, "m.json"); }, {"KeyValueStore::open", "m.json"});
+    for (const std::string& fragment : fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos) << fragment << "\n" << message;
+    }
+  }
+}
+
+// ---- attention over a store -----------------------------------------------------
+
+// softmax(scale Q Kᵀ) V over rows [0, len_i) in double, and the weights.
+struct PlainAttention {
+  Tensor<double> output, lse, weights;
+};
+PlainAttention plain_attention(const Tensor<float>& q, const Tensor<float>& k,
+                               const Tensor<float>& v, const std::vector<int64_t>& lens,
+                               double scale) {
+  const int64_t nq = q.size(0), n = k.size(0), d = q.size(1), dv = v.size(1);
+  PlainAttention r{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}),
+                   Tensor<double>(Shape{nq, n})};
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t len = lens[static_cast<size_t>(i)];
+    std::vector<double> s(static_cast<size_t>(len));
+    double max = -kInf;
+    for (int64_t j = 0; j < len; ++j) {
+      double dot = 0;
+      for (int64_t c = 0; c < d; ++c) dot += double(q(i, c)) * double(k(j, c));
+      s[static_cast<size_t>(j)] = dot * scale;
+      max = std::max(max, s[static_cast<size_t>(j)]);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < len; ++j) sum += std::exp(s[static_cast<size_t>(j)] - max);
+    r.lse(i) = len == 0 ? -kInf : max + std::log(sum);
+    for (int64_t j = 0; j < len; ++j) {
+      const double w = std::exp(s[static_cast<size_t>(j)] - max) / sum;
+      r.weights(i, j) = w;
+      for (int64_t c = 0; c < dv; ++c) r.output(i, c) += w * double(v(j, c));
+    }
+  }
+  return r;
+}
+
+TEST_F(StoreTest, AttentionEqualsAttentionOverEveryRow) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int made = 0;
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (int round = 0; round < 6; ++round) {
+      const int64_t n = rng.uniform_int(1, 700), d = rng.uniform_int(1, 40);
+      const int64_t dv = rng.uniform_int(1, 24), nq = rng.uniform_int(1, 20);
+      const int64_t chunk_rows = rng.uniform_int(1, 300);
+      const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
+      const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+      const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, -2, 2);
+      const KeyValueStore store = KeyValueStore::create(path("s" + std::to_string(made++)), keys,
+                                                        values, dtype, chunk_rows);
+      const bool bf16 = dtype == StoreDtype::kBFloat16;
+      const Tensor<float> ref_q = bf16 ? rounded_to_bf16(queries) : queries;
+      const Tensor<float> ref_k = bf16 ? rounded_to_bf16(keys) : keys;
+      const Tensor<float> ref_v = bf16 ? rounded_to_bf16(values) : values;
+      // Every valid-rows form: none, one count, one per query (0, chunk
+      // edges, everything among them).
+      Tensor<int64_t> one(Shape{}, rng.uniform_int(0, n));
+      Tensor<int64_t> per_query(Shape{nq});
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t edge = std::min(n, chunk_rows * rng.uniform_int(0, n / chunk_rows + 1));
+        const int64_t choices[] = {0, n, rng.uniform_int(0, n), edge, std::min(n, edge + 1)};
+        per_query(i) = choices[rng.uniform_int(0, 4)];
+      }
+      const Tensor<int32_t> per_query32 = cast<int32_t>(per_query);
+      const double scale = rng.bernoulli(0.5) ? 1.0 / std::sqrt(double(d)) : rng.uniform(0.1, 2);
+      const int64_t top_k = rng.uniform_int(0, std::min<int64_t>(n, 12));
+      for (int form = 0; form < 4; ++form) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) + " dv=" +
+                     std::to_string(dv) + " nq=" + std::to_string(nq) + " chunk_rows=" +
+                     std::to_string(chunk_rows) + " form=" + std::to_string(form) +
+                     (bf16 ? " bf16" : " f32"));
+        std::vector<int64_t> lens(static_cast<size_t>(nq), n);
+        ValidLens valid;
+        if (form == 1) {
+          valid = ValidLens(one);
+          std::fill(lens.begin(), lens.end(), one());
+        } else if (form >= 2) {
+          valid = form == 2 ? ValidLens(per_query) : ValidLens(per_query32);
+          for (int64_t i = 0; i < nq; ++i) lens[static_cast<size_t>(i)] = per_query(i);
+        }
+        StoreAttentionOptions options;
+        if (scale != 1.0 / std::sqrt(double(d))) options.scale = scale;
+        options.top_k = top_k;
+        const StoreAttentionResult got = attend(queries, store, valid, options);
+        const PlainAttention ref = plain_attention(ref_q, ref_k, ref_v, lens, scale);
+        // bf16: products of bf16 inputs in float, as the in-memory bf16 kernel.
+        expect_close(got.output, ref.output, kSdpa, "output", "(i, c)");
+        expect_close(got.lse, ref.lse, kSdpaLse, "lse", "(i)");
+        if (top_k == 0) {
+          EXPECT_TRUE(got.top_ids.empty());
+          continue;
+        }
+        ASSERT_EQ(got.top_ids.shape(), Shape({nq, top_k}));
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t len = lens[static_cast<size_t>(i)];
+          for (int64_t r = 0; r < top_k; ++r) {
+            const int64_t id = got.top_ids(i, r);
+            if (r >= len) {
+              EXPECT_EQ(id, -1) << "i=" << i << " r=" << r;
+              EXPECT_EQ(got.top_weights(i, r), 0.0f);
+              continue;
+            }
+            ASSERT_GE(id, 0);
+            ASSERT_LT(id, len);
+            // Its weight is the reference's for that row, and no row left
+            // out weighs clearly more than the last row taken.
+            EXPECT_NEAR(got.top_weights(i, r), ref.weights(i, id), 1e-6 + 1e-4 * ref.weights(i, id))
+                << "i=" << i << " r=" << r << " id=" << id;
+          }
+          std::vector<double> sorted(ref.weights.data() + i * n, ref.weights.data() + i * n + len);
+          std::sort(sorted.rbegin(), sorted.rend());
+          for (int64_t r = 0; r < std::min(top_k, len); ++r) {
+            EXPECT_NEAR(got.top_weights(i, r), sorted[static_cast<size_t>(r)],
+                        1e-6 + 1e-4 * sorted[static_cast<size_t>(r)])
+                << "i=" << i << " rank " << r;
+          }
+          for (int64_t r = 1; r < std::min(top_k, len); ++r) {
+            EXPECT_GE(got.top_weights(i, r - 1), got.top_weights(i, r));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> keys = random_tensor<float>(rng, Shape{3000, 32});
+  const Tensor<float> values = random_tensor<float>(rng, Shape{3000, 16});
+  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 700);
+  for (int64_t nq : {1, 5, 300}) {
+    const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, 32}, -3, 3);
+    StoreAttentionOptions options;
+    options.top_k = 7;
+    set_num_threads(1);
+    const StoreAttentionResult one = attend(queries, store, {}, options);
+    set_num_threads(2);
+    const StoreAttentionResult two = attend(queries, store, {}, options);
+    set_num_threads(0);
+    expect_bitwise_equal(one.output, two.output, "output");
+    expect_bitwise_equal(one.lse, two.lse, "lse");
+    expect_bitwise_equal(one.top_ids, two.top_ids, "top_ids");
+    expect_bitwise_equal(one.top_weights, two.top_weights, "top_weights");
+  }
+}
+
+TEST_F(StoreTest, ChunksNoQuerySeesAreNotRead) {
+  const Tensor<float> keys(Shape{30, 4}, 0.5f), values(Shape{30, 2}, 1.0f);
+  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 10);
+  fs::resize_file(path("s/") + store.chunks()[2].keys_file, 100);  // damaged after open
+  const Tensor<float> queries(Shape{3, 4}, 1.0f);
+  const Tensor<int64_t> within({3}, {0, 20, 13});
+  const StoreAttentionResult got = attend(queries, store, ValidLens(within));
+  EXPECT_EQ(got.lse(0), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(got.output(0, 0), 0.0f);
+  EXPECT_NEAR(got.lse(1), std::log(20.0) + 1.0, 1e-5);  // 20 equal scores of 4 * 0.5 / 2
+  EXPECT_NEAR(got.output(2, 1), 1.0f, 1e-6);
+  expect_error([&] { attend(queries, store); }, {"map_chunk", store.chunks()[2].keys_file, "truncated"});
+}
+
+TEST_F(StoreTest, AttentionOverAnEmptyStore) {
+  const KeyValueStore store =
+      KeyValueStore::create(path("s"), Tensor<float>(Shape{0, 3}), Tensor<float>(Shape{0, 2}));
+  const StoreAttentionResult got = attend(Tensor<float>(Shape{2, 3}, 1.0f), store);
+  expect_bitwise_equal(got.output, Tensor<float>(Shape{2, 2}), "output");
+  EXPECT_EQ(got.lse(1), -std::numeric_limits<float>::infinity());
+}
+
+TEST_F(StoreTest, AttentionErrors) {
+  const KeyValueStore store = KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
+                                                    Tensor<float>(Shape{5, 2}, 1.0f));
+  const Tensor<float> queries(Shape{2, 3}, 1.0f);
+  expect_error([&] { attend(Tensor<float>(Shape{2, 4}), store); },
+               {"attend", "queries has shape [2, 4]", "D = 3"});
+  expect_error([&] { attend(Tensor<float>(Shape{1, 2, 3}), store); }, {"attend", "(Nq, D)"});
+  StoreAttentionOptions options;
+  options.top_k = 6;
+  expect_error([&] { attend(queries, store, {}, options); }, {"top_k = 6", "5 rows"});
+  options.top_k = -1;
+  expect_error([&] { attend(queries, store, {}, options); }, {"top_k = -1"});
+  options = {};
+  options.scale = std::numeric_limits<double>::infinity();
+  expect_error([&] { attend(queries, store, {}, options); }, {"scale"});
+  const Tensor<int64_t> too_many({2}, {1, 6});
+  expect_error([&] { attend(queries, store, ValidLens(too_many)); }, {"attend", "6"});
+  const Tensor<int64_t> wrong_shape({3}, {1, 2, 3});
+  expect_error([&] { attend(queries, store, ValidLens(wrong_shape)); }, {"valid_rows", "[3]"});
+}
+
+}  // namespace
+}  // namespace qkv::test
