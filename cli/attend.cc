@@ -8,10 +8,9 @@
 #include <memory>
 #include <optional>
 
+#include "attend_store.h"
 #include "common.h"
-#include "progress.h"
 #include "qkv/attention.h"
-#include "qkv/store_attention.h"
 #include "qkv/npy.h"
 #include "qkv/valid_lens.h"
 
@@ -32,8 +31,8 @@ struct AttendArgs {
   uint64_t seed = 0;
   std::string out, weights, lse;
   std::optional<int> threads;
-  // --store: attention over a key-value store's rows.
-  std::string store;
+  // --store: attention over key-value stores' rows (cli/attend_store.h).
+  std::vector<std::string> stores;
   int64_t top_k = 0;
   std::string top_ids, top_weights;
   bool quiet = false;
@@ -41,7 +40,7 @@ struct AttendArgs {
 
 // --store's option combinations, found before any file is read.
 void check_store_options(const AttendArgs& args) {
-  if (args.store.empty()) {
+  if (args.stores.empty()) {
     if (args.scoring.empty()) throw UsageError("--scoring is required (dot or additive)");
     for (const auto& [flag, given] :
          {std::pair{"--top-k", args.top_k != 0}, {"--top-ids", !args.top_ids.empty()},
@@ -161,58 +160,13 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   return files;
 }
 
-// qkv attend --store: attention over a key-value store's rows.
-void run_store_attend(const AttendArgs& args) {
-  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
-  if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
-  if (!args.top_ids.empty()) outputs.emplace_back("--top-ids", args.top_ids);
-  if (!args.top_weights.empty()) outputs.emplace_back("--top-weights", args.top_weights);
-  check_output_paths(outputs);
-  apply_threads(args.threads);
-
-  // The store's manifest and files' sizes now; their checksums are
-  // `qkv store verify`'s (reading every chunk twice would double the work).
-  const KeyValueStore store = KeyValueStore::open(args.store, StoreCheck::kStructure);
-  const Input queries_input{"--queries", args.queries};
-  FloatTensor read = load_float(queries_input);
-  const Shape q_shape = shape_of(read);
-  if (q_shape.rank() != 2) {
-    throw UsageError(queries_input.describe() + " has shape " + q_shape.str() +
-                     "; with --store, expected 2-D (Nq, D)");
-  }
-  Tensor<float> queries(q_shape);
-  std::visit(
-      [&](const auto& t) {
-        for (int64_t i = 0; i < t.numel(); ++i) queries.data()[i] = static_cast<float>(t.data()[i]);
-      },
-      read);
-  LensTensor lens;
-  const ValidLens valid_rows = read_valid_lens(args.valid_lens, queries_input, q_shape, lens);
-
-  StoreAttentionOptions options;
-  options.scale = args.scale;
-  options.top_k = args.top_k;
-  Progress progress("qkv attend --store", args.quiet);
-  options.progress = [&progress](int64_t done, int64_t total) { progress.update(done, total); };
-  // valid_rows arrives as (1) or (1, Nq) views of the batch of one.
-  StoreAttentionResult result = attend(queries.view(), store, valid_rows, options);
-  progress.finish();
-
-  std::vector<OutputFile> files;
-  files.push_back({"--out", args.out, npy_bytes(result.output.view())});
-  if (!args.lse.empty()) files.push_back({"--lse", args.lse, npy_bytes(result.lse.view())});
-  if (!args.top_ids.empty()) {
-    files.push_back({"--top-ids", args.top_ids, npy_bytes(result.top_ids.view())});
-  }
-  if (!args.top_weights.empty()) {
-    files.push_back({"--top-weights", args.top_weights, npy_bytes(result.top_weights.view())});
-  }
-  write_outputs(files);
-}
-
 void run_attend(const AttendArgs& args) {
   check_store_options(args);
-  if (!args.store.empty()) return run_store_attend(args);
+  if (!args.stores.empty()) {
+    return run_store_attend({args.stores, args.queries, args.valid_lens, args.scale, args.top_k,
+                             args.out, args.lse, args.top_ids, args.top_weights, args.quiet,
+                             args.threads});
+  }
   check_options(args);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
   if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
@@ -295,10 +249,13 @@ Command add_attend_command(CLI::App& parent) {
   require_path(app->add_option("--values", args->values,
                                "Values V.npy: (B, Nk, Dv), or (Nk, Dv); heads: (B, Hkv, Nk, Dv)"))
       ->type_name("V.npy");
-  require_path(app->add_option("--store", args->store,
+  require_path(app->add_option("--store", args->stores,
                                "Attend over a key-value store's rows (qkv store create) instead "
                                "of --keys and --values: queries (Nq, D), read chunk by chunk; "
-                               "--valid-lens then limits each query to the store's first rows"))
+                               "--valid-lens then limits each query to the first rows. Given "
+                               "several times: shard stores whose rows follow each other; under "
+                               "mpirun, one store (each rank reads a share of its chunks) or "
+                               "one shard per rank"))
       ->type_name("STORE");
   require_integer(app->add_option("--top-k", args->top_k,
                                   "With --store: also find each query's K rows of largest weight"))

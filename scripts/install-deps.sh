@@ -3,14 +3,15 @@
 # there already (idempotent). Usage: scripts/install-deps.sh [build|test]
 #   build: the compiler, CMake and the libraries the qkv library, command and
 #          Python package use (pybind11 and NumPy for /usr/bin/python3; the
-#          key-value store's JSON and checksum headers)
+#          key-value store's JSON and checksum headers; OpenMPI for
+#          attention sharded across ranks, qkv::mpi and mpirun qkv attend)
 #   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer, pytest,
 #          venv/pip/setuptools/wheel (the package's pip install is tested) and
 #          the peers the tests compare against (PyTorch, statsmodels)
 set -euo pipefail
 
 build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
-                nlohmann-json3-dev libxxhash-dev
+                nlohmann-json3-dev libxxhash-dev libopenmpi-dev openmpi-bin
                 python3 python3-dev python3-numpy pybind11-dev)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
                python3-pytest python3-venv python3-pip python3-setuptools python3-wheel

@@ -1,8 +1,9 @@
-// attend(queries, store): the fused scaled dot-product kernel over each chunk
-// of a key-value store, merged in chunk order by log-sum-exp (qkv/merge.h)
-// into a running result kept in double; top-k rows from each chunk's
-// weights. A front end: it checks once, then calls the public attention and
-// merge functions chunk by chunk.
+// attend(queries, store) and its backward: the fused scaled dot-product
+// kernel over each chunk of a key-value store, merged in chunk order by
+// log-sum-exp (qkv/merge.h) into a running result kept in double; top-k rows
+// from each chunk's weights. A front end: it checks once, then calls the
+// public attention and merge functions chunk by chunk. The chunk-range
+// pieces (src/store_parts.h) also serve qkv::mpi.
 #include "qkv/store_attention.h"
 
 #include <algorithm>
@@ -17,179 +18,362 @@
 #include "qkv/bfloat16.h"
 #include "qkv/error.h"
 #include "qkv/merge.h"
+#include "store_parts.h"
 
 namespace qkv {
+namespace detail {
 namespace {
 
-constexpr std::string_view kFn = "attend";
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// A query's best rows so far: (log-weight up to the final lse, row id),
-// best first; log-weights are lse_chunk + log(chunk weight).
-struct TopRows {
-  std::vector<std::pair<double, int64_t>> rows;  // sorted: larger first, then smaller id
+// The queries as the kernels take them: contiguous (1, Nq, D), and rounded
+// to bf16 for a bf16 store.
+struct KernelQueries {
+  Tensor<float> f32;
+  Tensor<bfloat16> bf16;
 
-  static bool better(const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  }
-  // Offers one chunk's weights w[0..n) of rows first_row + j, whose chunk
-  // log-sum-exp is lse: a row enters if it beats the k-th best.
-  void offer(const float* w, int64_t n, int64_t first_row, double lse, int64_t k) {
-    for (int64_t j = 0; j < n; ++j) {
-      if (w[j] <= 0.0f) continue;  // masked, or below float's range: weight 0
-      const std::pair<double, int64_t> row{lse + std::log(static_cast<double>(w[j])), first_row + j};
-      if (static_cast<int64_t>(rows.size()) == k && !better(row, rows.back())) continue;
-      rows.insert(std::upper_bound(rows.begin(), rows.end(), row, better), row);
-      if (static_cast<int64_t>(rows.size()) > k) rows.pop_back();
+  KernelQueries(ConstView<float> queries, StoreDtype dtype)
+      : f32(Tensor<float>::copy_of(queries).reshaped(Shape{1, queries.size(0), queries.size(1)})) {
+    if (dtype == StoreDtype::kBFloat16) {
+      bf16 = Tensor<bfloat16>(f32.shape());
+      for (int64_t i = 0; i < f32.numel(); ++i) bf16.data()[i] = bfloat16(f32.data()[i]);
     }
   }
 };
 
-// One chunk's partial attention: output (1, Nq, Dv) and lse (1, Nq), and
-// the weights (1, Nq, rows) when `weights` is given.
-void attend_chunk(const KeyValueStore& store, const MappedChunk& chunk, int64_t rows,
-                  ConstView<float> queries, const Tensor<bfloat16>& queries_bf16,
-                  ConstView<int64_t> lens, const AttentionOptions& options, Tensor<float>& output,
-                  Tensor<float>& lse, Tensor<float>* weights) {
-  const int64_t d = store.key_dim(), dv = store.value_dim();
-  if (store.dtype() == StoreDtype::kFloat32) {
-    const ConstView<float> keys(static_cast<const float*>(chunk.keys), Shape{1, rows, d});
-    const ConstView<float> values(static_cast<const float*>(chunk.values), Shape{1, rows, dv});
-    AttentionOutputs<float> outputs{output.view(), std::nullopt, lse.view()};
-    if (weights) outputs.weights = weights->view();
-    scaled_dot_product_attention(queries, keys, values, ValidLens(lens), options, outputs);
-    return;
+// The chunks of [first, last) that some query sees, in order.
+std::vector<size_t> chunks_seen(const KeyValueStore& store, size_t first, size_t last,
+                                const std::vector<int64_t>& query_rows) {
+  std::vector<size_t> seen;
+  for (size_t c = first; c < last; ++c) {
+    const int64_t first_row = store.chunks()[c].first_row;
+    if (std::any_of(query_rows.begin(), query_rows.end(), [&](int64_t r) { return r > first_row; })) {
+      seen.push_back(c);
+    }
   }
-  const ConstView<bfloat16> keys(static_cast<const bfloat16*>(chunk.keys), Shape{1, rows, d});
-  const ConstView<bfloat16> values(static_cast<const bfloat16*>(chunk.values), Shape{1, rows, dv});
-  AttentionOptions with = options;
-  with.want_lse = true;
-  with.want_weights = weights != nullptr;
-  AttentionResult<float> result =
-      scaled_dot_product_attention(queries_bf16.view(), keys, values, ValidLens(lens), with);
-  output = std::move(result.output);
-  lse = std::move(result.lse);
-  if (weights) *weights = std::move(result.weights);
+  return seen;
+}
+
+// (1, Nq) lengths of chunk `info`'s rows each query sees.
+void chunk_lens(const StoreChunk& info, const std::vector<int64_t>& query_rows,
+                Tensor<int64_t>& lens) {
+  for (size_t i = 0; i < query_rows.size(); ++i) {
+    lens(0, static_cast<int64_t>(i)) = std::clamp<int64_t>(query_rows[i] - info.first_row, 0, info.rows);
+  }
+}
+
+// Maps chunks in order, the next one mapped and its read started (madvise
+// WILLNEED) while the current one is computed.
+class ChunkReader {
+ public:
+  ChunkReader(const KeyValueStore& store, const std::vector<size_t>& order)
+      : store_(store), order_(order) {
+    if (!order_.empty()) next_ = map(order_[0]);
+  }
+  // The chunk at position s of the order (s = 0, 1, ... in turn).
+  MappedChunk take(size_t s) {
+    MappedChunk chunk = std::move(next_);
+    if (s + 1 < order_.size()) next_ = map(order_[s + 1]);
+    return chunk;
+  }
+
+ private:
+  MappedChunk map(size_t index) const {
+    MappedChunk chunk = store_.map_chunk(index);
+    chunk.keys_file.prefetch();
+    chunk.values_file.prefetch();
+    return chunk;
+  }
+  const KeyValueStore& store_;
+  const std::vector<size_t>& order_;
+  MappedChunk next_;
+};
+
+// The bytes of one row of keys and values, for progress reports.
+int64_t chunk_row_bytes(const KeyValueStore& store) {
+  return (store.key_dim() + store.value_dim()) * (store.dtype() == StoreDtype::kFloat32 ? 4 : 2);
+}
+
+template <class T>
+ConstView<T> chunk_view(const void* data, int64_t rows, int64_t dim) {
+  return ConstView<T>(static_cast<const T*>(data), Shape{1, rows, dim});
 }
 
 }  // namespace
 
-StoreAttentionResult attend(ConstView<float> queries, const KeyValueStore& store,
-                            const ValidLens& valid_rows, const StoreAttentionOptions& options) {
-  detail::check_rank(kFn, "queries", queries, 2, "(Nq, D)");
-  const int64_t nq = queries.size(0), d = store.key_dim(), dv = store.value_dim();
-  const int64_t n = store.rows();
-  if (queries.size(1) != d) {
-    fail(kFn, "queries has shape " + queries.shape().str() + " but store " + store.dir() +
-                  " has keys of D = " + std::to_string(d));
+void keep_best(std::vector<ScoredRow>& best, const ScoredRow& row, int64_t k) {
+  if (static_cast<int64_t>(best.size()) == k && (k == 0 || !better_row(row, best.back()))) return;
+  best.insert(std::upper_bound(best.begin(), best.end(), row, better_row), row);
+  if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+}
+
+std::vector<int64_t> rows_seen(std::string_view function, ConstView<float> queries,
+                               const ValidLens& valid_rows, int64_t num_rows) {
+  const int64_t nq = queries.size(0);
+  const ValidLens lens =
+      valid_rows.for_batch_of_one(function, "valid_rows", "queries", queries.shape());
+  lens.check(function, "the store's rows", Shape{nq, num_rows}, 1, nq, num_rows);
+  std::vector<int64_t> rows(static_cast<size_t>(nq));
+  for (int64_t i = 0; i < nq; ++i) rows[static_cast<size_t>(i)] = lens(0, i, num_rows);
+  return rows;
+}
+
+void check_store_attention(std::string_view function, ConstView<float> queries,
+                           const KeyValueStore& store, const StoreAttentionOptions& options,
+                           int64_t max_top_k) {
+  check_rank(function, "queries", queries, 2, "(Nq, D)");
+  if (queries.size(1) != store.key_dim()) {
+    fail(function, "queries has shape " + queries.shape().str() + " but store " + store.dir() +
+                       " has keys of D = " + std::to_string(store.key_dim()));
   }
-  const ValidLens lens = valid_rows.for_batch_of_one(kFn, "valid_rows", "queries", queries.shape());
-  lens.check(kFn, "the store's rows", Shape{nq, n}, 1, nq, n);
-  if (options.top_k < 0 || options.top_k > n) {
-    fail(kFn, "top_k = " + std::to_string(options.top_k) + "; expected 0 to the store's " +
-                  std::to_string(n) + " rows");
+  if (options.top_k < 0 || options.top_k > max_top_k) {
+    fail(function, "top_k = " + std::to_string(options.top_k) + "; expected 0 to the store's " +
+                       std::to_string(max_top_k) + " rows");
   }
   if (options.scale && !std::isfinite(*options.scale)) {
-    fail(kFn, "scale = " + std::to_string(*options.scale) + "; expected a finite number");
+    fail(function, "scale = " + std::to_string(*options.scale) + "; expected a finite number");
   }
-  const int64_t k = options.top_k;
+}
 
-  // The queries as the kernels take them: contiguous (1, Nq, D), bf16 for a
-  // bf16 store.
-  const Tensor<float> q = Tensor<float>::copy_of(queries);
-  const ConstView<float> q3 = q.view().unsqueeze0();
-  Tensor<bfloat16> q_bf16;
-  if (store.dtype() == StoreDtype::kBFloat16) {
-    q_bf16 = Tensor<bfloat16>(Shape{1, nq, d});
-    for (int64_t i = 0; i < nq * d; ++i) q_bf16.data()[i] = bfloat16(q.data()[i]);
-  }
-  std::vector<int64_t> query_rows(static_cast<size_t>(nq));
-  for (int64_t i = 0; i < nq; ++i) query_rows[static_cast<size_t>(i)] = lens(0, i, n);
-
+StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store, size_t first,
+                           size_t last, const std::vector<int64_t>& query_rows,
+                           const StoreAttentionOptions& options) {
+  const int64_t nq = queries.size(0), dv = store.value_dim(), k = options.top_k;
+  const KernelQueries q(queries, store.dtype());
   AttentionOptions attention;
   attention.scale = options.scale;
   attention.want_lse = true;
+  attention.want_weights = k > 0;
 
-  // The running result in double, merged with each chunk's in place.
-  Tensor<double> out_run(Shape{nq, dv}), lse_run(Shape{nq}, -kInf);
-  Tensor<double> out_part(Shape{nq, dv}), lse_part(Shape{nq});
-  Tensor<float> out_chunk(Shape{1, nq, dv}), lse_chunk(Shape{1, nq}), weights;
-  Tensor<int64_t> chunk_lens(Shape{1, nq});
-  std::vector<TopRows> top(static_cast<size_t>(k > 0 ? nq : 0));
+  StorePartial part{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}, -kInf),
+                    std::vector<std::vector<ScoredRow>>(static_cast<size_t>(k > 0 ? nq : 0))};
+  // Each chunk's result in double, merged into `part` in place.
+  Tensor<double> out_chunk(Shape{nq, dv}), lse_chunk(Shape{nq});
+  Tensor<int64_t> lens(Shape{1, nq});
+  AttentionResult<float> result;
+  result.output = Tensor<float>(Shape{1, nq, dv});
+  result.lse = Tensor<float>(Shape{1, nq});
 
-  // Chunks some query sees, in order; the next one is mapped and its read
-  // started while the current one is computed.
-  std::vector<size_t> needed;
-  for (size_t c = 0; c < store.chunks().size(); ++c) {
-    const int64_t first = store.chunks()[c].first_row;
-    if (std::any_of(query_rows.begin(), query_rows.end(), [&](int64_t r) { return r > first; })) {
-      needed.push_back(c);
+  const std::vector<size_t> seen = chunks_seen(store, first, last, query_rows);
+  const int64_t row_bytes = chunk_row_bytes(store);
+  int64_t total = 0, done = 0;
+  for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
+  ChunkReader reader(store, seen);
+  for (size_t s = 0; s < seen.size(); ++s) {
+    const MappedChunk chunk = reader.take(s);
+    const StoreChunk& info = store.chunks()[seen[s]];
+    chunk_lens(info, query_rows, lens);
+    const ValidLens valid(lens.view());
+    if (store.dtype() == StoreDtype::kFloat32) {
+      if (k > 0 && result.weights.numel() != nq * info.rows) {
+        result.weights = Tensor<float>(Shape{1, nq, info.rows});  // once, unless chunk sizes differ
+      }
+      AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
+      if (k > 0) outputs.weights = result.weights.view();
+      scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
+                                   chunk_view<float>(chunk.values, info.rows, dv), valid, attention,
+                                   outputs);
+    } else {
+      result = scaled_dot_product_attention(
+          q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, store.key_dim()),
+          chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention);
     }
-  }
-  const int64_t total = store.file_bytes();
-  int64_t done = 0;
-  MappedChunk next;
-  if (!needed.empty()) {
-    next = store.map_chunk(needed[0]);
-    next.keys_file.prefetch();
-    next.values_file.prefetch();
-  }
-  for (size_t s = 0; s < needed.size(); ++s) {
-    const MappedChunk chunk = std::move(next);
-    if (s + 1 < needed.size()) {
-      next = store.map_chunk(needed[s + 1]);
-      next.keys_file.prefetch();
-      next.values_file.prefetch();
-    }
-    const StoreChunk& info = store.chunks()[needed[s]];
     for (int64_t i = 0; i < nq; ++i) {
-      chunk_lens(0, i) = std::clamp<int64_t>(query_rows[static_cast<size_t>(i)] - info.first_row, 0,
-                                             info.rows);
+      lse_chunk(i) = result.lse(0, i);
+      for (int64_t j = 0; j < dv; ++j) out_chunk(i, j) = result.output(0, i, j);
     }
-    if (k > 0 && store.dtype() == StoreDtype::kFloat32 && weights.numel() != nq * info.rows) {
-      weights = Tensor<float>(Shape{1, nq, info.rows});  // once, unless the chunks' sizes differ
-    }
-    attend_chunk(store, chunk, info.rows, q3, q_bf16, chunk_lens.view(), attention, out_chunk,
-                 lse_chunk, k > 0 ? &weights : nullptr);
-    for (int64_t i = 0; i < nq; ++i) {
-      lse_part(i) = lse_chunk(0, i);
-      for (int64_t j = 0; j < dv; ++j) out_part(i, j) = out_chunk(0, i, j);
-    }
-    merge_attention(std::vector<ConstView<double>>{out_run.view(), out_part.view()},
-                    std::vector<ConstView<double>>{lse_run.view(), lse_part.view()}, out_run.view(),
-                    lse_run.view());
+    merge_attention(std::vector<ConstView<double>>{part.output.view(), out_chunk.view()},
+                    std::vector<ConstView<double>>{part.lse.view(), lse_chunk.view()},
+                    part.output.view(), part.lse.view());
     if (k > 0) {
       kernels::parallel_for(nq, [&](int64_t i) {
-        const int64_t len = chunk_lens(0, i);
-        if (len > 0) {
-          top[static_cast<size_t>(i)].offer(&weights(0, i, 0), len, info.first_row,
-                                            lse_chunk(0, i), k);
+        const float* w = &result.weights(0, i, 0);
+        const double lse = lse_chunk(i);
+        for (int64_t j = 0; j < lens(0, i); ++j) {
+          if (w[j] <= 0.0f) continue;  // masked, or below float's range: weight 0
+          keep_best(part.top[static_cast<size_t>(i)],
+                    {lse + std::log(static_cast<double>(w[j])), info.first_row + j}, k);
         }
       });
     }
-    done += static_cast<int64_t>(chunk.keys_file.size() + chunk.values_file.size());
+    done += info.rows * row_bytes;
     if (options.progress) options.progress(done, total);
   }
+  if (options.progress && total > done) options.progress(total, total);  // chunks not needed
+  return part;
+}
 
+StorePartial merge_partials(const std::vector<StorePartial>& parts, int64_t top_k) {
+  const int64_t nq = parts.at(0).lse.numel(), dv = parts[0].output.size(1);
+  StorePartial merged{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}),
+                      std::vector<std::vector<ScoredRow>>(static_cast<size_t>(top_k > 0 ? nq : 0))};
+  std::vector<ConstView<double>> outputs, lses;
+  for (const StorePartial& part : parts) {
+    outputs.push_back(part.output.view());
+    lses.push_back(part.lse.view());
+  }
+  merge_attention(outputs, lses, merged.output.view(), merged.lse.view());
+  for (size_t i = 0; i < merged.top.size(); ++i) {
+    for (const StorePartial& part : parts) {
+      for (const ScoredRow& row : part.top[i]) keep_best(merged.top[i], row, top_k);
+    }
+  }
+  return merged;
+}
+
+void shift_row_ids(StorePartial& partial, int64_t store_first_row, int64_t offset) {
+  for (std::vector<ScoredRow>& rows : partial.top) {
+    for (ScoredRow& row : rows) row.second += offset - store_first_row;
+  }
+}
+
+StoreAttentionResult finish(const StorePartial& partial, int64_t top_k) {
+  const int64_t nq = partial.lse.numel(), dv = partial.output.size(1);
   StoreAttentionResult result;
   result.output = Tensor<float>(Shape{nq, dv});
   result.lse = Tensor<float>(Shape{nq});
   for (int64_t i = 0; i < nq; ++i) {
-    result.lse(i) = static_cast<float>(lse_run(i));
-    for (int64_t j = 0; j < dv; ++j) result.output(i, j) = static_cast<float>(out_run(i, j));
+    result.lse(i) = static_cast<float>(partial.lse(i));
+    for (int64_t j = 0; j < dv; ++j) result.output(i, j) = static_cast<float>(partial.output(i, j));
   }
-  if (k > 0) {
-    result.top_ids = Tensor<int64_t>(Shape{nq, k}, -1);
-    result.top_weights = Tensor<float>(Shape{nq, k});
+  if (top_k > 0) {
+    result.top_ids = Tensor<int64_t>(Shape{nq, top_k}, -1);
+    result.top_weights = Tensor<float>(Shape{nq, top_k});
     for (int64_t i = 0; i < nq; ++i) {
-      const auto& rows = top[static_cast<size_t>(i)].rows;
+      const std::vector<ScoredRow>& rows = partial.top[static_cast<size_t>(i)];
       for (size_t r = 0; r < rows.size(); ++r) {
         result.top_ids(i, r) = rows[r].second;
-        result.top_weights(i, r) = static_cast<float>(std::exp(rows[r].first - lse_run(i)));
+        result.top_weights(i, r) = static_cast<float>(std::exp(rows[r].first - partial.lse(i)));
       }
     }
   }
   return result;
+}
+
+void check_store_backward(std::string_view function, ConstView<float> queries,
+                          const KeyValueStore& store, const SavedForward<float>& saved,
+                          ConstView<float> d_output) {
+  const Shape out_shape{queries.size(0), store.value_dim()};
+  check_shape(function, "saved.output", saved.output, out_shape);
+  check_shape(function, "saved.lse", saved.lse, Shape{queries.size(0)});
+  check_shape(function, "d_output", d_output, out_shape);
+}
+
+StorePartialGrads backward_chunks(ConstView<float> queries, const KeyValueStore& store,
+                                  size_t first, size_t last,
+                                  const std::vector<int64_t>& query_rows,
+                                  const StoreAttentionOptions& options,
+                                  const SavedForward<float>& saved, ConstView<float> d_output) {
+  const int64_t nq = queries.size(0), d = store.key_dim(), dv = store.value_dim();
+  const int64_t first_row = first < last ? store.chunks()[first].first_row : 0;
+  const int64_t rows = first < last ? store.chunks()[last - 1].first_row +
+                                          store.chunks()[last - 1].rows - first_row
+                                    : 0;
+  StorePartialGrads grads{Tensor<double>(Shape{nq, d}), Tensor<float>(Shape{rows, d}),
+                          Tensor<float>(Shape{rows, dv})};
+  const KernelQueries q(queries, store.dtype());
+  const Tensor<float> out = Tensor<float>::copy_of(saved.output).reshaped(Shape{1, nq, dv});
+  const Tensor<float> lse = Tensor<float>::copy_of(saved.lse).reshaped(Shape{1, nq});
+  const Tensor<float> d_out = Tensor<float>::copy_of(d_output).reshaped(Shape{1, nq, dv});
+  AttentionOptions attention;
+  attention.scale = options.scale;
+  Tensor<int64_t> lens(Shape{1, nq});
+
+  const std::vector<size_t> seen = chunks_seen(store, first, last, query_rows);
+  ChunkReader reader(store, seen);
+  const int64_t row_bytes = chunk_row_bytes(store);
+  int64_t total = 0, done = 0;
+  for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
+  for (size_t s = 0; s < seen.size(); ++s) {
+    const MappedChunk chunk = reader.take(s);
+    const StoreChunk& info = store.chunks()[seen[s]];
+    chunk_lens(info, query_rows, lens);
+    const ValidLens valid(lens.view());
+    const SavedForward<float> global{out.view(), lse.view()};
+    const DotProductGrads<float> g =
+        store.dtype() == StoreDtype::kFloat32
+            ? scaled_dot_product_attention_backward(
+                  q.f32.view(), chunk_view<float>(chunk.keys, info.rows, d),
+                  chunk_view<float>(chunk.values, info.rows, dv), valid, attention, global, d_out.view())
+            : scaled_dot_product_attention_backward(
+                  q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, d),
+                  chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention, global,
+                  d_out.view());
+    // dQ's shares summed in chunk order; dK and dV are this chunk's rows.
+    for (int64_t i = 0; i < nq * d; ++i) grads.d_queries.data()[i] += g.d_queries.data()[i];
+    const int64_t at = info.first_row - first_row;
+    std::copy_n(g.d_keys.data(), info.rows * d, grads.d_keys.data() + at * d);
+    std::copy_n(g.d_values.data(), info.rows * dv, grads.d_values.data() + at * dv);
+    done += info.rows * row_bytes;
+    if (options.progress) options.progress(done, total);
+  }
+  if (options.progress && total > done) options.progress(total, total);
+  return grads;
+}
+
+}  // namespace detail
+
+namespace {
+constexpr std::string_view kFn = "attend";
+constexpr std::string_view kBackwardFn = "attend_backward";
+}  // namespace
+
+StoreAttentionResult attend(ConstView<float> queries, const KeyValueStore& store,
+                            const ValidLens& valid_rows, const StoreAttentionOptions& options) {
+  detail::check_store_attention(kFn, queries, store, options, store.rows());
+  const std::vector<int64_t> rows = detail::rows_seen(kFn, queries, valid_rows, store.rows());
+  return detail::finish(
+      detail::attend_chunks(queries, store, 0, store.chunks().size(), rows, options),
+      options.top_k);
+}
+
+StoreAttentionResult attend(ConstView<float> queries,
+                            const std::vector<const KeyValueStore*>& stores,
+                            const ValidLens& valid_rows, const StoreAttentionOptions& options) {
+  if (stores.empty()) fail(kFn, "stores is empty; expected at least one store");
+  int64_t rows = 0;
+  for (size_t s = 0; s < stores.size(); ++s) {
+    if (stores[s] == nullptr) fail(kFn, "stores[" + std::to_string(s) + "] is null");
+    if (stores[s]->key_dim() != stores[0]->key_dim() ||
+        stores[s]->value_dim() != stores[0]->value_dim()) {
+      fail(kFn, "store " + stores[s]->dir() + " has D = " + std::to_string(stores[s]->key_dim()) +
+                    ", Dv = " + std::to_string(stores[s]->value_dim()) + " but store " +
+                    stores[0]->dir() + " has D = " + std::to_string(stores[0]->key_dim()) +
+                    ", Dv = " + std::to_string(stores[0]->value_dim()));
+    }
+    rows += stores[s]->rows();
+  }
+  detail::check_store_attention(kFn, queries, *stores[0], options, rows);
+  const std::vector<int64_t> global = detail::rows_seen(kFn, queries, valid_rows, rows);
+  std::vector<detail::StorePartial> parts;
+  int64_t offset = 0;
+  for (const KeyValueStore* store : stores) {
+    std::vector<int64_t> local(global.size());
+    for (size_t i = 0; i < global.size(); ++i) {
+      local[i] = std::clamp<int64_t>(global[i] - offset, 0, store->rows());
+    }
+    parts.push_back(detail::attend_chunks(queries, *store, 0, store->chunks().size(), local, options));
+    detail::shift_row_ids(parts.back(), 0, offset);
+    offset += store->rows();
+  }
+  return detail::finish(detail::merge_partials(parts, options.top_k), options.top_k);
+}
+
+StoreAttentionGrads attend_backward(ConstView<float> queries, const KeyValueStore& store,
+                                    const ValidLens& valid_rows,
+                                    const StoreAttentionOptions& options,
+                                    const SavedForward<float>& saved, ConstView<float> d_output) {
+  detail::check_store_attention(kBackwardFn, queries, store, options, store.rows());
+  detail::check_store_backward(kBackwardFn, queries, store, saved, d_output);
+  const std::vector<int64_t> rows = detail::rows_seen(kBackwardFn, queries, valid_rows, store.rows());
+  detail::StorePartialGrads part = detail::backward_chunks(
+      queries, store, 0, store.chunks().size(), rows, options, saved, d_output);
+  StoreAttentionGrads grads{Tensor<float>(part.d_queries.shape()), std::move(part.d_keys),
+                            std::move(part.d_values)};
+  for (int64_t i = 0; i < grads.d_queries.numel(); ++i) {
+    grads.d_queries.data()[i] = static_cast<float>(part.d_queries.data()[i]);
+  }
+  return grads;
 }
 
 }  // namespace qkv

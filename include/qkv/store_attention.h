@@ -12,7 +12,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
+#include "qkv/attention.h"
 #include "qkv/store.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
@@ -27,7 +29,7 @@ struct StoreAttentionOptions {
   // the smaller row id first). A query with fewer than top_k valid rows gets
   // id -1 and weight 0 in the places left over. 0 <= top_k <= the store's rows.
   int64_t top_k = 0;
-  // Called after each chunk with the chunk bytes done and in all.
+  // Called after each chunk with the bytes of keys and values done and in all.
   StoreProgress progress;
 };
 
@@ -49,5 +51,30 @@ struct StoreAttentionResult {
 StoreAttentionResult attend(ConstView<float> queries, const KeyValueStore& store,
                             const ValidLens& valid_rows = {},
                             const StoreAttentionOptions& options = {});
+
+// The same over the rows of several stores, in the order given (shards on
+// one machine): row ids count through the stores in order, and the stores'
+// results merge exactly as the chunks' do. Every store has the same D and Dv.
+StoreAttentionResult attend(ConstView<float> queries,
+                            const std::vector<const KeyValueStore*>& stores,
+                            const ValidLens& valid_rows = {},
+                            const StoreAttentionOptions& options = {});
+
+struct StoreAttentionGrads {
+  Tensor<float> d_queries;  // (Nq, D)
+  Tensor<float> d_keys;     // (N, D): the store's rows, 0 where no query sees a row
+  Tensor<float> d_values;   // (N, Dv)
+};
+
+// The gradients of attend() given its output and lse (saved) and d_output
+// (Nq, Dv) = dLoss/d(output): chunk by chunk, each chunk's backward handed
+// the output and lse over every row (docs/semantics.md, "Merging attention
+// over parts of a key set"), dQ's shares summed in chunk order. Same
+// queries, store, valid_rows and scale as the forward (top_k is ignored).
+// Memory: dK and dV hold a row per store row.
+StoreAttentionGrads attend_backward(ConstView<float> queries, const KeyValueStore& store,
+                                    const ValidLens& valid_rows,
+                                    const StoreAttentionOptions& options,
+                                    const SavedForward<float>& saved, ConstView<float> d_output);
 
 }  // namespace qkv

@@ -1,0 +1,194 @@
+// `qkv attend --store` (cli/attend_store.h): queries (Nq, D) over one store
+// or shard stores; under mpirun, each rank attends over its part and rank 0
+// merges and writes (qkv/mpi.h).
+#include "attend_store.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "common.h"
+#include "progress.h"
+#include "qkv/npy.h"
+#include "qkv/store.h"
+#include "qkv/store_attention.h"
+#ifdef QKV_WITH_MPI
+#include "qkv/mpi.h"
+#endif
+
+namespace qkv::cli {
+namespace {
+
+std::vector<std::pair<std::string, std::string>> output_paths(const StoreAttendArgs& args) {
+  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
+  if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
+  if (!args.top_ids.empty()) outputs.emplace_back("--top-ids", args.top_ids);
+  if (!args.top_weights.empty()) outputs.emplace_back("--top-weights", args.top_weights);
+  return outputs;
+}
+
+std::vector<OutputFile> output_files(const StoreAttendArgs& args, const StoreAttentionResult& r) {
+  std::vector<OutputFile> files;
+  files.push_back({"--out", args.out, npy_bytes(r.output.view())});
+  if (!args.lse.empty()) files.push_back({"--lse", args.lse, npy_bytes(r.lse.view())});
+  if (!args.top_ids.empty()) files.push_back({"--top-ids", args.top_ids, npy_bytes(r.top_ids.view())});
+  if (!args.top_weights.empty()) {
+    files.push_back({"--top-weights", args.top_weights, npy_bytes(r.top_weights.view())});
+  }
+  return files;
+}
+
+// The queries (Nq, D) as float32, and the valid rows as int64 in the file's
+// shape (checked against the queries as the command checks lengths).
+struct Inputs {
+  Tensor<float> queries;
+  Tensor<int64_t> valid_rows;  // empty: every row
+};
+
+Inputs read_inputs(const StoreAttendArgs& args) {
+  const Input queries_input{"--queries", args.queries};
+  const FloatTensor read = load_float(queries_input);
+  const Shape q_shape = shape_of(read);
+  if (q_shape.rank() != 2) {
+    throw UsageError(queries_input.describe() + " has shape " + q_shape.str() +
+                     "; with --store, expected 2-D (Nq, D)");
+  }
+  Inputs in{Tensor<float>(q_shape), {}};
+  std::visit(
+      [&](const auto& t) {
+        for (int64_t i = 0; i < t.numel(); ++i) in.queries.data()[i] = static_cast<float>(t.data()[i]);
+      },
+      read);
+  if (!args.valid_lens.empty()) {
+    LensTensor lens;
+    read_valid_lens(args.valid_lens, queries_input, q_shape, lens);  // the command's shape checks
+    std::visit(
+        [&](const auto& t) {
+          in.valid_rows = Tensor<int64_t>(t.shape());
+          for (int64_t i = 0; i < t.numel(); ++i) in.valid_rows.data()[i] = t.data()[i];
+        },
+        lens);
+  }
+  return in;
+}
+
+ValidLens valid_rows_of(const Inputs& in) {
+  return in.valid_rows.empty() ? ValidLens() : ValidLens(in.valid_rows.view());
+}
+
+StoreProgress report(Progress& progress) {
+  return [&progress](int64_t done, int64_t total) { progress.update(done, total); };
+}
+
+void run_single(const StoreAttendArgs& args) {
+  check_output_paths(output_paths(args));
+  apply_threads(args.threads);
+  // Manifests and each chunk file's size and header now; the checksums are
+  // `qkv store verify`'s (reading every chunk twice would double the work).
+  std::vector<KeyValueStore> stores;
+  for (const std::string& dir : args.stores) {
+    stores.push_back(KeyValueStore::open(dir, StoreCheck::kStructure));
+  }
+  const Inputs in = read_inputs(args);
+  StoreAttentionOptions options;
+  options.scale = args.scale;
+  options.top_k = args.top_k;
+  Progress progress("qkv attend --store", args.quiet);
+  options.progress = report(progress);
+  std::vector<const KeyValueStore*> pointers;
+  for (const KeyValueStore& store : stores) pointers.push_back(&store);
+  const StoreAttentionResult result = pointers.size() == 1
+                                          ? attend(in.queries.view(), stores[0], valid_rows_of(in), options)
+                                          : attend(in.queries.view(), pointers, valid_rows_of(in), options);
+  progress.finish();
+  write_outputs(output_files(args, result));
+}
+
+#ifdef QKV_WITH_MPI
+// MPI_Init and MPI_Finalize around one command; only the main thread calls
+// MPI (OpenMP threads compute inside each rank).
+class MpiSession {
+ public:
+  MpiSession() {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  }
+  ~MpiSession() { MPI_Finalize(); }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+};
+
+void run_mpi(const StoreAttendArgs& args) {
+  constexpr const char* kFn = "";  // "qkv attend: error: rank r of R: ..."
+  const MpiSession session;
+  MPI_Comm comm = MPI_COMM_WORLD;
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &ranks);
+  // Every rank fails alike (all_or_none), and rank 0 tells: the others'
+  // stderr would repeat the same message R times.
+  if (rank != 0) {
+    const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (null >= 0) {
+      ::dup2(null, STDERR_FILENO);
+      ::close(null);
+    }
+  }
+  if (args.stores.size() != 1 && args.stores.size() != static_cast<size_t>(ranks)) {
+    throw UsageError(std::to_string(args.stores.size()) + " --store shards for " +
+                     std::to_string(ranks) + " ranks; give one store (every rank reads its "
+                     "share of the chunks) or one shard store per rank");
+  }
+  mpi::all_or_none(kFn, comm, [&] {
+    if (rank == 0) check_output_paths(output_paths(args));
+    apply_threads(args.threads);
+  });
+  // One store: every rank opens it and takes a share of its chunks. Shards:
+  // rank r opens only the r-th.
+  std::unique_ptr<KeyValueStore> store;
+  mpi::all_or_none(kFn, comm, [&] {
+    const std::string& dir = args.stores.size() == 1 ? args.stores[0] : args.stores[static_cast<size_t>(rank)];
+    store = std::make_unique<KeyValueStore>(KeyValueStore::open(dir, StoreCheck::kStructure));
+  });
+  const mpi::StorePart part =
+      args.stores.size() == 1 ? mpi::share_of_chunks(*store, rank, ranks) : mpi::whole(*store);
+  Inputs in;
+  mpi::all_or_none(kFn, comm, [&] {
+    if (rank == 0) in = read_inputs(args);
+  });
+  mpi::broadcast(in.queries, comm);
+  if (!args.valid_lens.empty()) mpi::broadcast(in.valid_rows, comm);
+
+  StoreAttentionOptions options;
+  options.scale = args.scale;
+  options.top_k = args.top_k;
+  Progress progress("qkv attend --store (rank 0's part)", args.quiet || rank != 0);
+  options.progress = report(progress);
+  const StoreAttentionResult result = mpi::attend(in.queries.view(), part, comm, valid_rows_of(in), options);
+  progress.finish();
+  // Every rank is still there: only then does rank 0 write (a rank that died
+  // meanwhile ends the job before any output exists).
+  mpi::all_or_none(kFn, comm, [] {});
+  if (rank == 0) write_outputs(output_files(args, result));
+}
+#endif
+
+}  // namespace
+
+bool started_by_mpirun() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
+void run_store_attend(const StoreAttendArgs& args) {
+#ifdef QKV_WITH_MPI
+  if (started_by_mpirun()) return run_mpi(args);
+#endif
+  run_single(args);
+}
+
+}  // namespace qkv::cli
