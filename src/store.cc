@@ -60,6 +60,20 @@ std::string chunk_file_name(const char* what, size_t index) {
   return text;
 }
 
+// Whether `name` is what chunk_file_name(what, i) makes for some i: the
+// files append may remove when no manifest names them (a user's own files in
+// the directory stay).
+bool is_chunk_file_name(const std::string& name, std::string_view what) {
+  if (name.size() < what.size() + 11 || name.compare(0, what.size(), what) != 0 ||
+      name[what.size()] != '-' || name.compare(name.size() - 4, 4, ".npy") != 0) {
+    return false;
+  }
+  const size_t digits = name.size() - what.size() - 5;  // all but "<what>-" and ".npy"
+  return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(what.size() + 1),
+                     name.begin() + static_cast<std::ptrdiff_t>(what.size() + 1 + digits),
+                     [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // ---- the manifest
 
 // A value as JSON text for a message; the parser took only valid UTF-8, but
@@ -488,7 +502,11 @@ KeyValueStore KeyValueStore::create(const std::string& dir, ConstView<float> key
   fs::path target(dir);
   if (!target.has_filename()) target = target.parent_path();
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::string temp = (parent / ("." + target.filename().string() + ".qkv-XXXXXX")).string();
+  // Appended piece by piece: GCC 12 warns (-Wrestrict, falsely) on "." + string.
+  std::string hidden = ".";
+  hidden += target.filename().string();
+  hidden += ".qkv-XXXXXX";
+  std::string temp = (parent / hidden).string();
   if (::mkdtemp(temp.data()) == nullptr) {
     fail(kFn, dir + ": cannot create a directory in " + parent.string() + ": " + errno_text(errno));
   }
@@ -612,7 +630,7 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
                        std::any_of(now.chunks_.begin(), now.chunks_.end(), [&](const StoreChunk& c) {
                          return c.keys_file == name || c.values_file == name;
                        });
-    const bool ours = (name.rfind("keys-", 0) == 0 || name.rfind("values-", 0) == 0 ||
+    const bool ours = (is_chunk_file_name(name, "keys") || is_chunk_file_name(name, "values") ||
                        (name[0] == '.' && name.find(".qkv-") != std::string::npos)) &&
                       entry.is_regular_file(ec);
     if (!named && ours) fs::remove(entry.path(), ec);

@@ -256,11 +256,13 @@ TEST_F(StoreTest, AnAppendClearsWhatAKilledAppendLeft) {
     std::ofstream(path(std::string("s/") + name)) << "left behind";
   }
   std::ofstream(path("s/notes.txt")) << "the user's own file";
+  std::ofstream(path("s/keys-notes.npy")) << "and another, named like a chunk but not one";
   EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 4);  // readers ignore them
   store.append(keys, values);
   EXPECT_EQ(listing(path("s")),
-            (std::vector<std::string>{"keys-000000.npy", "keys-000001.npy", "lock", "manifest.json",
-                                      "notes.txt", "values-000000.npy", "values-000001.npy"}));
+            (std::vector<std::string>{"keys-000000.npy", "keys-000001.npy", "keys-notes.npy", "lock",
+                                      "manifest.json", "notes.txt", "values-000000.npy",
+                                      "values-000001.npy"}));
   KeyValueStore::open(path("s"), StoreCheck::kChecksums);  // the new chunk 1 is whole
 }
 
