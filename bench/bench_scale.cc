@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "qkv/attention.h"
 #include "qkv/store.h"
 #include "qkv/store_attention.h"
 #include "qkv/threads.h"
@@ -130,6 +131,41 @@ int64_t data_bytes(const qkv::KeyValueStore& store) {
          (store.dtype() == qkv::StoreDtype::kFloat32 ? 4 : 2);
 }
 
+// The median time of scaled dot-product attention of `queries` over
+// chunk_rows keys and values held in memory (float32 or bfloat16 as the
+// store), with the lse attend asks for.
+double in_memory_seconds(const qkv::KeyValueStore& store, const qkv::Tensor<float>& queries, int reps) {
+  const int64_t n = store.chunk_rows(), nq = queries.size(0);
+  const qkv::Tensor<float> keys = random_rows(6, 0, n), values = random_rows(7, 0, n);
+  const qkv::ConstView<float> q3 = queries.view().unsqueeze0();
+  qkv::AttentionOptions options;
+  options.want_lse = true;
+  std::vector<double> seconds;
+  if (store.dtype() == qkv::StoreDtype::kFloat32) {
+    qkv::Tensor<float> out(qkv::Shape{1, nq, kDim}), lse(qkv::Shape{1, nq});
+    const auto call = [&] {
+      qkv::scaled_dot_product_attention(q3, keys.view().unsqueeze0(), values.view().unsqueeze0(), {},
+                                        options, {out.view(), std::nullopt, lse.view()});
+    };
+    call();
+    for (int r = 0; r < reps; ++r) seconds.push_back(timed(call).first);
+  } else {
+    const auto bf16 = [](const qkv::Tensor<float>& x) {
+      qkv::Tensor<qkv::bfloat16> y(x.shape());
+      for (int64_t i = 0; i < x.numel(); ++i) y.data()[i] = qkv::bfloat16(x.data()[i]);
+      return y;
+    };
+    const qkv::Tensor<qkv::bfloat16> qb = bf16(queries), kb = bf16(keys), vb = bf16(values);
+    const auto call = [&] {
+      qkv::scaled_dot_product_attention(qb.view().unsqueeze0(), kb.view().unsqueeze0(),
+                                        vb.view().unsqueeze0(), {}, options);
+    };
+    call();
+    for (int r = 0; r < reps; ++r) seconds.push_back(timed(call).first);
+  }
+  return median(seconds);
+}
+
 void resident(const std::string& dir, int reps) {
   for (const char* name : {"resident-float32", "resident-bfloat16"}) {
     const qkv::KeyValueStore store = qkv::KeyValueStore::open(path_of(dir, name), qkv::StoreCheck::kStructure);
@@ -143,14 +179,20 @@ void resident(const std::string& dir, int reps) {
         seconds.push_back(s);
         anon = std::max(anon, a);
       }
+      // The fused kernel alone on one chunk's shape, its keys and values in
+      // memory (the same call attend makes per chunk): what the store costs
+      // beyond it.
+      const double kernel = in_memory_seconds(store, queries, reps) *
+                            static_cast<double>(store.rows()) / static_cast<double>(store.chunk_rows());
       std::printf(
           "{\"kind\": \"resident\", \"store\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, "
           "\"queries\": %lld, \"dim\": %lld, \"seconds\": %.6f, \"min_seconds\": %.6f, "
+          "\"in_memory_seconds\": %.6f, "
           "\"data_bytes\": %lld, \"flops\": %.6e, \"anon_peak_bytes\": %lld, \"threads\": %d}\n",
           name, std::string(qkv::store_dtype_name(store.dtype())).c_str(),
           static_cast<long long>(store.rows()), static_cast<long long>(nq),
           static_cast<long long>(kDim), median(seconds), *std::min_element(seconds.begin(), seconds.end()),
-          static_cast<long long>(data_bytes(store)),
+          kernel, static_cast<long long>(data_bytes(store)),
           4.0 * static_cast<double>(nq) * static_cast<double>(store.rows()) * kDim,
           static_cast<long long>(anon), qkv::num_threads());
       std::fflush(stdout);

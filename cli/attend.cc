@@ -33,6 +33,7 @@ struct AttendArgs {
   std::optional<int> threads;
   // --store: attention over key-value stores' rows (cli/attend_store.h).
   std::vector<std::string> stores;
+  std::optional<double> bandwidth;  // --scoring gaussian
   int64_t top_k = 0;
   std::string top_ids, top_weights;
   bool quiet = false;
@@ -42,6 +43,11 @@ struct AttendArgs {
 void check_store_options(const AttendArgs& args) {
   if (args.stores.empty()) {
     if (args.scoring.empty()) throw UsageError("--scoring is required (dot or additive)");
+    if (args.scoring == "gaussian") {
+      throw UsageError("--scoring gaussian is for attention over --store (in memory, Gaussian "
+                       "attention is Nadaraya-Watson regression: qkv regress)");
+    }
+    if (args.bandwidth) throw UsageError("--bandwidth is for --scoring gaussian with --store");
     for (const auto& [flag, given] :
          {std::pair{"--top-k", args.top_k != 0}, {"--top-ids", !args.top_ids.empty()},
           {"--top-weights", !args.top_weights.empty()}, {"--quiet", args.quiet}}) {
@@ -52,9 +58,15 @@ void check_store_options(const AttendArgs& args) {
     }
     return;
   }
-  if (!args.scoring.empty() && args.scoring != "dot") {
-    throw UsageError("--scoring " + args.scoring + " does not take --store; attention over a "
-                     "store is scaled dot-product (--scoring dot)");
+  if (args.scoring == "additive") {
+    throw UsageError("--scoring additive does not take --store; attention over a store scores "
+                     "by --scoring dot or gaussian");
+  }
+  if (args.scoring == "gaussian" && args.scale) {
+    throw UsageError("--scale is for --scoring dot; --scoring gaussian takes --bandwidth H");
+  }
+  if (args.bandwidth && args.scoring != "gaussian") {
+    throw UsageError("--bandwidth is for --scoring gaussian");
   }
   std::vector<std::string> conflicts;
   for (const auto& [flag, given] :
@@ -163,9 +175,10 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
 void run_attend(const AttendArgs& args) {
   check_store_options(args);
   if (!args.stores.empty()) {
-    return run_store_attend({args.stores, args.queries, args.valid_lens, args.scale, args.top_k,
-                             args.out, args.lse, args.top_ids, args.top_weights, args.quiet,
-                             args.threads});
+    return run_store_attend({args.stores, args.queries, args.valid_lens,
+                             args.scoring.empty() ? "dot" : args.scoring, args.scale,
+                             args.bandwidth, args.top_k, args.out, args.lse, args.top_ids,
+                             args.top_weights, args.quiet, args.threads});
   }
   check_options(args);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
@@ -235,9 +248,12 @@ Command add_attend_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
   app->add_option("--scoring", args->scoring,
-                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); required "
-                  "except with --store (dot)")
-      ->check(CLI::IsMember({"dot", "additive"}));
+                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); gaussian (with "
+                  "--store only): -|q - k|^2 / (2 h^2); required except with --store (default dot)")
+      ->check(CLI::IsMember({"dot", "additive", "gaussian"}));
+  require_number(app->add_option("--bandwidth", args->bandwidth,
+                                 "--scoring gaussian: the kernel's width h > 0 (default 1)"))
+      ->type_name("H");
   require_path(app->add_option("--queries", args->queries,
                                "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))
       ->type_name("Q.npy")

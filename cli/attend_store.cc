@@ -78,6 +78,17 @@ ValidLens valid_rows_of(const Inputs& in) {
   return in.valid_rows.empty() ? ValidLens() : ValidLens(in.valid_rows.view());
 }
 
+StoreAttentionOptions options_of(const StoreAttendArgs& args) {
+  StoreAttentionOptions options;
+  options.scale = args.scale;
+  options.top_k = args.top_k;
+  if (args.scoring == "gaussian") {
+    options.scoring = StoreScoring::kGaussian;
+    options.bandwidth = args.bandwidth.value_or(1.0);
+  }
+  return options;
+}
+
 StoreProgress report(Progress& progress) {
   return [&progress](int64_t done, int64_t total) { progress.update(done, total); };
 }
@@ -92,9 +103,7 @@ void run_single(const StoreAttendArgs& args) {
     stores.push_back(KeyValueStore::open(dir, StoreCheck::kStructure));
   }
   const Inputs in = read_inputs(args);
-  StoreAttentionOptions options;
-  options.scale = args.scale;
-  options.top_k = args.top_k;
+  StoreAttentionOptions options = options_of(args);
   Progress progress("qkv attend --store", args.quiet);
   options.progress = report(progress);
   std::vector<const KeyValueStore*> pointers;
@@ -161,9 +170,7 @@ void run_mpi(const StoreAttendArgs& args) {
   mpi::broadcast(in.queries, comm);
   if (!args.valid_lens.empty()) mpi::broadcast(in.valid_rows, comm);
 
-  StoreAttentionOptions options;
-  options.scale = args.scale;
-  options.top_k = args.top_k;
+  StoreAttentionOptions options = options_of(args);
   Progress progress("qkv attend --store (rank 0's part)", args.quiet || rank != 0);
   options.progress = report(progress);
   const StoreAttentionResult result = mpi::attend(in.queries.view(), part, comm, valid_rows_of(in), options);

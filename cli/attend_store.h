@@ -13,7 +13,9 @@ namespace qkv::cli {
 struct StoreAttendArgs {
   std::vector<std::string> stores;  // one store, or shard stores in row order
   std::string queries, valid_lens;
+  std::string scoring = "dot";  // or "gaussian"
   std::optional<double> scale;
+  std::optional<double> bandwidth;  // gaussian
   int64_t top_k = 0;
   std::string out, lse, top_ids, top_weights;
   bool quiet = false;

@@ -260,7 +260,7 @@ StoreAttentionGrads attend_backward(ConstView<float> queries, const StorePart& p
   const Layout layout = layout_of(kFn, queries, part, comm, options);
   std::vector<int64_t> global_rows;
   all_or_none(kFn, comm, [&] {
-    qkv::detail::check_store_backward(kFn, queries, *part.store, saved, d_output);
+    qkv::detail::check_store_backward(kFn, queries, *part.store, options, saved, d_output);
     global_rows = qkv::detail::rows_seen(kFn, queries, valid_rows, layout.rows);
   });
   qkv::detail::StorePartialGrads local;

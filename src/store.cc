@@ -17,6 +17,8 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "qkv/bfloat16.h"
@@ -563,13 +565,27 @@ KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,
   return store;
 }
 
-MappedChunk KeyValueStore::map_chunk(size_t index) const {
+struct KeyValueStore::Mappings {
+  std::mutex mutex;
+  std::map<std::string, std::shared_ptr<const MappedChunk>> by_keys_file;
+};
+
+std::shared_ptr<KeyValueStore::Mappings> KeyValueStore::no_mappings() {
+  return std::make_shared<Mappings>();
+}
+
+std::shared_ptr<const MappedChunk> KeyValueStore::map_chunk(size_t index) const {
   return map_checked("KeyValueStore::map_chunk", index);
 }
 
-MappedChunk KeyValueStore::map_checked(std::string_view kFn, size_t index) const {
+std::shared_ptr<const MappedChunk> KeyValueStore::map_checked(std::string_view kFn,
+                                                              size_t index) const {
   const StoreChunk& chunk = chunks_.at(index);
-  MappedChunk mapped;
+  const std::lock_guard<std::mutex> lock(mappings_->mutex);
+  std::shared_ptr<const MappedChunk>& cached = mappings_->by_keys_file[chunk.keys_file];
+  if (cached) return cached;
+  auto made = std::make_shared<MappedChunk>();
+  MappedChunk& mapped = *made;
   NpyHeader keys_header, values_header;
   const std::string keys_path = (fs::path(dir_) / chunk.keys_file).string();
   const std::string values_path = (fs::path(dir_) / chunk.values_file).string();
@@ -581,7 +597,8 @@ MappedChunk KeyValueStore::map_checked(std::string_view kFn, size_t index) const
                    &values_header);
   mapped.keys = mapped.keys_file.data() + keys_header.data_offset;
   mapped.values = mapped.values_file.data() + values_header.data_offset;
-  return mapped;
+  cached = std::move(made);
+  return cached;
 }
 
 void KeyValueStore::verify(const StoreProgress& progress) const {

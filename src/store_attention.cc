@@ -71,22 +71,22 @@ class ChunkReader {
     if (!order_.empty()) next_ = map(order_[0]);
   }
   // The chunk at position s of the order (s = 0, 1, ... in turn).
-  MappedChunk take(size_t s) {
-    MappedChunk chunk = std::move(next_);
+  std::shared_ptr<const MappedChunk> take(size_t s) {
+    std::shared_ptr<const MappedChunk> chunk = std::move(next_);
     if (s + 1 < order_.size()) next_ = map(order_[s + 1]);
     return chunk;
   }
 
  private:
-  MappedChunk map(size_t index) const {
-    MappedChunk chunk = store_.map_chunk(index);
-    chunk.keys_file.prefetch();
-    chunk.values_file.prefetch();
+  std::shared_ptr<const MappedChunk> map(size_t index) const {
+    std::shared_ptr<const MappedChunk> chunk = store_.map_chunk(index);
+    chunk->keys_file.prefetch();
+    chunk->values_file.prefetch();
     return chunk;
   }
   const KeyValueStore& store_;
   const std::vector<size_t>& order_;
-  MappedChunk next_;
+  std::shared_ptr<const MappedChunk> next_;
 };
 
 // The bytes of one row of keys and values, for progress reports.
@@ -98,6 +98,70 @@ template <class T>
 ConstView<T> chunk_view(const void* data, int64_t rows, int64_t dim) {
   return ConstView<T>(static_cast<const T*>(data), Shape{1, rows, dim});
 }
+
+// Gaussian scoring of one chunk, -|q - k|^2 / (2 h^2), as the dot-product
+// kernel computes it: with c the chunk's mean key, q' = q - c, k' = k - c,
+//   -|q - k|^2 / (2 h^2) = (q' . k') / h^2 - |k'|^2 / (2 h^2) - |q'|^2 / (2 h^2),
+// a scaled dot product, a bias per key, and a term per query (which only
+// shifts the lse). Centring first keeps the products accurate when the keys
+// sit far from the origin (docs/regression.md: the uncentred form cancels
+// |q|^2 + |k|^2 against 2 q . k); so the chunk's keys are copied, centred, in
+// float (and a bf16 chunk's values widened): O(chunk) memory.
+struct GaussianChunk {
+  double scale = 0;
+  Tensor<float> queries, keys, values, key_terms;
+  std::vector<double> query_terms;
+
+  GaussianChunk(const KeyValueStore& store, const MappedChunk& chunk, int64_t rows,
+                ConstView<float> q, double bandwidth)
+      : scale(1.0 / (bandwidth * bandwidth)) {
+    const int64_t d = store.key_dim(), nq = q.size(0);
+    const bool f32 = store.dtype() == StoreDtype::kFloat32;
+    const auto key = [&](int64_t j, int64_t c) -> double {
+      return f32 ? static_cast<const float*>(chunk.keys)[j * d + c]
+                 : static_cast<float>(static_cast<const bfloat16*>(chunk.keys)[j * d + c]);
+    };
+    std::vector<double> mean(static_cast<size_t>(d));
+    for (int64_t j = 0; j < rows; ++j) {
+      for (int64_t c = 0; c < d; ++c) mean[static_cast<size_t>(c)] += key(j, c);
+    }
+    for (double& m : mean) m /= static_cast<double>(rows);
+    keys = Tensor<float>(Shape{1, rows, d});
+    key_terms = Tensor<float>(Shape{rows});
+    kernels::parallel_for((rows + 4095) / 4096, [&](int64_t task) {
+      for (int64_t j = task * 4096; j < std::min(rows, (task + 1) * 4096); ++j) {
+        double norm = 0;
+        for (int64_t c = 0; c < d; ++c) {
+          const double x = key(j, c) - mean[static_cast<size_t>(c)];
+          keys(0, j, c) = static_cast<float>(x);
+          norm += x * x;
+        }
+        key_terms(j) = static_cast<float>(-0.5 * scale * norm);
+      }
+    });
+    queries = Tensor<float>(Shape{1, nq, d});
+    query_terms.resize(static_cast<size_t>(nq));
+    for (int64_t i = 0; i < nq; ++i) {
+      double norm = 0;
+      for (int64_t c = 0; c < d; ++c) {
+        const double x = static_cast<double>(q(i, c)) - mean[static_cast<size_t>(c)];
+        queries(0, i, c) = static_cast<float>(x);
+        norm += x * x;
+      }
+      query_terms[static_cast<size_t>(i)] = -0.5 * scale * norm;
+    }
+    if (!f32) {
+      const int64_t dv = store.value_dim();
+      values = Tensor<float>(Shape{1, rows, dv});
+      const auto* v = static_cast<const bfloat16*>(chunk.values);
+      for (int64_t i = 0; i < rows * dv; ++i) values.data()[i] = static_cast<float>(v[i]);
+    }
+  }
+  ConstView<float> values_view(const MappedChunk& chunk, int64_t dv) const {
+    if (!values.empty()) return values.view();
+    return ConstView<float>(static_cast<const float*>(chunk.values), Shape{1, keys.size(1), dv});
+  }
+};
 
 }  // namespace
 
@@ -133,13 +197,23 @@ void check_store_attention(std::string_view function, ConstView<float> queries,
   if (options.scale && !std::isfinite(*options.scale)) {
     fail(function, "scale = " + std::to_string(*options.scale) + "; expected a finite number");
   }
+  if (options.scoring == StoreScoring::kGaussian) {
+    if (options.scale) {
+      fail(function, "scale is for dot scoring; Gaussian scoring takes bandwidth");
+    }
+    if (!(options.bandwidth > 0 && std::isfinite(options.bandwidth))) {
+      fail(function, "bandwidth = " + std::to_string(options.bandwidth) +
+                         "; expected a finite number > 0");
+    }
+  }
 }
 
 StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store, size_t first,
                            size_t last, const std::vector<int64_t>& query_rows,
                            const StoreAttentionOptions& options) {
   const int64_t nq = queries.size(0), dv = store.value_dim(), k = options.top_k;
-  const KernelQueries q(queries, store.dtype());
+  const bool gaussian = options.scoring == StoreScoring::kGaussian;
+  const KernelQueries q(queries, gaussian ? StoreDtype::kFloat32 : store.dtype());
   AttentionOptions attention;
   attention.scale = options.scale;
   attention.want_lse = true;
@@ -160,19 +234,31 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
   for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
   ChunkReader reader(store, seen);
   for (size_t s = 0; s < seen.size(); ++s) {
-    const MappedChunk chunk = reader.take(s);
+    const std::shared_ptr<const MappedChunk> held = reader.take(s);
+    const MappedChunk& chunk = *held;
     const StoreChunk& info = store.chunks()[seen[s]];
     chunk_lens(info, query_rows, lens);
     const ValidLens valid(lens.view());
-    if (store.dtype() == StoreDtype::kFloat32) {
+    std::vector<double> query_terms;  // Gaussian: each query's term of its scores
+    if (gaussian || store.dtype() == StoreDtype::kFloat32) {
       if (k > 0 && result.weights.numel() != nq * info.rows) {
         result.weights = Tensor<float>(Shape{1, nq, info.rows});  // once, unless chunk sizes differ
       }
       AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
       if (k > 0) outputs.weights = result.weights.view();
-      scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
-                                   chunk_view<float>(chunk.values, info.rows, dv), valid, attention,
-                                   outputs);
+      if (gaussian) {
+        const GaussianChunk g(store, chunk, info.rows, queries, options.bandwidth);
+        AttentionOptions with_bias = attention;
+        with_bias.scale = g.scale;
+        with_bias.bias = ConstView<float>(g.key_terms.view());
+        scaled_dot_product_attention(g.queries.view(), g.keys.view(), g.values_view(chunk, dv), valid,
+                                     with_bias, outputs);
+        query_terms = g.query_terms;
+      } else {
+        scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
+                                     chunk_view<float>(chunk.values, info.rows, dv), valid, attention,
+                                     outputs);
+      }
     } else {
       result = scaled_dot_product_attention(
           q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, store.key_dim()),
@@ -180,6 +266,9 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
     }
     for (int64_t i = 0; i < nq; ++i) {
       lse_chunk(i) = result.lse(0, i);
+      // The query's own term shifts its scores alike: it leaves the weights
+      // and output be, and enters the lse.
+      if (!query_terms.empty()) lse_chunk(i) += query_terms[static_cast<size_t>(i)];
       for (int64_t j = 0; j < dv; ++j) out_chunk(i, j) = result.output(0, i, j);
     }
     merge_attention(std::vector<ConstView<double>>{part.output.view(), out_chunk.view()},
@@ -251,8 +340,11 @@ StoreAttentionResult finish(const StorePartial& partial, int64_t top_k) {
 }
 
 void check_store_backward(std::string_view function, ConstView<float> queries,
-                          const KeyValueStore& store, const SavedForward<float>& saved,
-                          ConstView<float> d_output) {
+                          const KeyValueStore& store, const StoreAttentionOptions& options,
+                          const SavedForward<float>& saved, ConstView<float> d_output) {
+  if (options.scoring != StoreScoring::kDot) {
+    fail(function, "the backward over a store is for dot scoring; Gaussian scoring has none");
+  }
   const Shape out_shape{queries.size(0), store.value_dim()};
   check_shape(function, "saved.output", saved.output, out_shape);
   check_shape(function, "saved.lse", saved.lse, Shape{queries.size(0)});
@@ -285,7 +377,8 @@ StorePartialGrads backward_chunks(ConstView<float> queries, const KeyValueStore&
   int64_t total = 0, done = 0;
   for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
   for (size_t s = 0; s < seen.size(); ++s) {
-    const MappedChunk chunk = reader.take(s);
+    const std::shared_ptr<const MappedChunk> held = reader.take(s);
+    const MappedChunk& chunk = *held;
     const StoreChunk& info = store.chunks()[seen[s]];
     chunk_lens(info, query_rows, lens);
     const ValidLens valid(lens.view());
@@ -364,7 +457,7 @@ StoreAttentionGrads attend_backward(ConstView<float> queries, const KeyValueStor
                                     const StoreAttentionOptions& options,
                                     const SavedForward<float>& saved, ConstView<float> d_output) {
   detail::check_store_attention(kBackwardFn, queries, store, options, store.rows());
-  detail::check_store_backward(kBackwardFn, queries, store, saved, d_output);
+  detail::check_store_backward(kBackwardFn, queries, store, options, saved, d_output);
   const std::vector<int64_t> rows = detail::rows_seen(kBackwardFn, queries, valid_rows, store.rows());
   detail::StorePartialGrads part = detail::backward_chunks(
       queries, store, 0, store.chunks().size(), rows, options, saved, d_output);

@@ -79,7 +79,7 @@ StorePartialGrads backward_chunks(ConstView<float> queries, const KeyValueStore&
 
 // Checks the backward's saved output (Nq, Dv), lse (Nq) and d_output (Nq, Dv).
 void check_store_backward(std::string_view function, ConstView<float> queries,
-                          const KeyValueStore& store, const SavedForward<float>& saved,
-                          ConstView<float> d_output);
+                          const KeyValueStore& store, const StoreAttentionOptions& options,
+                          const SavedForward<float>& saved, ConstView<float> d_output);
 
 }  // namespace qkv::detail

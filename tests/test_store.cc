@@ -59,10 +59,10 @@ ReadBack read_back(const KeyValueStore& store) {
                Tensor<float>(Shape{store.rows(), store.value_dim()})};
   for (size_t c = 0; c < store.chunks().size(); ++c) {
     const StoreChunk& chunk = store.chunks()[c];
-    const MappedChunk mapped = store.map_chunk(c);
+    const std::shared_ptr<const MappedChunk> mapped = store.map_chunk(c);
     for (const auto& [dest, source, dim] :
-         {std::tuple{&all.keys, mapped.keys, store.key_dim()},
-          std::tuple{&all.values, mapped.values, store.value_dim()}}) {
+         {std::tuple{&all.keys, mapped->keys, store.key_dim()},
+          std::tuple{&all.values, mapped->values, store.value_dim()}}) {
       for (int64_t i = 0; i < chunk.rows * dim; ++i) {
         float x;
         if (store.dtype() == StoreDtype::kFloat32) {
@@ -135,6 +135,10 @@ TEST_F(StoreTest, RowsComeBackAsWrittenInEveryChunking) {
         }
         EXPECT_EQ(store.file_bytes(), bytes);
         const ReadBack back = read_back(store);
+        if (!store.chunks().empty()) {  // mapped once, kept, shared by copies
+          const KeyValueStore copy = store;
+          EXPECT_EQ(store.map_chunk(0).get(), copy.map_chunk(0).get());
+        }
         const bool bf16 = dtype == StoreDtype::kBFloat16;
         expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(keys) : keys, "keys");
         expect_bitwise_equal(back.values, bf16 ? rounded_to_bf16(values) : values, "values");
@@ -610,6 +614,88 @@ TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
                {"attend_backward", "saved.lse", "[3]", "[2]"});
   expect_error([&] { attend_backward(q, store, {}, {}, {o.view(), lse.view()}, Tensor<float>(Shape{2, 3})); },
                {"attend_backward", "d_output", "[2, 3]"});
+}
+
+TEST_F(StoreTest, GaussianScoringIsNadarayaWatsonOverEveryRow) {
+  // -|q - k|^2 / (2 h^2) against a float64 loop, with keys near the origin
+  // and 1000 away from it (centred per chunk, so no accuracy is lost there;
+  // the uncentred float form would err by ~1e-7 |k|^2 / h^2 ~ 0.4 per score).
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int made = 0;
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (double offset : {0.0, 1000.0}) {
+      const int64_t n = rng.uniform_int(1, 600), d = rng.uniform_int(1, 16);
+      const int64_t dv = rng.uniform_int(1, 8), nq = rng.uniform_int(1, 10);
+      const double h = rng.uniform(0.3, 2.0);
+      const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, offset - 1, offset + 1);
+      const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+      const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, offset - 1.2, offset + 1.2);
+      const KeyValueStore store = KeyValueStore::create(path("g" + std::to_string(made++)), keys,
+                                                        values, dtype, rng.uniform_int(1, 250));
+      SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) + " h=" + std::to_string(h) +
+                   " offset=" + std::to_string(offset) + (dtype == StoreDtype::kBFloat16 ? " bf16" : ""));
+      Tensor<int64_t> lens(Shape{nq});
+      for (int64_t i = 0; i < nq; ++i) lens(i) = rng.bernoulli(0.5) ? n : rng.uniform_int(0, n);
+      StoreAttentionOptions options;
+      options.scoring = StoreScoring::kGaussian;
+      options.bandwidth = h;
+      options.top_k = std::min<int64_t>(n, 3);
+      const StoreAttentionResult got = attend(queries, store, ValidLens(lens), options);
+      // The reference on the rows as stored (bf16 rounded), queries as given.
+      const ReadBack back = read_back(store);
+      Tensor<double> out(Shape{nq, dv}), lse(Shape{nq});
+      double largest_score = 0;
+      for (int64_t i = 0; i < nq; ++i) {
+        std::vector<double> score(static_cast<size_t>(lens(i)));
+        double max = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < lens(i); ++j) {
+          double dist = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            const double x = double(queries(i, c)) - double(back.keys(j, c));
+            dist += x * x;
+          }
+          score[static_cast<size_t>(j)] = -dist / (2 * h * h);
+          max = std::max(max, score[static_cast<size_t>(j)]);
+          largest_score = std::max(largest_score, std::abs(score[static_cast<size_t>(j)]));
+        }
+        double sum = 0;
+        for (double x : score) sum += std::exp(x - max);
+        lse(i) = lens(i) == 0 ? -std::numeric_limits<double>::infinity() : max + std::log(sum);
+        for (int64_t j = 0; j < lens(i); ++j) {
+          const double w = std::exp(score[static_cast<size_t>(j)] - max) / sum;
+          for (int64_t c = 0; c < dv; ++c) out(i, c) += w * double(back.values(j, c));
+        }
+        // The top row is the nearest key (or one as near).
+        if (lens(i) > 0) {
+          const int64_t best = got.top_ids(i, 0);
+          ASSERT_GE(best, 0);
+          EXPECT_NEAR(score[static_cast<size_t>(best)], max, 1e-5 * (1 + std::abs(max)));
+        }
+      }
+      // Scores are differences of float-rounded centred coordinates: their
+      // error grows with their size (up to ~d (2.2)^2 / (2 h^2)).
+      expect_close(got.output, out, Tol{.atol = 1e-5 * (1 + largest_score), .rtol = 1e-4}, "output");
+      expect_close(got.lse, lse, Tol{.atol = 2e-6 * (1 + largest_score), .rtol = 2e-6}, "lse");
+    }
+  }
+  const KeyValueStore store = KeyValueStore::create(path("ge"), Tensor<float>(Shape{3, 2}, 1.0f),
+                                                    Tensor<float>(Shape{3, 2}, 1.0f));
+  const Tensor<float> q(Shape{2, 2});
+  StoreAttentionOptions options;
+  options.scoring = StoreScoring::kGaussian;
+  options.bandwidth = 0;
+  expect_error([&] { attend(q, store, {}, options); }, {"attend", "bandwidth = 0"});
+  options.bandwidth = 1;
+  options.scale = 2.0;
+  expect_error([&] { attend(q, store, {}, options); }, {"attend", "scale is for dot scoring"});
+  options.scale.reset();
+  const StoreAttentionResult forward = attend(q, store, {}, options);
+  expect_error([&] {
+    attend_backward(q, store, {}, options, {forward.output.view(), forward.lse.view()},
+                    Tensor<float>(Shape{2, 2}));
+  }, {"attend_backward", "Gaussian scoring has none"});
 }
 
 TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {

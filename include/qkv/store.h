@@ -114,9 +114,13 @@ class KeyValueStore {
   // the manifest; Error naming the first file that disagrees.
   void verify(const StoreProgress& progress = {}) const;
 
-  // Maps chunk `index`'s files, checking their sizes and headers against the
-  // manifest again (a file truncated since open() would fault when read).
-  MappedChunk map_chunk(size_t index) const;
+  // Chunk `index`'s files, mapped the first time they are asked for (their
+  // sizes and headers checked against the manifest then: a file truncated
+  // since open() would fault when read) and kept mapped while this store or
+  // a copy of it lives, so attention over a store in the page cache does not
+  // fault its pages in again on every call: 10^7 rows of d = dv = 64 are 1.25
+  // million 4 KiB pages.
+  std::shared_ptr<const MappedChunk> map_chunk(size_t index) const;
 
   const std::string& dir() const { return dir_; }
   StoreDtype dtype() const { return dtype_; }
@@ -136,7 +140,11 @@ class KeyValueStore {
 
  private:
   // map_chunk, with errors told as `function`'s.
-  MappedChunk map_checked(std::string_view function, size_t index) const;
+  std::shared_ptr<const MappedChunk> map_checked(std::string_view function, size_t index) const;
+  // The chunks mapped so far, shared by copies of this store.
+  struct Mappings;
+  static std::shared_ptr<Mappings> no_mappings();
+  std::shared_ptr<Mappings> mappings_ = no_mappings();
   // verify, with errors told as `function`'s.
   void check_checksums(std::string_view function, const StoreProgress& progress) const;
 

@@ -21,9 +21,24 @@
 
 namespace qkv {
 
+// How a query scores a row.
+enum class StoreScoring {
+  // scale q . k (scaled dot product).
+  kDot,
+  // -|q - k|^2 / (2 bandwidth^2): Nadaraya-Watson's Gaussian kernel as
+  // attention (d2l 11.2), computed as the dot-product kernel with a bias per
+  // key on keys centred at each chunk's mean, so keys far from the origin
+  // lose no accuracy. Copies each chunk's keys (centred, float32) while it
+  // is attended; forward only.
+  kGaussian,
+};
+
 struct StoreAttentionOptions {
-  // Multiplies the dot products; default 1/sqrt(D).
+  StoreScoring scoring = StoreScoring::kDot;
+  // Dot scoring: multiplies the dot products; default 1/sqrt(D).
   std::optional<double> scale;
+  // Gaussian scoring: the kernel's width h > 0.
+  double bandwidth = 1.0;
   // Also return each query's top_k rows by weight: their row ids in the store
   // and their weights (over the whole store), by weight, largest first (ties:
   // the smaller row id first). A query with fewer than top_k valid rows gets
@@ -35,12 +50,13 @@ struct StoreAttentionOptions {
 
 struct StoreAttentionResult {
   Tensor<float> output;       // (Nq, Dv)
-  Tensor<float> lse;          // (Nq): log sum_j exp(scale q.k_j) over the valid rows
+  Tensor<float> lse;          // (Nq): log sum_j exp(score(q, k_j)) over the valid rows
   Tensor<int64_t> top_ids;    // (Nq, top_k), empty unless top_k > 0
   Tensor<float> top_weights;  // (Nq, top_k), empty unless top_k > 0
 };
 
-// softmax(scale Q Kᵀ) V over the store's rows. valid_rows, as the valid
+// softmax(scores) V over the store's rows, scores scale Q Kᵀ (or Gaussian,
+// options.scoring). valid_rows, as the valid
 // lengths of a batch of one (ValidLens::for_batch_of_one): absent (every row),
 // one count (a scalar or (1)) or one per query ((Nq) or (1, Nq)): query i sees
 // rows [0, valid_rows[i]) only, and chunks no query sees are not read. A

@@ -337,6 +337,27 @@ class AttendStoreTest(StoreCase):
                     self.assertTrue((ids[i, len(order):] == -1).all())
                     self.assertTrue((tw[i, len(order):] == 0).all())
 
+    def test_gaussian_scoring_against_numpy(self):
+        """Nadaraya-Watson's Gaussian kernel over a store, keys far from the origin."""
+        n, d, dv, nq, h = 700, 3, 2, 6, 0.4
+        k = (1000 + self.rng.uniform(-1, 1, size=(n, d))).astype(np.float32)
+        v = self.rng.normal(size=(n, dv)).astype(np.float32)
+        q = (1000 + self.rng.uniform(-1, 1, size=(nq, d))).astype(np.float32)
+        store = self.create("g", k, v, "--chunk-rows", 256)
+        self.ok("attend", "--store", store, "--scoring", "gaussian", "--bandwidth", h,
+                "--queries", self.save("q.npy", q), "--out", self.path("o.npy"),
+                "--lse", self.path("lse.npy"), "--top-k", 1, "--top-ids", self.path("ids.npy"))
+        dist = ((q.astype(np.float64)[:, None, :] - k.astype(np.float64)[None, :, :]) ** 2).sum(-1)
+        s = -dist / (2 * h * h)
+        m = s.max(axis=1, keepdims=True)
+        w = np.exp(s - m)
+        np.testing.assert_allclose(self.load(self.path("o.npy"), np.float32, (nq, dv)),
+                                   (w / w.sum(1, keepdims=True)) @ v, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(self.load(self.path("lse.npy"), np.float32, (nq,)),
+                                   np.log(w.sum(1)) + m[:, 0], rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(self.load(self.path("ids.npy"), np.int64, (nq, 1))[:, 0],
+                                      dist.argmin(axis=1))
+
     def test_default_scale_and_output_only(self):
         k = self.rng.normal(size=(50, 4)).astype(np.float32)
         store = self.create("s", k, k)
@@ -353,6 +374,13 @@ class AttendStoreTest(StoreCase):
         base = ["attend", "--store", store, "--queries", q, "--out", out]
         self.expect_error("attend", base + ["--keys", q], [out], ["--keys", "--store"])
         self.expect_error("attend", base + ["--scoring", "additive"], [out], ["--store", "dot"])
+        self.expect_error("attend", base + ["--scoring", "gaussian", "--scale", 2], [out],
+                          ["--scale", "--bandwidth"])
+        self.expect_error("attend", base + ["--scoring", "gaussian", "--bandwidth", 0], [out],
+                          ["bandwidth = 0"])
+        self.expect_error("attend", base + ["--bandwidth", 1], [out], ["--bandwidth", "gaussian"])
+        self.expect_error("attend", ["attend", "--scoring", "gaussian", "--queries", q, "--keys", q,
+                                     "--values", q, "--out", out], [out], ["--store", "qkv regress"])
         self.expect_error("attend", base + ["--causal", "--mask", q], [out],
                           ["--causal and --mask", "--store"])
         self.expect_error("attend", base + ["--weights", ids], [out, ids], ["--weights"])
