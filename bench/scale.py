@@ -213,7 +213,7 @@ def render(run):
         lines.append(f"| {nq} | {fmt_s(t['seconds'])} | {fmt_bytes(t['extra_bytes'])} "
                      f"(+ {fmt_bytes(t['loaded_bytes'])} loaded) | {fmt_s(k['seconds'])} | "
                      f"{fmt_bytes(k['anon_peak_bytes'])} | {t['seconds'] / k['seconds']:.1f}× |")
-    lines += ["", f"The command: `bench/scale.sh` ({run['elapsed_minutes']:.0f} minutes, "
+    lines += ["", f"The command: `{run['command']}` ({run['elapsed_minutes']:.0f} minutes, "
               "building the stores the first time); raw results in `docs/perf-runs/scale.json`.", "", END]
     return "\n".join(lines) + "\n"
 
@@ -222,17 +222,18 @@ def draw_figure(run):
     rows = run["mpi"]
     data = "\n".join(f"{r['ranks']} {r['local']} {r['communication']} {r['merge']}" for r in rows)
     script = f"""
-set terminal pngcairo size 720,400 font 'DejaVu Sans,10'
+set terminal pngcairo size 760,420 font 'DejaVu Sans,10'
 set output '{FIGURE}'
 set title 'Attention over 10^7 rows, Q = 64, across MPI ranks on one 2-core machine'
 set style data histograms
-set style histogram rowstacked
+set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set boxwidth 0.6
-set ylabel 'seconds (slowest rank)'
+set logscale y
+set format y '%g'
+set ylabel 'seconds, slowest rank (log scale)'
 set xlabel 'ranks'
-set key top right
-set yrange [0:*]
+set key outside right top
+set yrange [1e-5:10]
 $d << EOD
 {data}
 EOD
@@ -263,14 +264,21 @@ def main():
     if args.replay:
         with open(RAW) as f:
             run = json.load(f)
+        # Runs recorded before the command was: this one's, 2026-11-28.
+        run.setdefault("command", "bench/scale.sh --build build/test-release")
     else:
         start = time.time()
         bench = os.path.join(args.build, "bench")
         env = performance.measuring_env(None)
         subprocess.run([os.path.join(bench, "bench_scale"), "make", args.stores], check=True, env=env)
         cpu, cores, memory = machine()
+        command = "bench/scale.sh"
+        if os.path.normpath(args.build) != os.path.normpath("build/perf"):
+            command += f" --build {args.build}"
+        if args.repetitions != 5:
+            command += f" --repetitions {args.repetitions}"
         run = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cores": cores, "memory_gib": memory,
-               "repetitions": args.repetitions}
+               "repetitions": args.repetitions, "command": command}
         run["simd_target"] = subprocess.run([os.path.join(args.build, "qkv"), "info", "--json"],
                                             check=True, capture_output=True, text=True, env=env)
         run["simd_target"] = json.loads(run["simd_target"].stdout)["simd_target"]

@@ -315,7 +315,21 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 }
 
 void MappedFile::prefetch() const {
-  if (data_ != nullptr) ::madvise(const_cast<unsigned char*>(data_), size_, MADV_WILLNEED);
+  if (data_ == nullptr) return;
+  // A file already in the page cache needs no read-ahead, and asking for it
+  // costs: WILLNEED walks every page of the range (about 1 ms per 128 MiB
+  // chunk pair, 18 % of a warm Q = 1 pass over 10^7 rows). So 16 pages spread
+  // over the file are probed first (mincore), and a file they all find
+  // cached is left alone.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t pages = (size_ + page - 1) / page;
+  bool cached = true;
+  for (size_t probe = 0; probe < 16 && cached; ++probe) {
+    unsigned char in = 0;
+    const size_t at = pages * probe / 16 * page;
+    cached = ::mincore(const_cast<unsigned char*>(data_) + at, 1, &in) == 0 && (in & 1) != 0;
+  }
+  if (!cached) ::madvise(const_cast<unsigned char*>(data_), size_, MADV_WILLNEED);
 }
 
 // ---- the manifest
