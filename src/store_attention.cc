@@ -47,7 +47,8 @@ std::vector<size_t> chunks_seen(const KeyValueStore& store, size_t first, size_t
   std::vector<size_t> seen;
   for (size_t c = first; c < last; ++c) {
     const int64_t first_row = store.chunks()[c].first_row;
-    if (std::any_of(query_rows.begin(), query_rows.end(), [&](int64_t r) { return r > first_row; })) {
+    if (std::any_of(query_rows.begin(), query_rows.end(),
+                    [&](int64_t r) { return r > first_row; })) {
       seen.push_back(c);
     }
   }
@@ -58,7 +59,8 @@ std::vector<size_t> chunks_seen(const KeyValueStore& store, size_t first, size_t
 void chunk_lens(const StoreChunk& info, const std::vector<int64_t>& query_rows,
                 Tensor<int64_t>& lens) {
   for (size_t i = 0; i < query_rows.size(); ++i) {
-    lens(0, static_cast<int64_t>(i)) = std::clamp<int64_t>(query_rows[i] - info.first_row, 0, info.rows);
+    lens(0, static_cast<int64_t>(i)) =
+        std::clamp<int64_t>(query_rows[i] - info.first_row, 0, info.rows);
   }
 }
 
@@ -97,6 +99,30 @@ int64_t chunk_row_bytes(const KeyValueStore& store) {
 template <class T>
 ConstView<T> chunk_view(const void* data, int64_t rows, int64_t dim) {
   return ConstView<T>(static_cast<const T*>(data), Shape{1, rows, dim});
+}
+
+// Calls work(chunk, info, valid) for each chunk of [first, last) some query
+// sees, in order, mapped through a ChunkReader, with `lens` (1, Nq) the
+// chunk's rows each query sees (viewed by `valid`); reports progress over
+// every chunk of the range (those no query sees count as done).
+template <class F>
+void for_each_chunk(const KeyValueStore& store, size_t first, size_t last,
+                    const std::vector<int64_t>& query_rows, const StoreProgress& progress,
+                    Tensor<int64_t>& lens, F&& work) {
+  const std::vector<size_t> seen = chunks_seen(store, first, last, query_rows);
+  const int64_t row_bytes = chunk_row_bytes(store);
+  int64_t total = 0, done = 0;
+  for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
+  ChunkReader reader(store, seen);
+  for (size_t s = 0; s < seen.size(); ++s) {
+    const std::shared_ptr<const MappedChunk> chunk = reader.take(s);
+    const StoreChunk& info = store.chunks()[seen[s]];
+    chunk_lens(info, query_rows, lens);
+    work(*chunk, info, ValidLens(lens.view()));
+    done += info.rows * row_bytes;
+    if (progress) progress(done, total);
+  }
+  if (progress && total > done) progress(total, total);
 }
 
 // Gaussian scoring of one chunk, -|q - k|^2 / (2 h^2), as the dot-product
@@ -202,8 +228,8 @@ void check_store_attention(std::string_view function, ConstView<float> queries,
       fail(function, "scale is for dot scoring; Gaussian scoring takes bandwidth");
     }
     if (!(options.bandwidth > 0 && std::isfinite(options.bandwidth))) {
-      fail(function, "bandwidth = " + std::to_string(options.bandwidth) +
-                         "; expected a finite number > 0");
+      fail(function,
+           "bandwidth = " + std::to_string(options.bandwidth) + "; expected a finite number > 0");
     }
   }
 }
@@ -228,67 +254,57 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
   result.output = Tensor<float>(Shape{1, nq, dv});
   result.lse = Tensor<float>(Shape{1, nq});
 
-  const std::vector<size_t> seen = chunks_seen(store, first, last, query_rows);
-  const int64_t row_bytes = chunk_row_bytes(store);
-  int64_t total = 0, done = 0;
-  for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
-  ChunkReader reader(store, seen);
-  for (size_t s = 0; s < seen.size(); ++s) {
-    const std::shared_ptr<const MappedChunk> held = reader.take(s);
-    const MappedChunk& chunk = *held;
-    const StoreChunk& info = store.chunks()[seen[s]];
-    chunk_lens(info, query_rows, lens);
-    const ValidLens valid(lens.view());
-    std::vector<double> query_terms;  // Gaussian: each query's term of its scores
-    if (gaussian || store.dtype() == StoreDtype::kFloat32) {
-      if (k > 0 && result.weights.numel() != nq * info.rows) {
-        result.weights = Tensor<float>(Shape{1, nq, info.rows});  // once, unless chunk sizes differ
-      }
-      AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
-      if (k > 0) outputs.weights = result.weights.view();
-      if (gaussian) {
-        const GaussianChunk g(store, chunk, info.rows, queries, options.bandwidth);
-        AttentionOptions with_bias = attention;
-        with_bias.scale = g.scale;
-        with_bias.bias = ConstView<float>(g.key_terms.view());
-        scaled_dot_product_attention(g.queries.view(), g.keys.view(), g.values_view(chunk, dv), valid,
-                                     with_bias, outputs);
-        query_terms = g.query_terms;
-      } else {
-        scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
-                                     chunk_view<float>(chunk.values, info.rows, dv), valid, attention,
-                                     outputs);
-      }
-    } else {
-      result = scaled_dot_product_attention(
-          q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, store.key_dim()),
-          chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention);
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      lse_chunk(i) = result.lse(0, i);
-      // The query's own term shifts its scores alike: it leaves the weights
-      // and output be, and enters the lse.
-      if (!query_terms.empty()) lse_chunk(i) += query_terms[static_cast<size_t>(i)];
-      for (int64_t j = 0; j < dv; ++j) out_chunk(i, j) = result.output(0, i, j);
-    }
-    merge_attention(std::vector<ConstView<double>>{part.output.view(), out_chunk.view()},
-                    std::vector<ConstView<double>>{part.lse.view(), lse_chunk.view()},
-                    part.output.view(), part.lse.view());
-    if (k > 0) {
-      kernels::parallel_for(nq, [&](int64_t i) {
-        const float* w = &result.weights(0, i, 0);
-        const double lse = lse_chunk(i);
-        for (int64_t j = 0; j < lens(0, i); ++j) {
-          if (w[j] <= 0.0f) continue;  // masked, or below float's range: weight 0
-          keep_best(part.top[static_cast<size_t>(i)],
-                    {lse + std::log(static_cast<double>(w[j])), info.first_row + j}, k);
+  for_each_chunk(
+      store, first, last, query_rows, options.progress, lens,
+      [&](const MappedChunk& chunk, const StoreChunk& info, const ValidLens& valid) {
+        std::vector<double> query_terms;  // Gaussian: each query's term of its scores
+        if (gaussian || store.dtype() == StoreDtype::kFloat32) {
+          if (k > 0 && result.weights.numel() != nq * info.rows) {
+            result.weights =
+                Tensor<float>(Shape{1, nq, info.rows});  // once, unless chunk sizes differ
+          }
+          AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
+          if (k > 0) outputs.weights = result.weights.view();
+          if (gaussian) {
+            const GaussianChunk g(store, chunk, info.rows, queries, options.bandwidth);
+            AttentionOptions with_bias = attention;
+            with_bias.scale = g.scale;
+            with_bias.bias = ConstView<float>(g.key_terms.view());
+            scaled_dot_product_attention(g.queries.view(), g.keys.view(), g.values_view(chunk, dv),
+                                         valid, with_bias, outputs);
+            query_terms = g.query_terms;
+          } else {
+            scaled_dot_product_attention(
+                q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
+                chunk_view<float>(chunk.values, info.rows, dv), valid, attention, outputs);
+          }
+        } else {
+          result = scaled_dot_product_attention(
+              q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, store.key_dim()),
+              chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention);
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+          lse_chunk(i) = result.lse(0, i);
+          // The query's own term shifts its scores alike: it leaves the weights
+          // and output be, and enters the lse.
+          if (!query_terms.empty()) lse_chunk(i) += query_terms[static_cast<size_t>(i)];
+          for (int64_t j = 0; j < dv; ++j) out_chunk(i, j) = result.output(0, i, j);
+        }
+        merge_attention(std::vector<ConstView<double>>{part.output.view(), out_chunk.view()},
+                        std::vector<ConstView<double>>{part.lse.view(), lse_chunk.view()},
+                        part.output.view(), part.lse.view());
+        if (k > 0) {
+          kernels::parallel_for(nq, [&](int64_t i) {
+            const float* w = &result.weights(0, i, 0);
+            const double lse = lse_chunk(i);
+            for (int64_t j = 0; j < lens(0, i); ++j) {
+              if (w[j] <= 0.0f) continue;  // masked, or below float's range: weight 0
+              keep_best(part.top[static_cast<size_t>(i)],
+                        {lse + std::log(static_cast<double>(w[j])), info.first_row + j}, k);
+            }
+          });
         }
       });
-    }
-    done += info.rows * row_bytes;
-    if (options.progress) options.progress(done, total);
-  }
-  if (options.progress && total > done) options.progress(total, total);  // chunks not needed
   return part;
 }
 
@@ -352,15 +368,14 @@ void check_store_backward(std::string_view function, ConstView<float> queries,
 }
 
 StorePartialGrads backward_chunks(ConstView<float> queries, const KeyValueStore& store,
-                                  size_t first, size_t last,
-                                  const std::vector<int64_t>& query_rows,
+                                  size_t first, size_t last, const std::vector<int64_t>& query_rows,
                                   const StoreAttentionOptions& options,
                                   const SavedForward<float>& saved, ConstView<float> d_output) {
   const int64_t nq = queries.size(0), d = store.key_dim(), dv = store.value_dim();
   const int64_t first_row = first < last ? store.chunks()[first].first_row : 0;
-  const int64_t rows = first < last ? store.chunks()[last - 1].first_row +
-                                          store.chunks()[last - 1].rows - first_row
-                                    : 0;
+  const int64_t rows =
+      first < last ? store.chunks()[last - 1].first_row + store.chunks()[last - 1].rows - first_row
+                   : 0;
   StorePartialGrads grads{Tensor<double>(Shape{nq, d}), Tensor<float>(Shape{rows, d}),
                           Tensor<float>(Shape{rows, dv})};
   const KernelQueries q(queries, store.dtype());
@@ -371,36 +386,26 @@ StorePartialGrads backward_chunks(ConstView<float> queries, const KeyValueStore&
   attention.scale = options.scale;
   Tensor<int64_t> lens(Shape{1, nq});
 
-  const std::vector<size_t> seen = chunks_seen(store, first, last, query_rows);
-  ChunkReader reader(store, seen);
-  const int64_t row_bytes = chunk_row_bytes(store);
-  int64_t total = 0, done = 0;
-  for (size_t c = first; c < last; ++c) total += store.chunks()[c].rows * row_bytes;
-  for (size_t s = 0; s < seen.size(); ++s) {
-    const std::shared_ptr<const MappedChunk> held = reader.take(s);
-    const MappedChunk& chunk = *held;
-    const StoreChunk& info = store.chunks()[seen[s]];
-    chunk_lens(info, query_rows, lens);
-    const ValidLens valid(lens.view());
-    const SavedForward<float> global{out.view(), lse.view()};
-    const DotProductGrads<float> g =
-        store.dtype() == StoreDtype::kFloat32
-            ? scaled_dot_product_attention_backward(
-                  q.f32.view(), chunk_view<float>(chunk.keys, info.rows, d),
-                  chunk_view<float>(chunk.values, info.rows, dv), valid, attention, global, d_out.view())
-            : scaled_dot_product_attention_backward(
-                  q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, d),
-                  chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention, global,
-                  d_out.view());
-    // dQ's shares summed in chunk order; dK and dV are this chunk's rows.
-    for (int64_t i = 0; i < nq * d; ++i) grads.d_queries.data()[i] += g.d_queries.data()[i];
-    const int64_t at = info.first_row - first_row;
-    std::copy_n(g.d_keys.data(), info.rows * d, grads.d_keys.data() + at * d);
-    std::copy_n(g.d_values.data(), info.rows * dv, grads.d_values.data() + at * dv);
-    done += info.rows * row_bytes;
-    if (options.progress) options.progress(done, total);
-  }
-  if (options.progress && total > done) options.progress(total, total);
+  for_each_chunk(store, first, last, query_rows, options.progress, lens,
+                 [&](const MappedChunk& chunk, const StoreChunk& info, const ValidLens& valid) {
+                   const SavedForward<float> global{out.view(), lse.view()};
+                   const DotProductGrads<float> g =
+                       store.dtype() == StoreDtype::kFloat32
+                           ? scaled_dot_product_attention_backward(
+                                 q.f32.view(), chunk_view<float>(chunk.keys, info.rows, d),
+                                 chunk_view<float>(chunk.values, info.rows, dv), valid, attention,
+                                 global, d_out.view())
+                           : scaled_dot_product_attention_backward(
+                                 q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, d),
+                                 chunk_view<bfloat16>(chunk.values, info.rows, dv), valid,
+                                 attention, global, d_out.view());
+                   // dQ's shares summed in chunk order; dK and dV are this chunk's rows.
+                   for (int64_t i = 0; i < nq * d; ++i)
+                     grads.d_queries.data()[i] += g.d_queries.data()[i];
+                   const int64_t at = info.first_row - first_row;
+                   std::copy_n(g.d_keys.data(), info.rows * d, grads.d_keys.data() + at * d);
+                   std::copy_n(g.d_values.data(), info.rows * dv, grads.d_values.data() + at * dv);
+                 });
   return grads;
 }
 
@@ -445,7 +450,8 @@ StoreAttentionResult attend(ConstView<float> queries,
     for (size_t i = 0; i < global.size(); ++i) {
       local[i] = std::clamp<int64_t>(global[i] - offset, 0, store->rows());
     }
-    parts.push_back(detail::attend_chunks(queries, *store, 0, store->chunks().size(), local, options));
+    parts.push_back(
+        detail::attend_chunks(queries, *store, 0, store->chunks().size(), local, options));
     detail::shift_row_ids(parts.back(), 0, offset);
     offset += store->rows();
   }
@@ -458,9 +464,10 @@ StoreAttentionGrads attend_backward(ConstView<float> queries, const KeyValueStor
                                     const SavedForward<float>& saved, ConstView<float> d_output) {
   detail::check_store_attention(kBackwardFn, queries, store, options, store.rows());
   detail::check_store_backward(kBackwardFn, queries, store, options, saved, d_output);
-  const std::vector<int64_t> rows = detail::rows_seen(kBackwardFn, queries, valid_rows, store.rows());
-  detail::StorePartialGrads part = detail::backward_chunks(
-      queries, store, 0, store.chunks().size(), rows, options, saved, d_output);
+  const std::vector<int64_t> rows =
+      detail::rows_seen(kBackwardFn, queries, valid_rows, store.rows());
+  detail::StorePartialGrads part = detail::backward_chunks(queries, store, 0, store.chunks().size(),
+                                                           rows, options, saved, d_output);
   StoreAttentionGrads grads{Tensor<float>(part.d_queries.shape()), std::move(part.d_keys),
                             std::move(part.d_values)};
   for (int64_t i = 0; i < grads.d_queries.numel(); ++i) {
