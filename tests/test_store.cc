@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "qkv/store.h"
+#include "attention_testing.h"
 #include "qkv/store_attention.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -420,36 +421,20 @@ TEST(StoreManifest, EveryMistakeIsNamed) {
 
 // ---- attention over a store -----------------------------------------------------
 
-// softmax(scale Q Kᵀ) V over rows [0, len_i) in double, and the weights.
+// softmax(scale Q Kᵀ) V over rows [0, len_i) in double, and the weights:
+// attention_testing.h's float64 loop on the rows as one batch element.
 struct PlainAttention {
   Tensor<double> output, lse, weights;
 };
 PlainAttention plain_attention(const Tensor<float>& q, const Tensor<float>& k,
                                const Tensor<float>& v, const std::vector<int64_t>& lens,
                                double scale) {
-  const int64_t nq = q.size(0), n = k.size(0), d = q.size(1), dv = v.size(1);
-  PlainAttention r{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}),
-                   Tensor<double>(Shape{nq, n})};
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t len = lens[static_cast<size_t>(i)];
-    std::vector<double> s(static_cast<size_t>(len));
-    double max = -kInf;
-    for (int64_t j = 0; j < len; ++j) {
-      double dot = 0;
-      for (int64_t c = 0; c < d; ++c) dot += double(q(i, c)) * double(k(j, c));
-      s[static_cast<size_t>(j)] = dot * scale;
-      max = std::max(max, s[static_cast<size_t>(j)]);
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < len; ++j) sum += std::exp(s[static_cast<size_t>(j)] - max);
-    r.lse(i) = len == 0 ? -kInf : max + std::log(sum);
-    for (int64_t j = 0; j < len; ++j) {
-      const double w = std::exp(s[static_cast<size_t>(j)] - max) / sum;
-      r.weights(i, j) = w;
-      for (int64_t c = 0; c < dv; ++c) r.output(i, c) += w * double(v(j, c));
-    }
-  }
-  return r;
+  const int64_t nq = q.size(0), n = k.size(0), dv = v.size(1);
+  const Tensor<int64_t> lens2(Shape{1, nq}, lens);
+  const NaiveForward r = naive_sdpa<float>(q.view().unsqueeze0(), k.view().unsqueeze0(),
+                                           v.view().unsqueeze0(), ValidLens(lens2), scale, {});
+  return {as_tensor(Shape{nq, dv}, r.out), as_tensor(Shape{nq}, r.lse),
+          as_tensor(Shape{nq, n}, r.weights)};
 }
 
 TEST_F(StoreTest, AttentionEqualsAttentionOverEveryRow) {

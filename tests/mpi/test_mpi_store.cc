@@ -17,6 +17,7 @@
 
 #include "qkv/mpi.h"
 #include "qkv/simd.h"
+#include "attention_testing.h"
 #include "qkv/store_attention.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -119,6 +120,8 @@ TEST_F(MpiStoreTest, OneStoreSharedByTheRanksEqualsOneProcess) {
       per_query(i) = choices[rng.uniform_int(0, 4)];
     }
     const Tensor<int64_t> one(Shape{1}, rng.uniform_int(0, n));
+    // The loop's batch-of-one lengths: (1, Nq), one per query.
+    const Tensor<int64_t> per_query_2d = Tensor<int64_t>::copy_of(per_query.view()).reshaped(Shape{1, nq});
     const KeyValueStore store = shared_store("s" + std::to_string(made++), keys, values, chunk_rows);
     const mpi::StorePart part = mpi::share_of_chunks(store, rank_of(), ranks());
     for (int form = 0; form < 3; ++form) {
@@ -132,6 +135,13 @@ TEST_F(MpiStoreTest, OneStoreSharedByTheRanksEqualsOneProcess) {
       const StoreAttentionResult want = attend(queries, store, valid, options);
       expect_close(got.output, want.output, kSdpa, "output");
       expect_close(got.lse, want.lse, kSdpaLse, "lse");
+      // And the float64 loop over every row at once.
+      const NaiveForward ref = naive_sdpa<float>(
+          queries.view().unsqueeze0(), keys.view().unsqueeze0(), values.view().unsqueeze0(),
+          form == 0 ? ValidLens() : form == 1 ? ValidLens(one) : ValidLens(per_query_2d),
+          1.0 / std::sqrt(static_cast<double>(d)), {});
+      expect_close(got.output, as_tensor(Shape{nq, dv}, ref.out), kSdpa, "output vs float64 loop");
+      expect_close(got.lse, as_tensor(Shape{nq}, ref.lse), kSdpaLse, "lse vs float64 loop");
       if (options.top_k > 0) expect_top_close(got, want);
       expect_same_on_every_rank(got.output, "output");
       expect_same_on_every_rank(got.lse, "lse");
