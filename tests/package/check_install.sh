@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the built qkv into a temporary prefix, builds the README's example
-# (qkv::qkv) and a lookup example (qkv::chapter) against it with
-# find_package(qkv), runs them and checks their answers, and checks that the
+# (qkv::qkv), a lookup example (qkv::chapter) and, when qkv was built with
+# MPI, attention over a store shared by two MPI ranks (qkv::mpi) against it
+# with find_package(qkv), runs them and checks their answers, and checks that the
 # core library holds none of the chapter's figure code (nothing spawns gnuplot).
 # Usage: check_install.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
@@ -26,6 +27,16 @@ if [ "$out" != "Aston" ]; then
   echo "check_install: chapter_example printed \"$out\", expected \"Aston\"" >&2
   exit 1
 fi
+if [ -n "$(find "$work/prefix" -name 'libqkv_mpi.a' -o -name 'libqkv_mpi.so*')" ]; then
+  [ -x "$work/consumer/mpi_example" ] ||
+    { echo "check_install: qkv::mpi is installed but find_package(qkv) gave no qkv::mpi" >&2; exit 1; }
+  out=$(mpirun --oversubscribe --allow-run-as-root -np 2 "$work/consumer/mpi_example" "$work")
+  echo "$out"
+  if [ "$out" != "4.5" ]; then
+    echo "check_install: mpi_example printed \"$out\", expected \"4.5\"" >&2
+    exit 1
+  fi
+fi
 [ -x "$work/prefix/bin/qkv" ] || { echo "check_install: qkv was not installed" >&2; exit 1; }
 # The core library (static or shared) defines no plot or lookup function and
 # refers to no process spawning; the chapter's library does.
@@ -43,5 +54,5 @@ if grep -E "$pattern" "$work/core.syms" >&2; then
 fi
 grep -qE 'qkv::heatmaps' "$work/chapter.syms" ||
   { echo "check_install: $chapter lacks qkv::heatmaps" >&2; exit 1; }
-echo "check_install: find_package(qkv) consumers of qkv::qkv and qkv::chapter built and printed" \
+echo "check_install: find_package(qkv) consumers of qkv::qkv, qkv::chapter (and qkv::mpi) built and printed" \
   "the chapter's answers; $(basename "$core") holds no plot, lookup or spawn symbol"
