@@ -51,7 +51,7 @@ struct Layout {
 // the same D and Dv; then the layout of the rows.
 Layout layout_of(const char* function, ConstView<float> queries, const StorePart& part,
                  MPI_Comm comm, const StoreAttentionOptions& options) {
-  const int ranks = size_of(comm), rank = rank_of(comm);
+  const int ranks = size_of(comm);
   int64_t mine[3] = {0, 0, 0};  // rows, D, Dv
   all_or_none(function, comm, [&] {
     if (part.store == nullptr) fail(function, "the part has no store");
@@ -90,7 +90,6 @@ Layout layout_of(const char* function, ConstView<float> queries, const StorePart
                          std::to_string(layout.rows) + " rows");
     }
   });
-  (void)rank;
   return layout;
 }
 
