@@ -473,21 +473,25 @@ AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k,
 template <class T>
 DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
                                  const ValidLens& valid_lens, const AttentionOptions& options,
-                                 const SavedForward<T>& saved, ConstView<T> d_output) {
+                                 const SavedForward<T>& saved, ConstView<T> d_output,
+                                 ConstView<T> d_lse = {}) {
   const Dims dims = check_sdpa_inputs(kSdpaBackward, q, k, v, valid_lens);
   const kernels::AttentionConfig config = sdpa_config<T>(kSdpaBackward, dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
+  if (d_lse.data() != nullptr) detail::check_shape(kSdpaBackward, "d_lse", d_lse, lse_shape(dims));
   DotProductGrads<T> grads;
   const kernels::SdpaGradViews<T> out = gradient_views(q, k, v, dims, options, grads);
   if (version == Version::kFast) {
     const KernelOperand<T> qk(q), kk(k), vk(v), ok(saved.output), gk(d_output);
-    const detail::Contiguous<T> lc(saved.lse);
-    fast_sdpa_backward(qk.view(), kk.view(), vk.view(), config, {ok.view(), lc.view()}, gk.view(),
-                       out);
+    const detail::Contiguous<T> lc(saved.lse), dlc(d_lse);
+    fast_sdpa_backward(qk.view(), kk.view(), vk.view(), config,
+                       {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<T>()},
+                       gk.view(), out);
     return grads;
   }
   kernels::ref::sdpa_backward(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v), config,
-                              {kernels::as_heads(saved.output), saved.lse}, kernels::as_heads(d_output), out);
+                              {kernels::as_heads(saved.output), saved.lse, d_lse},
+                              kernels::as_heads(d_output), out);
   return grads;
 }
 
@@ -657,14 +661,16 @@ void scaled_dot_product_attention(ConstView<double> q, ConstView<double> k, Cons
 
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> q, ConstView<float> k, ConstView<float> v, const ValidLens& lens,
-    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
-  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output,
+    ConstView<float> d_lse) {
+  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output, d_lse);
 }
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
     const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output) {
-  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+    ConstView<double> d_output,
+    ConstView<double> d_lse) {
+  return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output, d_lse);
 }
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v, const ValidLens& lens,
@@ -720,14 +726,16 @@ AttentionResult<double> scaled_dot_product_attention(ConstView<double> q, ConstV
 }
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> q, ConstView<float> k, ConstView<float> v, const ValidLens& lens,
-    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
-  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output,
+    ConstView<float> d_lse) {
+  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output, d_lse);
 }
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
     const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output) {
-  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
+    ConstView<double> d_output,
+    ConstView<double> d_lse) {
+  return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output, d_lse);
 }
 AttentionResult<float> additive_attention(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const AdditiveWeights<float>& w,

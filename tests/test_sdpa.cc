@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_suite.h"
@@ -236,6 +237,79 @@ TEST(SdpaGradient, JacobianIsKeyCovariance) {
     expect_close(jac_f, cov, kSdpaBackward, "Jacobian (float backward) vs Cov_p[k]", "a b");
   }
 }
+// d_lse (the gradient arriving at lse, for losses such as cross-entropy over
+// the keys, docs/search.md): the backward of L = sum dO.O + sum c_i lse_i
+// matches finite differences of L, fast and ref, with per-query lengths and
+// enough keys for several key blocks; and with d_output = 0, d_lse = 1 the
+// gradients are scale sum_j P_ij k_j and scale sum_i P_ij q_i, the weights
+// from a float64 loop (naive_sdpa), in float32 too.
+TEST(SdpaGradient, LseGradient) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  AttentionOptions opt;
+  opt.want_lse = true;
+  for (const auto& [nq, nk, dim] : {std::tuple<int64_t, int64_t, int64_t>{3, 5, 4}, {5, 300, 8}}) {
+    SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk));
+    const Tensor<double> q = random_tensor<double>(rng, {2, nq, dim}, -2, 2);
+    const Tensor<double> k = random_tensor<double>(rng, {2, nk, dim}, -2, 2);
+    const Tensor<double> v = random_tensor<double>(rng, {2, nk, 3});
+    const Tensor<int64_t> len_tensor = random_lens<int64_t>(rng, LensForm::kPerQuery, 2, nq, nk);
+    const ValidLens lens = as_valid_lens(len_tensor);
+    const Tensor<double> d_out = random_tensor<double>(rng, {2, nq, 3});
+    const Tensor<double> d_lse = random_tensor<double>(rng, {2, nq});
+    auto loss = [&](const Tensor<double>& qq, const Tensor<double>& kk) {
+      const AttentionResult<double> r = scaled_dot_product_attention(qq, kk, v, lens, opt);
+      double l = 0.0;
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t i = 0; i < nq; ++i) {
+          for (int64_t c = 0; c < 3; ++c) l += d_out(b, i, c) * r.output(b, i, c);
+          if (std::isfinite(r.lse(b, i))) l += d_lse(b, i) * r.lse(b, i);
+        }
+      }
+      return l;
+    };
+    const Tensor<double> fd_q = numerical_gradient([&](const Tensor<double>& x) { return loss(x, k); }, q);
+    const Tensor<double> fd_k = numerical_gradient([&](const Tensor<double>& x) { return loss(q, x); }, k);
+    const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, lens, opt);
+    for (const bool use_ref : {false, true}) {
+      SCOPED_TRACE(use_ref ? "ref" : "fast");
+      const DotProductGrads<double> g =
+          use_ref ? ref::scaled_dot_product_attention_backward(q, k, v, lens, opt,
+                                                               {fwd.output, fwd.lse}, d_out, d_lse)
+                  : scaled_dot_product_attention_backward(q, k, v, lens, opt,
+                                                          {fwd.output, fwd.lse}, d_out, d_lse);
+      expect_close(g.d_queries, fd_q, kFiniteDiff, "dQ vs finite differences", "b q d");
+      expect_close(g.d_keys, fd_k, kFiniteDiff, "dK vs finite differences", "b k d");
+    }
+
+    // Cross-entropy's half through the kernel: d_output = 0, d_lse = 1.
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    const NaiveForward naive = naive_sdpa<double>(q, k, v, lens, scale, {});
+    Tensor<double> want_dq(q.shape()), want_dk(k.shape());
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const double p = naive.weight_at(b, i, j) * scale;
+          for (int64_t c = 0; c < dim; ++c) {
+            want_dq(b, i, c) += p * k(b, j, c);
+            want_dk(b, j, c) += p * q(b, i, c);
+          }
+        }
+      }
+    }
+    const Tensor<float> qf = cast<float>(q), kf = cast<float>(k), vf = cast<float>(v);
+    const AttentionResult<float> ff = scaled_dot_product_attention(qf, kf, vf, lens, opt);
+    const DotProductGrads<float> gf = scaled_dot_product_attention_backward(
+        qf, kf, vf, lens, opt, {ff.output, ff.lse}, Tensor<float>(Shape{2, nq, 3}),
+        Tensor<float>(Shape{2, nq}, 1.0f));
+    expect_close(gf.d_queries, want_dq, kSdpaBackward, "float dQ of the lse vs float64 loop", "b q d");
+    expect_close(gf.d_keys, want_dk, kSdpaBackward, "float dK of the lse vs float64 loop", "b k d");
+    expect_close(gf.d_values, Tensor<double>(v.shape()), kSdpaBackward, "float dV (d_output = 0)",
+                 "b k d");
+  }
+}
+
 // ---- bad input (the rest is in test_attention.cc's AttentionErrors) ------------
 
 // Keys and queries must share their feature size D, in the forward and the
@@ -256,6 +330,14 @@ TEST(SdpaErrors, FeatureSizes) {
                                               f.d_out);
       },
       {kFnBackward, "11", "4"});
+  // d_lse must have the lse's shape (B, Nq).
+  const Tensor<float> d_lse(Shape{2, 7});
+  expect_error(
+      [&] {
+        scaled_dot_product_attention_backward(f.in.q, f.in.k, f.in.v, {}, opt, {f.out, f.lse},
+                                              f.d_out, d_lse);
+      },
+      {kFnBackward, "d_lse", "[2, 7]", "[2, 3]"});
 }
 
 }  // namespace

@@ -154,15 +154,21 @@ void scaled_dot_product_attention(ConstView<double> queries, ConstView<double> k
                                   const AttentionOutputs<double>& outputs);
 
 // Gradients given the forward's inputs, options (same seed), its saved output
-// and lse, and d_output = dLoss/d(output).
+// and lse, and d_output = dLoss/d(output); optionally d_lse = dLoss/d(lse)
+// (B, Nq) (or (B, H, Nq)), for a loss that reads the lse too: cross-entropy
+// over the keys, lse - score[target], is attention's lse with d_lse = 1 and
+// d_output = 0 (docs/search.md). dLoss/d(score_ij) = P_ij (dP_ij - D_i +
+// d_lse_i), so it costs the fused backward nothing.
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
     const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
-    ConstView<float> d_output);
+    ConstView<float> d_output,
+    ConstView<float> d_lse = {});
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
     const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output);
+    ConstView<double> d_output,
+    ConstView<double> d_lse = {});
 
 // ---- Additive attention: score = w_vᵀ tanh(W_q q + W_k k) ------------------
 
@@ -223,11 +229,13 @@ AttentionResult<double> scaled_dot_product_attention(ConstView<double> queries,
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
     const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
-    ConstView<float> d_output);
+    ConstView<float> d_output,
+    ConstView<float> d_lse = {});
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
     const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output);
+    ConstView<double> d_output,
+    ConstView<double> d_lse = {});
 AttentionResult<float> additive_attention(ConstView<float> queries, ConstView<float> keys,
                                           ConstView<float> values,
                                           const AdditiveWeights<float>& weights,

@@ -49,11 +49,12 @@ void attend(const Matrix& scores, int64_t batch, int64_t nq, int64_t nk, ConstVi
 
 // Given the scores, the softmax and pooling backward: returns d_scores
 // (B, Nq, Nk) and writes d_values (B, Nk, Dv). Recomputes the weights from
-// the scores (no trust in a saved lse).
+// the scores (no trust in a saved lse). d_lse: the gradient arriving at each
+// row's lse ((B Nq) of them), or null for none.
 template <class T>
 Matrix attend_backward(const Matrix& scores, int64_t batch, int64_t nq, int64_t nk, ConstView<T> v,
                        const AttentionConfig& config, ConstView<T> d_output,
-                       TensorView<T> d_values) {
+                       TensorView<T> d_values, const double* d_lse = nullptr) {
   const int64_t dv = v.size(2);
   Matrix d_scores(batch * nq * nk, 0.0);
   Matrix dv_acc(batch * nk * dv, 0.0);
@@ -73,6 +74,8 @@ Matrix attend_backward(const Matrix& scores, int64_t batch, int64_t nq, int64_t 
         dw[j] = g * factor;
         dot += w[j] * dw[j];
       }
+      // d lse / d score_j = w_j: before dropout, which the lse does not see.
+      if (d_lse != nullptr) dot -= d_lse[b * nq + i];
       for (int64_t j = 0; j < len; ++j) d_scores[(b * nq + i) * nk + j] = w[j] * (dw[j] - dot);
     }
   }

@@ -176,11 +176,14 @@ struct ForwardViews {
 };
 
 // What a backward reads back from its forward: output (B, Nq, Dv) and lse
-// (B, Nq). The reference recomputes both and ignores them.
+// (B, Nq) (the reference recomputes both and ignores them), and beside them
+// the gradient arriving at lse, d_lse (the lse's shape, contiguous; null
+// data: 0; SDPA only).
 template <class T>
 struct SavedViews {
   ConstView<T> output;
   ConstView<T> lse;
+  ConstView<T> d_lse = {};
 };
 
 // Where a backward writes, every element. SDPA: the layouts of its inputs

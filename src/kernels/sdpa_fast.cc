@@ -1091,13 +1091,16 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   // its gradient, sum_j P_ij (dP_ij - D_i) = D_i - D_i, is exactly 0.
   const bool key_constant_bias = bias_grad && grads.d_bias.stride(3) == 0 && nk > 1;
 
-  // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax backward.
+  // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax
+  // backward, less the gradient arriving at lse_i (d lse_i / d S_ij = P_ij).
   const int64_t rows = heads * nq;
+  const Acc* d_lse = saved.d_lse.data();
   kernels::parallel_for(ceil_div(rows, 1024), [&](int64_t task) {
     for (int64_t r = task * 1024; r < std::min(rows, (task + 1) * 1024); ++r) {
       const int64_t bh = r / nq, i = r % nq;
       ws.delta[r] = Flash<In>::delta(head_rows(d_output, bh) + i * d_output.stride(2),
                                      head_rows(output, bh) + i * output.stride(2), dv);
+      if (d_lse != nullptr) ws.delta[r] -= d_lse[r];
     }
   });
 

@@ -109,18 +109,31 @@ void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig&
 // the key heads' summed over the query heads that read them; saved is not read.
 template <class T>
 void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
-                   const SavedViews<T>&, ConstView<T> d_output, const SdpaGradViews<T>& grads) {
+                   const SavedViews<T>& saved, ConstView<T> d_output,
+                   const SdpaGradViews<T>& grads) {
   const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2);
   const int64_t d = q.size(3), dv = v.size(3);
   // In double throughout, so the sums over query heads round once.
   const std::vector<double> values = values_per_query_head<double>(q, k, v);
   const std::vector<double> d_out = gather(d_output);
+  std::vector<double> d_lse;  // (B H Nq), row-major over the lse's own shape
+  if (saved.d_lse.data() != nullptr) {
+    const ConstView<T>& g = saved.d_lse;
+    for (int64_t e = 0; e < heads * nq; ++e) {
+      int64_t rest = e, offset = 0;
+      for (int axis = g.rank() - 1; axis >= 0; --axis) {
+        offset += (rest % g.size(axis)) * g.stride(axis);
+        rest /= g.size(axis);
+      }
+      d_lse.push_back(static_cast<double>(g.data()[offset]));
+    }
+  }
   std::vector<double> dv_per_head(heads * nk * dv);
   const Matrix ds = attend_backward(
       dot_product_scores(q, k, config), heads, nq, nk,
       ConstView<double>(flat_heads(values.data(), heads, nk, dv)), config,
       ConstView<double>(flat_heads(d_out.data(), heads, nq, dv)),
-      flat_heads(dv_per_head.data(), heads, nk, dv));
+      flat_heads(dv_per_head.data(), heads, nk, dv), d_lse.empty() ? nullptr : d_lse.data());
   // Key heads in (B, Hkv, Nk, ·) order, summed over their query heads.
   const int64_t kv_heads = k.size(0) * k.size(1);
   Matrix dq(heads * nq * d, 0.0), dk(kv_heads * nk * d, 0.0), dvs(kv_heads * nk * dv, 0.0);
