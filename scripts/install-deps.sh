@@ -12,7 +12,7 @@ set -euo pipefail
 
 build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
                 nlohmann-json3-dev libxxhash-dev libopenmpi-dev openmpi-bin
-                python3 python3-dev python3-numpy pybind11-dev)
+                python3 python3-dev python3-numpy pybind11-dev libapt-pkg-dev libsqlite3-dev)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
                python3-pytest python3-venv python3-pip python3-setuptools python3-wheel
                python3-torch python3-statsmodels chromium)
