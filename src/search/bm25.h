@@ -25,6 +25,9 @@ class Bm25 {
   // Writes an FTS5 database of `packages`' document_text at `path` (one row
   // per package, rowid = position + 1; columns name, description, section,
   // tags with equal weights; tokenizer unicode61). `path` must not exist.
+  // Beside the FTS5 table, the file holds each term's postings (document,
+  // occurrences) and each document's length in tokens, read from FTS5's own
+  // index (fts5vocab), from which search() computes FTS5's bm25() itself.
   static void build(const std::string& path, const std::vector<Package>& packages);
 
   // Opens a database build() wrote, read-only; throws qkv::Error naming the
@@ -42,10 +45,20 @@ class Bm25 {
   // qkv::Error for k < 0. Safe to call from several threads.
   std::vector<Hit> search(std::string_view query, int64_t k) const;
 
+  // The same ranking computed by FTS5 itself: `SELECT rowid, bm25(docs) FROM
+  // docs WHERE docs MATCH ? ORDER BY bm25(docs), rowid LIMIT ?`. The same
+  // hits and scores as search() (tests hold them equal), but FTS5 scores
+  // every matching row through its auxiliary-function API: 50-200 ms for a
+  // query with common words over the ~63,000 packages, against ~1 ms.
+  std::vector<Hit> search_fts5(std::string_view query, int64_t k) const;
+
   int64_t size() const;  // documents
 
  private:
   sqlite3* db_ = nullptr;
+  // Per document, bm25's length term k1 (1 - b + b D / avgdl) (D its tokens
+  // in all columns, avgdl their mean over the documents), computed once.
+  std::vector<double> length_norm_;
 };
 
 }  // namespace qkv::search

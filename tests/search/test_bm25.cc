@@ -197,6 +197,19 @@ void expect_matches_reference(const std::vector<Hit>& got, const std::vector<Ref
   }
 }
 
+// search() (postings scored in C++) against search_fts5() (FTS5's bm25()):
+// the same documents in the same order with the same scores, to the bit.
+void expect_same_as_fts5(const Bm25& bm25, const std::string& query, int64_t k) {
+  SCOPED_TRACE("query \"" + query + "\" k " + std::to_string(k));
+  const std::vector<Hit> fast = bm25.search(query, k);
+  const std::vector<Hit> fts5 = bm25.search_fts5(query, k);
+  ASSERT_EQ(fast.size(), fts5.size());
+  for (size_t i = 0; i < fast.size(); ++i) {
+    EXPECT_EQ(fast[i].doc, fts5[i].doc) << "rank " << i;
+    EXPECT_EQ(fast[i].score, fts5[i].score) << "rank " << i;
+  }
+}
+
 Package package(const std::string& name, const std::string& description,
                 const std::string& section = "", std::vector<std::string> tags = {}) {
   Package p;
@@ -235,8 +248,11 @@ TEST(Bm25, HandMadeCorpusMatchesTheFormula) {
        {"plot", "data", "plot data", "Plot, DATA and plot!", "c++", "compiler c", "sql database",
         "long words", "misc utils", "mathematics program", "nothing here", "x", "zip fast",
         "c c++ C", "a+b c+d", "data data data"}) {
-    for (const int64_t k : {1, 3, 100})
+    for (const int64_t k : {1, 3, 100}) {
       expect_matches_reference(bm25.search(query, k), ref_bm25(columns, query), k, query);
+      expect_matches_reference(bm25.search_fts5(query, k), ref_bm25(columns, query), k, query);
+      expect_same_as_fts5(bm25, query, k);
+    }
   }
   // By hand for one case: "x" is in one of the 7 documents (the 5th, one
   // token long); the documents' tokens 9 + 11 + 5 + 14 + 1 + 22 + 6 = 68
@@ -258,13 +274,34 @@ TEST(Bm25, FixtureQueriesMatchTheFormula) {
   const auto columns = columns_of(packages);
   for (const std::string query :
        {"gnuplot", "interactive plotting program", "fast compression library",
-        "python numerical arrays", "secure shell client", "the", "c++ compiler",
+        "python numerical arrays", "secure shell client", "the", "c++ compiler", "g++ gcc c++ c",
         "sql database engine", "text editor", "Java library for JPEG images",
         "statistics computing"}) {
     const std::vector<RefHit> ref = ref_bm25(columns, query);
-    for (const int64_t k : {10, 1000})
+    for (const int64_t k : {10, 1000}) {
       expect_matches_reference(bm25.search(query, k), ref, k, query);
+      expect_matches_reference(bm25.search_fts5(query, k), ref, k, query);
+      expect_same_as_fts5(bm25, query, k);
+    }
   }
+}
+
+TEST(Bm25, EveryFixtureShortDescriptionRanksAsFts5Does) {
+  // The held-out queries of qkv search eval are short descriptions: each of
+  // the fixture's, through both paths.
+  const std::vector<Package> packages = read_apt_lists(kFixture);
+  TempDir dir;
+  Bm25::build(dir.file("bm25.sqlite"), packages);
+  const Bm25 bm25(dir.file("bm25.sqlite"));
+  int64_t found = 0;
+  for (size_t i = 0; i < packages.size(); ++i) {
+    expect_same_as_fts5(bm25, packages[i].short_description, 10);
+    const std::vector<Hit> hits = bm25.search(packages[i].short_description, 10);
+    for (const Hit& h : hits) found += h.doc == static_cast<int64_t>(i);
+  }
+  // Most packages are found by their own short description (its words are
+  // mostly in the long one); not a tight bound, a sanity check.
+  EXPECT_GT(found, static_cast<int64_t>(packages.size()) / 2);
 }
 
 TEST(Bm25, GnuplotRanksGnuplotPackagesFirst) {
@@ -313,8 +350,9 @@ TEST(Bm25, QuerySyntaxIsNeverInterpreted) {
                                   ";DROP TABLE docs;",
                                   "\"\"\"\""}) {
     SCOPED_TRACE(query);
-    std::vector<Hit> hits;
-    EXPECT_NO_THROW(hits = bm25.search(query, 10));
+    EXPECT_NO_THROW(bm25.search(query, 10));
+    EXPECT_NO_THROW(bm25.search_fts5(query, 10));
+    expect_same_as_fts5(bm25, query, 10);
   }
   // "alpha AND beta" is three words OR-ed: both documents (and "and" in alpha's).
   std::vector<Hit> hits = bm25.search("alpha AND beta", 10);
@@ -411,6 +449,33 @@ TEST(Bm25, OpeningWhatIsNotOursIsAnErrorNamingTheFile) {
   // Opening read-only changed nothing (no journal, no WAL files).
   EXPECT_EQ(dir.entries(), (std::vector<std::string>{"empty", "format.sqlite", "fts5.sqlite",
                                                      "garbage", "marker.sqlite", "plain.sqlite"}));
+}
+
+TEST(Bm25, DamagedPostingsAreErrors) {
+  TempDir dir;
+  const std::vector<Package> packages = {package("alpha", "words here"), package("beta", "words")};
+  const auto build_and = [&](const std::string& name, const char* sql) {
+    Bm25::build(dir.file(name), packages);
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(dir.file(name).c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db, sql, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+    sqlite3_close(db);
+  };
+  build_and("lengths.sqlite", "UPDATE qkv_bm25 SET value = x'0100' WHERE key = 'doc_tokens'");
+  std::string message = error_of([&] { Bm25 bm25(dir.file("lengths.sqlite")); });
+  EXPECT_TRUE(contains(message, dir.file("lengths.sqlite") + " is damaged")) << message;
+
+  // A gap past the last document; a count of documents that disagrees.
+  build_and("gap.sqlite", "UPDATE qkv_postings SET postings = x'0901' WHERE term = 'words'");
+  build_and("count.sqlite", "UPDATE qkv_postings SET documents = 1 WHERE term = 'words'");
+  build_and("cut.sqlite", "UPDATE qkv_postings SET postings = x'81' WHERE term = 'words'");
+  for (const char* name : {"gap.sqlite", "count.sqlite", "cut.sqlite"}) {
+    const Bm25 bm25(dir.file(name));
+    EXPECT_EQ(bm25.search("alpha", 5).size(), 1u) << name;  // other terms still answer
+    message = error_of([&] { bm25.search("here words", 5); });
+    EXPECT_TRUE(contains(message, "the postings of \"words\" are damaged"))
+        << name << ": " << message;
+  }
 }
 
 TEST(Bm25, BuildOverAnExistingPathFailsAndLeavesIt) {
