@@ -41,12 +41,20 @@ std::string seconds_text(double s) {
 
 }  // namespace
 
-Progress::Progress(std::string what, bool quiet)
+Progress::Progress(std::string what, bool quiet, std::string unit)
     : what_(std::move(what)),
+      unit_(std::move(unit)),
       on_(!quiet),
       terminal_(::isatty(STDERR_FILENO) == 1),
       start_(Clock::now()),
       last_(start_) {}
+
+std::string Progress::amount_text(double amount) const {
+  if (unit_.empty()) return bytes_text(amount);
+  char text[48];
+  std::snprintf(text, sizeof text, amount < 10 && amount != static_cast<int64_t>(amount) ? "%.1f " : "%.0f ", amount);
+  return text + unit_;
+}
 
 void Progress::update(int64_t done, int64_t total) {
   if (!on_) return;
@@ -68,8 +76,8 @@ void Progress::update(int64_t done, int64_t total) {
   }
   char percent[16];
   std::snprintf(percent, sizeof percent, "%3.0f%%", 100 * fraction);
-  line += std::string(percent) + " of " + bytes_text(static_cast<double>(total)) + ", " +
-          bytes_text(rate) + "/s";
+  line += std::string(percent) + " of " + amount_text(static_cast<double>(total)) + ", " +
+          amount_text(rate) + "/s";
   if (done < total && rate > 0) {
     line += ", " + seconds_text(static_cast<double>(total - done) / rate) + " left";
   }
@@ -83,7 +91,7 @@ void Progress::finish() {
   if (!on_ || !printed_) return;
   const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
   std::string line = terminal_ ? "\n" : "";
-  line += what_ + ": done, " + bytes_text(static_cast<double>(done_)) + " in " +
+  line += what_ + ": done, " + amount_text(static_cast<double>(done_)) + " in " +
           seconds_text(elapsed) + "\n";
   std::fputs(line.c_str(), stderr);
   printed_ = false;

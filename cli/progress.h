@@ -13,15 +13,17 @@ namespace qkv::cli {
 class Progress {
  public:
   // `what` starts each line ("qkv store create"); `quiet` silences it.
-  Progress(std::string what, bool quiet);
-  // `done` of `total` bytes so far.
+  // `unit`: what is counted ("steps", "queries"); empty for bytes.
+  Progress(std::string what, bool quiet, std::string unit = "");
+  // `done` of `total` bytes (or units) so far.
   void update(int64_t done, int64_t total);
   // Ends the bar's line (terminal) or prints the last line (if any was printed).
   void finish();
 
  private:
+  std::string amount_text(double amount) const;
   using Clock = std::chrono::steady_clock;
-  std::string what_;
+  std::string what_, unit_;
   bool on_, terminal_;
   Clock::time_point start_, last_;
   int64_t done_ = 0, total_ = 0;

@@ -374,6 +374,58 @@ void write_files(std::string_view function, const std::vector<OutputBytes>& file
   for (StagedFile& file : staged) file.commit();
 }
 
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+StagedDirectory::StagedDirectory(std::string_view function, std::string path)
+    : function_(function), path_(std::move(path)) {
+  if (path_.empty()) fail(function_, "the output directory's path is empty");
+  struct stat st;
+  if (::lstat(path_.c_str(), &st) == 0) {
+    fail(function_, path_ + ": already exists; give a new path");
+  }
+  fs::path target(path_);
+  if (!target.has_filename()) target = target.parent_path();
+  parent_ = target.has_parent_path() ? target.parent_path().string() : ".";
+  path_ = target.string();
+  // Appended piece by piece: GCC 12 warns (-Wrestrict, falsely) on "." + string.
+  std::string hidden = ".";
+  hidden += target.filename().string();
+  hidden += ".qkv-XXXXXX";
+  temp_ = (fs::path(parent_) / hidden).string();
+  if (::mkdtemp(temp_.data()) == nullptr) {
+    const int error = errno;
+    temp_.clear();
+    fail(function_, path_ + ": cannot create a directory in " + parent_ + ": " +
+                        std::strerror(error));
+  }
+}
+
+StagedDirectory::~StagedDirectory() {
+  if (temp_.empty()) return;
+  std::error_code ignored;
+  fs::remove_all(temp_, ignored);
+}
+
+void StagedDirectory::commit() {
+  // mkdtemp's 0700, opened up to what mkdir(2) would have given.
+  ::chmod(temp_.c_str(), mode_after_umask(0777));
+  sync_directory(temp_);
+  if (::renameat2(AT_FDCWD, temp_.c_str(), AT_FDCWD, path_.c_str(), RENAME_NOREPLACE) != 0) {
+    const int error = errno;
+    if (error == EEXIST) fail(function_, path_ + ": already exists; give a new path");
+    fail_io(function_, path_ + ": cannot rename the finished directory into place: " +
+                           std::strerror(error));
+  }
+  temp_.clear();
+  sync_directory(parent_);
+}
+
 unsigned mode_after_umask(unsigned mode) { return mode & ~static_cast<unsigned>(current_umask()); }
 
 void remove_staged_files() noexcept {

@@ -256,13 +256,6 @@ std::string read_text_file(std::string_view function, const std::string& path) {
   return text;
 }
 
-void sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
 
 }  // namespace
 
@@ -515,48 +508,23 @@ KeyValueStore KeyValueStore::create(const std::string& dir, ConstView<float> key
   if (dir.empty()) fail(kFn, "the store's path is empty");
   struct stat st;
   if (::lstat(dir.c_str(), &st) == 0) fail(kFn, dir + ": already exists; a new store needs a new path");
-  fs::path target(dir);
-  if (!target.has_filename()) target = target.parent_path();
-  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  // Appended piece by piece: GCC 12 warns (-Wrestrict, falsely) on "." + string.
-  std::string hidden = ".";
-  hidden += target.filename().string();
-  hidden += ".qkv-XXXXXX";
-  std::string temp = (parent / hidden).string();
-  if (::mkdtemp(temp.data()) == nullptr) {
-    fail(kFn, dir + ": cannot create a directory in " + parent.string() + ": " + errno_text(errno));
-  }
-  try {
-    KeyValueStore store;
-    store.dir_ = temp;
-    store.dtype_ = dtype;
-    store.key_dim_ = keys.size(1);
-    store.value_dim_ = values.size(1);
-    store.chunk_rows_ = chunk_rows;
-    store.rows_ = keys.size(0);
-    store.chunks_ = write_chunks(kFn, temp, keys, values, dtype, chunk_rows, 0, 0, progress);
-    const int lock = ::open((fs::path(temp) / kLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (lock < 0) fail_io(kFn, dir + ": cannot create its lock file: " + errno_text(errno));
-    ::close(lock);
-    write_manifest(kFn, temp, store.manifest_text());
-    // mkdtemp's 0700, opened up to what mkdir(2) would have given.
-    ::chmod(temp.c_str(), mode_after_umask(0777));
-    sync_directory(temp);
-    // RENAME_NOREPLACE: a store made at `dir` meanwhile by someone else is
-    // never replaced.
-    if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
-      const int error = errno;
-      if (error == EEXIST) fail(kFn, dir + ": already exists; a new store needs a new path");
-      fail_io(kFn, dir + ": cannot rename the finished store into place: " + errno_text(error));
-    }
-    sync_directory(parent.string());
-    store.dir_ = dir;
-    return store;
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(temp, ignored);
-    throw;
-  }
+  StagedDirectory staged(kFn, dir);
+  const std::string& temp = staged.temp();
+  KeyValueStore store;
+  store.dir_ = temp;
+  store.dtype_ = dtype;
+  store.key_dim_ = keys.size(1);
+  store.value_dim_ = values.size(1);
+  store.chunk_rows_ = chunk_rows;
+  store.rows_ = keys.size(0);
+  store.chunks_ = write_chunks(kFn, temp, keys, values, dtype, chunk_rows, 0, 0, progress);
+  const int lock = ::open((fs::path(temp) / kLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+  if (lock < 0) fail_io(kFn, dir + ": cannot create its lock file: " + errno_text(errno));
+  ::close(lock);
+  write_manifest(kFn, temp, store.manifest_text());
+  staged.commit();
+  store.dir_ = dir;
+  return store;
 }
 
 KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,

@@ -95,6 +95,31 @@ struct OutputBytes {
 // such a failure stay.) The paths are checked by check_output_paths first.
 void write_files(std::string_view function, const std::vector<OutputBytes>& files);
 
+// A directory of outputs made whole or not at all (a key-value store, a
+// search index): its files are written into the hidden temporary directory
+// `.<name>.qkv-XXXXXX` beside `path`, then commit() syncs it and renames it
+// to `path` (RENAME_NOREPLACE: a directory made there meanwhile is never
+// replaced). Destroyed before commit(), it removes the temporary directory.
+// Error if `path` already exists or is empty.
+class StagedDirectory {
+ public:
+  StagedDirectory(std::string_view function, std::string path);
+  ~StagedDirectory();
+  StagedDirectory(const StagedDirectory&) = delete;
+  StagedDirectory& operator=(const StagedDirectory&) = delete;
+
+  // The temporary directory, to write the files into.
+  const std::string& temp() const { return temp_; }
+  void commit();
+
+ private:
+  std::string function_, path_, parent_, temp_;
+};
+
+// fsync(2) of a directory, so the renames in it are on disk; failures ignored
+// (some file systems cannot sync a directory).
+void sync_directory(const std::string& dir);
+
 // The permissions open(2) or mkdir(2) give a new file or directory asked
 // for with `mode`: `mode` minus the process's umask, read without changing
 // it (umask(2) would change it for a moment in every thread).

@@ -1,0 +1,200 @@
+// `qkv search`: a differentiable search engine over Debian's package index
+// (docs/search.md): index (read apt's lists, train the encoders through
+// attention over every package, write an index directory), query, eval.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "common.h"
+#include "progress.h"
+#include "qkv/error.h"
+#include "qkv/staged_file.h"
+#include "search/corpus.h"
+#include "search/index.h"
+
+namespace qkv::cli {
+namespace {
+
+struct SearchArgs {
+  std::string index, lists, query, engine = "learned";
+  int epochs = search::TrainOptions{}.epochs;
+  int64_t top = 10;
+  uint64_t seed = 0;
+  std::optional<int> threads;
+  bool json = false, quiet = false;
+};
+
+std::string fixed(double x, const char* format = "%.4f") { return format_number(x, format); }
+
+void print_ranking(const search::SearchIndex& index, const search::Ranking& r, const std::string& query,
+                   const std::string& engine, bool json) {
+  const auto& packages = index.packages();
+  if (json) {
+    std::cout << "{\"query\": " << json_string(query) << ", \"engine\": \"" << engine
+              << "\", \"results\": [";
+    for (size_t i = 0; i < r.hits.size(); ++i) {
+      const auto& p = packages[static_cast<size_t>(r.hits[i].doc)];
+      std::cout << (i ? ", " : "") << "{\"package\": " << json_string(p.name)
+                << ", \"score\": " << exact_number(r.hits[i].score)
+                << ", \"section\": " << json_string(p.section)
+                << ", \"description\": " << json_string(p.short_description) << "}";
+    }
+    std::cout << "]";
+    if (!r.sections.empty()) {
+      std::cout << ", \"sections\": {";
+      for (size_t i = 0; i < r.sections.size(); ++i) {
+        std::cout << (i ? ", " : "") << json_string(r.sections[i].first) << ": "
+                  << exact_number(r.sections[i].second);
+      }
+      std::cout << "}";
+    }
+    std::cout << "}\n";
+    return;
+  }
+  const char* what = engine == "learned" ? "weight" : "score";
+  std::printf("%-4s %-32s %-9s %s\n", "rank", "package", what, "description");
+  for (size_t i = 0; i < r.hits.size(); ++i) {
+    const auto& p = packages[static_cast<size_t>(r.hits[i].doc)];
+    std::printf("%-4zu %-32s %-9s %s\n", i + 1, p.name.c_str(),
+                fixed(r.hits[i].score, engine == "learned" ? "%.4f" : "%.2f").c_str(),
+                p.short_description.c_str());
+  }
+  if (r.hits.empty()) std::printf("(no package matches)\n");
+  if (!r.sections.empty()) {
+    std::printf("sections (the weights pooled over every package's section):");
+    for (size_t i = 0; i < r.sections.size() && i < 3; ++i) {
+      std::printf(" %s %.2f", r.sections[i].first.c_str(), r.sections[i].second);
+    }
+    std::printf("\n");
+  }
+}
+
+void print_evaluation(const search::Evaluation& e, bool json) {
+  const std::pair<const char*, const search::Metrics*> rows[] = {
+      {"bm25", &e.bm25}, {"learned", &e.learned}, {"hybrid", &e.hybrid}};
+  const double ms[] = {e.bm25_ms, e.learned_ms, e.hybrid_ms};
+  if (json) {
+    std::cout << "{\"queries\": " << e.bm25.queries;
+    for (int i = 0; i < 3; ++i) {
+      std::cout << ", \"" << rows[i].first << "\": {\"mrr_at_10\": "
+                << exact_number(rows[i].second->mrr_at_10)
+                << ", \"recall_at_1\": " << exact_number(rows[i].second->recall_at_1)
+                << ", \"recall_at_10\": " << exact_number(rows[i].second->recall_at_10)
+                << ", \"ms_per_query\": " << exact_number(ms[i]) << "}";
+    }
+    std::cout << "}\n";
+    return;
+  }
+  std::printf("%lld held-out queries (short descriptions of packages never trained on)\n",
+              static_cast<long long>(e.bm25.queries));
+  std::printf("%-22s %8s %9s %10s %12s\n", "engine", "MRR@10", "recall@1", "recall@10",
+              "ms/query");
+  const char* names[] = {"BM25 (SQLite FTS5)", "learned (attention)", "hybrid"};
+  for (int i = 0; i < 3; ++i) {
+    std::printf("%-22s %8.4f %9.4f %10.4f %12.2f\n", names[i], rows[i].second->mrr_at_10,
+                rows[i].second->recall_at_1, rows[i].second->recall_at_10, ms[i]);
+  }
+  std::printf("hybrid vs BM25 MRR@10: %+.1f %%\n",
+              e.bm25.mrr_at_10 > 0 ? 100.0 * (e.hybrid.mrr_at_10 / e.bm25.mrr_at_10 - 1.0) : 0.0);
+}
+
+}  // namespace
+
+Command add_search_command(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand(
+      "search",
+      "A differentiable search engine over Debian's package index: index (train through "
+      "attention over every package), query, eval (against SQLite FTS5's BM25)");
+  app->require_subcommand(1);
+  auto args = std::make_shared<SearchArgs>();
+
+  CLI::App* index = app->add_subcommand(
+      "index", "Read apt's package lists, train the query and document encoders, write an index");
+  require_path(index->add_option("--out", args->index, "The new index's directory (must not exist)"))
+      ->type_name("INDEX")
+      ->required();
+  index->add_option("--lists", args->lists,
+                    "apt's lists directory (default: apt's Dir::State::lists, /var/lib/apt/lists)")
+      ->type_name("DIR");
+  require_integer(index->add_option("--epochs", args->epochs, "Passes over the training queries"))
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  add_seed_option(*index, args->seed, "Seeds the encoders' initial maps and the queries' order");
+  add_threads_option(*index, args->threads);
+  index->add_flag("--quiet", args->quiet, "No progress on stderr");
+
+  CLI::App* query = app->add_subcommand("query", "Rank the packages for a free-text query");
+  require_path(query->add_option("--index", args->index, "The index directory"))
+      ->type_name("INDEX")
+      ->required();
+  query->add_option("text", args->query, "The query")->required();
+  require_integer(query->add_option("--top", args->top, "How many packages to show"))
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1000}));
+  query->add_option("--engine", args->engine, "learned (attention), bm25, or hybrid")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"learned", "bm25", "hybrid"}));
+  query->add_flag("--json", args->json, "Print the results as JSON");
+  add_threads_option(*query, args->threads);
+
+  CLI::App* eval = app->add_subcommand(
+      "eval", "MRR@10, recall@1 and recall@10 of BM25, the learned engine and the hybrid on the "
+              "held-out queries");
+  require_path(eval->add_option("--index", args->index, "The index directory"))
+      ->type_name("INDEX")
+      ->required();
+  eval->add_flag("--json", args->json, "Print the table as JSON");
+  eval->add_flag("--quiet", args->quiet, "No progress on stderr");
+  add_threads_option(*eval, args->threads);
+
+  const auto run = [index, query, eval, args] {
+    apply_threads(args->threads);
+    if (index->parsed()) {
+      check_output_path("qkv search index", "--out", args->index);
+      const std::string lists = args->lists.empty() ? search::default_lists_dir() : args->lists;
+      const std::vector<search::Package> packages = search::read_apt_lists(lists);
+      search::TrainOptions options;
+      options.epochs = args->epochs;
+      options.seed = args->seed;
+      std::unique_ptr<Progress> progress;
+      std::string stage;
+      search::SearchIndex::build(args->index, packages, options,
+                                 [&](std::string_view what, int64_t done, int64_t total) {
+                                   if (what != stage) {
+                                     if (progress) progress->finish();
+                                     stage = what;
+                                     progress = std::make_unique<Progress>(
+                                         "qkv search index: " + stage, args->quiet,
+                                         what == "training" ? "steps" : "");
+                                   }
+                                   if (what == "training") progress->update(done, total);
+                                 });
+      if (progress) progress->finish();
+      const search::SearchIndex built = search::SearchIndex::open(args->index);
+      std::cout << args->index << ": " << packages.size() << " packages from " << lists << "\n"
+                << built.manifest_text();
+    } else if (query->parsed()) {
+      if (search::words(args->query).empty()) {
+        throw UsageError("the query \"" + args->query +
+                         "\" has no words (letters or digits) to search for");
+      }
+      const search::SearchIndex idx = search::SearchIndex::open(args->index);
+      const search::Ranking r = args->engine == "learned" ? idx.learned(args->query, args->top)
+                                : args->engine == "bm25"  ? idx.bm25(args->query, args->top)
+                                                          : idx.hybrid(args->query, args->top);
+      print_ranking(idx, r, args->query, args->engine, args->json);
+    } else {
+      const search::SearchIndex idx = search::SearchIndex::open(args->index);
+      Progress progress("qkv search eval", args->quiet, "queries");
+      const search::Evaluation e = idx.evaluate(
+          [&](std::string_view, int64_t done, int64_t total) { progress.update(done, total); });
+      progress.finish();
+      print_evaluation(e, args->json);
+    }
+  };
+  return {app, run};
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,384 @@
+#include "search/index.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_map>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "qkv/error.h"
+#include "qkv/npy.h"
+#include "qkv/staged_file.h"
+#include "qkv/store_attention.h"
+#include "search/encoder.h"
+
+namespace qkv::search {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+constexpr std::string_view kFn = "qkv search";
+constexpr const char* kFormat = "qkv search index";
+constexpr int kVersion = 1;
+// The files the manifest keeps checksums of (the store keeps its own).
+constexpr const char* kChecked[] = {"packages.json", "query_map.npy", "doc_map.npy", "bm25.sqlite"};
+// The hybrid's candidates: each engine's top 100.
+constexpr int64_t kCandidates = 100;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(kFn, path + ": missing or unreadable (the index is incomplete; build it again)");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string hex64(uint64_t x) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
+uint64_t file_xxh3(const std::string& path) {
+  const std::string bytes = read_file(path);
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  StagedFile out(kFn, "", path);
+  out.write(text);
+  out.commit();
+}
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double median(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// Mixes BM25's hits and the learned logits of the candidates: score =
+// weight * bm25 (0 for a document BM25 did not return) + learned logit.
+struct Candidates {
+  std::vector<int64_t> docs;
+  std::vector<double> bm25, logits;
+};
+
+std::vector<Hit> mix(const Candidates& c, double weight, int64_t k) {
+  std::vector<Hit> hits;
+  for (size_t i = 0; i < c.docs.size(); ++i) hits.push_back({c.docs[i], weight * c.bm25[i] + c.logits[i]});
+  std::sort(hits.begin(), hits.end(), [](const Hit& a, const Hit& b) {
+    return a.score > b.score || (a.score == b.score && a.doc < b.doc);
+  });
+  if (static_cast<int64_t>(hits.size()) > k) hits.resize(static_cast<size_t>(k));
+  return hits;
+}
+
+std::vector<int64_t> docs_of(const std::vector<Hit>& hits) {
+  std::vector<int64_t> d;
+  for (const Hit& h : hits) d.push_back(h.doc);
+  return d;
+}
+
+// The learned engine's pieces shared by build (fitting the hybrid) and the index.
+struct LearnedScorer {
+  const FeatureHashing* hashing;
+  const Tensor<float>* query_map;
+  const float* documents;  // (N, d)
+  int64_t n, d;
+  double scale;
+
+  std::vector<float> encode(std::string_view query) const {
+    const SparseRows rows = query_features({std::string(query)}, *hashing);
+    Tensor<float> q(Shape{1, d});
+    search::encode(rows, query_map->view(), q.view());
+    return q.values();
+  }
+  double logit(const std::vector<float>& q, int64_t doc) const {
+    double s = 0.0;
+    for (int64_t c = 0; c < d; ++c) s += double{q[c]} * double{documents[doc * d + c]};
+    return scale * s;
+  }
+  Candidates candidates(const std::vector<float>& q, const std::vector<Hit>& learned_hits,
+                        const std::vector<Hit>& bm25_hits) const {
+    Candidates c;
+    std::unordered_map<int64_t, double> bm25;
+    for (const Hit& h : bm25_hits) {
+      bm25[h.doc] = h.score;
+      c.docs.push_back(h.doc);
+    }
+    for (const Hit& h : learned_hits) {
+      if (!bm25.count(h.doc)) c.docs.push_back(h.doc);
+    }
+    for (const int64_t doc : c.docs) {
+      const auto it = bm25.find(doc);
+      c.bm25.push_back(it == bm25.end() ? 0.0 : it->second);
+      c.logits.push_back(logit(q, doc));
+    }
+    return c;
+  }
+};
+
+// The learned top k by weight over every document: attention of the query
+// over the documents' store (top-k weights, the pooled sections, lse).
+StoreAttentionResult attend_documents(const std::vector<float>& q, const KeyValueStore& store,
+                                      double scale, int64_t k) {
+  StoreAttentionOptions options;
+  options.scale = scale;
+  options.top_k = std::min(k, store.rows());
+  return attend(ConstView<float>(q.data(), Shape{1, static_cast<int64_t>(q.size())}), store, {},
+                options);
+}
+
+std::vector<Hit> top_hits(const StoreAttentionResult& r) {
+  std::vector<Hit> hits;
+  for (int64_t j = 0; j < r.top_ids.size(1); ++j) {
+    if (r.top_ids(0, j) < 0) break;
+    hits.push_back({r.top_ids(0, j), double{r.top_weights(0, j)}});
+  }
+  return hits;
+}
+
+// The BM25 weight of the hybrid that gives the best MRR@10 on `queries`
+// (the validation split: neither trained on nor the test queries).
+double fit_bm25_weight(const LearnedScorer& scorer, const KeyValueStore& store, const Bm25& bm25,
+                       const std::vector<std::pair<std::string, int64_t>>& queries) {
+  std::vector<std::pair<Candidates, int64_t>> cases;
+  for (const auto& [text, target] : queries) {
+    const std::vector<float> q = scorer.encode(text);
+    const std::vector<Hit> learned = top_hits(attend_documents(q, store, scorer.scale, kCandidates));
+    cases.push_back({scorer.candidates(q, learned, bm25.search(text, kCandidates)), target});
+  }
+  double best_weight = 0.0, best = -1.0;
+  for (const double w : {0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0}) {
+    MetricsSum sum;
+    for (const auto& [c, target] : cases) sum.add(docs_of(mix(c, w, 10)), target);
+    if (sum.metrics().mrr_at_10 > best) {
+      best = sum.metrics().mrr_at_10;
+      best_weight = w;
+    }
+  }
+  return best_weight;
+}
+
+}  // namespace
+
+void SearchIndex::build(const std::string& dir, const std::vector<Package>& packages,
+                        const TrainOptions& options, const BuildProgress& progress) {
+  if (packages.empty()) fail(kFn, "no packages to index");
+  StagedDirectory staged(kFn, dir);
+  const std::string temp = staged.temp();
+  auto path = [&](const char* name) { return (fs::path(temp) / name).string(); };
+
+  std::vector<int64_t> train_ids, validation_ids;
+  for (int64_t i = 0; i < static_cast<int64_t>(packages.size()); ++i) {
+    if (words(packages[i].short_description).empty()) continue;
+    const Split split = split_of(packages[i].name);
+    if (split == Split::kTrain) train_ids.push_back(i);
+    if (split == Split::kValidation) validation_ids.push_back(i);
+  }
+  TrainOptions train_options = options;
+  if (progress) {
+    train_options.progress = [&](int64_t done, int64_t total, double) {
+      progress("training", done, total);
+    };
+  }
+  const double start = now_ms();
+  const Encoders enc = train(packages, train_ids, train_options);
+  const double training_seconds = (now_ms() - start) / 1000.0;
+
+  // The documents' store: encodings and section one-hots.
+  const int64_t n = static_cast<int64_t>(packages.size()), d = options.dim;
+  const Tensor<float> documents = encodings(document_features(packages, enc.hashing), enc.doc_map);
+  std::vector<std::string> sections;
+  for (const Package& p : packages) sections.push_back(p.section);
+  std::sort(sections.begin(), sections.end());
+  sections.erase(std::unique(sections.begin(), sections.end()), sections.end());
+  Tensor<float> one_hot(Shape{n, static_cast<int64_t>(sections.size())}, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto at = std::lower_bound(sections.begin(), sections.end(), packages[i].section);
+    one_hot(i, at - sections.begin()) = 1.0f;
+  }
+  if (progress) progress("writing", 0, 1);
+  const KeyValueStore store =
+      KeyValueStore::create(path("documents"), documents, one_hot, StoreDtype::kFloat32, n);
+  write_npy(path("query_map.npy"), enc.query_map.view());
+  write_npy(path("doc_map.npy"), enc.doc_map.view());
+  Json list = Json::array();
+  for (const Package& p : packages) {
+    list.push_back({{"name", p.name},
+                    {"short_description", p.short_description},
+                    {"section", p.section},
+                    {"held_out", split_of(p.name) == Split::kTest}});
+  }
+  write_text(path("packages.json"), list.dump() + "\n");
+  Bm25::build(path("bm25.sqlite"), packages);
+
+  // The hybrid's weight, on training queries.
+  const Bm25 bm25(path("bm25.sqlite"));
+  const LearnedScorer scorer{&enc.hashing, &enc.query_map, documents.data(), n, d, enc.score_scale};
+  std::vector<std::pair<std::string, int64_t>> fit;
+  for (const int64_t id : validation_ids) fit.push_back({packages[id].short_description, id});
+  if (progress) progress("fitting the hybrid", 0, 1);
+  const double bm25_weight = fit_bm25_weight(scorer, store, bm25, fit);
+
+  Json manifest = {{"format", kFormat},
+                   {"version", kVersion},
+                   {"packages", n},
+                   {"training_queries", static_cast<int64_t>(train_ids.size())},
+                   {"validation_queries", static_cast<int64_t>(validation_ids.size())},
+                   {"dim", d},
+                   {"buckets", enc.hashing.buckets},
+                   {"hash_seed", enc.hashing.seed},
+                   {"score_scale", enc.score_scale},
+                   {"tied", options.tied},
+                   {"epochs", options.epochs},
+                   {"batch", options.batch},
+                   {"learning_rate", options.learning_rate},
+                   {"seed", options.seed},
+                   {"training_seconds", training_seconds},
+                   {"bm25_weight", bm25_weight},
+                   {"sections", sections}};
+  Json files = Json::object();
+  for (const char* name : kChecked) files[name] = hex64(file_xxh3(path(name)));
+  manifest["files"] = files;
+  write_text(path("manifest.json"), manifest.dump(2) + "\n");
+  staged.commit();
+}
+
+SearchIndex SearchIndex::open(const std::string& dir) {
+  SearchIndex index;
+  index.dir_ = dir;
+  auto path = [&](const std::string& name) { return (fs::path(dir) / name).string(); };
+  if (!fs::is_directory(dir)) {
+    fail(kFn, dir + ": no such index directory (make one with qkv search index --out " + dir + ")");
+  }
+  index.manifest_text_ = read_file(path("manifest.json"));
+  Json m;
+  try {
+    m = Json::parse(index.manifest_text_);
+    if (m.at("format") != kFormat || m.at("version") != kVersion) {
+      fail(kFn, path("manifest.json") + ": not a qkv search index of version " +
+                    std::to_string(kVersion));
+    }
+    index.hashing_.buckets = m.at("buckets").get<int64_t>();
+    index.hashing_.seed = m.at("hash_seed").get<uint64_t>();
+    index.score_scale_ = m.at("score_scale").get<double>();
+    index.bm25_weight_ = m.at("bm25_weight").get<double>();
+    index.sections_ = m.at("sections").get<std::vector<std::string>>();
+    for (const char* name : kChecked) {
+      const std::string want = m.at("files").at(name).get<std::string>();
+      const std::string got = hex64(file_xxh3(path(name)));
+      if (got != want) {
+        fail(kFn, path(name) + ": checksum " + got + " does not match the manifest's " + want +
+                      " (the file was altered; build the index again)");
+      }
+    }
+    const Json list = Json::parse(read_file(path("packages.json")));
+    for (const Json& p : list) {
+      index.packages_.push_back({p.at("name").get<std::string>(),
+                                 p.at("short_description").get<std::string>(),
+                                 p.at("section").get<std::string>(), p.at("held_out").get<bool>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail(kFn, dir + ": malformed index metadata (" + std::string(e.what()) + ")");
+  }
+  NpyArray q = read_npy(path("query_map.npy"));
+  Tensor<float>* map = std::get_if<Tensor<float>>(&q);
+  if (map == nullptr || map->rank() != 2 || map->size(0) != index.hashing_.buckets) {
+    fail(kFn, path("query_map.npy") + ": not the (buckets, d) float32 map the manifest describes");
+  }
+  index.query_map_ = std::move(*map);
+  index.documents_ = std::make_shared<const KeyValueStore>(KeyValueStore::open(path("documents")));
+  if (index.documents_->rows() != static_cast<int64_t>(index.packages_.size()) ||
+      index.documents_->key_dim() != index.query_map_.size(1) ||
+      index.documents_->value_dim() != static_cast<int64_t>(index.sections_.size()) ||
+      index.documents_->chunks().size() > 1) {
+    fail(kFn, path("documents") + ": does not match the index's manifest");
+  }
+  index.bm25_ = std::make_shared<const Bm25>(path("bm25.sqlite"));
+  if (index.bm25_->size() != static_cast<int64_t>(index.packages_.size())) {
+    fail(kFn, path("bm25.sqlite") + ": does not match the index's manifest");
+  }
+  return index;
+}
+
+Tensor<float> SearchIndex::encode_queries(const std::vector<std::string>& queries) const {
+  return encodings(query_features(queries, hashing_), query_map_);
+}
+
+Ranking SearchIndex::learned(std::string_view query, int64_t k) const {
+  const Tensor<float> q = encode_queries({std::string(query)});
+  const StoreAttentionResult r = attend_documents(q.values(), *documents_, score_scale_, k);
+  Ranking out;
+  out.hits = top_hits(r);
+  for (size_t s = 0; s < sections_.size(); ++s) {
+    out.sections.push_back({sections_[s], double{r.output(0, static_cast<int64_t>(s))}});
+  }
+  std::stable_sort(out.sections.begin(), out.sections.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  return out;
+}
+
+Ranking SearchIndex::bm25(std::string_view query, int64_t k) const {
+  return {bm25_->search(query, k), {}};
+}
+
+Ranking SearchIndex::hybrid(std::string_view query, int64_t k) const {
+  const std::shared_ptr<const MappedChunk> chunk = documents_->map_chunk(0);
+  const LearnedScorer scorer{&hashing_, &query_map_, static_cast<const float*>(chunk->keys),
+                             documents_->rows(), query_map_.size(1), score_scale_};
+  const std::vector<float> q = scorer.encode(query);
+  const std::vector<Hit> learned =
+      top_hits(attend_documents(q, *documents_, score_scale_, kCandidates));
+  const Candidates c = scorer.candidates(q, learned, bm25_->search(query, kCandidates));
+  return {mix(c, bm25_weight_, k), {}};
+}
+
+Evaluation SearchIndex::evaluate(const BuildProgress& progress) const {
+  std::vector<int64_t> held;
+  for (int64_t i = 0; i < static_cast<int64_t>(packages_.size()); ++i) {
+    if (packages_[i].held_out && !words(packages_[i].short_description).empty()) held.push_back(i);
+  }
+  MetricsSum bm25_sum, learned_sum, hybrid_sum;
+  std::vector<double> bm25_ms, learned_ms, hybrid_ms;
+  const std::shared_ptr<const MappedChunk> chunk = documents_->map_chunk(0);
+  const LearnedScorer scorer{&hashing_, &query_map_, static_cast<const float*>(chunk->keys),
+                             documents_->rows(), query_map_.size(1), score_scale_};
+  for (size_t n = 0; n < held.size(); ++n) {
+    const std::string& text = packages_[held[n]].short_description;
+    double t0 = now_ms();
+    const std::vector<Hit> b = bm25_->search(text, kCandidates);
+    const double t1 = now_ms();
+    const std::vector<float> q = scorer.encode(text);
+    const std::vector<Hit> l = top_hits(attend_documents(q, *documents_, score_scale_, kCandidates));
+    const double t2 = now_ms();
+    const std::vector<Hit> h = mix(scorer.candidates(q, l, b), bm25_weight_, 10);
+    const double t3 = now_ms();
+    bm25_ms.push_back(t1 - t0);
+    learned_ms.push_back(t2 - t1);
+    hybrid_ms.push_back(t3 - t0);
+    bm25_sum.add(docs_of(b), held[n]);
+    learned_sum.add(docs_of(l), held[n]);
+    hybrid_sum.add(docs_of(h), held[n]);
+    if (progress) progress("evaluating", static_cast<int64_t>(n + 1), static_cast<int64_t>(held.size()));
+  }
+  return {bm25_sum.metrics(), learned_sum.metrics(), hybrid_sum.metrics(), median(bm25_ms),
+          median(learned_ms), median(hybrid_ms)};
+}
+
+}  // namespace qkv::search
