@@ -10,7 +10,6 @@
 #include "common.h"
 #include "progress.h"
 #include "qkv/error.h"
-#include "qkv/staged_file.h"
 #include "search/corpus.h"
 #include "search/index.h"
 
@@ -20,6 +19,8 @@ namespace {
 struct SearchArgs {
   std::string index, lists, query, engine = "learned";
   int epochs = search::TrainOptions{}.epochs;
+  int64_t dim = search::TrainOptions{}.dim, batch = search::TrainOptions{}.batch;
+  int64_t buckets = search::FeatureHashing{}.buckets;
   int64_t top = 10;
   uint64_t seed = 0;
   std::optional<int> threads;
@@ -121,6 +122,16 @@ Command add_search_command(CLI::App& parent) {
   require_integer(index->add_option("--epochs", args->epochs, "Passes over the training queries"))
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  require_integer(index->add_option("--dim", args->dim, "The encodings' size d"))
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  require_integer(index->add_option("--buckets", args->buckets,
+                                    "Rows of each encoder's map: the features' hash buckets"))
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+  require_integer(index->add_option("--batch", args->batch, "Training queries per step"))
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   add_seed_option(*index, args->seed, "Seeds the encoders' initial maps and the queries' order");
   add_threads_option(*index, args->threads);
   index->add_flag("--quiet", args->quiet, "No progress on stderr");
@@ -152,12 +163,16 @@ Command add_search_command(CLI::App& parent) {
   const auto run = [index, query, eval, args] {
     apply_threads(args->threads);
     if (index->parsed()) {
-      check_output_path("qkv search index", "--out", args->index);
+      // The index's directory is staged (and an existing one refused) by
+      // SearchIndex::build before it trains.
       const std::string lists = args->lists.empty() ? search::default_lists_dir() : args->lists;
       const std::vector<search::Package> packages = search::read_apt_lists(lists);
       search::TrainOptions options;
       options.epochs = args->epochs;
       options.seed = args->seed;
+      options.dim = args->dim;
+      options.batch = args->batch;
+      options.hashing.buckets = args->buckets;
       std::unique_ptr<Progress> progress;
       std::string stage;
       search::SearchIndex::build(args->index, packages, options,

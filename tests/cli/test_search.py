@@ -1,0 +1,203 @@
+#!/usr/bin/python3
+"""Tests of `qkv search` (index, query, eval) through the command line, on
+the small apt lists directory tests/search/lists (274 real bookworm
+packages): an index built, its files, the same bits for a seed, rankings
+by the three engines, BM25's against SQLite FTS5's own ranking of the
+index's table (Python's sqlite3, the peer), the pooled sections, the
+metrics table, and bad input (no lists, an existing output, a missing or
+damaged index, a query without words) exiting 2 and leaving nothing.
+The harness is test_cli.py's.
+
+Usage: test_search.py --qkv PATH [unittest arguments, e.g. a TestCase name]
+"""
+
+import json
+import os
+import re
+import shutil
+import sqlite3
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+
+LISTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "search", "lists")
+# Small encoders, so an index of the fixture builds in about a second.
+SMALL = ["--dim", "32", "--buckets", "4096", "--batch", "64", "--epochs", "6", "--quiet"]
+
+
+class SearchCase(test_cli.CliTest):
+    index = None  # one index of the fixture, built once for every test
+
+    @classmethod
+    def setUpClass(cls):
+        cls._shared = tempfile.TemporaryDirectory(prefix="qkv-search-test-")
+        cls.index = os.path.join(cls._shared.name, "index")
+        r = test_cli.run("search", "index", "--out", cls.index, "--lists", LISTS, *SMALL)
+        assert r.returncode == 0, r.stderr
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._shared.cleanup()
+
+    def query(self, text, *extra):
+        return json.loads(self.ok("search", "query", "--index", self.index, text, "--json",
+                                  *extra).stdout)
+
+
+class SearchIndexTest(SearchCase):
+    def test_files_and_manifest(self):
+        names = sorted(os.listdir(self.index))
+        self.assertEqual(names, ["bm25.sqlite", "doc_map.npy", "documents", "manifest.json",
+                                 "packages.json", "query_map.npy"])
+        with open(os.path.join(self.index, "manifest.json")) as f:
+            m = json.load(f)
+        self.assertEqual(m["packages"], 274)
+        self.assertEqual((m["dim"], m["buckets"], m["epochs"]), (32, 4096, 6))
+        with open(os.path.join(self.index, "packages.json")) as f:
+            packages = json.load(f)
+        held = [p for p in packages if p["held_out"]]
+        self.assertTrue(0 < len(held) < 60, len(held))
+        self.assertEqual(m["training_queries"] + m["validation_queries"] + len(held), 274)
+        # The documents' store: one row per package, sections one-hot.
+        info = json.loads(self.ok("store", "info", os.path.join(self.index, "documents"),
+                                  "--json").stdout)
+        self.assertEqual((info["rows"], info["key_dim"], info["value_dim"]),
+                         (274, 32, len(m["sections"])))
+
+    def test_same_bits_for_a_seed(self):
+        a, b, c = self.path("a"), self.path("b"), self.path("c")
+        for out, seed, threads in ((a, 5, 1), (b, 5, 2), (c, 6, 2)):
+            self.ok("search", "index", "--out", out, "--lists", LISTS, *SMALL, "--seed", seed,
+                    "--threads", threads)
+        read = lambda d, n: open(os.path.join(d, n), "rb").read()  # noqa: E731
+        for name in ("query_map.npy", "doc_map.npy"):
+            self.assertEqual(read(a, name), read(b, name), name)
+            self.assertNotEqual(read(a, name), read(c, name), name)
+
+    def test_existing_output_is_kept(self):
+        out = self.path("taken")
+        os.mkdir(out)
+        with open(os.path.join(out, "mine"), "w") as f:
+            f.write("mine")
+        r = test_cli.run("search", "index", "--out", out, "--lists", LISTS, *SMALL)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("already exists", r.stderr)
+        self.assertEqual(os.listdir(out), ["mine"])
+        self.assertEqual(sorted(os.listdir(self.dir)), ["taken"])
+
+    def test_no_lists(self):
+        empty = self.path("empty")
+        os.mkdir(empty)
+        self.expect_error("search", ["search", "index", "--out", self.path("i"), "--lists",
+                                           empty, *SMALL], fragments=[empty, "Packages"])
+        self.assertFalse(os.path.exists(self.path("i")))
+        # Packages lists without Translation-en: the command that fetches them.
+        no_translations = self.path("no-translations")
+        os.mkdir(no_translations)
+        for name in os.listdir(LISTS):
+            if "Translation" not in name:
+                shutil.copy(os.path.join(LISTS, name), no_translations)
+        self.expect_error("search", ["search", "index", "--out", self.path("i"), "--lists",
+                                           no_translations, *SMALL],
+                          fragments=["Translation-en", "Acquire::Languages=en"])
+
+
+class SearchQueryTest(SearchCase):
+    def test_engines_rank(self):
+        for engine in ("learned", "bm25", "hybrid"):
+            r = self.query("gnuplot", "--engine", engine, "--top", "4")
+            self.assertEqual(r["engine"], engine)
+            self.assertEqual(len(r["results"]), 4)
+            scores = [h["score"] for h in r["results"]]
+            self.assertEqual(scores, sorted(scores, reverse=True), engine)
+        bm25 = self.query("gnuplot", "--engine", "bm25")
+        self.assertTrue(all(h["package"].startswith("gnuplot") for h in bm25["results"][:3]))
+
+    def test_learned_weights_and_sections(self):
+        r = self.query("interactive plotting program", "--top", "274")
+        weights = [h["score"] for h in r["results"]]
+        # Softmax weights over every package: all of them sum to 1.
+        self.assertAlmostEqual(sum(weights), 1.0, places=4)
+        self.assertAlmostEqual(sum(r["sections"].values()), 1.0, places=4)
+        # The pooled value is the weights summed per section.
+        with open(os.path.join(self.index, "packages.json")) as f:
+            packages = {p["name"]: p for p in json.load(f)}
+        per_section = {}
+        for h in r["results"]:
+            s = packages[h["package"]]["section"]
+            per_section[s] = per_section.get(s, 0.0) + h["score"]
+        for s, w in r["sections"].items():
+            self.assertAlmostEqual(w, per_section.get(s, 0.0), places=4, msg=s)
+
+    def test_bm25_is_fts5s_ranking(self):
+        """Our BM25 against SQLite FTS5 ranking the index's own table."""
+        db = sqlite3.connect(f"file:{os.path.join(self.index, 'bm25.sqlite')}?mode=ro", uri=True)
+        with open(os.path.join(self.index, "packages.json")) as f:
+            names = [p["name"] for p in json.load(f)]
+        queries = ["gnuplot", "interactive plotting program", "python numerical library",
+                   "GNU C compiler", "compression tool lz4", "message passing MPI binaries"]
+        for text in queries:
+            words = sorted(set(re.findall(r"[a-z0-9]+", text.lower())))
+            match = " OR ".join(f'"{w}"' for w in words)
+            want = [(names[rowid - 1], score) for rowid, score in db.execute(
+                "SELECT rowid, bm25(docs) FROM docs WHERE docs MATCH ? "
+                "ORDER BY bm25(docs), rowid LIMIT 10", (match,))]
+            got = self.query(text, "--engine", "bm25")["results"]
+            self.assertEqual([h["package"] for h in got], [n for n, _ in want], text)
+            for h, (_, score) in zip(got, want):
+                self.assertAlmostEqual(h["score"], -score, places=9, msg=text)
+
+    def test_text_output(self):
+        r = self.ok("search", "query", "--index", self.index, "gnuplot", "--top", "3")
+        lines = r.stdout.splitlines()
+        self.assertTrue(lines[0].startswith("rank"))
+        self.assertEqual(len(lines), 5)  # header, 3 packages, the sections
+        self.assertTrue(lines[-1].startswith("sections"))
+
+    def test_bad_queries_and_indexes(self):
+        self.expect_error("search", ["search", "query", "--index", self.index, " !? "],
+                          fragments=["no words"])
+        missing = self.path("missing")
+        self.expect_error("search", ["search", "query", "--index", missing, "gnuplot"],
+                          fragments=[missing, "no such index"])
+        for name in ("query_map.npy", "packages.json", "bm25.sqlite",
+                     os.path.join("documents", "manifest.json")):
+            damaged = self.path("damaged")
+            shutil.rmtree(damaged, ignore_errors=True)
+            shutil.copytree(self.index, damaged)
+            path = os.path.join(damaged, name)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(os.path.getsize(path) // 2)
+                f.write(bytes([byte[0] ^ 0x20]))
+            self.expect_error("search", ["search", "query", "--index", damaged, "gnuplot"],
+                              fragments=[damaged])
+        os.remove(os.path.join(damaged, "manifest.json"))
+        self.expect_error("search", ["search", "eval", "--index", damaged],
+                          fragments=["manifest.json"])
+
+
+class SearchEvalTest(SearchCase):
+    def test_table(self):
+        r = self.ok("search", "eval", "--index", self.index, "--quiet")
+        self.assertIn("BM25 (SQLite FTS5)", r.stdout)
+        self.assertIn("learned (attention)", r.stdout)
+        self.assertIn("hybrid vs BM25 MRR@10", r.stdout)
+        j = json.loads(self.ok("search", "eval", "--index", self.index, "--json",
+                               "--quiet").stdout)
+        with open(os.path.join(self.index, "packages.json")) as f:
+            held = sum(p["held_out"] for p in json.load(f))
+        self.assertEqual(j["queries"], held)
+        for engine in ("bm25", "learned", "hybrid"):
+            m = j[engine]
+            self.assertTrue(0 <= m["recall_at_1"] <= m["mrr_at_10"] <= m["recall_at_10"] <= 1, m)
+            self.assertGreater(m["ms_per_query"], 0)
+        # BM25 finds most held-out packages of this small corpus by their words.
+        self.assertGreater(j["bm25"]["recall_at_10"], 0.5)
+
+
+if __name__ == "__main__":
+    test_cli.main()
