@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages qkv needs, and nothing if they are all
-# there already (idempotent). Usage: scripts/install-deps.sh [build|test]
+# there already (idempotent), and fetches apt's English package descriptions
+# for `qkv search` once if they are missing. Usage: scripts/install-deps.sh [build|test]
 #   build: the compiler, CMake and the libraries the qkv library, command and
 #          Python package use (pybind11 and NumPy for /usr/bin/python3; the
 #          key-value store's JSON and checksum headers; OpenMPI for
@@ -26,10 +27,24 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
+
+sudo=()
+if [ "$(id -u)" -ne 0 ]; then sudo=(sudo); fi
+# `qkv search index` reads the package index's long descriptions, which
+# Debian 12 keeps in the Translation-en lists; a default `apt-get update`
+# here fetches none (Acquire::Languages follows the locale), so fetch them
+# once (about 13 MB).
+lists=$(apt-config shell d Dir::State::lists/d | sed -E "s/^d='(.*)'$/\1/")
+translations=no
+for f in "${lists:-/var/lib/apt/lists/}"*_i18n_Translation-en*; do
+  [ -e "$f" ] && translations=yes && break
+done
+
+if [ ${#missing[@]} -gt 0 ] || [ "$translations" = no ]; then
+  echo "qkv: apt-get update (with the English package descriptions)" >&2
+  "${sudo[@]}" apt-get update -q -o Acquire::Languages=en
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "qkv: installing ${missing[*]}" >&2
-sudo=()
-if [ "$(id -u)" -ne 0 ]; then sudo=(sudo); fi
-"${sudo[@]}" apt-get update -q
 DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"

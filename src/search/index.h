@@ -5,7 +5,7 @@
 //   packages.json    per document: name, short description, section, held out
 //   query_map.npy    the query encoder's map (buckets, d), float32
 //   doc_map.npy      the document encoder's map (buckets, d), float32
-//   documents/       a key-value store (qkv/store.h): keys the document
+//   documents/       a key-value store (qkv/store.h), bfloat16: keys the document
 //                    encodings (N, d), values each document's section one-hot
 //                    (N, S), so a query's attention-pooled value is how its
 //                    weight spreads over the sections
@@ -48,6 +48,11 @@ struct Evaluation {
   Metrics bm25, learned, hybrid;
   // Milliseconds per query, the median over the held-out queries, one query at a time.
   double bm25_ms = 0.0, learned_ms = 0.0, hybrid_ms = 0.0;
+  // Bm25::search (FTS5's formula over FTS5's own postings) against FTS5's
+  // own query (Bm25::search_fts5) on the first held-out queries: how many
+  // were compared, how many gave the same top 10, and FTS5's median time.
+  int64_t fts5_compared = 0, fts5_same = 0;
+  double fts5_ms = 0.0;
 };
 
 class SearchIndex {

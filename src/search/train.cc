@@ -83,11 +83,42 @@ double training_loss(const Encoders& encoders, const SparseRows& documents,
   return loss;
 }
 
+std::vector<std::vector<int64_t>> rank_by_attention(const Tensor<float>& queries,
+                                                    const Tensor<float>& documents, double scale,
+                                                    int64_t k) {
+  const int64_t nq = queries.size(0), n = documents.size(0), d = queries.size(1);
+  std::vector<std::vector<int64_t>> ranked(static_cast<size_t>(nq));
+  // 256 queries at a time: their weights over every document, 256 N floats.
+  constexpr int64_t kBlock = 256;
+  const Tensor<float> values(Shape{1, n, 1}, 0.0f);
+  AttentionOptions options;
+  options.scale = scale;
+  options.want_weights = true;
+  const ConstView<float> k3(documents.data(), Shape{1, n, d});
+  for (int64_t first = 0; first < nq; first += kBlock) {
+    const int64_t rows = std::min(kBlock, nq - first);
+    const AttentionResult<float> r = scaled_dot_product_attention(
+        ConstView<float>(queries.data() + first * d, Shape{1, rows, d}), k3, values, {}, options);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* w = r.weights.data() + i * n;
+      std::vector<int64_t> ids(static_cast<size_t>(n));
+      std::iota(ids.begin(), ids.end(), int64_t{0});
+      const int64_t top = std::min(k, n);
+      std::partial_sort(ids.begin(), ids.begin() + top, ids.end(), [&](int64_t a, int64_t b) {
+        return w[a] > w[b] || (w[a] == w[b] && a < b);
+      });
+      ids.resize(static_cast<size_t>(top));
+      ranked[first + i] = std::move(ids);
+    }
+  }
+  return ranked;
+}
+
 Encoders train(const std::vector<Package>& packages, const std::vector<int64_t>& train_ids,
                const TrainOptions& options) {
   const int64_t buckets = options.hashing.buckets, d = options.dim;
   Encoders enc{options.hashing, options.score_scale, Tensor<float>(Shape{buckets, d}),
-               Tensor<float>(Shape{buckets, d})};
+               Tensor<float>(Shape{buckets, d}), {}, 0};
   // Both maps start equal, N(0, 1/d): a query's and a document's shared
   // features then add about their weights' product to the score.
   std::mt19937_64 rng(options.seed);
@@ -109,6 +140,8 @@ Encoders train(const std::vector<Package>& packages, const std::vector<int64_t>&
       (static_cast<int64_t>(order.size()) + options.batch - 1) / options.batch;
   const int64_t steps = steps_per_epoch * options.epochs;
   int64_t step = 0;
+  int best_epoch = 0;
+  std::vector<float> best_query_map, best_doc_map;
   for (int epoch = 0; epoch < options.epochs; ++epoch) {
     std::iota(order.begin(), order.end(), int64_t{0});
     std::shuffle(order.begin(), order.end(), rng);
@@ -133,6 +166,22 @@ Encoders train(const std::vector<Package>& packages, const std::vector<int64_t>&
       }
       if (options.progress) options.progress(++step, steps, loss);
     }
+    if (options.validation_score) {
+      const double score = options.validation_score(enc);
+      enc.validation_scores.push_back(score);
+      if (best_epoch == 0 || score > enc.validation_scores[best_epoch - 1]) {
+        best_epoch = epoch + 1;
+        best_query_map = enc.query_map.values();
+        best_doc_map = enc.doc_map.values();
+      }
+    }
+  }
+  if (best_epoch > 0) {
+    enc.query_map.values() = std::move(best_query_map);
+    enc.doc_map.values() = std::move(best_doc_map);
+    enc.best_epoch = best_epoch;
+  } else {
+    enc.best_epoch = options.epochs;
   }
   return enc;
 }

@@ -33,6 +33,12 @@ struct TrainOptions {
   FeatureHashing hashing;
   // Called after each step: steps done, steps in all, the step's mean loss.
   std::function<void(int64_t, int64_t, double)> progress;
+  // If set, called after each epoch with the encoders so far: a score to
+  // maximize on queries not trained on (the validation split's MRR@10).
+  // train() then returns the encoders of the best epoch (early stopping:
+  // the encoders can memorize their 50,000 training queries, and a later
+  // epoch may generalize worse).
+  std::function<double(const struct Encoders&)> validation_score;
 };
 
 struct Encoders {
@@ -40,6 +46,10 @@ struct Encoders {
   double score_scale = 1.0;
   Tensor<float> query_map;  // (buckets, d)
   Tensor<float> doc_map;    // (buckets, d)
+  // With TrainOptions::validation_score: each epoch's score, and the epoch
+  // (from 1) these encoders are from.
+  std::vector<double> validation_scores;
+  int best_epoch = 0;
 };
 
 // Which queries a package's short description serves: the test split (one
@@ -64,6 +74,12 @@ double training_loss(const Encoders& encoders, const SparseRows& documents,
                      const SparseRows& documents_by_feature, const SparseRows& queries,
                      const std::vector<int64_t>& targets, Tensor<float>* d_query_map,
                      Tensor<float>* d_doc_map);
+
+// Each query's top k documents by its attention weights over every
+// document (the fused kernel, 256 queries at a time), best first.
+std::vector<std::vector<int64_t>> rank_by_attention(const Tensor<float>& queries,
+                                                    const Tensor<float>& documents, double scale,
+                                                    int64_t k);
 
 // Encodings (rows, d) of sparse rows through a map.
 Tensor<float> encodings(const SparseRows& rows, const Tensor<float>& map);

@@ -195,6 +195,9 @@ class SearchEvalTest(SearchCase):
             m = j[engine]
             self.assertTrue(0 <= m["recall_at_1"] <= m["mrr_at_10"] <= m["recall_at_10"] <= 1, m)
             self.assertGreater(m["ms_per_query"], 0)
+        # Our BM25 gives FTS5's own query's top 10 on every query checked.
+        self.assertEqual(j["fts5_check"]["compared"], held)
+        self.assertEqual(j["fts5_check"]["same_top_10"], held)
         # BM25 finds most held-out packages of this small corpus by their words.
         self.assertGreater(j["bm25"]["recall_at_10"], 0.5)
 

@@ -169,7 +169,7 @@ LossCase loss_case(uint64_t seed, int64_t buckets, int64_t d) {
     c.targets.push_back(i);
   }
   c.queries = query_features(texts, h);
-  c.enc = Encoders{h, 3.0, random_map(rng, buckets, d, 0.5f), random_map(rng, buckets, d, 0.5f)};
+  c.enc = Encoders{h, 3.0, random_map(rng, buckets, d, 0.5f), random_map(rng, buckets, d, 0.5f), {}, 0};
   return c;
 }
 
