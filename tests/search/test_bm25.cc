@@ -22,36 +22,15 @@
 #include "qkv/error.h"
 #include "search/bm25.h"
 #include "search/corpus.h"
+#include "search_testing.h"
 
 namespace qkv::search {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kFixture = QKV_SEARCH_FIXTURE;
+using testing::kFixture;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "qkv-bm25-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path_))
-      names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  std::string path_;
-};
+using testing::TempDir;
 
 template <class F>
 std::string error_of(F&& f) {

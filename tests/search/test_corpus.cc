@@ -14,6 +14,7 @@
 
 #include "qkv/error.h"
 #include "search/corpus.h"
+#include "search_testing.h"
 
 namespace qkv::search {
 namespace {
@@ -21,30 +22,9 @@ namespace {
 namespace fs = std::filesystem;
 using Strings = std::vector<std::string>;
 
-const std::string kFixture = QKV_SEARCH_FIXTURE;
+using testing::kFixture;
 
-// A temporary directory removed with everything in it at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "qkv-corpus-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  void write(const std::string& name, const std::string& text) const {
-    std::ofstream out(file(name), std::ios::binary);
-    out << text;
-  }
-
- private:
-  std::string path_;
-};
+using testing::TempDir;
 
 const Package* find(const std::vector<Package>& packages, const std::string& name) {
   for (const Package& p : packages)

@@ -16,6 +16,7 @@
 #include "qkv/error.h"
 #include "qkv/threads.h"
 #include "search/corpus.h"
+#include "search_testing.h"
 #include "search/encoder.h"
 #include "search/features.h"
 #include "search/index.h"
@@ -26,24 +27,9 @@ namespace qkv::search {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kFixture = QKV_SEARCH_FIXTURE;
+using testing::kFixture;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "qkv-learned-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-
- private:
-  std::string path_;
-};
+using testing::TempDir;
 
 uint64_t test_seed() {
   const char* s = std::getenv("QKV_TEST_SEED");
@@ -313,9 +299,9 @@ TEST(SearchIndex, BuildQueryEvaluate) {
   o.hashing.buckets = 1 << 12;
   o.batch = 64;
   o.epochs = 8;
-  SearchIndex::build(tmp / "index", packages, o);
-  EXPECT_THROW(SearchIndex::build(tmp / "index", packages, o), Error);
-  const SearchIndex index = SearchIndex::open(tmp / "index");
+  SearchIndex::build(tmp.file("index"), packages, o);
+  EXPECT_THROW(SearchIndex::build(tmp.file("index"), packages, o), Error);
+  const SearchIndex index = SearchIndex::open(tmp.file("index"));
   ASSERT_EQ(index.packages().size(), packages.size());
   const Ranking learned = index.learned("command-line driven interactive plotting program", 5);
   ASSERT_EQ(learned.hits.size(), 5u);
@@ -337,9 +323,9 @@ TEST(SearchIndex, BuildQueryEvaluate) {
 
   for (const char* name : {"query_map.npy", "packages.json", "bm25.sqlite", "documents/manifest.json"}) {
     SCOPED_TRACE(name);
-    const std::string copy = tmp / "copy";
+    const std::string copy = tmp.file("copy");
     fs::remove_all(copy);
-    fs::copy(tmp / "index", copy, fs::copy_options::recursive);
+    fs::copy(tmp.file("index"), copy, fs::copy_options::recursive);
     const std::string file = (fs::path(copy) / name).string();
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
@@ -350,7 +336,7 @@ TEST(SearchIndex, BuildQueryEvaluate) {
     EXPECT_THROW(SearchIndex::open(copy), Error);
   }
   try {
-    SearchIndex::open(tmp / "missing");
+    SearchIndex::open(tmp.file("missing"));
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no such index"), std::string::npos) << e.what();
