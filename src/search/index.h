@@ -1,7 +1,7 @@
 // A search index on disk (`qkv search index`): a directory made whole or not
 // at all (StagedDirectory), holding
 //   manifest.json    format, the training's parameters and figures, the
-//                    sections, the hybrid's BM25 weight, each file's XXH3-64
+//                    sections, the hybrid's fusion and weight, each file's XXH3-64
 //   packages.json    per document: name, short description, section, held out
 //   query_map.npy    the query encoder's map (buckets, d), float32
 //   doc_map.npy      the document encoder's map (buckets, d), float32
@@ -65,7 +65,8 @@ class SearchIndex {
 
   // The top `k` documents for free text `query`: by attention over every
   // document (learned), by BM25, or by the hybrid (BM25's top 100 and the
-  // learned top 100, scored bm25_weight * BM25 + the learned score).
+  // learned top 100, their scores or ranks mixed as the validation queries
+  // chose: index.cc's Fusion).
   Ranking learned(std::string_view query, int64_t k) const;
   Ranking bm25(std::string_view query, int64_t k) const;
   Ranking hybrid(std::string_view query, int64_t k) const;
@@ -84,7 +85,8 @@ class SearchIndex {
   std::vector<IndexedPackage> packages_;
   std::vector<std::string> sections_;
   FeatureHashing hashing_;
-  double score_scale_ = 1.0, bm25_weight_ = 0.0;
+  double score_scale_ = 1.0, hybrid_weight_ = 1.0;
+  int hybrid_fusion_ = 0;  // index.cc's Fusion
   Tensor<float> query_map_;
   std::shared_ptr<const KeyValueStore> documents_;
   std::shared_ptr<const Bm25> bm25_;

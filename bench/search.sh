@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one command behind docs/search.md's measurements: builds the qkv
+# command (Release, build/perf unless --build DIR), builds a search index of
+# this machine's package lists with the default options (timed: the training
+# time is the manifest's), runs `qkv search eval` on it and a few example
+# queries, and writes docs/search.md's generated section and
+# docs/perf-runs/search.json. Leave the machine otherwise idle while it runs.
+#   bench/search.sh [--build DIR] [--index DIR]   (DIR: a Release tree, e.g. build/test-release)
+#   bench/search.sh --replay                      re-render the page from docs/perf-runs/search.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build=build/perf
+index=build/search-index
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) build=$2; shift 2 ;;
+    --index) index=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+if [ "${args[*]:-}" != --replay ]; then
+  if [ ! -f "$build/CMakeCache.txt" ]; then
+    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=ON \
+      >/dev/null
+  fi
+  cmake --build "$build" -j "$(nproc)" --target qkv_cli
+fi
+exec /usr/bin/python3 bench/search.py --qkv "$build/qkv" --index "$index" "${args[@]}"
