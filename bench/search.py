@@ -43,10 +43,14 @@ def cpu_name():
 
 def typo(name, rng):
     """One edit a hurried typist makes: a letter dropped, or two swapped."""
-    i = rng.randrange(1, len(name) - 1)
-    if rng.random() < 0.5:
-        return name[:i] + name[i + 1:]
-    return name[:i] + name[i + 1] + name[i] + name[i + 2:]
+    while True:
+        i = rng.randrange(1, len(name) - 1)
+        if rng.random() < 0.5:
+            wrong = name[:i] + name[i + 1:]
+        else:
+            wrong = name[:i] + name[i + 1] + name[i] + name[i + 2:]
+        if wrong != name:  # swapping two equal letters is no typo
+            return wrong
 
 
 def measure_typos(binary, index, count=30):

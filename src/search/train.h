@@ -24,7 +24,7 @@ namespace qkv::search {
 
 struct TrainOptions {
   int64_t dim = 128;              // d: the encodings' size
-  int epochs = 3;
+  int epochs = 2;  // 3 gave validation MRR@10 0.413 against 0.407 for 2, in 322 s against ~215
   int64_t batch = 1024;           // queries per step
   double learning_rate = 2e-3;
   double score_scale = 16.0;      // score = score_scale · q · d
