@@ -16,6 +16,8 @@
 
 #include "check.h"
 #include "contiguous.h"
+#include "kernels/blas.h"
+#include "kernels/centred.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/kernels.h"
 #include "kernels/vecmath.h"
@@ -28,6 +30,10 @@ constexpr std::string_view kSdpa = "scaled_dot_product_attention";
 constexpr std::string_view kSdpaBackward = "scaled_dot_product_attention_backward";
 constexpr std::string_view kAdditive = "additive_attention";
 constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
+constexpr std::string_view kBilinear = "bilinear_attention";
+constexpr std::string_view kBilinearBackward = "bilinear_attention_backward";
+constexpr std::string_view kDistance = "distance_attention";
+constexpr std::string_view kDistanceBackward = "distance_attention_backward";
 
 enum class Version { kFast, kRef };
 
@@ -328,18 +334,30 @@ kernels::AttentionConfig sdpa_config(std::string_view fn, const Dims& dims,
   return config;
 }
 
-kernels::AttentionConfig additive_config(std::string_view fn, const Dims& dims,
-                                         const ValidLens& valid_lens,
-                                         const AttentionOptions& options) {
+// The options of the scoring functions that take valid_lens, causal and
+// dropout but none of scaled dot-product attention's masks or bias:
+// additive and bilinear attention (no scale) and distance attention (scale
+// > 0, default 1). `scoring` names the function in messages.
+kernels::AttentionConfig lens_only_config(std::string_view fn, std::string_view scoring,
+                                          const Dims& dims, const ValidLens& valid_lens,
+                                          const AttentionOptions& options) {
   detail::check_dropout(fn, "options.dropout", options.dropout);
-  if (options.scale) {
-    fail(fn, "options.scale is set, but additive attention has no scale; leave it unset");
+  const bool takes_scale = scoring == "distance";
+  if (options.scale && !takes_scale) {
+    fail(fn, "options.scale is set, but " + std::string(scoring) +
+                 " attention has no scale; leave it unset");
+  }
+  if (options.scale && !(std::isfinite(*options.scale) && *options.scale > 0)) {
+    fail(fn,
+         "options.scale = " + std::to_string(*options.scale) + "; expected a finite number > 0");
   }
   if (has_masks(options)) {
-    fail(fn, "options.mask, key_mask, window_left/right and bias are for scaled dot-product "
-             "attention; additive attention takes valid_lens and causal");
+    fail(fn,
+         "options.mask, key_mask, window_left/right and bias are for scaled dot-product "
+         "attention; " +
+             std::string(scoring) + " attention takes valid_lens and causal");
   }
-  return {kernel_lens(fn, dims, valid_lens, options), 1.0,
+  return {kernel_lens(fn, dims, valid_lens, options), options.scale.value_or(1.0),
           options.training ? options.dropout : 0.0, options.seed};
 }
 
@@ -557,7 +575,8 @@ AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T
                                     const AttentionOutputs<T>* given = nullptr) {
   const Dims dims = check_inputs(kAdditive, q, k, v, true, valid_lens);
   const kernels::AdditiveParams<T> params = check_weights(kAdditive, dims, weights);
-  const kernels::AttentionConfig config = additive_config(kAdditive, dims, valid_lens, options);
+  const kernels::AttentionConfig config =
+      lens_only_config(kAdditive, "additive", dims, valid_lens, options);
   AttentionResult<T> result;
   const kernels::ForwardViews<T> out =
       destinations(kAdditive, version, dims, options, given, result);
@@ -590,7 +609,8 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
                                    ConstView<T> d_output) {
   const Dims dims = check_inputs(kAdditiveBackward, q, k, v, true, valid_lens);
   const kernels::AdditiveParams<T> params = check_weights(kAdditiveBackward, dims, weights);
-  const kernels::AttentionConfig config = additive_config(kAdditiveBackward, dims, valid_lens, options);
+  const kernels::AttentionConfig config =
+      lens_only_config(kAdditiveBackward, "additive", dims, valid_lens, options);
   check_saved(kAdditiveBackward, dims, saved, d_output);
   const int64_t hidden = params.w_q.size(0);
   AdditiveGrads<T> grads{Tensor<T>(q.shape()),           Tensor<T>(k.shape()),
@@ -626,6 +646,226 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
                                     out);
   }
   grads.d_w_v = std::move(grads.d_w_v).reshaped(weights.w_v.shape());
+  return grads;
+}
+
+// ---- bilinear ---------------------------------------------------------------
+
+// w (Dq, Dk).
+template <class T>
+void check_bilinear_w(std::string_view fn, const Dims& dims, ConstView<T> w) {
+  detail::check_rank(fn, "w", w, 2, "(Dq, Dk)");
+  if (w.size(0) != dims.dq || w.size(1) != dims.dk) {
+    fail(fn, "w has shape " + w.shape().str() + " but queries has Dq = " + std::to_string(dims.dq) +
+                 " and keys has Dk = " + std::to_string(dims.dk) + "; expected " +
+                 Shape{dims.dq, dims.dk}.str());
+  }
+}
+
+// q W (B, Nq, Dk): the bilinear scores q W k are its dot products with the
+// keys. One product over all B * Nq rows in fixed row blocks (bits
+// independent of the thread count).
+template <class T>
+Tensor<T> queries_times_w(ConstView<T> q, ConstView<T> w) {
+  const detail::Contiguous<T> qc(q), wc(w);
+  const int64_t dq = w.size(0), dk = w.size(1);
+  Tensor<T> qw(Shape{q.size(0), q.size(1), dk});
+  kernels::parallel_gemm(false, false, q.size(0) * q.size(1), dk, dq, T(1), qc.data(), dq,
+                         wc.data(), dk, T(0), qw.data(), dk);
+  return qw;
+}
+
+template <class T>
+AttentionResult<T> bilinear_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    ConstView<T> w, const ValidLens& valid_lens,
+                                    const AttentionOptions& options,
+                                    const AttentionOutputs<T>* given = nullptr) {
+  const Dims dims = check_inputs(kBilinear, q, k, v, true, valid_lens);
+  check_bilinear_w(kBilinear, dims, w);
+  const kernels::AttentionConfig config =
+      lens_only_config(kBilinear, "bilinear", dims, valid_lens, options);
+  AttentionResult<T> result;
+  kernels::ForwardViews<T> out = destinations(kBilinear, version, dims, options, given, result);
+  if (version == Version::kRef) {
+    kernels::ref::bilinear(q, k, v, w, config, out);
+    return result;
+  }
+  // Scaled dot-product attention (scale 1) of q W and the keys.
+  const Tensor<T> qw = queries_times_w(q, w);
+  out.output = kernels::as_heads(out.output);
+  const KernelOperand<T> kk(k), vk(v);
+  fast_sdpa(kernels::as_heads(ConstView<T>(qw.view())), kk.view(), vk.view(), config, out);
+  return result;
+}
+
+template <class T>
+BilinearGrads<T> bilinear_backward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                   ConstView<T> w, const ValidLens& valid_lens,
+                                   const AttentionOptions& options, const SavedForward<T>& saved,
+                                   ConstView<T> d_output) {
+  const Dims dims = check_inputs(kBilinearBackward, q, k, v, true, valid_lens);
+  check_bilinear_w(kBilinearBackward, dims, w);
+  const kernels::AttentionConfig config =
+      lens_only_config(kBilinearBackward, "bilinear", dims, valid_lens, options);
+  check_saved(kBilinearBackward, dims, saved, d_output);
+  BilinearGrads<T> grads{Tensor<T>(q.shape()), Tensor<T>(k.shape()), Tensor<T>(v.shape()),
+                         Tensor<T>(w.shape())};
+  if (version == Version::kRef) {
+    kernels::ref::bilinear_backward(
+        q, k, v, w, config, {saved.output, saved.lse}, d_output,
+        {grads.d_queries.view(), grads.d_keys.view(), grads.d_values.view(), grads.d_w.view()});
+    return grads;
+  }
+  // The dot-product backward on q W gives d(q W), dK and dV; then
+  // dQ = d(q W) Wᵀ and dW = sum_b Q_bᵀ d(q W)_b, each one product.
+  const Tensor<T> qw = queries_times_w(q, w);
+  Tensor<T> d_qw(qw.shape());
+  const kernels::SdpaGradViews<T> out{kernels::as_heads(d_qw.view()),
+                                      kernels::as_heads(grads.d_keys.view()),
+                                      kernels::as_heads(grads.d_values.view())};
+  {
+    const KernelOperand<T> kk(k), vk(v), ok(saved.output), gk(d_output);
+    const detail::Contiguous<T> lc(saved.lse);
+    fast_sdpa_backward(kernels::as_heads(ConstView<T>(qw.view())), kk.view(), vk.view(), config,
+                       {ok.view(), lc.view()}, gk.view(), out);
+  }
+  const detail::Contiguous<T> qc(q), wc(w);
+  const int64_t rows = dims.batch * dims.nq;
+  kernels::parallel_gemm(false, true, rows, dims.dq, dims.dk, T(1), d_qw.data(), dims.dk, wc.data(),
+                         dims.dk, T(0), grads.d_queries.data(), dims.dq);
+  kernels::gemm(true, false, dims.dq, dims.dk, rows, T(1), qc.data(), dims.dq, d_qw.data(), dims.dk,
+                T(0), grads.d_w.data(), dims.dk);
+  return grads;
+}
+
+// ---- distance -----------------------------------------------------------------
+
+// Distance attention's operands for the dot-product kernel (kernels/centred.h):
+// queries and keys of batch element b centred at the mean of its valid keys
+// (keys j < the longest length among its queries; keys past it, which no
+// query sees and which are never read, stay zeros), the bias per key
+// -scale/2 |k'|^2 (B, Nk), and the term per query -scale/2 |q'|^2 (B, Nq)
+// that the softmax ignores and the lse adds.
+template <class T>
+struct CentredOperands {
+  Tensor<T> q, k, key_terms;
+  std::vector<double> query_terms;
+
+  CentredOperands(ConstView<T> queries, ConstView<T> keys, const kernels::AttentionConfig& config)
+      : q(queries.shape()),
+        k(keys.shape()),
+        key_terms(Shape{keys.size(0), keys.size(1)}),
+        query_terms(static_cast<size_t>(queries.size(0) * queries.size(1))) {
+    const int64_t batch = queries.size(0), nq = queries.size(1), nk = keys.size(1),
+                  d = queries.size(2);
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t seen = 0;  // the keys some query of b sees
+      for (int64_t i = 0; i < nq; ++i) seen = std::max(seen, config.len(b, i, nk));
+      const auto key = [&](int64_t j, int64_t c) -> double { return keys(b, j, c); };
+      const std::vector<double> centre = kernels::row_mean(seen, d, key);
+      kernels::centre_rows(seen, d, key, centre, config.scale, k.data() + b * nk * d,
+                           key_terms.data() + b * nk);
+      kernels::centre_rows(
+          nq, d, [&](int64_t i, int64_t c) -> double { return queries(b, i, c); }, centre,
+          config.scale, q.data() + b * nq * d, query_terms.data() + b * nq);
+    }
+  }
+  // The key terms as the kernels read a bias: (B, 1, Nq, Nk), one row per b.
+  template <class Acc>
+  TensorView<Acc> per_key(Tensor<Acc>& t) const {
+    return TensorView<Acc>(t.data(), Shape{t.size(0), 1, q.size(1), t.size(1)},
+                           Shape{t.size(1), 0, 0, 1});
+  }
+  kernels::AttentionConfig with_bias(kernels::AttentionConfig config) {
+    if constexpr (std::is_same_v<T, float>) {
+      config.bias_float = per_key(key_terms);
+    } else {
+      config.bias_double = per_key(key_terms);
+    }
+    return config;
+  }
+};
+
+template <class T>
+AttentionResult<T> distance_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                    const ValidLens& valid_lens, const AttentionOptions& options,
+                                    const AttentionOutputs<T>* given = nullptr) {
+  const Dims dims = check_inputs(kDistance, q, k, v, false, valid_lens);
+  const kernels::AttentionConfig config =
+      lens_only_config(kDistance, "distance", dims, valid_lens, options);
+  AttentionResult<T> result;
+  kernels::ForwardViews<T> out = destinations(kDistance, version, dims, options, given, result);
+  if (version == Version::kRef) {
+    kernels::ref::distance(q, k, v, config, out);
+    return result;
+  }
+  CentredOperands<T> centred(q, k, config);
+  const kernels::ForwardViews<T> lse_out = out;
+  out.output = kernels::as_heads(out.output);
+  const KernelOperand<T> vk(v);
+  fast_sdpa(kernels::as_heads(ConstView<T>(centred.q.view())),
+            kernels::as_heads(ConstView<T>(centred.k.view())), vk.view(), centred.with_bias(config),
+            out);
+  // The kernel's lse leaves out each query's own term.
+  if (lse_out.lse.data() != nullptr) {
+    for (int64_t b = 0; b < dims.batch; ++b) {
+      for (int64_t i = 0; i < dims.nq; ++i) {
+        const double term = centred.query_terms[static_cast<size_t>(b * dims.nq + i)];
+        lse_out.lse(b, i) = static_cast<T>(static_cast<double>(lse_out.lse(b, i)) + term);
+      }
+    }
+  }
+  return result;
+}
+
+template <class T>
+DotProductGrads<T> distance_backward(Version version, ConstView<T> q, ConstView<T> k,
+                                     ConstView<T> v, const ValidLens& valid_lens,
+                                     const AttentionOptions& options, const SavedForward<T>& saved,
+                                     ConstView<T> d_output) {
+  const Dims dims = check_inputs(kDistanceBackward, q, k, v, false, valid_lens);
+  const kernels::AttentionConfig config =
+      lens_only_config(kDistanceBackward, "distance", dims, valid_lens, options);
+  check_saved(kDistanceBackward, dims, saved, d_output);
+  DotProductGrads<T> grads{Tensor<T>(q.shape()), Tensor<T>(k.shape()), Tensor<T>(v.shape()), {}};
+  if (version == Version::kRef) {
+    kernels::ref::distance_backward(
+        q, k, v, config, {saved.output, saved.lse}, d_output,
+        {grads.d_queries.view(), grads.d_keys.view(), grads.d_values.view()});
+    return grads;
+  }
+  CentredOperands<T> centred(q, k, config);
+  // The lse the dot-product kernel saw: the saved one less each query's term.
+  Tensor<T> lse(Shape{dims.batch, dims.nq});
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    for (int64_t i = 0; i < dims.nq; ++i) {
+      const double term = centred.query_terms[static_cast<size_t>(b * dims.nq + i)];
+      lse(b, i) = static_cast<T>(static_cast<double>(saved.lse(b, i)) - term);
+    }
+  }
+  // The bias's gradient: sum_i dS[b, i, j] for each key.
+  Tensor<T> d_key_terms(Shape{dims.batch, dims.nk});
+  const kernels::SdpaGradViews<T> out{
+      kernels::as_heads(grads.d_queries.view()), kernels::as_heads(grads.d_keys.view()),
+      kernels::as_heads(grads.d_values.view()), centred.per_key(d_key_terms)};
+  const KernelOperand<T> vk(v), ok(saved.output), gk(d_output);
+  fast_sdpa_backward(kernels::as_heads(ConstView<T>(centred.q.view())),
+                     kernels::as_heads(ConstView<T>(centred.k.view())), vk.view(),
+                     centred.with_bias(config), {ok.view(), ConstView<T>(lse.view())}, gk.view(),
+                     out);
+  // The bias -scale/2 |k'|^2 adds -scale k' d_bias to dK (the query terms
+  // add nothing: each row of dS sums to 0).
+  const int64_t d = dims.dq;
+  kernels::parallel_for(dims.batch, [&](int64_t b) {
+    for (int64_t j = 0; j < dims.nk; ++j) {
+      const double g = -config.scale * static_cast<double>(d_key_terms(b, j));
+      T* dk = grads.d_keys.data() + (b * dims.nk + j) * d;
+      const T* kc = centred.k.data() + (b * dims.nk + j) * d;
+      for (int64_t c = 0; c < d; ++c) {
+        dk[c] = static_cast<T>(static_cast<double>(dk[c]) + g * static_cast<double>(kc[c]));
+      }
+    }
+  });
   return grads;
 }
 
@@ -712,6 +952,77 @@ AdditiveGrads<double> additive_attention_backward(
   return additive_backward(Version::kFast, q, k, v, w, lens, options, saved, d_output);
 }
 
+AttentionResult<float> bilinear_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, ConstView<float> w,
+                                          const ValidLens& lens, const AttentionOptions& options) {
+  return bilinear_forward(Version::kFast, q, k, v, w, lens, options);
+}
+AttentionResult<double> bilinear_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, ConstView<double> w,
+                                           const ValidLens& lens, const AttentionOptions& options) {
+  return bilinear_forward(Version::kFast, q, k, v, w, lens, options);
+}
+void bilinear_attention(ConstView<float> q, ConstView<float> k, ConstView<float> v,
+                        ConstView<float> w, const ValidLens& lens, const AttentionOptions& options,
+                        const AttentionOutputs<float>& outputs) {
+  bilinear_forward(Version::kFast, q, k, v, w, lens, options, &outputs);
+}
+void bilinear_attention(ConstView<double> q, ConstView<double> k, ConstView<double> v,
+                        ConstView<double> w, const ValidLens& lens, const AttentionOptions& options,
+                        const AttentionOutputs<double>& outputs) {
+  bilinear_forward(Version::kFast, q, k, v, w, lens, options, &outputs);
+}
+BilinearGrads<float> bilinear_attention_backward(ConstView<float> q, ConstView<float> k,
+                                                 ConstView<float> v, ConstView<float> w,
+                                                 const ValidLens& lens,
+                                                 const AttentionOptions& options,
+                                                 const SavedForward<float>& saved,
+                                                 ConstView<float> d_output) {
+  return bilinear_backward(Version::kFast, q, k, v, w, lens, options, saved, d_output);
+}
+BilinearGrads<double> bilinear_attention_backward(ConstView<double> q, ConstView<double> k,
+                                                  ConstView<double> v, ConstView<double> w,
+                                                  const ValidLens& lens,
+                                                  const AttentionOptions& options,
+                                                  const SavedForward<double>& saved,
+                                                  ConstView<double> d_output) {
+  return bilinear_backward(Version::kFast, q, k, v, w, lens, options, saved, d_output);
+}
+AttentionResult<float> distance_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, const ValidLens& lens,
+                                          const AttentionOptions& options) {
+  return distance_forward(Version::kFast, q, k, v, lens, options);
+}
+AttentionResult<double> distance_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, const ValidLens& lens,
+                                           const AttentionOptions& options) {
+  return distance_forward(Version::kFast, q, k, v, lens, options);
+}
+void distance_attention(ConstView<float> q, ConstView<float> k, ConstView<float> v,
+                        const ValidLens& lens, const AttentionOptions& options,
+                        const AttentionOutputs<float>& outputs) {
+  distance_forward(Version::kFast, q, k, v, lens, options, &outputs);
+}
+void distance_attention(ConstView<double> q, ConstView<double> k, ConstView<double> v,
+                        const ValidLens& lens, const AttentionOptions& options,
+                        const AttentionOutputs<double>& outputs) {
+  distance_forward(Version::kFast, q, k, v, lens, options, &outputs);
+}
+DotProductGrads<float> distance_attention_backward(ConstView<float> q, ConstView<float> k,
+                                                   ConstView<float> v, const ValidLens& lens,
+                                                   const AttentionOptions& options,
+                                                   const SavedForward<float>& saved,
+                                                   ConstView<float> d_output) {
+  return distance_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+}
+DotProductGrads<double> distance_attention_backward(ConstView<double> q, ConstView<double> k,
+                                                    ConstView<double> v, const ValidLens& lens,
+                                                    const AttentionOptions& options,
+                                                    const SavedForward<double>& saved,
+                                                    ConstView<double> d_output) {
+  return distance_backward(Version::kFast, q, k, v, lens, options, saved, d_output);
+}
+
 namespace ref {
 
 AttentionResult<float> scaled_dot_product_attention(ConstView<float> q, ConstView<float> k,
@@ -758,6 +1069,57 @@ AdditiveGrads<double> additive_attention_backward(
     const ValidLens& lens, const AttentionOptions& options, const SavedForward<double>& saved,
     ConstView<double> d_output) {
   return additive_backward(Version::kRef, q, k, v, w, lens, options, saved, d_output);
+}
+
+AttentionResult<float> bilinear_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, ConstView<float> w,
+                                          const ValidLens& lens, const AttentionOptions& options) {
+  return bilinear_forward(Version::kRef, q, k, v, w, lens, options);
+}
+AttentionResult<double> bilinear_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, ConstView<double> w,
+                                           const ValidLens& lens, const AttentionOptions& options) {
+  return bilinear_forward(Version::kRef, q, k, v, w, lens, options);
+}
+BilinearGrads<float> bilinear_attention_backward(ConstView<float> q, ConstView<float> k,
+                                                 ConstView<float> v, ConstView<float> w,
+                                                 const ValidLens& lens,
+                                                 const AttentionOptions& options,
+                                                 const SavedForward<float>& saved,
+                                                 ConstView<float> d_output) {
+  return bilinear_backward(Version::kRef, q, k, v, w, lens, options, saved, d_output);
+}
+BilinearGrads<double> bilinear_attention_backward(ConstView<double> q, ConstView<double> k,
+                                                  ConstView<double> v, ConstView<double> w,
+                                                  const ValidLens& lens,
+                                                  const AttentionOptions& options,
+                                                  const SavedForward<double>& saved,
+                                                  ConstView<double> d_output) {
+  return bilinear_backward(Version::kRef, q, k, v, w, lens, options, saved, d_output);
+}
+AttentionResult<float> distance_attention(ConstView<float> q, ConstView<float> k,
+                                          ConstView<float> v, const ValidLens& lens,
+                                          const AttentionOptions& options) {
+  return distance_forward(Version::kRef, q, k, v, lens, options);
+}
+AttentionResult<double> distance_attention(ConstView<double> q, ConstView<double> k,
+                                           ConstView<double> v, const ValidLens& lens,
+                                           const AttentionOptions& options) {
+  return distance_forward(Version::kRef, q, k, v, lens, options);
+}
+DotProductGrads<float> distance_attention_backward(ConstView<float> q, ConstView<float> k,
+                                                   ConstView<float> v, const ValidLens& lens,
+                                                   const AttentionOptions& options,
+                                                   const SavedForward<float>& saved,
+                                                   ConstView<float> d_output) {
+  return distance_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
+}
+DotProductGrads<double> distance_attention_backward(ConstView<double> q, ConstView<double> k,
+                                                    ConstView<double> v, const ValidLens& lens,
+                                                    const AttentionOptions& options,
+                                                    const SavedForward<double>& saved,
+                                                    ConstView<double> d_output) {
+  return distance_backward(Version::kRef, q, k, v, lens, options, saved, d_output);
 }
 
 }  // namespace ref

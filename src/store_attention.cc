@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "check.h"
+#include "kernels/centred.h"
 #include "kernels/parallel.h"
 #include "qkv/attention.h"
 #include "qkv/bfloat16.h"
@@ -126,13 +127,10 @@ void for_each_chunk(const KeyValueStore& store, size_t first, size_t last,
 }
 
 // Gaussian scoring of one chunk, -|q - k|^2 / (2 h^2), as the dot-product
-// kernel computes it: with c the chunk's mean key, q' = q - c, k' = k - c,
-//   -|q - k|^2 / (2 h^2) = (q' . k') / h^2 - |k'|^2 / (2 h^2) - |q'|^2 / (2 h^2),
-// a scaled dot product, a bias per key, and a term per query (which only
-// shifts the lse). Centring first keeps the products accurate when the keys
-// sit far from the origin (docs/regression.md: the uncentred form cancels
-// |q|^2 + |k|^2 against 2 q . k); so the chunk's keys are copied, centred, in
-// float (and a bf16 chunk's values widened): O(chunk) memory.
+// kernel computes it (kernels/centred.h): keys and queries centred at the
+// chunk's mean key, a bias per key and a term per query. The chunk's keys are
+// copied, centred, in float (and a bf16 chunk's values widened): O(chunk)
+// memory.
 struct GaussianChunk {
   double scale = 0;
   Tensor<float> queries, keys, values, key_terms;
@@ -147,35 +145,15 @@ struct GaussianChunk {
       return f32 ? static_cast<const float*>(chunk.keys)[j * d + c]
                  : static_cast<float>(static_cast<const bfloat16*>(chunk.keys)[j * d + c]);
     };
-    std::vector<double> mean(static_cast<size_t>(d));
-    for (int64_t j = 0; j < rows; ++j) {
-      for (int64_t c = 0; c < d; ++c) mean[static_cast<size_t>(c)] += key(j, c);
-    }
-    for (double& m : mean) m /= static_cast<double>(rows);
+    const std::vector<double> mean = kernels::row_mean(rows, d, key);
     keys = Tensor<float>(Shape{1, rows, d});
     key_terms = Tensor<float>(Shape{rows});
-    kernels::parallel_for((rows + 4095) / 4096, [&](int64_t task) {
-      for (int64_t j = task * 4096; j < std::min(rows, (task + 1) * 4096); ++j) {
-        double norm = 0;
-        for (int64_t c = 0; c < d; ++c) {
-          const double x = key(j, c) - mean[static_cast<size_t>(c)];
-          keys(0, j, c) = static_cast<float>(x);
-          norm += x * x;
-        }
-        key_terms(j) = static_cast<float>(-0.5 * scale * norm);
-      }
-    });
+    kernels::centre_rows(rows, d, key, mean, scale, keys.data(), key_terms.data());
     queries = Tensor<float>(Shape{1, nq, d});
     query_terms.resize(static_cast<size_t>(nq));
-    for (int64_t i = 0; i < nq; ++i) {
-      double norm = 0;
-      for (int64_t c = 0; c < d; ++c) {
-        const double x = static_cast<double>(q(i, c)) - mean[static_cast<size_t>(c)];
-        queries(0, i, c) = static_cast<float>(x);
-        norm += x * x;
-      }
-      query_terms[static_cast<size_t>(i)] = -0.5 * scale * norm;
-    }
+    kernels::centre_rows(
+        nq, d, [&](int64_t i, int64_t c) -> double { return q(i, c); }, mean, scale,
+        queries.data(), query_terms.data());
     if (!f32) {
       const int64_t dv = store.value_dim();
       values = Tensor<float>(Shape{1, rows, dv});

@@ -1,8 +1,9 @@
 // The attention contract suite's pieces (test_attention.cc runs the suite;
-// test_sdpa.cc and test_additive.cc reuse them for op-specific tests): one
-// attention problem (Case), its random inputs (Inputs), the forward and
-// backward checks, and one traits struct per scoring function (SdpaScoring,
-// AdditiveScoring). The traits hold every call of the public API, each op's
+// test_sdpa.cc, test_additive.cc, test_bilinear.cc and test_distance.cc
+// reuse them for op-specific tests): one attention problem (Case), its random
+// inputs (Inputs), the forward and backward checks, and one traits struct per
+// scoring function (SdpaScoring, AdditiveScoring, BilinearScoring,
+// DistanceScoring). The traits hold every call of the public API, each op's
 // tolerances and each op's cases, so the suite body never names an op.
 #pragma once
 
@@ -398,6 +399,212 @@ struct AdditiveScoring {
   }
 };
 
+// Bilinear attention: softmax(q W kᵀ) V with W (Dq, Dk). Its cases are
+// additive attention's (Dq != Dk; H is not read).
+struct BilinearScoring {
+  static constexpr const char* kFunction = "bilinear_attention";
+  static constexpr const char* kFunctionBackward = "bilinear_attention_backward";
+  // Scaled dot-product attention's: q W is one more rounded product of
+  // Dq <= 20 terms, within them (measured over the contract's seeds).
+  static constexpr Tols kFloat = SdpaScoring::kFloat;
+  static constexpr Tols kDouble = SdpaScoring::kDouble;
+
+  static std::string describe(const Case& c) {
+    std::ostringstream os;
+    os << "B=" << c.batch << " Nq=" << c.nq << " Nk=" << c.nk << " Dq=" << c.dq << " Dk=" << c.dk
+       << " Dv=" << c.dv << ", " << c.options_str();
+    return os.str();
+  }
+  static int64_t key_dim(const Case& c) { return c.dk; }
+  // Scores q W k of order 1: W uniform in ±2/sqrt(Dq).
+  template <class T>
+  static void add_random_params(Rng& rng, const Case& c, Tensors<T>& t) {
+    const double a = 2.0 / std::sqrt(double(std::max<int64_t>(c.dq, 1)));
+    t.params.push_back(random_tensor<T>(rng, {c.dq, c.dk}, -a, a));
+  }
+
+  static const std::vector<GradName>& grad_names() {
+    static const std::vector<GradName> names = {
+        {"d_queries", "b q d"}, {"d_keys", "b k d"}, {"d_values", "b k d"}, {"d_w", "c e"}};
+    return names;
+  }
+
+  template <class T>
+  static AttentionResult<T> forward(const Args<T>& a, const ValidLens& lens,
+                                    const AttentionOptions& opt) {
+    return bilinear_attention(a.q, a.k, a.v, a.params[0], lens, opt);
+  }
+  template <class T>
+  static AttentionResult<T> ref_forward(const Args<T>& a, const ValidLens& lens,
+                                        const AttentionOptions& opt) {
+    return ref::bilinear_attention(a.q, a.k, a.v, a.params[0], lens, opt);
+  }
+  template <class T>
+  static void forward_into(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                           const AttentionOutputs<T>& outs) {
+    bilinear_attention(a.q, a.k, a.v, a.params[0], lens, opt, outs);
+  }
+  template <class T>
+  static Grads<T> backward(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                           std::type_identity_t<Saved<T>> fwd,
+                           std::type_identity_t<ConstView<T>> d_out) {
+    return grads(bilinear_attention_backward(a.q, a.k, a.v, a.params[0], lens, opt,
+                                             {fwd.output, fwd.lse}, d_out));
+  }
+  template <class T>
+  static Grads<T> ref_backward(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                               std::type_identity_t<Saved<T>> fwd,
+                               std::type_identity_t<ConstView<T>> d_out) {
+    return grads(ref::bilinear_attention_backward(a.q, a.k, a.v, a.params[0], lens, opt,
+                                                  {fwd.output, fwd.lse}, d_out));
+  }
+
+  template <class T>
+  static NaiveForward naive_forward(const Args<T>& a, const ValidLens& lens,
+                                    const AttentionOptions& opt) {
+    return naive_bilinear<T>(a.q, a.k, a.v, a.params[0], lens, naive_dropout(opt));
+  }
+  template <class T>
+  static std::vector<std::vector<double>> naive_backward(const Args<T>& a, const ValidLens& lens,
+                                                         const AttentionOptions& opt,
+                                                         std::type_identity_t<ConstView<T>> d_out) {
+    NaiveBilinearGrads g =
+        naive_bilinear_backward<T>(a.q, a.k, a.v, a.params[0], lens, naive_dropout(opt), d_out);
+    return {std::move(g.d_queries), std::move(g.d_keys), std::move(g.d_values), std::move(g.d_w)};
+  }
+
+  // The chapter's example with queries (2, 1, 20) and W (20, 2).
+  static constexpr int64_t kChapterQueryDim = 20;
+  static constexpr double kChapterDropout = 0.1;
+  template <class T>
+  static void add_chapter_params(Rng& rng, Tensors<T>& t) {
+    t.params.push_back(random_tensor<T>(rng, {20, 2}, -1 / std::sqrt(20.0), 1 / std::sqrt(20.0)));
+  }
+
+  static std::vector<Case> shape_sweep(Rng& rng) { return AdditiveScoring::shape_sweep(rng); }
+  static std::vector<Case> masked_keys_cases() { return AdditiveScoring::masked_keys_cases(); }
+  static std::vector<Case> dropout_cases() { return AdditiveScoring::dropout_cases(); }
+  static Case dropout_only_when_training_case() {
+    return AdditiveScoring::dropout_only_when_training_case();
+  }
+  static std::vector<Case> strided_cases() { return AdditiveScoring::strided_cases(); }
+  static std::vector<Case> write_into_cases() { return AdditiveScoring::write_into_cases(); }
+  static std::vector<Case> lse_merge_cases() { return AdditiveScoring::lse_merge_cases(); }
+  static Case determinism_case() { return AdditiveScoring::determinism_case(); }
+  static std::vector<Case> backward_cases(Rng& rng) { return AdditiveScoring::backward_cases(rng); }
+  static std::vector<Case> finite_difference_cases() {
+    return AdditiveScoring::finite_difference_cases();
+  }
+
+ private:
+  template <class T>
+  static Grads<T> grads(BilinearGrads<T>&& g) {
+    Grads<T> out;
+    for (Tensor<T>* t : {&g.d_queries, &g.d_keys, &g.d_values, &g.d_w}) {
+      out.push_back(std::move(*t));
+    }
+    return out;
+  }
+  static NaiveDropout naive_dropout(const AttentionOptions& opt) {
+    return {opt.dropout, opt.training, opt.seed};
+  }
+};
+
+// Distance attention: softmax(-scale/2 |q - k|^2) V, scale > 0 (default 1).
+// Its cases are scaled dot-product attention's (their scales are positive).
+struct DistanceScoring {
+  static constexpr const char* kFunction = "distance_attention";
+  static constexpr const char* kFunctionBackward = "distance_attention_backward";
+  // Scaled dot-product attention's: on centred rows the scores' rounding is
+  // that of a dot product of the same size (measured over the contract's seeds).
+  static constexpr Tols kFloat = SdpaScoring::kFloat;
+  static constexpr Tols kDouble = SdpaScoring::kDouble;
+
+  static std::string describe(const Case& c) { return SdpaScoring::describe(c); }
+  static int64_t key_dim(const Case& c) { return c.dq; }
+  template <class T>
+  static void add_random_params(Rng&, const Case&, Tensors<T>&) {}
+  static const std::vector<GradName>& grad_names() { return SdpaScoring::grad_names(); }
+
+  template <class T>
+  static AttentionResult<T> forward(const Args<T>& a, const ValidLens& lens,
+                                    const AttentionOptions& opt) {
+    return distance_attention(a.q, a.k, a.v, lens, opt);
+  }
+  template <class T>
+  static AttentionResult<T> ref_forward(const Args<T>& a, const ValidLens& lens,
+                                        const AttentionOptions& opt) {
+    return ref::distance_attention(a.q, a.k, a.v, lens, opt);
+  }
+  template <class T>
+  static void forward_into(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                           const AttentionOutputs<T>& outs) {
+    distance_attention(a.q, a.k, a.v, lens, opt, outs);
+  }
+  template <class T>
+  static Grads<T> backward(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                           std::type_identity_t<Saved<T>> fwd,
+                           std::type_identity_t<ConstView<T>> d_out) {
+    return grads(
+        distance_attention_backward(a.q, a.k, a.v, lens, opt, {fwd.output, fwd.lse}, d_out));
+  }
+  template <class T>
+  static Grads<T> ref_backward(const Args<T>& a, const ValidLens& lens, const AttentionOptions& opt,
+                               std::type_identity_t<Saved<T>> fwd,
+                               std::type_identity_t<ConstView<T>> d_out) {
+    return grads(ref::distance_attention_backward(a.q, a.k, a.v, lens, opt, {fwd.output, fwd.lse},
+                                                  d_out));
+  }
+
+  template <class T>
+  static NaiveForward naive_forward(const Args<T>& a, const ValidLens& lens,
+                                    const AttentionOptions& opt) {
+    return naive_distance<T>(a.q, a.k, a.v, lens, opt.scale.value_or(1.0), naive_dropout(opt));
+  }
+  template <class T>
+  static std::vector<std::vector<double>> naive_backward(const Args<T>& a, const ValidLens& lens,
+                                                         const AttentionOptions& opt,
+                                                         std::type_identity_t<ConstView<T>> d_out) {
+    NaiveDotGrads g = naive_distance_backward<T>(a.q, a.k, a.v, lens, opt.scale.value_or(1.0),
+                                                 naive_dropout(opt), d_out);
+    return {std::move(g.d_queries), std::move(g.d_keys), std::move(g.d_values)};
+  }
+
+  // The chapter's example: queries (2, 1, 2), as the keys (ones).
+  static constexpr int64_t kChapterQueryDim = 2;
+  static constexpr double kChapterDropout = 0.5;
+  template <class T>
+  static void add_chapter_params(Rng&, Tensors<T>&) {}
+
+  static std::vector<Case> shape_sweep(Rng& rng) { return SdpaScoring::shape_sweep(rng); }
+  static std::vector<Case> masked_keys_cases() { return SdpaScoring::masked_keys_cases(); }
+  static std::vector<Case> dropout_cases() { return SdpaScoring::dropout_cases(); }
+  static Case dropout_only_when_training_case() {
+    return SdpaScoring::dropout_only_when_training_case();
+  }
+  static std::vector<Case> strided_cases() { return SdpaScoring::strided_cases(); }
+  static std::vector<Case> write_into_cases() { return SdpaScoring::write_into_cases(); }
+  static std::vector<Case> lse_merge_cases() { return SdpaScoring::lse_merge_cases(); }
+  static Case determinism_case() { return SdpaScoring::determinism_case(); }
+  static std::vector<Case> backward_cases(Rng& rng) { return SdpaScoring::backward_cases(rng); }
+  static std::vector<Case> finite_difference_cases() {
+    return SdpaScoring::finite_difference_cases();
+  }
+
+ private:
+  template <class T>
+  static Grads<T> grads(DotProductGrads<T>&& g) {
+    Grads<T> out;
+    out.push_back(std::move(g.d_queries));
+    out.push_back(std::move(g.d_keys));
+    out.push_back(std::move(g.d_values));
+    return out;
+  }
+  static NaiveDropout naive_dropout(const AttentionOptions& opt) {
+    return {opt.dropout, opt.training, opt.seed};
+  }
+};
+
 // ---- inputs and checks -----------------------------------------------------------
 
 // Random inputs and parameters of a case, owned contiguously, plus the views
@@ -588,6 +795,44 @@ void check_backward(Rng& rng, const Case& c) {
   for (int n = 0; n < n_grads; ++n) {
     expect_close(ref_t[n], loop_grads[n], tol.grad,
                  std::string("ref<T> ") + names[n].name + " vs loop", names[n].axes);
+  }
+}
+
+// Causal masking (top-left and bottom-right) is valid lengths capped per
+// query: fast and ref forward, and the fast backward, against the float64
+// loop given the capped lengths, for each valid-lengths form.
+template <class Op, class T>
+void check_causal(Rng& rng, Case c) {
+  const Tols tol = tols<Op, T>();
+  for (const Causal causal : {Causal::kTopLeft, Causal::kBottomRight}) {
+    for (const LensForm form : kAllLensForms) {
+      c.lens_form = form;
+      SCOPED_TRACE(Op::describe(c) +
+                   (causal == Causal::kTopLeft ? ", top-left" : ", bottom-right"));
+      const Inputs<Op, T> in(rng, c);
+      AttentionOptions opt = c.options(rng.next());
+      opt.causal = causal;
+      const ValidLens capped = in.valid_lens().causal(causal == Causal::kTopLeft ? 0 : c.nk - c.nq);
+      AttentionOptions plain = opt;
+      plain.causal = Causal::kNone;
+      const NaiveForward loop = Op::naive_forward(in.views, capped, plain);
+      const AttentionResult<T> fast = Op::forward(in.views, in.valid_lens(), opt);
+      const AttentionResult<T> ref = Op::ref_forward(in.views, in.valid_lens(), opt);
+      for (const AttentionResult<T>* r : {&fast, &ref}) {
+        expect_close(r->output, as_tensor({c.batch, c.nq, c.dv}, loop.out), tol.out,
+                     "output vs loop", "b q d");
+        expect_close(r->lse, as_tensor({c.batch, c.nq}, loop.lse), tol.lse, "lse vs loop", "b q");
+      }
+      const Tensor<T> g = random_tensor<T>(rng, {c.batch, c.nq, c.dv});
+      const Grads<T> grads = Op::backward(in.views, in.valid_lens(), opt, fast, g);
+      const std::vector<std::vector<double>> want =
+          Op::naive_backward(in.views, capped, plain, g.view());
+      for (size_t n = 0; n < grads.size(); ++n) {
+        const GradName& name = Op::grad_names()[n];
+        expect_close(grads[n], as_tensor(grads[n].shape(), want[n]), tol.grad, name.name,
+                     name.axes);
+      }
+    }
   }
 }
 

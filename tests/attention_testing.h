@@ -384,4 +384,131 @@ NaiveAdditiveGrads naive_additive_backward(ConstView<T> q, ConstView<T> k, Const
   return g;
 }
 
+// ---- bilinear and distance attention ---------------------------------------------
+
+// scores[b, i, j] = (q_bi W) . k_bj with W (Dq, Dk).
+template <class T>
+std::vector<double> naive_bilinear_scores(ConstView<T> q, ConstView<T> k, ConstView<T> w) {
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dq = q.size(2), dk = k.size(2);
+  std::vector<double> s(static_cast<size_t>(batch * nq * nk)), qw(static_cast<size_t>(dk));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t e = 0; e < dk; ++e) {
+        double acc = 0.0;
+        for (int64_t c = 0; c < dq; ++c) {
+          acc += static_cast<double>(q(b, i, c)) * static_cast<double>(w(c, e));
+        }
+        qw[static_cast<size_t>(e)] = acc;
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        double acc = 0.0;
+        for (int64_t e = 0; e < dk; ++e) {
+          acc += qw[static_cast<size_t>(e)] * static_cast<double>(k(b, j, e));
+        }
+        s[static_cast<size_t>((b * nq + i) * nk + j)] = acc;
+      }
+    }
+  }
+  return s;
+}
+
+template <class T>
+NaiveForward naive_bilinear(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+                            const ValidLens& lens, const NaiveDropout& dropout) {
+  return naive_pool<T>(naive_bilinear_scores<T>(q, k, w), q.size(0), q.size(1), k.size(1), v,
+                       lens, dropout);
+}
+
+struct NaiveBilinearGrads {
+  std::vector<double> d_queries, d_keys, d_values, d_w;
+};
+
+template <class T>
+NaiveBilinearGrads naive_bilinear_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                           ConstView<T> w, const ValidLens& lens,
+                                           const NaiveDropout& dropout, ConstView<T> d_out) {
+  const NaiveForward fwd = naive_bilinear<T>(q, k, v, w, lens, dropout);
+  std::vector<double> ds;
+  NaiveBilinearGrads g;
+  naive_pool_backward<T>(fwd, v, d_out, dropout, ds, g.d_values);
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dq = q.size(2), dk = k.size(2);
+  g.d_queries.assign(static_cast<size_t>(batch * nq * dq), 0.0);
+  g.d_keys.assign(static_cast<size_t>(batch * nk * dk), 0.0);
+  g.d_w.assign(static_cast<size_t>(dq * dk), 0.0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const double s = ds[static_cast<size_t>((b * nq + i) * nk + j)];
+        if (s == 0.0) continue;  // a key the query does not see (it may hold NaN)
+        for (int64_t c = 0; c < dq; ++c) {
+          for (int64_t e = 0; e < dk; ++e) {
+            const double qv = static_cast<double>(q(b, i, c)), kv = static_cast<double>(k(b, j, e)),
+                         wv = static_cast<double>(w(c, e));
+            g.d_queries[static_cast<size_t>((b * nq + i) * dq + c)] += s * wv * kv;
+            g.d_keys[static_cast<size_t>((b * nk + j) * dk + e)] += s * qv * wv;
+            g.d_w[static_cast<size_t>(c * dk + e)] += s * qv * kv;
+          }
+        }
+      }
+    }
+  }
+  return g;
+}
+
+// scores[b, i, j] = -scale/2 |q_bi - k_bj|^2 from the differences themselves.
+template <class T>
+std::vector<double> naive_distance_scores(ConstView<T> q, ConstView<T> k, double scale) {
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dim = q.size(2);
+  std::vector<double> s(static_cast<size_t>(batch * nq * nk));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        double sq = 0.0;
+        for (int64_t d = 0; d < dim; ++d) {
+          const double x = static_cast<double>(q(b, i, d)) - static_cast<double>(k(b, j, d));
+          sq += x * x;
+        }
+        s[static_cast<size_t>((b * nq + i) * nk + j)] = -0.5 * scale * sq;
+      }
+    }
+  }
+  return s;
+}
+
+template <class T>
+NaiveForward naive_distance(ConstView<T> q, ConstView<T> k, ConstView<T> v, const ValidLens& lens,
+                            double scale, const NaiveDropout& dropout) {
+  return naive_pool<T>(naive_distance_scores<T>(q, k, scale), q.size(0), q.size(1), k.size(1), v,
+                       lens, dropout);
+}
+
+template <class T>
+NaiveDotGrads naive_distance_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                      const ValidLens& lens, double scale,
+                                      const NaiveDropout& dropout, ConstView<T> d_out) {
+  const NaiveForward fwd = naive_distance<T>(q, k, v, lens, scale, dropout);
+  std::vector<double> ds;
+  NaiveDotGrads g;
+  naive_pool_backward<T>(fwd, v, d_out, dropout, ds, g.d_values);
+  const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dim = q.size(2);
+  g.d_queries.assign(static_cast<size_t>(batch * nq * dim), 0.0);
+  g.d_keys.assign(static_cast<size_t>(batch * nk * dim), 0.0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const double s = ds[static_cast<size_t>((b * nq + i) * nk + j)];
+        if (s == 0.0) continue;  // a key the query does not see (it may hold NaN)
+        for (int64_t d = 0; d < dim; ++d) {
+          // d score / d q = -scale (q - k) = -d score / d k
+          const double x =
+              -scale * s * (static_cast<double>(q(b, i, d)) - static_cast<double>(k(b, j, d)));
+          g.d_queries[static_cast<size_t>((b * nq + i) * dim + d)] += x;
+          g.d_keys[static_cast<size_t>((b * nk + j) * dim + d)] -= x;
+        }
+      }
+    }
+  }
+  return g;
+}
+
 }  // namespace qkv::test

@@ -983,6 +983,8 @@ namespace {
 
 QKV_ATTENTION_CONTRACT(Sdpa, SdpaScoring);
 QKV_ATTENTION_CONTRACT(Additive, AdditiveScoring);
+QKV_ATTENTION_CONTRACT(Bilinear, BilinearScoring);
+QKV_ATTENTION_CONTRACT(Distance, DistanceScoring);
 
 }  // namespace
 }  // namespace qkv::test

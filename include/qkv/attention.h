@@ -1,6 +1,6 @@
-// Attention scoring functions: scaled dot-product and additive attention,
-// forward and backward (docs/semantics.md has the full rules).
-//   queries: (B, Nq, D)   keys: (B, Nk, D) (additive: (B, Nk, Dk))   values: (B, Nk, Dv)
+// Attention scoring functions: scaled dot-product, additive, bilinear and
+// distance attention, forward and backward (docs/semantics.md has the full rules).
+//   queries: (B, Nq, D)   keys: (B, Nk, D) (additive, bilinear: (B, Nk, Dk))   values: (B, Nk, Dv)
 //   valid_lens: absent, (B) or (B, Nq)
 //   output: (B, Nq, Dv)   weights: (B, Nq, Nk) if asked for   lse: (B, Nq) if asked for
 #pragma once
@@ -30,8 +30,9 @@ enum class Causal {
 using BiasView = std::variant<std::monostate, ConstView<float>, ConstView<double>>;
 
 struct AttentionOptions {
-  // Multiplies the dot products; default 1/sqrt(D). Scaled dot-product only:
-  // additive attention rejects it.
+  // Multiplies the dot products; default 1/sqrt(D). Distance attention: the
+  // scale of -|q - k|^2 / 2, > 0, default 1. Additive and bilinear attention
+  // reject it.
   std::optional<double> scale;
   // Dropout probability p in [0, 1] on the weights, applied only when training.
   double dropout = 0.0;
@@ -112,6 +113,14 @@ struct AdditiveGrads {
   Tensor<T> d_w_q;      // (H, Dq)
   Tensor<T> d_w_k;      // (H, Dk)
   Tensor<T> d_w_v;      // same shape as the w_v given: (H) or (1, H)
+};
+
+template <class T>
+struct BilinearGrads {
+  Tensor<T> d_queries;  // (B, Nq, Dq)
+  Tensor<T> d_keys;     // (B, Nk, Dk)
+  Tensor<T> d_values;   // (B, Nk, Dv)
+  Tensor<T> d_w;        // (Dq, Dk)
 };
 
 // Additive attention's parameters, laid out like nn.Linear weights:
@@ -198,6 +207,70 @@ AdditiveGrads<double> additive_attention_backward(
     const AdditiveWeights<double>& weights, const ValidLens& valid_lens,
     const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output);
 
+// ---- Bilinear attention: score = qᵀ W k ------------------------------------
+// w (Dq, Dk): queries and keys of different sizes through one matrix. Computed
+// as scaled dot-product attention (scale 1) of q W (B, Nq, Dk) and the keys:
+// one matrix product, then the fused kernel (no (B, Nq, Nk) buffer). Options
+// as additive attention: valid_lens, causal, dropout, want_*; no scale, masks
+// or bias.
+
+AttentionResult<float> bilinear_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values, ConstView<float> w,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> bilinear_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values, ConstView<double> w,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+void bilinear_attention(ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+                        ConstView<float> w, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<float>& outputs);
+void bilinear_attention(ConstView<double> queries, ConstView<double> keys,
+                        ConstView<double> values, ConstView<double> w, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<double>& outputs);
+BilinearGrads<float> bilinear_attention_backward(ConstView<float> queries, ConstView<float> keys,
+                                                 ConstView<float> values, ConstView<float> w,
+                                                 const ValidLens& valid_lens,
+                                                 const AttentionOptions& options,
+                                                 const SavedForward<float>& saved,
+                                                 ConstView<float> d_output);
+BilinearGrads<double> bilinear_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    ConstView<double> w, const ValidLens& valid_lens, const AttentionOptions& options,
+    const SavedForward<double>& saved, ConstView<double> d_output);
+
+// ---- Distance attention: score = -scale/2 |q - k|^2 ---------------------------
+// The Gaussian kernel as a scoring function (Nadaraya-Watson with bandwidth
+// 1/sqrt(scale)); options.scale > 0, default 1. Computed as scaled
+// dot-product attention with a bias per key on queries and keys centred at
+// the mean of each batch element's valid keys, so keys far from the origin
+// lose no accuracy; lse is the log-sum-exp of the distance scores themselves.
+// Options as additive attention (valid_lens, causal, dropout, want_*) plus
+// the scale. The gradients come back as DotProductGrads (d_bias empty).
+
+AttentionResult<float> distance_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> distance_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+void distance_attention(ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+                        const ValidLens& valid_lens, const AttentionOptions& options,
+                        const AttentionOutputs<float>& outputs);
+void distance_attention(ConstView<double> queries, ConstView<double> keys,
+                        ConstView<double> values, const ValidLens& valid_lens,
+                        const AttentionOptions& options, const AttentionOutputs<double>& outputs);
+DotProductGrads<float> distance_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output);
+DotProductGrads<double> distance_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output);
+
 // Scaled dot-product attention with bfloat16 queries, keys and values
 // (qkv/bfloat16.h): products accumulate in float32 and the softmax runs in
 // float32, so output, weights, lse and the gradients are float32. The
@@ -254,6 +327,40 @@ AdditiveGrads<double> additive_attention_backward(
     ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
     const AdditiveWeights<double>& weights, const ValidLens& valid_lens,
     const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output);
+AttentionResult<float> bilinear_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values, ConstView<float> w,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> bilinear_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values, ConstView<double> w,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+BilinearGrads<float> bilinear_attention_backward(ConstView<float> queries, ConstView<float> keys,
+                                                 ConstView<float> values, ConstView<float> w,
+                                                 const ValidLens& valid_lens,
+                                                 const AttentionOptions& options,
+                                                 const SavedForward<float>& saved,
+                                                 ConstView<float> d_output);
+BilinearGrads<double> bilinear_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    ConstView<double> w, const ValidLens& valid_lens, const AttentionOptions& options,
+    const SavedForward<double>& saved, ConstView<double> d_output);
+AttentionResult<float> distance_attention(ConstView<float> queries, ConstView<float> keys,
+                                          ConstView<float> values,
+                                          const ValidLens& valid_lens = {},
+                                          const AttentionOptions& options = {});
+AttentionResult<double> distance_attention(ConstView<double> queries, ConstView<double> keys,
+                                           ConstView<double> values,
+                                           const ValidLens& valid_lens = {},
+                                           const AttentionOptions& options = {});
+DotProductGrads<float> distance_attention_backward(
+    ConstView<float> queries, ConstView<float> keys, ConstView<float> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
+    ConstView<float> d_output);
+DotProductGrads<double> distance_attention_backward(
+    ConstView<double> queries, ConstView<double> keys, ConstView<double> values,
+    const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<double>& saved,
+    ConstView<double> d_output);
 }  // namespace ref
 
 }  // namespace qkv

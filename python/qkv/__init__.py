@@ -6,6 +6,8 @@ are read in place, never copied) and return new arrays:
     masked_softmax, masked_softmax_backward
     scaled_dot_product_attention, scaled_dot_product_attention_backward
     additive_attention, additive_attention_backward
+    bilinear_attention, bilinear_attention_backward
+    distance_attention, distance_attention_backward
     attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
     merge_attention (attention over parts of a key set, merged by their lse)
     nadaraya_watson, KernelRegression, silverman_bandwidth, scott_bandwidth, train_parametric
@@ -22,6 +24,7 @@ kernels. docs/python.md has the whole story.
 
 from ._qkv import (  # noqa: F401  (the public API, re-exported)
     AdditiveAttentionGrads,
+    BilinearAttentionGrads,
     Error,
     IoError,
     KernelRegression,
@@ -33,6 +36,10 @@ from ._qkv import (  # noqa: F401  (the public API, re-exported)
     additive_attention_backward,
     attention_pooling,
     average_pooling,
+    bilinear_attention,
+    bilinear_attention_backward,
+    distance_attention,
+    distance_attention_backward,
     get_num_threads,
     masked_softmax,
     masked_softmax_backward,
@@ -55,6 +62,7 @@ from ._qkv import (  # noqa: F401  (the public API, re-exported)
 
 __all__ = [
     "AdditiveAttentionGrads",
+    "BilinearAttentionGrads",
     "Error",
     "IoError",
     "KernelRegression",
@@ -66,6 +74,10 @@ __all__ = [
     "additive_attention_backward",
     "attention_pooling",
     "average_pooling",
+    "bilinear_attention",
+    "bilinear_attention_backward",
+    "distance_attention",
+    "distance_attention_backward",
     "get_num_threads",
     "masked_softmax",
     "masked_softmax_backward",

@@ -46,6 +46,12 @@ class AdditiveAttentionGrads(NamedTuple):
     d_W_k: FloatArray
     d_w_v: FloatArray
 
+class BilinearAttentionGrads(NamedTuple):
+    d_queries: FloatArray
+    d_keys: FloatArray
+    d_values: FloatArray
+    d_W: FloatArray
+
 # ---- runtime ----
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
@@ -127,6 +133,60 @@ def additive_attention_backward(
     dropout: float = 0.0,
     seed: int = 0,
 ) -> AdditiveAttentionGrads: ...
+def bilinear_attention(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    W: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    dropout: float = 0.0,
+    seed: int = 0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    causal: Optional[str] = None,
+) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
+def bilinear_attention_backward(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    W: ArrayLike,
+    output: ArrayLike,
+    lse: ArrayLike,
+    d_output: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    dropout: float = 0.0,
+    seed: int = 0,
+    causal: Optional[str] = None,
+) -> BilinearAttentionGrads: ...
+def distance_attention(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    scale: Optional[float] = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    causal: Optional[str] = None,
+) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
+def distance_attention_backward(
+    queries: ArrayLike,
+    keys: ArrayLike,
+    values: ArrayLike,
+    output: ArrayLike,
+    lse: ArrayLike,
+    d_output: ArrayLike,
+    valid_lens: ValidLens = None,
+    *,
+    scale: Optional[float] = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+    causal: Optional[str] = None,
+) -> ScaledDotProductAttentionGrads: ...
 
 # ---- pooling with given weights ----
 def attention_pooling(weights: ArrayLike, values: ArrayLike) -> FloatArray: ...

@@ -10,6 +10,10 @@ d2l's attention modules on them:
                                  valid_lens=None, seed=None)
     additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
                        dropout_p=0.0, seed=None)
+    bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0.0, seed=None,
+                       causal=None, return_weights=False)
+    distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dropout_p=0.0,
+                       seed=None, causal=None, return_weights=False)
     DotProductAttention(dropout), AdditiveAttention(key_size, query_size, num_hiddens, dropout)
     MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False, num_kv_heads=None)
 
@@ -33,6 +37,8 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "additive_attention",
+    "bilinear_attention",
+    "distance_attention",
     "masked_softmax",
     "scaled_dot_product_attention",
 ]
@@ -359,14 +365,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                  "top-left" if is_causal else None, enable_gqa, attn_mask)[0]
 
 
-# ---- additive attention ------------------------------------------------------------
+# ---- additive, bilinear and distance attention -------------------------------------
 
-def _additive_forward(queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights,
-                      need_lse):
-    """One forward through the kernels: (output, weights or None, lse or None)."""
-    parts = _qkv.additive_attention(
-        _array(queries), _array(keys), _array(values), _array(W_q), _array(W_k), _array(w_v),
-        lens, dropout=dropout_p, seed=seed, return_weights=want_weights, return_lse=need_lse)
+def _scored_forward(forward, tensors, lens, options, want_weights, need_lse):
+    """One forward of a NumPy-level scoring function (forward(*arrays, lens,
+    **options)): (output, weights or None, lse or None)."""
+    parts = forward(*(_array(t) for t in tensors), lens, return_weights=want_weights,
+                    return_lse=need_lse, **options)
     if not (want_weights or need_lse):
         return torch.from_numpy(parts), None, None
     parts = list(parts)
@@ -375,32 +380,31 @@ def _additive_forward(queries, keys, values, W_q, W_k, w_v, lens, dropout_p, see
     return output, weights, parts.pop(0) if need_lse else None
 
 
-class _Additive(torch.autograd.Function):
+class _Scored(torch.autograd.Function):
+    """Attention by one of qkv's NumPy-level scoring functions: ops = (forward,
+    backward), tensors = queries, keys, values and the parameters; the backward
+    gets the tensors, output, lse and d_output, and returns one gradient per tensor."""
+
     @staticmethod
-    def forward(ctx, queries, keys, values, W_q, W_k, w_v, lens, dropout_p, seed, want_weights):
-        ctx.config = (_kept(lens), dropout_p, seed)
-        output, weights, lse = _additive_forward(queries, keys, values, W_q, W_k, w_v, lens,
-                                                 dropout_p, seed, want_weights, True)
-        ctx.save_for_backward(queries, keys, values, W_q, W_k, w_v, output, torch.from_numpy(lse))
+    def forward(ctx, ops, lens, options, want_weights, *tensors):
+        ctx.config = (ops[1], _kept(lens), options)
+        output, weights, lse = _scored_forward(ops[0], tensors, lens, options, want_weights, True)
+        ctx.save_for_backward(*tensors, output, torch.from_numpy(lse))
         if weights is None:
-            weights = queries.new_empty(0)
+            weights = tensors[0].new_empty(0)
         ctx.mark_non_differentiable(weights)
         return output, weights
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_output, _d_weights):
-        saved = ctx.saved_tensors
-        lens, dropout_p, seed = ctx.config
-        grads = _qkv.additive_attention_backward(*(_array(t) for t in saved), _array(d_output),
-                                                 lens, dropout=dropout_p, seed=seed)
-        return (*(torch.from_numpy(g) for g in grads), None, None, None, None)
+        backward, lens, options = ctx.config
+        grads = backward(*(_array(t) for t in ctx.saved_tensors), _array(d_output), lens,
+                         **options)
+        return (None, None, None, None, *(torch.from_numpy(g) for g in grads))
 
 
-def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed,
-              want_weights):
-    named = (("queries", queries), ("keys", keys), ("values", values), ("W_q", W_q),
-             ("W_k", W_k), ("w_v", w_v))
+def _scored(fn, ops, named, valid_lens, dropout_p, seed, options, want_weights):
     for name, t in named:
         _check(fn, name, t)
     _same_dtype(fn, named[0], named[1:])
@@ -408,13 +412,21 @@ def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, s
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
-    args = (queries, keys, values, W_q, W_k, w_v, _lens(fn, valid_lens), float(dropout_p),
-            seed or 0, want_weights)
-    if _needs_grad(queries, keys, values, W_q, W_k, w_v):
-        output, weights = _Additive.apply(*args)
+    options = dict(options, dropout=float(dropout_p), seed=seed or 0)
+    lens = _lens(fn, valid_lens)
+    tensors = tuple(t for _, t in named)
+    if _needs_grad(*tensors):
+        output, weights = _Scored.apply(ops, lens, options, want_weights, *tensors)
     else:
-        output, weights = _additive_forward(*args, False)[:2]
+        output, weights = _scored_forward(ops[0], tensors, lens, options, want_weights, False)[:2]
     return output, weights if want_weights else None
+
+
+def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed,
+              want_weights):
+    return _scored(fn, (_qkv.additive_attention, _qkv.additive_attention_backward),
+                   (("queries", queries), ("keys", keys), ("values", values), ("W_q", W_q),
+                    ("W_k", W_k), ("w_v", w_v)), valid_lens, dropout_p, seed, {}, want_weights)
 
 
 def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *, dropout_p=0.0,
@@ -440,6 +452,63 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
     """
     return _additive("additive_attention", queries, keys, values, W_q, W_k, w_v, valid_lens,
                      dropout_p, seed, False)[0]
+
+
+def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0.0, seed=None,
+                       causal=None, return_weights=False):
+    """Bilinear attention, score = q^T W k, on qkv's kernels (q W, then the fused
+    dot-product kernel); differentiable in the inputs and W.
+
+    Arguments:
+        queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
+            2-D, a batch of one); W (Dq, Dk). float32 or float64 CPU tensors,
+            one dtype.
+        valid_lens: None, (B) or (B, Nq) integers.
+        dropout_p: drop probability on the weights, applied whenever > 0.
+        seed: the dropout mask's seed; None draws one from torch's generator.
+        causal: None, "top-left" or "bottom-right".
+        return_weights: also return the weights (B, Nq, Nk) (not differentiable).
+
+    Returns:
+        The output (B, Nq, Dv), or (output, weights).
+
+    >>> W = torch.randn(20, 2)
+    >>> qkv.torch.bilinear_attention(torch.randn(2, 1, 20), k, v, W, torch.tensor([2, 6])).shape
+    torch.Size([2, 1, 4])
+    """
+    fn = "bilinear_attention"
+    output, weights = _scored(
+        fn, (_qkv.bilinear_attention, _qkv.bilinear_attention_backward),
+        (("queries", queries), ("keys", keys), ("values", values), ("W", W)), valid_lens,
+        dropout_p, seed, {"causal": causal}, return_weights)
+    return (output, weights) if return_weights else output
+
+
+def distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dropout_p=0.0,
+                       seed=None, causal=None, return_weights=False):
+    """Distance attention, score = -scale/2 |q - k|^2 (the Gaussian kernel), on
+    qkv's fused kernels (centred, so keys far from the origin lose no
+    accuracy); differentiable in the inputs.
+
+    Arguments:
+        queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv) (or all
+            2-D, a batch of one). float32 or float64 CPU tensors, one dtype.
+        valid_lens: None, (B) or (B, Nq) integers.
+        scale: > 0; None means 1.
+        dropout_p, seed, causal, return_weights: as in bilinear_attention.
+
+    Returns:
+        The output (B, Nq, Dv), or (output, weights).
+
+    >>> qkv.torch.distance_attention(torch.randn(2, 1, 2), k, v, torch.tensor([2, 6])).shape
+    torch.Size([2, 1, 4])
+    """
+    fn = "distance_attention"
+    output, weights = _scored(
+        fn, (_qkv.distance_attention, _qkv.distance_attention_backward),
+        (("queries", queries), ("keys", keys), ("values", values)), valid_lens, dropout_p, seed,
+        {"causal": causal, "scale": None if scale is None else float(scale)}, return_weights)
+    return (output, weights) if return_weights else output
 
 
 # ---- d2l's modules ---------------------------------------------------------------------

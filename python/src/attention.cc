@@ -1,5 +1,5 @@
-// Scaled dot-product and additive attention, forward and backward, for
-// NumPy arrays (float32, float64), and the bf16 entry points qkv.torch uses
+// Scaled dot-product, additive, bilinear and distance attention, forward and
+// backward, for NumPy arrays (float32, float64), and the bf16 entry points qkv.torch uses
 // for torch.bfloat16 tensors. Inputs are views over the caller's arrays;
 // forward results are new arrays qkv writes into; gradients are the
 // library's tensors handed to NumPy without a copy.
@@ -22,9 +22,13 @@ constexpr std::string_view kSdpa = "scaled_dot_product_attention";
 constexpr std::string_view kSdpaBackward = "scaled_dot_product_attention_backward";
 constexpr std::string_view kAdditive = "additive_attention";
 constexpr std::string_view kAdditiveBackward = "additive_attention_backward";
+constexpr std::string_view kBilinear = "bilinear_attention";
+constexpr std::string_view kBilinearBackward = "bilinear_attention_backward";
+constexpr std::string_view kDistance = "distance_attention";
+constexpr std::string_view kDistanceBackward = "distance_attention_backward";
 
 // The gradient tuples (namedtuples made at import, attributes of the module).
-py::handle sdpa_grads_type, sdpa_bias_grads_type, additive_grads_type;
+py::handle sdpa_grads_type, sdpa_bias_grads_type, additive_grads_type, bilinear_grads_type;
 
 // causal: None, "top-left" (torch's is_causal) or "bottom-right".
 Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) {
@@ -164,10 +168,10 @@ py::object forward_result(py::object output, std::optional<py::object> weights,
 
 // ---- forward (float, double): into new arrays -----------------------------
 
-template <class T>
-py::object forward(std::string_view fn, Tensors& t, const std::optional<AdditiveWeights<T>>& additive,
-                   py::handle lens_obj, const AttentionOptions& options, bool want_weights,
-                   bool want_lse, py::handle out = py::none()) {
+// attend(q, k, v, lens, outputs) runs the scoring function.
+template <class T, class Attend>
+py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle lens_obj,
+                   bool want_weights, bool want_lse, py::handle out = py::none()) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
@@ -209,11 +213,7 @@ py::object forward(std::string_view fn, Tensors& t, const std::optional<Additive
   }
   {
     py::gil_scoped_release release;
-    if (additive) {
-      additive_attention(q, k, v, *additive, lens, options, outputs);
-    } else {
-      scaled_dot_product_attention(q, k, v, lens, options, outputs);
-    }
+    attend(q, k, v, lens, outputs);
   }
   return forward_result(output, weights, lse);
 }
@@ -229,12 +229,13 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpa, bias, t.dtype, options, masks);
+  const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
+    scaled_dot_product_attention(q, k, v, lens, options, outputs);
+  };
   if (t.dtype == Dtype::kFloat32) {
-    return forward<float>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
-                          out);
+    return forward<float>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out);
   }
-  return forward<double>(kSdpa, t, std::nullopt, valid_lens, options, return_weights, return_lse,
-                         out);
+  return forward<double>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out);
 }
 
 template <class T>
@@ -250,12 +251,16 @@ py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3,
       true);
   const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive));
-  if (t.dtype == Dtype::kFloat32) {
-    return forward<float>(kAdditive, t, additive_weights<float>(t), valid_lens, options,
-                          return_weights, return_lse);
-  }
-  return forward<double>(kAdditive, t, additive_weights<double>(t), valid_lens, options,
-                         return_weights, return_lse);
+  // The parameters' views made here, with the GIL (view_of may copy).
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const AdditiveWeights<T> w = additive_weights<T>(t);
+    const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
+      additive_attention(q, k, v, w, lens, options, outputs);
+    };
+    return forward<T>(kAdditive, t, attend, valid_lens, return_weights, return_lse);
+  };
+  return t.dtype == Dtype::kFloat32 ? run(0.0f) : run(0.0);
 }
 
 // ---- backward (float, double) ---------------------------------------------
@@ -368,6 +373,127 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                     : additive_backward<double>(t, valid_lens, options);
 }
 
+// ---- bilinear and distance ----------------------------------------------------
+
+// Bilinear attention: W (Dq, Dk) is array 3 (not batched with the inputs).
+py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
+                       py::handle valid_lens, double dropout, py::handle seed,
+                       bool return_weights, bool return_lse,
+                       const std::optional<std::string>& causal) {
+  Tensors t = float_arrays(kBilinear, {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3,
+                           true);
+  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kBilinear),
+                                              causal_of(kBilinear, causal));
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const ConstView<T> w = view_of<T>(t.arrays[3]);  // with the GIL (view_of may copy)
+    const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
+      bilinear_attention(q, k, v, w, lens, options, outputs);
+    };
+    return forward<T>(kBilinear, t, attend, valid_lens, return_weights, return_lse);
+  };
+  return t.dtype == Dtype::kFloat32 ? run(0.0f) : run(0.0);
+}
+
+py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
+                       std::optional<double> scale, double dropout, py::handle seed,
+                       bool return_weights, bool return_lse,
+                       const std::optional<std::string>& causal) {
+  Tensors t = float_arrays(kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  const AttentionOptions options =
+      options_of(scale, dropout, seed_of(seed, kDistance), causal_of(kDistance, causal));
+  const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
+    distance_attention(q, k, v, lens, options, outputs);
+  };
+  if (t.dtype == Dtype::kFloat32) {
+    return forward<float>(kDistance, t, attend, valid_lens, return_weights, return_lse);
+  }
+  return forward<double>(kDistance, t, attend, valid_lens, return_weights, return_lse);
+}
+
+// The inputs of a backward (arrays 0-2 of `t`), batched, and their lengths.
+template <class T>
+struct BackwardInputs {
+  ConstView<T> q, k, v;
+  py::object lens_storage;  // before lens, which it keeps alive
+  ValidLens lens;
+  BackwardInputs(std::string_view fn, Tensors& t, py::handle lens_obj)
+      : q(batched(view_of<T>(t.arrays[0]), t.batch_of_one, 2)),
+        k(batched(view_of<T>(t.arrays[1]), t.batch_of_one, 2)),
+        v(batched(view_of<T>(t.arrays[2]), t.batch_of_one, 2)),
+        lens(lens_of(lens_obj, fn, t.batch_of_one, shape_of(t.arrays[0]), lens_storage)) {}
+};
+
+template <class T>
+py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
+  const bool one = t.batch_of_one;
+  const BackwardInputs<T> in(kBilinearBackward, t, lens_obj);
+  const ConstView<T> w = view_of<T>(t.arrays[3]);
+  const Saved<T> s = saved_of<T>(t, 4);
+  BilinearGrads<T> g;
+  {
+    py::gil_scoped_release release;
+    g = bilinear_attention_backward(in.q, in.k, in.v, w, in.lens, options, s.saved, s.d_output);
+  }
+  return bilinear_grads_type(to_numpy(std::move(g.d_queries), result_shape(in.q.shape(), one)),
+                             to_numpy(std::move(g.d_keys), result_shape(in.k.shape(), one)),
+                             to_numpy(std::move(g.d_values), result_shape(in.v.shape(), one)),
+                             to_numpy(std::move(g.d_w)));
+}
+
+py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::handle w,
+                                py::handle output, py::handle lse, py::handle d_output,
+                                py::handle valid_lens, double dropout, py::handle seed,
+                                const std::optional<std::string>& causal) {
+  Tensors t = float_arrays(kBilinearBackward,
+                           {{"queries", q},
+                            {"keys", k},
+                            {"values", v},
+                            {"W", w},
+                            {"output", output},
+                            {"lse", lse},
+                            {"d_output", d_output}},
+                           3, true);
+  const AttentionOptions options =
+      options_of(std::nullopt, dropout, seed_of(seed, kBilinearBackward),
+                 causal_of(kBilinearBackward, causal));
+  return t.dtype == Dtype::kFloat32 ? bilinear_backward<float>(t, valid_lens, options)
+                                    : bilinear_backward<double>(t, valid_lens, options);
+}
+
+template <class T>
+py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
+  const bool one = t.batch_of_one;
+  const BackwardInputs<T> in(kDistanceBackward, t, lens_obj);
+  const Saved<T> s = saved_of<T>(t, 3);
+  DotProductGrads<T> g;
+  {
+    py::gil_scoped_release release;
+    g = distance_attention_backward(in.q, in.k, in.v, in.lens, options, s.saved, s.d_output);
+  }
+  return sdpa_grads_type(to_numpy(std::move(g.d_queries), result_shape(in.q.shape(), one)),
+                         to_numpy(std::move(g.d_keys), result_shape(in.k.shape(), one)),
+                         to_numpy(std::move(g.d_values), result_shape(in.v.shape(), one)));
+}
+
+py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
+                                py::handle lse, py::handle d_output, py::handle valid_lens,
+                                std::optional<double> scale, double dropout, py::handle seed,
+                                const std::optional<std::string>& causal) {
+  Tensors t = float_arrays(kDistanceBackward,
+                           {{"queries", q},
+                            {"keys", k},
+                            {"values", v},
+                            {"output", output},
+                            {"lse", lse},
+                            {"d_output", d_output}},
+                           3);
+  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kDistanceBackward),
+                                              causal_of(kDistanceBackward, causal));
+  return t.dtype == Dtype::kFloat32 ? distance_backward<float>(t, valid_lens, options)
+                                    : distance_backward<double>(t, valid_lens, options);
+}
+
 // ---- bf16 (qkv.torch's torch.bfloat16): bits in, float32 out ---------------
 
 // bf16 inputs of one rank, 3 or 2 (a batch of one), viewed with the batch
@@ -475,6 +601,10 @@ void register_attention(py::module_& m) {
   sdpa_grads_type = m.attr("ScaledDotProductAttentionGrads");
   sdpa_bias_grads_type = m.attr("ScaledDotProductAttentionBiasGrads");
   additive_grads_type = m.attr("AdditiveAttentionGrads");
+  m.attr("BilinearAttentionGrads") = namedtuple(
+      "BilinearAttentionGrads", py::make_tuple("d_queries", "d_keys", "d_values", "d_W"));
+  m.attr("BilinearAttentionGrads").attr("__module__") = "qkv";
+  bilinear_grads_type = m.attr("BilinearAttentionGrads");
 
   m.def("scaled_dot_product_attention", &sdpa_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
@@ -650,6 +780,124 @@ Raises:
 >>> g = qkv.additive_attention_backward(q, k, v, W_q, W_k, w_v, out, lse, np.ones_like(out), [2, 6])
 >>> g.d_w_v.shape
 (1, 8)
+)");
+
+  m.def("bilinear_attention", &bilinear_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("W"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("dropout") = 0.0, py::arg("seed") = 0, py::arg("return_weights") = false,
+        py::arg("return_lse") = false, py::arg("causal") = py::none(),
+        R"(Bilinear attention: score(q, k) = q^T W k, masked softmax, times V.
+
+Queries and keys of different sizes through one matrix. Computed as q W
+(one matrix product) through the fused dot-product kernel with scale 1: no
+(B, Nq, Nk) scores unless the weights are asked for.
+
+Arguments:
+    queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv); or all
+        three 2-D (a batch of one). float32 or float64, any strides.
+    W: (Dq, Dk), the inputs' dtype.
+    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+        scaled_dot_product_attention.
+
+Returns:
+    output (B, Nq, Dv), or (output[, weights][, lse]) when a return_ flag is set.
+
+Raises:
+    TypeError: as scaled_dot_product_attention.
+    qkv.Error (a ValueError): shapes that do not fit (W must be (Dq, Dk); the
+        message names them), a length outside [0, Nk], dropout outside [0, 1].
+
+>>> # q (2, 1, 20), k (2, 10, 2), v (2, 10, 4) as in additive_attention
+>>> W = np.random.default_rng(1).normal(size=(20, 2))
+>>> qkv.bilinear_attention(q, k, v, W, [2, 6]).shape
+(2, 1, 4)
+)");
+
+  m.def("bilinear_attention_backward", &bilinear_backward_py, py::arg("queries"),
+        py::arg("keys"), py::arg("values"), py::arg("W"), py::arg("output"), py::arg("lse"),
+        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("dropout") = 0.0, py::arg("seed") = 0, py::arg("causal") = py::none(),
+        R"(Gradients of bilinear_attention with respect to its inputs and W.
+
+The fused dot-product backward on q W, then dQ = d(qW) W^T and
+dW = sum_b Q_b^T d(qW)_b.
+
+Arguments:
+    queries, keys, values, W, valid_lens, dropout, seed, causal: as the
+        forward got them.
+    output, lse: the forward's output and lse (return_lse=True).
+    d_output: the gradient of the loss with respect to output.
+
+Returns:
+    qkv.BilinearAttentionGrads(d_queries, d_keys, d_values, d_W), new arrays
+    shaped like what they differentiate.
+
+Raises:
+    TypeError, qkv.Error (a ValueError): as the forward.
+
+>>> out, lse = qkv.bilinear_attention(q, k, v, W, [2, 6], return_lse=True)
+>>> g = qkv.bilinear_attention_backward(q, k, v, W, out, lse, np.ones_like(out), [2, 6])
+>>> g.d_W.shape
+(20, 2)
+)");
+
+  m.def("distance_attention", &distance_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(),
+        R"(Distance attention: score(q, k) = -scale/2 |q - k|^2, masked softmax, times V.
+
+The Gaussian kernel as a scoring function (Nadaraya-Watson with bandwidth
+1/sqrt(scale)). Computed by the fused dot-product kernel with a bias per key
+on queries and keys centred at each batch element's mean valid key, so keys
+far from the origin lose no accuracy; lse is that of the distance scores.
+
+Arguments:
+    queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv); or all
+        three 2-D (a batch of one). float32 or float64, any strides.
+    scale: > 0; None means 1.
+    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+        scaled_dot_product_attention.
+
+Returns:
+    output (B, Nq, Dv), or (output[, weights][, lse]) when a return_ flag is set.
+
+Raises:
+    TypeError: as scaled_dot_product_attention.
+    qkv.Error (a ValueError): shapes that do not fit (the message names
+        them), a length outside [0, Nk], dropout outside [0, 1], scale <= 0.
+
+>>> xq = np.array([[0.0], [2.0]]); xk = np.array([[0.0], [1.0], [3.0]]); xv = np.eye(3)
+>>> qkv.distance_attention(xq, xk, xv, scale=100.0).round(3)
+array([[1. , 0. , 0. ],
+       [0. , 0.5, 0.5]])
+)");
+
+  m.def("distance_attention_backward", &distance_backward_py, py::arg("queries"),
+        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
+        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("causal") = py::none(),
+        R"(Gradients of distance_attention with respect to its inputs.
+
+Arguments:
+    queries, keys, values, valid_lens, scale, dropout, seed, causal: as the
+        forward got them.
+    output, lse: the forward's output and lse (return_lse=True).
+    d_output: the gradient of the loss with respect to output.
+
+Returns:
+    qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), new
+    arrays shaped like what they differentiate.
+
+Raises:
+    TypeError, qkv.Error (a ValueError): as the forward.
+
+>>> out, lse = qkv.distance_attention(xq, xk, xv, scale=100.0, return_lse=True)
+>>> g = qkv.distance_attention_backward(xq, xk, xv, out, lse, np.ones_like(out), scale=100.0)
+>>> g.d_keys.shape
+(3, 1)
 )");
 
   // qkv.torch's path for torch.bfloat16: the tensors' bits as int16 arrays

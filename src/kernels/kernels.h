@@ -223,6 +223,14 @@ struct AdditiveGradViews {
   TensorView<T> d_w_v;      // (H)
 };
 
+template <class T>
+struct BilinearGradViews {
+  TensorView<T> d_queries;  // (B, Nq, Dq)
+  TensorView<T> d_keys;     // (B, Nk, Dk)
+  TensorView<T> d_values;   // (B, Nk, Dv)
+  TensorView<T> d_w;        // (Dq, Dk)
+};
+
 // Softmax of one row in double: w[j < len] normalised, w[j >= len] = 0.
 // Returns the row's log-sum-exp (-inf for an empty or all -inf row, NaN for a
 // row with NaN or +inf). The rules of DESIGN.md §3 live here (ref version).
@@ -261,6 +269,23 @@ void additive_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
                        const AdditiveParams<T>& params, const AttentionConfig& config,
                        const SavedViews<T>& saved, ConstView<T> d_output,
                        const AdditiveGradViews<T>& grads);
+// bilinear: q (B, Nq, Dq)  k (B, Nk, Dk)  v (B, Nk, Dv)  w (Dq, Dk); score q W k.
+template <class T>
+void bilinear(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+              const AttentionConfig& config, const ForwardViews<T>& out);
+template <class T>
+void bilinear_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+                       const AttentionConfig& config, const SavedViews<T>& saved,
+                       ConstView<T> d_output, const BilinearGradViews<T>& grads);
+// distance: q (B, Nq, D)  k (B, Nk, D)  v (B, Nk, Dv); score -config.scale/2 |q - k|^2;
+// grads 3-D (d_bias not written).
+template <class T>
+void distance(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+              const ForwardViews<T>& out);
+template <class T>
+void distance_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const AttentionConfig& config, const SavedViews<T>& saved,
+                       ConstView<T> d_output, const SdpaGradViews<T>& grads);
 
 }  // namespace ref
 

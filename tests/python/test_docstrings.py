@@ -53,7 +53,7 @@ def torch_order():
 ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
 IDS = [f"{module}.{name}" for module, name in ORDER]
 TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
-         "AdditiveAttentionGrads", "MergedAttention"}
+         "AdditiveAttentionGrads", "BilinearAttentionGrads", "MergedAttention"}
 
 
 def resolve(module, name):
