@@ -1,5 +1,6 @@
-// `qkv attend`: scaled dot-product or additive attention on .npy files.
+// `qkv attend`: scaled dot-product, additive, bilinear or distance attention on .npy files.
 //   queries: (B, Nq, D)   keys: (B, Nk, Dk)   values: (B, Nk, Dv)   or all 2-D, a batch of one
+//   bilinear: --w W.npy (Dq, Dk)
 //   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
 //   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
 //   --store STORE (keys and values from a key-value store): queries (Nq, D) -> out (Nq, Dv)
@@ -26,6 +27,7 @@ struct AttendArgs {
   std::string window;  // "", or "L,R"
   std::string mask, key_mask, bias;
   std::string w_q, w_k, w_v;
+  std::string w;  // --scoring bilinear: W (Dq, Dk)
   double dropout = 0.0;
   bool train = false;
   uint64_t seed = 0;
@@ -42,7 +44,9 @@ struct AttendArgs {
 // --store's option combinations, found before any file is read.
 void check_store_options(const AttendArgs& args) {
   if (args.stores.empty()) {
-    if (args.scoring.empty()) throw UsageError("--scoring is required (dot or additive)");
+    if (args.scoring.empty()) {
+      throw UsageError("--scoring is required (dot, additive, bilinear or distance)");
+    }
     if (args.scoring == "gaussian") {
       throw UsageError("--scoring gaussian is for attention over --store (in memory, Gaussian "
                        "attention is Nadaraya-Watson regression: qkv regress)");
@@ -58,9 +62,9 @@ void check_store_options(const AttendArgs& args) {
     }
     return;
   }
-  if (args.scoring == "additive") {
-    throw UsageError("--scoring additive does not take --store; attention over a store scores "
-                     "by --scoring dot or gaussian");
+  if (args.scoring == "additive" || args.scoring == "bilinear" || args.scoring == "distance") {
+    throw UsageError("--scoring " + args.scoring + " does not take --store; attention over a "
+                     "store scores by --scoring dot or gaussian");
   }
   if (args.scoring == "gaussian" && args.scale) {
     throw UsageError("--scale is for --scoring dot; --scoring gaussian takes --bandwidth H");
@@ -104,17 +108,25 @@ void check_options(const AttendArgs& args) {
   }
   if (!additive && !given.empty()) {
     throw UsageError(join(given, ", ", " and ") + (given.size() == 1 ? " is" : " are") +
-                     " for --scoring additive; --scoring dot has no parameters");
+                     " for --scoring additive; --scoring " + args.scoring +
+                     (args.scoring == "bilinear" ? " takes --w" : " has no parameters"));
   }
-  if (additive && args.scale) {
-    throw UsageError("--scale is for --scoring dot; additive attention has no scale");
+  const bool bilinear = args.scoring == "bilinear";
+  if (bilinear && args.w.empty()) throw UsageError("--scoring bilinear needs --w W.npy (Dq, Dk)");
+  if (!bilinear && !args.w.empty()) {
+    throw UsageError("--w is for --scoring bilinear; --scoring " + args.scoring +
+                     (additive ? " takes --wq, --wk and --wv" : " has no parameters"));
+  }
+  if ((additive || bilinear) && args.scale) {
+    throw UsageError("--scale is for --scoring dot and distance; " + args.scoring +
+                     " attention has no scale");
   }
   for (const auto& [flag, value] : {std::pair{"--window", &args.window},
                                      {"--mask", &args.mask}, {"--key-mask", &args.key_mask},
                                      {"--bias", &args.bias}}) {
-    if (additive && !value->empty()) {
-      throw UsageError(std::string(flag) + " is for --scoring dot; additive attention takes "
-                       "--valid-lens and --causal");
+    if (args.scoring != "dot" && !value->empty()) {
+      throw UsageError(std::string(flag) + " is for --scoring dot; " + args.scoring +
+                       " attention takes --valid-lens and --causal");
     }
   }
 }
@@ -155,12 +167,19 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
     options.window_right = std::stoll(args.window.substr(comma + 1));
   }
 
-  AttentionResult<T> result =
-      args.scoring == "dot"
-          ? scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options)
-          : additive_attention(as_batch(0), as_batch(1), as_batch(2),
-                               AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
-                               valid_lens, options);
+  AttentionResult<T> result;
+  if (args.scoring == "dot") {
+    result = scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+  } else if (args.scoring == "additive") {
+    result = additive_attention(as_batch(0), as_batch(1), as_batch(2),
+                                AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
+                                valid_lens, options);
+  } else if (args.scoring == "bilinear") {
+    result = bilinear_attention(as_batch(0), as_batch(1), as_batch(2), in(3).view(), valid_lens,
+                                options);
+  } else {
+    result = distance_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+  }
   // 2-D inputs give outputs without the batch axis of one.
   const auto bytes = [&](Tensor<T>& t) {
     return npy_bytes(unbatched(std::move(t), batched).view());
@@ -192,6 +211,7 @@ void run_attend(const AttendArgs& args) {
   if (args.scoring == "additive") {
     inputs.insert(inputs.end(), {{"--wq", args.w_q}, {"--wk", args.w_k}, {"--wv", args.w_v}});
   }
+  if (args.scoring == "bilinear") inputs.push_back({"--w", args.w});
   std::vector<FloatTensor> tensors;
   for (const Input& input : inputs) tensors.push_back(load_float(input));
 
@@ -248,9 +268,13 @@ Command add_attend_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
   app->add_option("--scoring", args->scoring,
-                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); gaussian (with "
+                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); bilinear: q^T W k "
+                  "(--w); distance: -|q - k|^2 * scale / 2 (scale default 1); gaussian (with "
                   "--store only): -|q - k|^2 / (2 h^2); required except with --store (default dot)")
-      ->check(CLI::IsMember({"dot", "additive", "gaussian"}));
+      ->check(CLI::IsMember({"dot", "additive", "bilinear", "distance", "gaussian"}));
+  require_path(app->add_option("--w", args->w,
+                               "--scoring bilinear: W.npy (Dq, Dk), the inputs' float type"))
+      ->type_name("W.npy");
   require_number(app->add_option("--bandwidth", args->bandwidth,
                                  "--scoring gaussian: the kernel's width h > 0 (default 1)"))
       ->type_name("H");
@@ -294,7 +318,9 @@ Command add_attend_command(CLI::App& parent) {
           "every key is valid"))
       ->type_name("L.npy");
   require_number(
-      app->add_option("--scale", args->scale, "dot only: multiplies Q K^T (default 1/sqrt(D))"))
+      app->add_option("--scale", args->scale,
+                      "dot: multiplies Q K^T (default 1/sqrt(D)); distance: multiplies "
+                      "-|q - k|^2 / 2 (default 1)"))
       ->type_name("S");
   require_path(
       app->add_option("--wq", args->w_q, "additive only: W_q (H, D), like nn.Linear's weight"))

@@ -409,6 +409,32 @@ void run_demo(const DemoArgs& args) {
               "11.3 scaled dot-product attention: weights of the one query over 10 keys, one row "
               "per batch element");
 
+  // (4) The exercise's question: with keys that differ, do the two scoring
+  // functions still agree? The same two modules and queries over random keys.
+  os << "\n4. The same two attentions over random keys (2, 10, 2) ~ N(0, 1), the rest as in\n"
+        "   2 and 3 (d2l 11.3's exercise: modify the keys in the toy example).\n";
+  const Tensor<float> random_keys = random_tensor(Shape{2, 10, 2}, rng, true);
+  additive.forward(queries_a.view(), random_keys.view(), values.view(), valid_lens);
+  dot.forward(queries_b.view(), random_keys.view(), values.view(), valid_lens);
+  os << "   additive attention weights (2, 1, 10):\n";
+  print_rows(os, additive.attention_weights().view());
+  os << "   scaled dot-product attention weights (2, 1, 10):\n";
+  print_rows(os, dot.attention_weights().view());
+  std::vector<float> both = additive.attention_weights().values();
+  const std::vector<float>& dot_random = dot.attention_weights().values();
+  both.insert(both.end(), dot_random.begin(), dot_random.end());
+  HeatmapOptions side_by_side = weights_heat();
+  side_by_side.titles = {"additive", "scaled dot-product"};
+  heatmaps(grid(Shape{1, 2, 2, 10}, both).view(), figures.path("random-keys-attention.png"),
+           side_by_side);
+  figures.add(os, "random-keys-attention.png",
+              "11.3 with random keys: additive (left) and scaled dot-product (right) weights of "
+              "the one query over 10 keys, one row per batch element");
+  os << "   Now the weights differ: dot-product scores are linear in the key (q.k / sqrt(2)),\n"
+        "   so they grow along q's direction without bound, while additive scores pass the\n"
+        "   keys through W_k and a bounded tanh and depend on the 20-dimensional query only\n"
+        "   through W_q: the two rank and weigh the same keys differently.\n";
+
   const std::string index = (dir / "index.html").string();
   os << "\nfigures: " << index << '\n';
   os.flush();

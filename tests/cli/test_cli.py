@@ -571,6 +571,61 @@ class AttendTest(CliTest):
             self.assertClose(self.load(self.path("o.npy"), dtype, (3, 4)), ref[0], dtype)
             self.assertClose(self.load(self.path("lse.npy"), dtype, (3,)), lse[0], dtype)
 
+    def test_bilinear_and_distance_f4_and_f8(self):
+        """--scoring bilinear (q^T W k, queries and keys of other sizes) and
+        --scoring distance (-|q - k|^2 scale / 2, keys far from the origin)
+        against float64 NumPy loops."""
+        for dtype in (np.float32, np.float64):
+            q = self.rng.normal(size=(2, 3, 5)).astype(dtype)
+            k = self.rng.normal(size=(2, 7, 4)).astype(dtype)
+            v = self.rng.normal(size=(2, 7, 6)).astype(dtype)
+            w = self.rng.normal(size=(5, 4)).astype(dtype)
+            lens = np.array([[7, 2, 0], [3, 7, 5]])
+            common = ["--valid-lens", self.save("l.npy", lens), "--weights", self.path("w.npy"),
+                      "--lse", self.path("lse.npy"), "--out", self.path("o.npy")]
+            self.ok("attend", "--scoring", "bilinear", "--queries", self.save("q.npy", q),
+                    "--keys", self.save("k.npy", k), "--values", self.save("v.npy", v),
+                    "--w", self.save("wb.npy", w), *common)
+            f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+            ref, wts, lse = np_attention(f64(q) @ f64(w) @ f64(k).transpose(0, 2, 1), v, lens)
+            self.assertClose(self.load(self.path("o.npy"), dtype, (2, 3, 6)), ref, dtype)
+            self.assertClose(self.load(self.path("w.npy"), dtype, (2, 3, 7)), wts, dtype)
+            self.assertClose(self.load(self.path("lse.npy"), dtype, (2, 3)), lse, dtype)
+            # Distance: queries and keys 100 from the origin, scale 0.5.
+            qd = (self.rng.normal(size=(2, 3, 4)) + 100).astype(dtype)
+            kd = (self.rng.normal(size=(2, 7, 4)) + 100).astype(dtype)
+            self.ok("attend", "--scoring", "distance", "--scale", "0.5", "--queries",
+                    self.save("q.npy", qd), "--keys", self.save("k.npy", kd), "--values",
+                    self.save("v.npy", v), *common)
+            diff = f64(qd)[:, :, None, :] - f64(kd)[:, None, :, :]
+            ref, wts, lse = np_attention(-0.25 * (diff ** 2).sum(-1), v, lens)
+            self.assertClose(self.load(self.path("o.npy"), dtype, (2, 3, 6)), ref, dtype)
+            self.assertClose(self.load(self.path("w.npy"), dtype, (2, 3, 7)), wts, dtype)
+            got_lse = self.load(self.path("lse.npy"), dtype, (2, 3))
+            finite = np.isfinite(lse)
+            np.testing.assert_array_equal(np.isfinite(got_lse), finite)
+            np.testing.assert_allclose(got_lse[finite], lse[finite],
+                                       rtol=1e-4 if dtype == np.float32 else 1e-10)
+
+    def test_bilinear_and_distance_errors(self):
+        q, k, v = self.attention_inputs(np.float32)
+        base = ["attend", "--queries", self.save("q.npy", q), "--keys", self.save("k.npy", k),
+                "--values", self.save("v.npy", v), "--out", self.path("o.npy")]
+        out = [self.path("o.npy")]
+        self.expect_error("attend", base + ["--scoring", "bilinear"], out, ["--w W.npy"])
+        w = self.save("wb.npy", np.zeros((3, 4), np.float32))
+        self.expect_error("attend", base + ["--scoring", "dot", "--w", w], out,
+                          ["--w is for --scoring bilinear"])
+        self.expect_error("attend", base + ["--scoring", "bilinear", "--w", w, "--scale", "2"],
+                          out, ["--scale", "bilinear"])
+        self.expect_error("attend", base + ["--scoring", "distance", "--mask", w], out,
+                          ["--mask is for --scoring dot"])
+        # W (3, 4) against queries of D = 4: the library names the shapes.
+        self.expect_error("attend", base + ["--scoring", "bilinear", "--w", w], out,
+                          ["bilinear_attention", "w"])
+        self.expect_error("attend", base + ["--scoring", "distance", "--scale", "-1"], out,
+                          ["distance_attention", "scale"])
+
     def chapter_inputs(self):
         # d2l 11.3: keys all ones, values arange(40) as (10, 4) in both batch
         # elements, valid_lens [2, 6]; the weights are uniform over the valid keys.
@@ -640,7 +695,7 @@ DEMO_FIGURES = ("identity.png", "average-pooling.png", "average-pooling-attentio
                 "nonparametric.png", "nonparametric-attention.png", "parametric-loss.png",
                 "parametric.png", "parametric-attention.png", "cross-validated.png",
                 "cross-validated-attention.png", "additive-attention.png",
-                "dot-product-attention.png")
+                "dot-product-attention.png", "random-keys-attention.png")
 
 
 def png_size(path):
@@ -675,6 +730,22 @@ class DemoTest(CliTest):
         self.assertEqual(rows.count(uniform_6), 2, out)
         self.assertIn("average pooling: weights" + " 0.1667" * 6, out)
         self.assertIn("exact(\"Li\"): weights 0.0000 0.0000 1.0000 0.0000 0.0000 0.0000", out)
+
+    def test_demo_random_keys_weights_differ(self):
+        """Section 4: over random keys the additive and dot-product weights are
+        each a distribution over the valid keys, and they are not the same."""
+        out = self.demo()
+        self.assertIn("4. The same two attentions over random keys", out)
+        part = out[out.index("4. The same two attentions"):]
+        rows = [line.split() for line in part.splitlines()]
+        weights = [r for r in rows if len(r) == 12 and r[0].startswith("b=")][:4]
+        self.assertEqual(len(weights), 4, part)
+        w = np.array([[float(x) for x in r[2:]] for r in weights]).reshape(2, 2, 10)
+        for kind in range(2):
+            for b, length in enumerate((2, 6)):
+                self.assertTrue(np.all(w[kind, b, length:] == 0), w[kind, b])
+                self.assertAlmostEqual(w[kind, b].sum(), 1.0, delta=5e-4)
+        self.assertGreater(np.abs(w[0] - w[1]).max(), 0.01, w)
 
     def test_demo_masked_softmax_rows(self):
         rows = [line.split() for line in self.demo().splitlines()]
