@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "qkv/error.h"
+
 namespace qkv::search::testing {
 
 // tests/search/lists: 274 real bookworm packages (make_fixture.py).
@@ -52,5 +54,20 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The error message of f(), or "" if it did not throw qkv::Error.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 }  // namespace qkv::search::testing

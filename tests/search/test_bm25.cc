@@ -32,18 +32,8 @@ using testing::kFixture;
 
 using testing::TempDir;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::error_of;
 
 // ---- the reference: FTS5's bm25 as plain loops in double ------------------------
 

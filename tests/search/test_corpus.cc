@@ -32,20 +32,8 @@ const Package* find(const std::vector<Package>& packages, const std::string& nam
   return nullptr;
 }
 
-// The error message of f(), or "" if it did not throw qkv::Error.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::error_of;
 
 // ---- the fixture -------------------------------------------------------------
 
