@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 
-NUM_FIGURES = 12  # test_cli.py's DEMO_FIGURES
+NUM_FIGURES = 13  # test_cli.py's DEMO_FIGURES
 
 
 def chromium(url, profile, *extra):
@@ -58,6 +58,9 @@ def main():
             expected = f"all {NUM_FIGURES} images loaded"
             if match.group(1) != expected:
                 sys.exit(f"#image-check says {match.group(1)!r}, expected {expected!r}")
+            # Section 4's figure (11.3 over random keys) is among them.
+            if '<img src="random-keys-attention.png"' not in r.stdout:
+                sys.exit("the page has no random-keys-attention.png (the 11.3 random-keys section)")
             print(f"{url}: {expected}")
             if args.screenshot:
                 shot = os.path.abspath(args.screenshot)
