@@ -114,6 +114,16 @@ std::string format_number(double x, const char* format) {
   return text;
 }
 
+// Writes a whole message to stderr at once: std::cerr writes each << piece
+// by itself, and under mpirun another process's lines came in between
+// ("qkv attend: error: " and "rank 2 of 3: ..." split by mpirun's banner).
+namespace {
+void tell(const std::string& message) {
+  std::fwrite(message.data(), 1, message.size(), stderr);
+  std::fflush(stderr);
+}
+}  // namespace
+
 int report_exception(const CLI::App& app, std::string_view command) {
   const std::string prefix =
       command.empty() ? std::string("qkv: error: ") : "qkv " + std::string(command) + ": error: ";
@@ -122,25 +132,25 @@ int report_exception(const CLI::App& app, std::string_view command) {
   } catch (const CLI::ParseError& e) {
     // --help and --version are ParseErrors with status 0: CLI11 prints them.
     if (e.get_exit_code() == 0) return app.exit(e);
-    std::cerr << prefix << e.what() << "\nRun 'qkv" << (command.empty() ? "" : " ") << command
-              << " --help' for more information.\n";
+    tell(prefix + e.what() + "\nRun 'qkv" + (command.empty() ? "" : " ") + std::string(command) +
+         " --help' for more information.\n");
     return kExitUsage;
   } catch (const qkv::Error& e) {
-    std::cerr << prefix << e.what() << '\n';
+    tell(prefix + e.what() + "\n");
     return kExitUsage;
   } catch (const UsageError& e) {
-    std::cerr << prefix << e.what() << '\n';
+    tell(prefix + e.what() + "\n");
     return kExitUsage;
   } catch (const std::bad_alloc&) {
-    std::cerr << prefix
-              << "out of memory: an allocation failed (std::bad_alloc); the inputs and results "
-                 "need more memory than this process may use (see ulimit -v)\n";
+    tell(prefix +
+         "out of memory: an allocation failed (std::bad_alloc); the inputs and results "
+         "need more memory than this process may use (see ulimit -v)\n");
     return kExitFailure;
   } catch (const std::exception& e) {
-    std::cerr << prefix << e.what() << '\n';
+    tell(prefix + e.what() + "\n");
     return kExitFailure;
   } catch (...) {
-    std::cerr << prefix << "unknown failure\n";
+    tell(prefix + "unknown failure\n");
     return kExitFailure;
   }
 }
