@@ -1,4 +1,4 @@
-// Google Benchmark for the bf16 block products (src/kernels/gemm_bf16.h) of
+// Google Benchmark for the bf16 block products (src/kernels/simd/gemm_bf16.h) of
 // flash attention, single-threaded, next to OpenBLAS sgemm on the same shapes
 // in float (what the float32 attention runs). Every path this machine offers
 // is registered: "best" (the public gemm), "amx", "avx512_bf16", "widen".
@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/blas.h"
-#include "kernels/gemm_bf16.h"
+#include "kernels/runtime/blas.h"
+#include "kernels/simd/gemm_bf16.h"
 
 namespace qkv::kernels::fast {
 std::vector<std::string> bf16_paths();

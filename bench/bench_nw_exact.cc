@@ -19,7 +19,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/small_dim_attention.h"
+#include "kernels/attention/small_dim_attention.h"
 #include "qkv/kernel_regression.h"
 #include "qkv/simd.h"
 #include "qkv/threads.h"

@@ -1,4 +1,4 @@
-// Block products of the fused SDPA forward (src/kernels/sdpa_fast.cc):
+// Block products of the fused SDPA forward (src/kernels/attention/sdpa_fast.cc):
 // OpenBLAS sgemm vs a register-blocked Highway micro-kernel (issue 5 asks
 // for whichever measures faster). Experiment, not library code.
 //

@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/gauss1d_fast.h"
+#include "kernels/regression/gauss1d_fast.h"
 #include "qkv/simd.h"
 #include "qkv/threads.h"
 

@@ -331,7 +331,7 @@ def roofline_section(roof, roof_end, sgemm_rate, copy_rate):
     lines = ["## Roofline: this machine's ceilings in this run", "",
              "OpenBLAS `sgemm` (row-major, float32, C = A·op(B)), median of the repetitions. "
              "\"OpenBLAS threads\" is one call with `openblas_set_num_threads(t)`; "
-             "\"OpenMP split\" is how qkv uses the BLAS (src/kernels/blas.h): OpenBLAS "
+             "\"OpenMP split\" is how qkv uses the BLAS (src/kernels/runtime/blas.h): OpenBLAS "
              "single-threaded, the rows of C cut into one block per OpenMP thread.", "",
              "| shape m × n × k | 1 thread | 2 threads, OpenBLAS threads | "
              "2 threads, OpenMP split |", "|---|---|---|---|"]

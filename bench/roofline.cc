@@ -33,7 +33,7 @@ std::vector<float> random_uniform(int64_t count, uint32_t seed) {
 // Two ways to use 2 threads, measured side by side:
 //   split 0: OpenBLAS's own threads (openblas_set_num_threads), one call;
 //   split 1: OpenBLAS single-threaded, the rows of C cut into one contiguous
-//            block per OpenMP thread — how qkv calls it (src/kernels/blas.h), at
+//            block per OpenMP thread — how qkv calls it (src/kernels/runtime/blas.h), at
 //            its best: one large call per thread.
 // FLOPs: 2 m n k.
 void BM_Sgemm(benchmark::State& state) {

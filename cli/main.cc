@@ -28,7 +28,7 @@ namespace {
 // Debian's OpenBLAS (the pthread build) starts a pool of nproc - 1 threads
 // when it is loaded, before main, and each reserves a 128 MiB buffer. qkv
 // never uses them (every BLAS call runs single-threaded inside qkv's own
-// OpenMP tasks, src/kernels/parallel.h), and under an address-space limit below that
+// OpenMP tasks, src/kernels/runtime/parallel.h), and under an address-space limit below that
 // buffer (ulimit -v) a pool thread retries its allocation forever: it burns a
 // core for the whole run and exit() then waits for it forever. OpenBLAS sizes
 // the pool from OPENBLAS_NUM_THREADS when it loads, so the command sets it to 1

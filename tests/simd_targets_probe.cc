@@ -1,10 +1,10 @@
 // Run by tests/CMakeLists.txt at configure time: prints the SIMD targets this
 // build compiles that this CPU supports, as a CMake list, with the library's
-// own code (kernels/dispatch.cc is compiled into the probe), so the names are
+// own code (kernels/runtime/dispatch.cc is compiled into the probe), so the names are
 // those QKV_SIMD_TARGET takes.
 #include <cstdio>
 
-#include "kernels/dispatch.cc"  // NOLINT(bugprone-suspicious-include)
+#include "kernels/runtime/dispatch.cc"  // NOLINT(bugprone-suspicious-include)
 
 int main() {
   const char* separator = "";

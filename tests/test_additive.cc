@@ -17,7 +17,7 @@
 
 #include "attention_suite.h"
 #include "attention_testing.h"
-#include "kernels/additive_tile.h"
+#include "kernels/attention/additive_tile.h"
 #include "kernels/kernels.h"
 #include "test_util.h"
 #include "tolerances.h"

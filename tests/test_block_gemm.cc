@@ -1,5 +1,5 @@
 // Tests for the float block products of the SDPA forward
-// (src/kernels/block_gemm.h): scores and accumulate against a float64 loop,
+// (src/kernels/simd/block_gemm.h): scores and accumulate against a float64 loop,
 // over shapes around every tile edge (tiles differ by SIMD target: CTest runs
 // these once per target); accumulation onto C, scores never reading C, and
 // the same bits from any thread.
@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/block_gemm.h"
+#include "kernels/simd/block_gemm.h"
 #include "qkv/simd.h"
 #include "test_util.h"
 

@@ -1,4 +1,4 @@
-// Tests for the fast 1-D Gaussian Nadaraya–Watson kernel (src/kernels/gauss1d_fast.h):
+// Tests for the fast 1-D Gaussian Nadaraya–Watson kernel (src/kernels/regression/gauss1d_fast.h):
 // every method ("exact", "window", "taylor") against a float64 softmax-form
 // reference written here, on uniform, duplicate, clustered and constant keys,
 // with queries inside and far outside the data, at rel_tol 1e-6 and 1e-9.
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gauss1d_fast.h"
+#include "kernels/regression/gauss1d_fast.h"
 #include "test_util.h"
 
 namespace qkv::test {

@@ -1,4 +1,4 @@
-// Tests for the bf16 matrix products and conversions (src/kernels/gemm_bf16.h):
+// Tests for the bf16 matrix products and conversions (src/kernels/simd/gemm_bf16.h):
 // to_bf16 against bfloat16's constructor on all 2^32 floats (a sample under
 // the sanitizers and without AVX-512), the round trip through vecmath.h's
 // to_float (tested on every bf16 value and SIMD target in
@@ -21,9 +21,9 @@
 #include <unistd.h>
 #endif
 
-#include "kernels/dispatch.h"
-#include "kernels/gemm_bf16.h"
-#include "kernels/vecmath.h"
+#include "kernels/runtime/dispatch.h"
+#include "kernels/simd/gemm_bf16.h"
+#include "kernels/simd/vecmath.h"
 #include "test_util.h"
 
 // Test hooks defined in gemm_bf16.cc (not in its header: not for the library).

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/nadaraya_watson.h"
+#include "kernels/regression/nadaraya_watson.h"
 #include "qkv/kernel_regression.h"
 #include "test_util.h"
 
@@ -459,7 +459,7 @@ TEST(KernelRegressionExact, StridedInputsAndThreadCountsGiveTheSameBits) {
 }
 
 // Exact Gaussian evaluation runs on the fused small-dimension attention
-// kernel for p, m <= 8 (kernels/small_dim_attention.h). At n = t = 3000 and
+// kernel for p, m <= 8 (kernels/attention/small_dim_attention.h). At n = t = 3000 and
 // bandwidths down to 0.001 x the spread, with data offset far from 0 (where
 // a dot-product form q'.k' - |k'|^2 / 2 would cancel catastrophically and
 // scaling before differencing would lose digits), and queries beyond the

@@ -1,4 +1,4 @@
-// Tests of the bandwidth search's minimisers (src/optimize.h): BFGS and the
+// Tests of the bandwidth search's minimisers (src/regression/optimize.h): BFGS and the
 // golden-section search find the minimum of smooth test functions from
 // random starts, never end worse than they start, and skip +inf points.
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "optimize.h"
+#include "regression/optimize.h"
 #include "test_util.h"
 
 namespace qkv::test {

@@ -1,4 +1,4 @@
-// Tests for the few-row products of the SDPA forward (src/kernels/row_products.h)
+// Tests for the few-row products of the SDPA forward (src/kernels/simd/row_products.h)
 // and vecmath.h's bf16 widening, both Highway code whose vector widths differ by
 // SIMD target (CTest runs this file once per target): row_scores and
 // row_accumulate against a float64 loop for 0 to 4 rows, over feature sizes
@@ -15,8 +15,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/row_products.h"
-#include "kernels/vecmath.h"
+#include "kernels/simd/row_products.h"
+#include "kernels/simd/vecmath.h"
 #include "test_util.h"
 
 namespace qkv::test {

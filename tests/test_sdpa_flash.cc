@@ -152,7 +152,7 @@ TYPED_TEST(Flash, ForwardAndBackwardMatchRefOverManyBlocks) {
 }
 
 // Decoding-like shapes: a few queries against many keys. Up to 4 queries per
-// task multiply keys and values in place (kernels/row_products.h), and with
+// task multiply keys and values in place (kernels/simd/row_products.h), and with
 // fewer than 16 (batch, query block) tasks the keys are cut into chunks whose
 // partial sums are merged; with weights wanted there is one chunk.
 TYPED_TEST(Flash, FewQueriesAgainstManyKeys) {

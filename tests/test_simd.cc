@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gemm_bf16.h"
+#include "kernels/simd/gemm_bf16.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/simd.h"
 #include "test_util.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/dispatch.h"
+#include "kernels/runtime/dispatch.h"
 #include "qkv/simd.h"
 #include "test_util.h"
 

@@ -1,5 +1,5 @@
 // Tests of the fused small-dimension attention kernel
-// (src/kernels/small_dim_attention.h) against a float64 plain loop written
+// (src/kernels/attention/small_dim_attention.h) against a float64 plain loop written
 // here: random shapes around the SIMD widths, both score kinds, with and
 // without key bias, every form of valid lengths, DESIGN.md §3's non-finite
 // rows, masked keys never read, thread-count independence and the exp's
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
-#include "kernels/small_dim_attention.h"
+#include "kernels/attention/small_dim_attention.h"
 #include "qkv/simd.h"
 #include "test_util.h"
 

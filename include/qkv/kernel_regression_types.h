@@ -1,5 +1,5 @@
 // The types kernel regression's front end (qkv/kernel_regression.h) and its
-// kernels (src/kernels/nadaraya_watson.h) share; types only, so a kernel
+// kernels (src/kernels/regression/nadaraya_watson.h) share; types only, so a kernel
 // includes no front-end header.
 #pragma once
 

@@ -1,8 +1,8 @@
 // The kernels behind the public ops, in two versions with one contract per
 // op: ref (plain loops, double accumulation, any strides) and fast (BLAS,
-// SIMD, threads; contiguous inputs). Views in, views out: the front ends in
-// src/*.cc validate arguments, allocate every destination and then call one
-// of them; kernels only assert. The types here are the kernels' own (no
+// SIMD, threads; contiguous inputs). Views in, views out: the front ends
+// (src/ops, src/attention, src/regression) validate arguments, allocate every
+// destination and then call one of them; kernels only assert. The types here are the kernels' own (no
 // front-end header: the owning results live in qkv/attention.h).
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "kernels/workspace.h"
+#include "kernels/runtime/workspace.h"
 #include "qkv/bfloat16.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"

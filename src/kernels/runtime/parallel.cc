@@ -1,0 +1,46 @@
+// qkv's threads and OpenBLAS's (see parallel.h): the guard that keeps
+// OpenBLAS single-threaded inside qkv's tasks, and the serial scopes.
+#include "kernels/runtime/parallel.h"
+
+#include <cblas.h>
+
+#include <mutex>
+
+#include "qkv/threads.h"
+
+namespace qkv::kernels {
+
+namespace {
+
+// The live guards and the OpenBLAS thread count before the first of them.
+std::mutex blas_threads_mutex;
+int blas_guards = 0;
+int blas_threads_before = 1;
+
+}  // namespace
+
+BlasSingleThreaded::BlasSingleThreaded() {
+  const std::lock_guard<std::mutex> lock(blas_threads_mutex);
+  if (blas_guards++ == 0) {
+    blas_threads_before = openblas_get_num_threads();
+    if (blas_threads_before != 1) openblas_set_num_threads(1);
+  }
+}
+
+BlasSingleThreaded::~BlasSingleThreaded() {
+  const std::lock_guard<std::mutex> lock(blas_threads_mutex);
+  if (--blas_guards == 0 && blas_threads_before != 1) {
+    openblas_set_num_threads(blas_threads_before);
+  }
+}
+
+namespace {
+thread_local int serial_scopes = 0;  // live SerialScopes of this thread
+}  // namespace
+
+SerialScope::SerialScope() { ++serial_scopes; }
+SerialScope::~SerialScope() { --serial_scopes; }
+
+int current_num_threads() { return serial_scopes > 0 ? 1 : qkv::num_threads(); }
+
+}  // namespace qkv::kernels

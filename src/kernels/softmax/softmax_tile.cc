@@ -1,0 +1,195 @@
+// Highway implementation of softmax_tile.h; compiled once per SIMD target
+// through hwy/foreach_target.h, dispatching entry points at the bottom.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/softmax/softmax_tile.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// Highway's own headers must follow foreach_target.h.
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/simd/exp-inl.h"
+#include "kernels/softmax/softmax_tile.h"
+#include "kernels/simd/tail-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::kernels::fast {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive;
+using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
+
+// bf16 bits of n <= Lanes(d) finite floats v, rounded to nearest even, to out.
+template <class D>
+HWY_INLINE void StoreBf16(D d, hn::Vec<D> v, uint16_t* out, size_t n) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = hn::BitCast(di, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(di, 1));
+  // Finite non-negative inputs: the rounded upper half fits in 0..0x7f80.
+  const auto upper = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(di, 0x7fff), lsb)));
+  const auto half = hn::DemoteTo(du16, upper);
+  if (n == hn::Lanes(d)) {
+    hn::StoreU(half, du16, out);
+  } else {
+    hn::BlendedStore(half, hn::FirstN(du16, n), du16, out);
+  }
+}
+
+// Zeroes out[0, n).
+HWY_INLINE void ZeroBf16(uint16_t* out, int64_t n) { std::fill(out, out + n, uint16_t{0}); }
+
+template <class T>
+void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T* m, T* l,
+                       T* correction, uint8_t* special, uint16_t* p16) {
+  const hn::ScalableTag<T> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  constexpr T kInf = std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = s + r * cols;
+    uint16_t* row16 = p16 ? p16 + r * cols : nullptr;
+    const int64_t n = valid[r];
+    correction[r] = T(1);
+    if (n == 0 || special[r]) {
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
+      continue;
+    }
+    // Pass 1: max, and whether some x is NaN or +inf: not (x < +inf). A -inf
+    // score (a masked key, or a -inf bias) has weight exactly 0 and needs no
+    // exact path. Two max chains and a mask OR, all 1-2 cycles deep: the
+    // earlier probe (x * 0 summed by FMA) made a 4-cycle chain per vector,
+    // 16 % of this function's samples at AVX2.
+    const auto minus_inf = hn::Set(d, -kInf);
+    const auto plus_inf = hn::Set(d, kInf);
+    auto vmax0 = minus_inf, vmax1 = minus_inf;
+    auto bad = hn::FirstN(d, 0);  // no lane yet
+    int64_t j = 0;
+    for (; j + 2 * lanes <= n; j += 2 * lanes) {
+      const auto v0 = hn::LoadU(d, row + j);
+      const auto v1 = hn::LoadU(d, row + j + lanes);
+      vmax0 = hn::Max(vmax0, v0);
+      vmax1 = hn::Max(vmax1, v1);
+      bad = hn::Or(bad, hn::Or(hn::Not(hn::Lt(v0, plus_inf)), hn::Not(hn::Lt(v1, plus_inf))));
+    }
+    for (; j < n; j += lanes) {
+      const size_t count = static_cast<size_t>(std::min(lanes, n - j));
+      const auto v = LoadTail(d, row + j, count, -kInf);
+      vmax0 = hn::Max(vmax0, v);
+      bad = hn::Or(bad, hn::Not(hn::Lt(v, plus_inf)));
+    }
+    const auto vmax = hn::Max(vmax0, vmax1);
+    if (!hn::AllFalse(d, bad)) {
+      special[r] = 1;
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
+      continue;
+    }
+    const T m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    if (m_new == -kInf) {  // every score so far is -inf: nothing to add yet
+      if (row16) {
+        ZeroBf16(row16, cols);
+      } else {
+        std::fill(row, row + cols, T(0));
+      }
+      continue;
+    }
+    // Pass 2: exp and sum, masked columns zeroed. With 32 registers
+    // (AVX-512) two vectors a step with a sum each; with 16 (AVX2 and below)
+    // the second vector's temporaries and sum beside the exp's constants went
+    // to the stack (a chain through memory at every step, 10 % of this
+    // function's samples), so one vector a step: SDPA forward at (2, 4096,
+    // 4096), d = 64, one thread, capped at avx2, 102-106 -> 98-103 ms; at
+    // AVX-512 one vector a step was 2 % slower.
+    const auto shift = hn::Set(d, m_new);
+    auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
+    j = 0;
+    if constexpr (hn::MaxLanes(d) * sizeof(T) >= 64) {
+      for (; j + 2 * lanes <= n; j += 2 * lanes) {
+        const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+        const auto e1 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
+        if constexpr (sizeof(T) == 4) {
+          if (row16) {
+            StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
+            StoreBf16(d, e1, row16 + j + lanes, static_cast<size_t>(lanes));
+          }
+        }
+        if (!row16) {
+          hn::StoreU(e0, d, row + j);
+          hn::StoreU(e1, d, row + j + lanes);
+        }
+        sum0 = hn::Add(sum0, e0);
+        sum1 = hn::Add(sum1, e1);
+      }
+    }
+    for (; j + lanes <= n; j += lanes) {
+      const auto e = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+      if constexpr (sizeof(T) == 4) {
+        if (row16) StoreBf16(d, e, row16 + j, static_cast<size_t>(lanes));
+      }
+      if (!row16) hn::StoreU(e, d, row + j);
+      sum0 = hn::Add(sum0, e);
+    }
+    if (j < n) {
+      const auto count = static_cast<size_t>(n - j);
+      const auto e =
+          hn::IfThenElseZero(hn::FirstN(d, count),
+                             ExpNonPositive<true>(d, hn::Sub(LoadTail(d, row + j, count), shift)));
+      if constexpr (sizeof(T) == 4) {
+        if (row16) StoreBf16(d, e, row16 + j, count);
+      }
+      if (!row16) StoreTail(d, e, row + j, count);
+      sum1 = hn::Add(sum1, e);
+    }
+    if (row16) {
+      ZeroBf16(row16 + n, cols - n);
+    } else {
+      std::fill(row + n, row + cols, T(0));
+    }
+    const T block_sum = hn::GetLane(hn::SumOfLanes(d, hn::Add(sum0, sum1)));
+    if (l[r] > T(0) && m_new > m[r]) correction[r] = std::exp(m[r] - m_new);
+    l[r] = l[r] * correction[r] + block_sum;
+    m[r] = m_new;
+  }
+}
+
+void SoftmaxTileUpdateF(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
+                        float* l, float* correction, uint8_t* special, uint16_t* p16) {
+  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special, p16);
+}
+void SoftmaxTileUpdateD(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
+                        double* l, double* correction, uint8_t* special) {
+  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special,
+                    static_cast<uint16_t*>(nullptr));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::kernels::fast
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace qkv::kernels::fast {
+HWY_EXPORT(SoftmaxTileUpdateF);
+HWY_EXPORT(SoftmaxTileUpdateD);
+
+void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
+                         float* l, float* correction, uint8_t* special, bfloat16* p_bf16) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)
+  (s, rows, cols, valid, m, l, correction, special, reinterpret_cast<uint16_t*>(p_bf16));
+}
+void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
+                         double* l, double* correction, uint8_t* special) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateD)(s, rows, cols, valid, m, l, correction, special);
+}
+}  // namespace qkv::kernels::fast
+#endif
