@@ -4,7 +4,8 @@
 #                                             and show the Python package working
 #   scripts/build.sh test                     install what is missing, build and run every test:
 #                                             Release, Debug + ASan/UBSan, and a one-minute fuzz
-#                                             run of the .npy reader
+#                                             run of each file reader; a table of the stages'
+#                                             times at the end
 # Both are idempotent; with nothing changed they only re-run the demo or the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,22 +41,54 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
     echo "  install it: cmake --install build/release   (then import qkv from /usr/bin/python3; docs/python.md)"
     ;;
   test)
-    scripts/install-deps.sh test
+    # Each stage timed; the table of their times is printed at the end, and
+    # also when a stage fails (then its row says so).
+    stage_names=()
+    stage_times=()
+    stage() {  # name, then the command
+      local name=$1 start=$SECONDS
+      shift
+      stage_names+=("$name")
+      stage_times+=("running")
+      "$@"
+      stage_times[-1]=$((SECONDS - start))
+    }
+    print_stages() {
+      local status=$? total=0 i
+      echo
+      echo "scripts/build.sh test: stage times (s)"
+      printf '  %-34s %8s\n' stage seconds
+      for i in "${!stage_names[@]}"; do
+        if [ "${stage_times[$i]}" = running ]; then
+          printf '  %-34s %8s\n' "${stage_names[$i]}" failed
+        else
+          printf '  %-34s %8d\n' "${stage_names[$i]}" "${stage_times[$i]}"
+          total=$((total + stage_times[$i]))
+        fi
+      done
+      printf '  %-34s %8d\n' total "$total"
+      return $status
+    }
+    trap print_stages EXIT
+    stage "install dependencies" scripts/install-deps.sh test
     # Fuzz the file readers first (clang's libFuzzer with ASan, bounded to a
     # minute each): the .npy reader and the key-value store's manifest reader.
     if [ ! -f build/fuzz/CMakeCache.txt ]; then
       cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++-14 \
         -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF >/dev/null
     fi
-    cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz
-    fuzz/run_fuzz.sh npy build/fuzz/npy_fuzz 60
-    fuzz/run_fuzz.sh manifest build/fuzz/manifest_fuzz 60
-    # Debug with AddressSanitizer + UndefinedBehaviorSanitizer.
-    configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug -DQKV_SANITIZE=ON -DQKV_BUILD_BENCH=OFF
-    ctest --test-dir build/asan --output-on-failure -j "$jobs"
-    # Release, with the benchmarks built (not run: they are not tests).
-    configure_and_build build/test-release -DCMAKE_BUILD_TYPE=Release
-    ctest --test-dir build/test-release --output-on-failure -j "$jobs"
+    stage "fuzz: build" cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz
+    stage "fuzz: .npy reader" fuzz/run_fuzz.sh npy build/fuzz/npy_fuzz 60
+    stage "fuzz: store manifest reader" fuzz/run_fuzz.sh manifest build/fuzz/manifest_fuzz 60
+    # Debug with AddressSanitizer + UndefinedBehaviorSanitizer: the kernels at
+    # this CPU's best SIMD target and scalar (CMakeLists.txt).
+    stage "ASan+UBSan: build" configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug \
+      -DQKV_SANITIZE=ON -DQKV_BUILD_BENCH=OFF
+    stage "ASan+UBSan: tests" ctest --test-dir build/asan --output-on-failure -j "$jobs"
+    # Release, every SIMD target, with the benchmarks built (not run: they
+    # are not tests).
+    stage "Release: build" configure_and_build build/test-release -DCMAKE_BUILD_TYPE=Release
+    stage "Release: tests" ctest --test-dir build/test-release --output-on-failure -j "$jobs"
     ;;
   *)
     echo "usage: scripts/build.sh demo [options] | scripts/build.sh test" >&2

@@ -41,7 +41,17 @@ TEST(Simd, TargetsAreDistinctBestFirstAndTheDefault) {
     for (size_t j = 0; j < i; ++j) EXPECT_NE(targets[i], targets[j]);
   }
   EXPECT_EQ(simd_target(), targets.front()) << "without a cap the best target runs";
-#if defined(__x86_64__)
+#if defined(__x86_64__) && QKV_SIMD_TARGETS_NARROWED
+  // The sanitizer build compiles the CPU's best target and scalar only
+  // (CMakeLists.txt, QKV_SANITIZE_ALL_TARGETS).
+  EXPECT_EQ(targets.back(), "scalar");
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const std::vector<std::string> expected = {avx512 ? "avx512" : avx2 ? "avx2" : "sse4", "scalar"};
+  EXPECT_EQ(targets, expected);
+#elif defined(__x86_64__)
   // x86-64 builds compile sse4 and avx2 (and avx512) besides scalar, and any
   // x86-64 CPU of the last fifteen years has SSE4.
   EXPECT_EQ(targets.back(), "scalar");
