@@ -129,22 +129,10 @@ class MpiSession {
   MpiSession& operator=(const MpiSession&) = delete;
 };
 
-void run_mpi(const StoreAttendArgs& args) {
+// run_mpi's work up to the last agreement of the ranks: the merged result,
+// on every rank.
+StoreAttentionResult attend_mpi(const StoreAttendArgs& args, MPI_Comm comm, int rank, int ranks) {
   constexpr const char* kFn = "";  // "qkv attend: error: rank r of R: ..."
-  const MpiSession session;
-  MPI_Comm comm = MPI_COMM_WORLD;
-  int rank = 0, ranks = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &ranks);
-  // Every rank fails alike (all_or_none), and rank 0 tells: the others'
-  // stderr would repeat the same message R times.
-  if (rank != 0) {
-    const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
-    if (null >= 0) {
-      ::dup2(null, STDERR_FILENO);
-      ::close(null);
-    }
-  }
   if (args.stores.size() != 1 && args.stores.size() != static_cast<size_t>(ranks)) {
     throw UsageError(std::to_string(args.stores.size()) + " --store shards for " +
                      std::to_string(ranks) + " ranks; give one store (every rank reads its "
@@ -178,8 +166,40 @@ void run_mpi(const StoreAttendArgs& args) {
   // Every rank is still there: only then does rank 0 write (a rank that died
   // meanwhile ends the job before any output exists).
   mpi::all_or_none(kFn, comm, [] {});
+  return result;
+}
+
+void run_mpi(const StoreAttendArgs& args) {
+  const MpiSession session;
+  MPI_Comm comm = MPI_COMM_WORLD;
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &ranks);
+  // Every rank fails alike (all_or_none), and rank 0 tells: the others'
+  // stderr would repeat the same message R times.
+  if (rank != 0) {
+    const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (null >= 0) {
+      ::dup2(null, STDERR_FILENO);
+      ::close(null);
+    }
+  }
+  // Every error up to the last agreement is every rank's (all_or_none, or
+  // the same arguments): rank 0 prints it, and only then do the ranks leave.
+  // mpirun ends the job when the first rank exits with a failure, and rank
+  // 1 leaving first took rank 0 down before its message was written (seen on
+  // a loaded machine). A failure of rank 0's write alone is past this point.
+  StoreAttentionResult result;
+  try {
+    result = attend_mpi(args, comm, rank, ranks);
+  } catch (...) {
+    const int status = report_error("attend");
+    MPI_Barrier(comm);
+    throw ReportedError{status};
+  }
   if (rank == 0) write_outputs(output_files(args, result));
 }
+
 #endif
 
 }  // namespace

@@ -122,19 +122,33 @@ void tell(const std::string& message) {
   std::fwrite(message.data(), 1, message.size(), stderr);
   std::fflush(stderr);
 }
+
+std::string error_prefix(std::string_view command) {
+  if (command.empty()) return "qkv: error: ";
+  return "qkv " + std::string(command) + ": error: ";
+}
 }  // namespace
 
 int report_exception(const CLI::App& app, std::string_view command) {
-  const std::string prefix =
-      command.empty() ? std::string("qkv: error: ") : "qkv " + std::string(command) + ": error: ";
   try {
     throw;
   } catch (const CLI::ParseError& e) {
     // --help and --version are ParseErrors with status 0: CLI11 prints them.
     if (e.get_exit_code() == 0) return app.exit(e);
-    tell(prefix + e.what() + "\nRun 'qkv" + (command.empty() ? "" : " ") + std::string(command) +
-         " --help' for more information.\n");
+    tell(error_prefix(command) + e.what() + "\nRun 'qkv" + (command.empty() ? "" : " ") +
+         std::string(command) + " --help' for more information.\n");
     return kExitUsage;
+  } catch (...) {
+    return report_error(command);
+  }
+}
+
+int report_error(std::string_view command) {
+  const std::string prefix = error_prefix(command);
+  try {
+    throw;
+  } catch (const ReportedError& e) {
+    return e.status;
   } catch (const qkv::Error& e) {
     tell(prefix + e.what() + "\n");
     return kExitUsage;

@@ -57,6 +57,13 @@ inline std::string exact_number(double x) { return format_number(x, "%.17g"); }
 // exit status. CLI11's --help and --version arrive here as exceptions too;
 // they print through `app` and return 0.
 int report_exception(const CLI::App& app, std::string_view command);
+// The same for any error but CLI11's (from inside a catch block): prints it
+// and returns the exit status; a ReportedError was printed already.
+int report_error(std::string_view command);
+// An error report_error has already printed, with the exit status it gave.
+struct ReportedError {
+  int status;
+};
 
 // --threads N (1 <= N <= qkv::kMaxThreads) and --seed N (a non-negative
 // decimal integer).

@@ -532,6 +532,54 @@ TEST_F(StoreTest, AttentionEqualsAttentionOverEveryRow) {
   }
 }
 
+// One query over chunks of one row asks for (1, 1, 1) weights per chunk: the
+// same element count as the empty tensor's (rank 0, numel 1), which the
+// weights buffer once mistook for an allocated one (an Error in MPI's test).
+TEST_F(StoreTest, TopKOfOneQueryOverOneRowChunks) {
+  const Tensor<float> keys(Shape{3, 2}, {0.5f, -1.0f, 2.0f, 0.25f, -0.75f, 1.5f});
+  const Tensor<float> values(Shape{3, 1}, {1.0f, 2.0f, 3.0f});
+  const Tensor<float> queries(Shape{1, 2}, {1.0f, 0.5f});
+  const KeyValueStore store =
+      KeyValueStore::create(path("one-row-chunks"), keys, values, StoreDtype::kFloat32, 1);
+  ASSERT_EQ(store.chunks().size(), 3u);
+  for (StoreScoring scoring : {StoreScoring::kDot, StoreScoring::kGaussian}) {
+    SCOPED_TRACE(scoring == StoreScoring::kDot ? "dot" : "gaussian");
+    StoreAttentionOptions options;
+    options.scoring = scoring;
+    options.top_k = 2;
+    const StoreAttentionResult got = attend(queries, store, {}, options);
+    // A float64 loop: scores, softmax, the two heaviest rows.
+    std::vector<double> score(3);
+    for (int64_t j = 0; j < 3; ++j) {
+      double dot = 0, dist = 0;
+      for (int64_t c = 0; c < 2; ++c) {
+        dot += double(queries(0, c)) * keys(j, c);
+        dist += (double(queries(0, c)) - keys(j, c)) * (double(queries(0, c)) - keys(j, c));
+      }
+      score[j] = scoring == StoreScoring::kDot ? dot / std::sqrt(2.0) : -dist / 2;
+    }
+    const double max = *std::max_element(score.begin(), score.end());
+    double sum = 0, out = 0;
+    for (int64_t j = 0; j < 3; ++j) sum += std::exp(score[j] - max);
+    std::vector<double> weight(3);
+    for (int64_t j = 0; j < 3; ++j) {
+      weight[j] = std::exp(score[j] - max) / sum;
+      out += weight[j] * values(j, 0);
+    }
+    EXPECT_NEAR(got.output(0, 0), out, 1e-6);
+    EXPECT_NEAR(got.lse(0), max + std::log(sum), 1e-6);
+    std::vector<int64_t> order{0, 1, 2};
+    // Ties (rows 0 and 2 score 0 by dot product) go to the smaller row id.
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return weight[a] > weight[b]; });
+    ASSERT_EQ(got.top_ids.shape(), Shape({1, 2}));
+    for (int64_t r = 0; r < 2; ++r) {
+      EXPECT_EQ(got.top_ids(0, r), order[r]) << "rank " << r;
+      EXPECT_NEAR(got.top_weights(0, r), weight[order[r]], 1e-6) << "rank " << r;
+    }
+  }
+}
+
 TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
   // Each chunk's backward handed the output and lse over all rows: dQ, and dK
   // and dV of every row, against the float64 reference backward over the

@@ -237,9 +237,10 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
       [&](const MappedChunk& chunk, const StoreChunk& info, const ValidLens& valid) {
         std::vector<double> query_terms;  // Gaussian: each query's term of its scores
         if (gaussian || store.dtype() == StoreDtype::kFloat32) {
-          if (k > 0 && result.weights.numel() != nq * info.rows) {
-            result.weights =
-                Tensor<float>(Shape{1, nq, info.rows});  // once, unless chunk sizes differ
+          // Once, unless chunk sizes differ. By shape, not numel: the empty
+          // tensor is rank 0 and so has numel 1, as (1, 1, 1) weights do.
+          if (k > 0 && result.weights.shape() != Shape{1, nq, info.rows}) {
+            result.weights = Tensor<float>(Shape{1, nq, info.rows});
           }
           AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
           if (k > 0) outputs.weights = result.weights.view();
