@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "attend_store.h"
 #include "common.h"
@@ -40,6 +42,25 @@ struct AttendArgs {
   std::string top_ids, top_weights;
   bool quiet = false;
 };
+
+// --window L,R: two integers >= -1 (-1 leaves a side open), below 2^40;
+// nothing when the text is not that. The option's check and attend() both
+// read the text through it.
+std::optional<std::pair<int64_t, int64_t>> parse_window(const std::string& text) {
+  const size_t comma = text.find(',');
+  if (comma == std::string::npos) return std::nullopt;
+  const auto side = [](const std::string& part) -> std::optional<int64_t> {
+    char* end = nullptr;
+    const long long n = std::strtoll(part.c_str(), &end, 10);
+    if (part.empty() || end != part.c_str() + part.size() || n < -1 || n >= (1LL << 40)) {
+      return std::nullopt;
+    }
+    return n;
+  };
+  const auto left = side(text.substr(0, comma)), right = side(text.substr(comma + 1));
+  if (!left || !right) return std::nullopt;
+  return std::pair{*left, *right};
+}
 
 // --store's option combinations, found before any file is read.
 void check_store_options(const AttendArgs& args) {
@@ -157,14 +178,13 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   if (args.causal == "bottom-right") options.causal = Causal::kBottomRight;
   if (!masks.mask.empty()) options.mask = masks.mask.view();
   if (!masks.key_mask.empty()) {
-    const ConstView<uint8_t> keys = masks.key_mask.view();
-    options.key_mask = !batched && keys.rank() == 1 ? keys.unsqueeze0() : keys;
+    options.key_mask = with_batch_axis(masks.key_mask.view(), !batched, 1);
   }
   if (masks.bias) options.bias = ConstView<T>(std::get<Tensor<T>>(*masks.bias).view());
   if (!args.window.empty()) {
-    const size_t comma = args.window.find(',');
-    options.window_left = std::stoll(args.window.substr(0, comma));
-    options.window_right = std::stoll(args.window.substr(comma + 1));
+    const auto [left, right] = *parse_window(args.window);  // checked by the option
+    options.window_left = left;
+    options.window_right = right;
   }
 
   AttentionResult<T> result;
@@ -358,17 +378,9 @@ Command add_attend_command(CLI::App& parent) {
       ->type_name("L,R")
       ->check(CLI::Validator(
           [](std::string& text) {
-            const size_t comma = text.find(',');
-            const auto side = [](const std::string& part) {
-              char* end = nullptr;
-              const long long n = std::strtoll(part.c_str(), &end, 10);
-              return !part.empty() && end == part.c_str() + part.size() && n >= -1 &&
-                     n < (1LL << 40);
-            };
-            return comma != std::string::npos && side(text.substr(0, comma)) &&
-                           side(text.substr(comma + 1))
-                       ? std::string()
-                       : "must be two integers >= -1 as L,R (e.g. 256,0), got " + text;
+            return parse_window(text) ? std::string()
+                                      : "must be two integers >= -1 as L,R (e.g. 256,0), got " +
+                                            text;
           },
           ""));
   app->add_option("--dropout", args->dropout,

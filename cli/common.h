@@ -98,17 +98,17 @@ std::string json_string(std::string_view text);
 std::string join(const std::vector<std::string>& items, std::string_view separator = ", ",
                  std::string_view last_separator = {});
 
-// 2-D inputs stand for a batch of one (docs/cli.md): the library gets them
-// with a leading axis of 1, and the outputs are handed back without it.
+// 2-D inputs stand for a batch of one (docs/cli.md; the library's rule,
+// qkv::with_batch_axis): the library gets them with a leading axis of 1, and
+// the outputs are handed back without it.
 template <class T>
 ConstView<T> batch_view(const Tensor<T>& input, bool batched) {
-  return batched ? input.view() : input.view().unsqueeze0();
+  return with_batch_axis(input.view(), !batched, input.rank());
 }
 template <class T>
 Tensor<T> unbatched(Tensor<T> output, bool batched) {
-  if (batched) return output;
-  const Shape s = output.shape();
-  return std::move(output).reshaped(Shape(s.begin() + 1, s.end()));
+  const Shape shape = without_batch_axis(output.shape(), !batched);
+  return std::move(output).reshaped(shape);
 }
 
 // A float tensor as read from a .npy file, in the file's type.

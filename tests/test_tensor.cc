@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "test_util.h"
@@ -335,6 +336,33 @@ TEST(TensorView, Unsqueeze0AddsABatchOfOne) {
     for (int64_t j = 0; j < 6; ++j) EXPECT_EQ(us(0, i, j), t(i, j));
   }
   EXPECT_EQ(Tensor<float>::copy_of(us).values(), t.values());
+}
+
+// The batch-of-one rule of the CLI and the Python bindings: a view of the
+// unbatched rank gains a leading axis of 1 only for a batch of one, any other
+// rank passes through for the op's check to name, and outputs lose the axis.
+TEST(TensorView, WithBatchAxisOnlyForABatchOfOneOfTheUnbatchedRank) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Tensor<float> t = random_tensor<float>(seed, Shape{3, 5});
+  const ConstView<float> one = with_batch_axis(std::as_const(t).view(), true, 2);
+  EXPECT_EQ(one.shape(), (Shape{1, 3, 5}));
+  EXPECT_EQ(one.data(), t.data());
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t j = 0; j < 5; ++j) EXPECT_EQ(one(0, i, j), t(i, j));
+  }
+  const TensorView<float> mutable_one = with_batch_axis(t.view(), true, 2);
+  mutable_one(0, 2, 4) = 7.5f;
+  EXPECT_EQ(t(2, 4), 7.5f) << "a mutable view stays a view of the same elements";
+  EXPECT_EQ(with_batch_axis(std::as_const(t).view(), false, 2).shape(), (Shape{3, 5}));
+  EXPECT_EQ(with_batch_axis(std::as_const(t).view(), true, 1).shape(), (Shape{3, 5}))
+      << "a view of another rank is left for the op's shape check";
+  const Tensor<int64_t> lens(Shape{4});
+  EXPECT_EQ(with_batch_axis(lens.view(), true, 1).shape(), (Shape{1, 4}));
+
+  EXPECT_EQ(without_batch_axis(Shape{1, 3, 5}, true), (Shape{3, 5}));
+  EXPECT_EQ(without_batch_axis(Shape{1, 3, 5}, false), (Shape{1, 3, 5}));
+  EXPECT_EQ(without_batch_axis(Shape{1}, true), Shape{});
 }
 
 TEST(TensorView, MutableConvertsToConstOnly) {

@@ -183,4 +183,21 @@ class Tensor {
   std::vector<T> data_;
 };
 
+// The batch-of-one rule of the qkv command and the Python bindings (the
+// valid lengths' half is ValidLens::for_batch_of_one): an input without its
+// batch axis stands for a batch of one, and its outputs are handed back
+// without that axis.
+// with_batch_axis: when batch_of_one and `view` has `unbatched_rank` axes,
+// the same elements with a leading axis of 1; otherwise `view` itself (an
+// input of another rank is left for the op's shape check to name).
+template <class T>
+TensorView<T> with_batch_axis(const TensorView<T>& view, bool batch_of_one, int unbatched_rank) {
+  return batch_of_one && view.rank() == unbatched_rank ? view.unsqueeze0() : view;
+}
+// An output's shape as handed back: without its leading axis of 1 when
+// batch_of_one, as it is otherwise.
+inline Shape without_batch_axis(const Shape& shape, bool batch_of_one) {
+  return batch_of_one ? Shape(shape.begin() + 1, shape.end()) : shape;
+}
+
 }  // namespace qkv

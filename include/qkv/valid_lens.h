@@ -74,7 +74,8 @@ class ValidLens {
   // the values are checked later, by check(). Throws Error otherwise:
   //   "<function>: <lens_name> has shape [4] but <input_name> has shape
   //    [3, 5]; expected [] or [1] (one length), or [3] or [1, 3] (one per query)"
-  // (the message alone when `function` is empty).
+  // (the message alone when `function` is empty). The tensors' half of the
+  // rule: qkv::with_batch_axis and without_batch_axis (qkv/tensor.h).
   ValidLens for_batch_of_one(std::string_view function, std::string_view lens_name,
                              std::string_view input_name, const Shape& input_shape) const;
 

@@ -178,8 +178,6 @@ uint64_t seed_of(py::handle obj, std::string_view fn) {
   return seed;
 }
 
-Shape without_batch(const Shape& shape) { return Shape(shape.begin() + 1, shape.end()); }
-
 Shape shape_of(const py::array& array) {
   Shape shape;
   for (py::ssize_t a = 0; a < array.ndim(); ++a) shape.push_back(array.shape(a));

@@ -131,9 +131,6 @@ void check_same_rank(const std::vector<std::pair<std::string_view, const py::arr
 // number in [0, 2^64) (TypeError for a non-integer, ValueError outside).
 uint64_t seed_of(py::handle obj, std::string_view fn);
 
-// The shape with its first axis dropped (results of a batch of one).
-Shape without_batch(const Shape& shape);
-
 // An array's shape as a qkv Shape (ValueError beyond qkv's 4 axes).
 Shape shape_of(const py::array& array);
 

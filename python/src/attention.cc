@@ -104,25 +104,13 @@ void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::ha
   if (!mask.is_none()) options.mask = byte_mask(mask, fn, "mask", storage.mask);
   if (!key_mask.is_none()) {
     ConstView<uint8_t> keys = byte_mask(key_mask, fn, "key_mask", storage.key_mask);
-    options.key_mask = batch_of_one && keys.rank() == 1 ? keys.unsqueeze0() : keys;
+    options.key_mask = with_batch_axis(keys, batch_of_one, 1);
   }
   if (!window.is_none()) {
     const auto pair = py::cast<std::pair<int64_t, int64_t>>(window);
     options.window_left = pair.first;
     options.window_right = pair.second;
   }
-}
-
-// 2-D inputs are a batch of one: every tensor whose rank is its unbatched
-// rank gets a leading axis of 1 (one of another rank is left for the
-// library's shape check to name).
-template <class V>
-V batched(const V& view, bool batch_of_one, int unbatched_rank) {
-  return batch_of_one && view.rank() == unbatched_rank ? view.unsqueeze0() : view;
-}
-
-Shape result_shape(const Shape& batched_shape, bool batch_of_one) {
-  return batch_of_one ? without_batch(batched_shape) : batched_shape;
 }
 
 // The queries, keys and values of a call, as float arrays of one dtype and
@@ -173,9 +161,9 @@ template <class T, class Attend>
 py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle lens_obj,
                    bool want_weights, bool want_lse, py::handle out = py::none()) {
   const bool one = t.batch_of_one;
-  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
-  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
-  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = with_batch_axis(view_of<T>(t.arrays[2]), one, 2);
   py::object lens_storage;
   const ValidLens lens = lens_of(lens_obj, fn, one, shape_of(t.arrays[0]), lens_storage);
   // (B, Nq, ·) results, or (B, H, Nq, ·) for heads (B, H, Nq, D).
@@ -185,7 +173,7 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
   const auto with_lead = [&](std::initializer_list<int64_t> rest) {
     Shape shape = lead;
     for (const int64_t e : rest) shape.push_back(e);
-    return result_shape(shape, one);
+    return without_batch_axis(shape, one);
   };
   const int64_t nq = q.size(n), nk = k.size(n), dv = v.size(n + 1);
   py::object output;
@@ -199,17 +187,17 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     output_view = mutable_view_of<T>(array);
     output = array;
   }
-  AttentionOutputs<T> outputs{batched(output_view, one, 2), std::nullopt, std::nullopt};
+  AttentionOutputs<T> outputs{with_batch_axis(output_view, one, 2), std::nullopt, std::nullopt};
   std::optional<py::object> weights, lse;
   if (want_weights) {
     auto [array, view] = new_array<T>(with_lead({nq, nk}));
     weights = array;
-    outputs.weights = batched(view, one, 2);
+    outputs.weights = with_batch_axis(view, one, 2);
   }
   if (want_lse) {
     auto [array, view] = new_array<T>(with_lead({nq}));
     lse = array;
-    outputs.lse = batched(view, one, 1);
+    outputs.lse = with_batch_axis(view, one, 1);
   }
   {
     py::gil_scoped_release release;
@@ -276,17 +264,17 @@ struct Saved {
 template <class T>
 Saved<T> saved_of(Tensors& t, size_t first) {
   const bool one = t.batch_of_one;
-  return {{batched(view_of<T>(t.arrays[first]), one, 2),
-           batched(view_of<T>(t.arrays[first + 1]), one, 1)},
-          batched(view_of<T>(t.arrays[first + 2]), one, 2)};
+  return {{with_batch_axis(view_of<T>(t.arrays[first]), one, 2),
+           with_batch_axis(view_of<T>(t.arrays[first + 1]), one, 1)},
+          with_batch_axis(view_of<T>(t.arrays[first + 2]), one, 2)};
 }
 
 template <class T>
 py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
   const bool one = t.batch_of_one;
-  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
-  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
-  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = with_batch_axis(view_of<T>(t.arrays[2]), one, 2);
   const Saved<T> s = saved_of<T>(t, 3);
   py::object lens_storage;
   const ValidLens lens =
@@ -296,9 +284,9 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
     py::gil_scoped_release release;
     g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output);
   }
-  py::object dq = to_numpy(std::move(g.d_queries), result_shape(q.shape(), one));
-  py::object dk = to_numpy(std::move(g.d_keys), result_shape(k.shape(), one));
-  py::object dv = to_numpy(std::move(g.d_values), result_shape(v.shape(), one));
+  py::object dq = to_numpy(std::move(g.d_queries), without_batch_axis(q.shape(), one));
+  py::object dk = to_numpy(std::move(g.d_keys), without_batch_axis(k.shape(), one));
+  py::object dv = to_numpy(std::move(g.d_values), without_batch_axis(v.shape(), one));
   if (options.want_bias_grad) {
     return sdpa_bias_grads_type(dq, dk, dv, to_numpy(std::move(g.d_bias)));
   }
@@ -332,9 +320,9 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
 template <class T>
 py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
   const bool one = t.batch_of_one;
-  const ConstView<T> q = batched(view_of<T>(t.arrays[0]), one, 2);
-  const ConstView<T> k = batched(view_of<T>(t.arrays[1]), one, 2);
-  const ConstView<T> v = batched(view_of<T>(t.arrays[2]), one, 2);
+  const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
+  const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
+  const ConstView<T> v = with_batch_axis(view_of<T>(t.arrays[2]), one, 2);
   const AdditiveWeights<T> w = additive_weights<T>(t);
   const Saved<T> s = saved_of<T>(t, 6);
   py::object lens_storage;
@@ -345,9 +333,9 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
     py::gil_scoped_release release;
     g = additive_attention_backward(q, k, v, w, lens, options, s.saved, s.d_output);
   }
-  return additive_grads_type(to_numpy(std::move(g.d_queries), result_shape(q.shape(), one)),
-                             to_numpy(std::move(g.d_keys), result_shape(k.shape(), one)),
-                             to_numpy(std::move(g.d_values), result_shape(v.shape(), one)),
+  return additive_grads_type(to_numpy(std::move(g.d_queries), without_batch_axis(q.shape(), one)),
+                             to_numpy(std::move(g.d_keys), without_batch_axis(k.shape(), one)),
+                             to_numpy(std::move(g.d_values), without_batch_axis(v.shape(), one)),
                              to_numpy(std::move(g.d_w_q)), to_numpy(std::move(g.d_w_k)),
                              to_numpy(std::move(g.d_w_v)));
 }
@@ -418,9 +406,9 @@ struct BackwardInputs {
   py::object lens_storage;  // before lens, which it keeps alive
   ValidLens lens;
   BackwardInputs(std::string_view fn, Tensors& t, py::handle lens_obj)
-      : q(batched(view_of<T>(t.arrays[0]), t.batch_of_one, 2)),
-        k(batched(view_of<T>(t.arrays[1]), t.batch_of_one, 2)),
-        v(batched(view_of<T>(t.arrays[2]), t.batch_of_one, 2)),
+      : q(with_batch_axis(view_of<T>(t.arrays[0]), t.batch_of_one, 2)),
+        k(with_batch_axis(view_of<T>(t.arrays[1]), t.batch_of_one, 2)),
+        v(with_batch_axis(view_of<T>(t.arrays[2]), t.batch_of_one, 2)),
         lens(lens_of(lens_obj, fn, t.batch_of_one, shape_of(t.arrays[0]), lens_storage)) {}
 };
 
@@ -435,10 +423,11 @@ py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
     py::gil_scoped_release release;
     g = bilinear_attention_backward(in.q, in.k, in.v, w, in.lens, options, s.saved, s.d_output);
   }
-  return bilinear_grads_type(to_numpy(std::move(g.d_queries), result_shape(in.q.shape(), one)),
-                             to_numpy(std::move(g.d_keys), result_shape(in.k.shape(), one)),
-                             to_numpy(std::move(g.d_values), result_shape(in.v.shape(), one)),
-                             to_numpy(std::move(g.d_w)));
+  return bilinear_grads_type(
+      to_numpy(std::move(g.d_queries), without_batch_axis(in.q.shape(), one)),
+      to_numpy(std::move(g.d_keys), without_batch_axis(in.k.shape(), one)),
+      to_numpy(std::move(g.d_values), without_batch_axis(in.v.shape(), one)),
+      to_numpy(std::move(g.d_w)));
 }
 
 py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::handle w,
@@ -471,9 +460,9 @@ py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
     py::gil_scoped_release release;
     g = distance_attention_backward(in.q, in.k, in.v, in.lens, options, s.saved, s.d_output);
   }
-  return sdpa_grads_type(to_numpy(std::move(g.d_queries), result_shape(in.q.shape(), one)),
-                         to_numpy(std::move(g.d_keys), result_shape(in.k.shape(), one)),
-                         to_numpy(std::move(g.d_values), result_shape(in.v.shape(), one)));
+  return sdpa_grads_type(to_numpy(std::move(g.d_queries), without_batch_axis(in.q.shape(), one)),
+                         to_numpy(std::move(g.d_keys), without_batch_axis(in.k.shape(), one)),
+                         to_numpy(std::move(g.d_values), without_batch_axis(in.v.shape(), one)));
 }
 
 py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
@@ -512,9 +501,9 @@ Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, 
   const ConstView<bfloat16> k = bf16_view_of(k_obj, fn, "keys");
   const ConstView<bfloat16> v = bf16_view_of(v_obj, fn, "values");
   in.batch_of_one = q.rank() == 2 && k.rank() == 2 && v.rank() == 2;
-  in.q = batched(q, in.batch_of_one, 2);
-  in.k = batched(k, in.batch_of_one, 2);
-  in.v = batched(v, in.batch_of_one, 2);
+  in.q = with_batch_axis(q, in.batch_of_one, 2);
+  in.k = with_batch_axis(k, in.batch_of_one, 2);
+  in.v = with_batch_axis(v, in.batch_of_one, 2);
   in.lens = lens_of(lens_obj, fn, in.batch_of_one, q.shape(), in.lens_storage);
   return in;
 }
@@ -540,7 +529,7 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
   const bool one = in.batch_of_one;
   auto result = [&](Tensor<float>& t) -> py::object {
     const Shape shape = t.shape();
-    return to_numpy(std::move(t), result_shape(shape, one));
+    return to_numpy(std::move(t), without_batch_axis(shape, one));
   };
   return py::make_tuple(result(r.output), return_weights ? result(r.weights) : py::none(),
                         return_lse ? result(r.lse) : py::none());
@@ -566,17 +555,17 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
   set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
-  const SavedForward<float> s{batched(view_of<float>(saved[0]), one, 2),
-                              batched(view_of<float>(saved[1]), one, 1)};
-  const ConstView<float> g = batched(view_of<float>(saved[2]), one, 2);
+  const SavedForward<float> s{with_batch_axis(view_of<float>(saved[0]), one, 2),
+                              with_batch_axis(view_of<float>(saved[1]), one, 1)};
+  const ConstView<float> g = with_batch_axis(view_of<float>(saved[2]), one, 2);
   DotProductGrads<float> grads;
   {
     py::gil_scoped_release release;
     grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g);
   }
-  return py::make_tuple(to_numpy(std::move(grads.d_queries), result_shape(in.q.shape(), one)),
-                        to_numpy(std::move(grads.d_keys), result_shape(in.k.shape(), one)),
-                        to_numpy(std::move(grads.d_values), result_shape(in.v.shape(), one)),
+  return py::make_tuple(to_numpy(std::move(grads.d_queries), without_batch_axis(in.q.shape(), one)),
+                        to_numpy(std::move(grads.d_keys), without_batch_axis(in.k.shape(), one)),
+                        to_numpy(std::move(grads.d_values), without_batch_axis(in.v.shape(), one)),
                         options.want_bias_grad ? py::object(to_numpy(std::move(grads.d_bias)))
                                                : py::none());
 }

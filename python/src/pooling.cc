@@ -9,14 +9,9 @@ namespace qkv::python {
 namespace {
 
 template <class T>
-ConstView<T> batched(ConstView<T> view, bool batch_of_one) {
-  return batch_of_one ? view.unsqueeze0() : view;
-}
-
-template <class T>
 py::array unbatched(Tensor<T>&& t, bool batch_of_one) {
-  const Shape shape = t.shape();
-  return to_numpy(std::move(t), batch_of_one ? without_batch(shape) : shape);
+  const Shape shape = without_batch_axis(t.shape(), batch_of_one);
+  return to_numpy(std::move(t), shape);
 }
 
 py::array attention_pooling_py(py::handle weights_obj, py::handle values_obj) {
@@ -29,7 +24,8 @@ py::array attention_pooling_py(py::handle weights_obj, py::handle values_obj) {
   const bool one = w.ndim() == 2;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const ConstView<T> wv = batched(view_of<T>(w), one), vv = batched(view_of<T>(v), one);
+    const ConstView<T> wv = with_batch_axis(view_of<T>(w), one, 2),
+                       vv = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
       py::gil_scoped_release release;
@@ -50,7 +46,7 @@ py::array average_pooling_py(py::handle values_obj, int64_t num_queries, py::han
   if (one) lens = lens.for_batch_of_one(kFn, "valid_lens", "weights", Shape{num_queries, v.shape(0)});
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const ConstView<T> values = batched(view_of<T>(v), one);
+    const ConstView<T> values = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
       py::gil_scoped_release release;
@@ -67,10 +63,10 @@ py::array one_hot_lookup_py(py::handle index_obj, py::handle values_obj) {
   py::array v = float_array(values_obj, kFn, "values");
   check_rank_2_or_3(v, kFn, "values", "(B, Nk, Dv)", "(Nk, Dv)");
   const bool one = v.ndim() == 2;
-  const ConstView<int64_t> iv = batched(view_of<int64_t>(index), one && index.ndim() == 1);
+  const ConstView<int64_t> iv = with_batch_axis(view_of<int64_t>(index), one, 1);
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const ConstView<T> values = batched(view_of<T>(v), one);
+    const ConstView<T> values = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
       py::gil_scoped_release release;
@@ -85,7 +81,8 @@ py::array one_hot_weights_py(py::handle index_obj, int64_t num_keys) {
   constexpr std::string_view kFn = "one_hot_weights";
   py::array index = int_array(index_obj, kFn, "index", false);
   const bool one = index.ndim() == 1;
-  return unbatched(one_hot_weights(batched(view_of<int64_t>(index), one), num_keys), one);
+  const ConstView<int64_t> iv = with_batch_axis(view_of<int64_t>(index), one, 1);
+  return unbatched(one_hot_weights(iv, num_keys), one);
 }
 
 py::array uniform_weights_py(int64_t batch, int64_t num_queries, int64_t num_keys,

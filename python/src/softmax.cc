@@ -18,13 +18,10 @@ ValidLens lens_for(const ValidLens& lens, const Shape& scores_shape, std::string
              : lens.for_batch_of_one(fn, "valid_lens", scores_name, scores_shape);
 }
 
-template <class T>
-ConstView<T> batched(ConstView<T> view) {
-  return view.rank() == 3 ? view : view.unsqueeze0();
-}
-template <class T>
-TensorView<T> batched(TensorView<T> view) {
-  return view.rank() == 3 ? view : view.unsqueeze0();
+// Scores (Nq, Nk) are a batch of one.
+template <class V>
+V batched(const V& view) {
+  return with_batch_axis(view, true, 2);
 }
 
 template <class T>

@@ -170,6 +170,48 @@ bool QueryExps(D d, const T* const* fq, int64_t rows, int64_t hidden, T* eq) {
   return ok;
 }
 
+// One vector of keys (from key j) scored by a group of R queries:
+// acc[r] = sum_h wv[h] r(q_r, k, h), the score being sum wv - 2 acc. From the
+// exponentials when the group's and the key block's features are in range,
+// through tanh otherwise. The forward and the gradient tile share it; the
+// gradient also keeps each r in r_buf[(r * H + h) * lanes] (kKeepR).
+template <bool kKeepR, class D, class T, size_t R>
+HWY_INLINE void ScoreKeyBlock(D d, const AdditiveFeatures<T>& f, const T* const* fq, const T* eq,
+                              bool queries_ok, int64_t j, hn::Vec<D> (&acc)[R], T* r_buf) {
+  using V = hn::Vec<D>;
+  const int64_t hidden = f.hidden;
+  // Where r of query r, feature h goes in r_buf (kKeepR).
+  [[maybe_unused]] const auto r_at = [&](size_t r, int64_t h) {
+    return r_buf + (static_cast<int64_t>(r) * hidden + h) * static_cast<int64_t>(hn::Lanes(d));
+  };
+  for (auto& a : acc) a = hn::Zero(d);
+  if (queries_ok && f.block_ok[j / kAdditivePad]) {
+    const T* ek = f.ekt + j;
+    for (int64_t h = 0; h < hidden; ++h) {
+      const V ek_h = hn::LoadU(d, ek + h * f.ldk);
+      const V w = hn::Set(d, f.wv[h]);
+#pragma GCC unroll 4
+      for (size_t r = 0; r < R; ++r) {
+        const V rv = RFromExps(d, hn::Set(d, eq[static_cast<int64_t>(r) * hidden + h]), ek_h);
+        if constexpr (kKeepR) hn::Store(rv, d, r_at(r, h));
+        acc[r] = hn::MulAdd(w, rv, acc[r]);
+      }
+    }
+  } else {
+    const T* fk = f.fkt + j;
+    for (int64_t h = 0; h < hidden; ++h) {
+      const V fk_h = hn::LoadU(d, fk + h * f.ldk);
+      const V w = hn::Set(d, f.wv[h]);
+#pragma GCC unroll 4
+      for (size_t r = 0; r < R; ++r) {
+        const V rv = RFromTanh(d, hn::Add(fk_h, hn::Set(d, fq[r][h])));
+        if constexpr (kKeepR) hn::Store(rv, d, r_at(r, h));
+        acc[r] = hn::MulAdd(w, rv, acc[r]);
+      }
+    }
+  }
+}
+
 template <class T>
 void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* lens, T* s,
                     int64_t lds, double* scratch) {
@@ -197,28 +239,7 @@ void AdditiveScores(const AdditiveFeatures<T>& f, int64_t rows, const int64_t* l
     if constexpr (kExpProduct<T>) queries_ok = QueryExps(d, fq, R, hidden, eq);
     for (int64_t j = 0; j < n_max; j += lanes) {
       V acc[R];  // sum_h wv r
-      for (auto& a : acc) a = hn::Zero(d);
-      if (queries_ok && f.block_ok[j / kAdditivePad]) {
-        const T* ek = f.ekt + j;
-        for (int64_t h = 0; h < hidden; ++h) {
-          const V ek_h = hn::LoadU(d, ek + h * f.ldk);
-          const V w = hn::Set(d, f.wv[h]);
-#pragma GCC unroll 4
-          for (int64_t r = 0; r < R; ++r) {
-            acc[r] = hn::MulAdd(w, RFromExps(d, hn::Set(d, eq[r * hidden + h]), ek_h), acc[r]);
-          }
-        }
-      } else {
-        const T* fk = f.fkt + j;
-        for (int64_t h = 0; h < hidden; ++h) {
-          const V fk_h = hn::LoadU(d, fk + h * f.ldk);
-          const V w = hn::Set(d, f.wv[h]);
-#pragma GCC unroll 4
-          for (int64_t r = 0; r < R; ++r) {
-            acc[r] = hn::MulAdd(w, RFromTanh(d, hn::Add(fk_h, hn::Set(d, fq[r][h]))), acc[r]);
-          }
-        }
-      }
+      ScoreKeyBlock<false>(d, f, fq, eq, queries_ok, j, acc, static_cast<T*>(nullptr));
       for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
         const int64_t len = lens[r0 + r];
         const V score = hn::NegMulAdd(hn::Set(d, T(2)), acc[r], hn::Set(d, wv_sum));
@@ -273,32 +294,7 @@ void AdditiveGradTileImpl(const AdditiveFeatures<T>& f, const AdditiveGradTile<T
     for (int64_t j = 0; j < n_max; j += lanes) {
       // Scores, keeping r.
       V acc[R];
-      for (auto& a : acc) a = hn::Zero(d);
-      if (queries_ok && f.block_ok[j / kAdditivePad]) {
-        const T* ek = f.ekt + j;
-        for (int64_t h = 0; h < hidden; ++h) {
-          const V ek_h = hn::LoadU(d, ek + h * f.ldk);
-          const V w = hn::Set(d, f.wv[h]);
-#pragma GCC unroll 4
-          for (int64_t r = 0; r < R; ++r) {
-            const V rv = RFromExps(d, hn::Set(d, eq[r * hidden + h]), ek_h);
-            hn::Store(rv, d, r_buf + (r * hidden + h) * lanes);
-            acc[r] = hn::MulAdd(w, rv, acc[r]);
-          }
-        }
-      } else {
-        const T* fk = f.fkt + j;
-        for (int64_t h = 0; h < hidden; ++h) {
-          const V fk_h = hn::LoadU(d, fk + h * f.ldk);
-          const V w = hn::Set(d, f.wv[h]);
-#pragma GCC unroll 4
-          for (int64_t r = 0; r < R; ++r) {
-            const V rv = RFromTanh(d, hn::Add(fk_h, hn::Set(d, fq[r][h])));
-            hn::Store(rv, d, r_buf + (r * hidden + h) * lanes);
-            acc[r] = hn::MulAdd(w, rv, acc[r]);
-          }
-        }
-      }
+      ScoreKeyBlock<true>(d, f, fq, eq, queries_ok, j, acc, r_buf);
       // dS, and the dropped weights for dV.
       V ds[R];
       for (int64_t r = 0; r < R; ++r) {
