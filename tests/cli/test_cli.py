@@ -205,7 +205,8 @@ class InfoTest(CliTest):
         compiled, supported = info["simd_targets_compiled"], info["simd_targets_supported"]
         self.assertEqual([t for t in compiled if t in supported], supported)
         self.assertEqual(supported[-1], "scalar")
-        self.assertEqual("avx2" in supported, {"avx2", "fma"} <= flags)
+        # (the sanitizer build compiles only the best target and scalar)
+        self.assertEqual("avx2" in supported, "avx2" in compiled and {"avx2", "fma"} <= flags)
         self.assertEqual(info["simd_target"], supported[0])
         self.assertIsNone(info["simd_cap"])
         native = "avx512_bf16" in flags and "avx512" in supported
