@@ -20,6 +20,7 @@
 #include <thread>
 #include <variant>
 
+#include "io/npy_header.h"
 #include "test_util.h"
 
 namespace qkv::test {

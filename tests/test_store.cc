@@ -23,6 +23,7 @@
 
 #include "qkv/store.h"
 #include "attention_testing.h"
+#include "io/npy_header.h"
 #include "qkv/store_attention.h"
 #include "test_util.h"
 #include "tolerances.h"

@@ -116,15 +116,6 @@ class StagedDirectory {
   std::string function_, path_, parent_, temp_;
 };
 
-// fsync(2) of a directory, so the renames in it are on disk; failures ignored
-// (some file systems cannot sync a directory).
-void sync_directory(const std::string& dir);
-
-// The permissions open(2) or mkdir(2) give a new file or directory asked
-// for with `mode`: `mode` minus the process's umask, read without changing
-// it (umask(2) would change it for a moment in every thread).
-unsigned mode_after_umask(unsigned mode);
-
 // Removes the temporary files of every StagedFile alive in the process, with
 // unlink(2) only: async-signal-safe, for a handler of SIGINT or SIGTERM that
 // then re-raises the signal (the qkv command installs one). A process killed

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "io/npy_header.h"
 #include "qkv/error.h"
 #include "qkv/staged_file.h"
 

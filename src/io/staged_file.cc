@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "io/directories.h"
 #include "qkv/error.h"
 
 namespace qkv {

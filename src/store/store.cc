@@ -21,6 +21,8 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "io/directories.h"
+#include "io/npy_header.h"
 #include "qkv/bfloat16.h"
 #include "qkv/error.h"
 #include "qkv/npy.h"
