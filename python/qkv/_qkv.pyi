@@ -117,6 +117,7 @@ def additive_attention(
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
+    causal: Optional[str] = None,
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def additive_attention_backward(
     queries: ArrayLike,
@@ -132,6 +133,7 @@ def additive_attention_backward(
     *,
     dropout: float = 0.0,
     seed: int = 0,
+    causal: Optional[str] = None,
 ) -> AdditiveAttentionGrads: ...
 def bilinear_attention(
     queries: ArrayLike,

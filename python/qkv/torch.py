@@ -423,14 +423,15 @@ def _scored(fn, ops, named, valid_lens, dropout_p, seed, options, want_weights):
 
 
 def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed,
-              want_weights):
+              want_weights, causal=None):
     return _scored(fn, (_qkv.additive_attention, _qkv.additive_attention_backward),
                    (("queries", queries), ("keys", keys), ("values", values), ("W_q", W_q),
-                    ("W_k", W_k), ("w_v", w_v)), valid_lens, dropout_p, seed, {}, want_weights)
+                    ("W_k", W_k), ("w_v", w_v)), valid_lens, dropout_p, seed, {"causal": causal},
+                   want_weights)
 
 
 def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *, dropout_p=0.0,
-                       seed=None):
+                       seed=None, causal=None, return_weights=False):
     """Additive attention, score = w_v^T tanh(W_q q + W_k k), on qkv's fused kernels;
     differentiable in the inputs and the three parameters.
 
@@ -441,17 +442,20 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
         valid_lens: None, (B) or (B, Nq) integers.
         dropout_p: drop probability on the weights, applied whenever > 0.
         seed: the dropout mask's seed; None draws one from torch's generator.
+        causal: None, "top-left" or "bottom-right" (with valid_lens: both caps).
+        return_weights: also return the weights (B, Nq, Nk) (not differentiable).
 
     Returns:
-        The output (B, Nq, Dv).
+        The output (B, Nq, Dv), or (output, weights).
 
     >>> W_q, W_k, w_v = torch.randn(8, 20), torch.randn(8, 2), torch.randn(1, 8)
     >>> qkv.torch.additive_attention(torch.randn(2, 1, 20), k, v, W_q, W_k, w_v,
     ...                              torch.tensor([2, 6])).shape
     torch.Size([2, 1, 4])
     """
-    return _additive("additive_attention", queries, keys, values, W_q, W_k, w_v, valid_lens,
-                     dropout_p, seed, False)[0]
+    output, weights = _additive("additive_attention", queries, keys, values, W_q, W_k, w_v,
+                                valid_lens, dropout_p, seed, return_weights, causal)
+    return (output, weights) if return_weights else output
 
 
 def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0.0, seed=None,

@@ -233,12 +233,14 @@ AdditiveWeights<T> additive_weights(Tensors& t) {
 
 py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q, py::handle w_k,
                        py::handle w_v, py::handle valid_lens, double dropout, py::handle seed,
-                       bool return_weights, bool return_lse) {
+                       bool return_weights, bool return_lse,
+                       const std::optional<std::string>& causal) {
   Tensors t = float_arrays(
       kAdditive,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3,
       true);
-  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive));
+  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive),
+                                              causal_of(kAdditive, causal));
   // The parameters' views made here, with the GIL (view_of may copy).
   const auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -343,7 +345,7 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
                                 py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
                                 py::handle d_output, py::handle valid_lens, double dropout,
-                                py::handle seed) {
+                                py::handle seed, const std::optional<std::string>& causal) {
   Tensors t = float_arrays(kAdditiveBackward,
                            {{"queries", q},
                             {"keys", k},
@@ -356,7 +358,8 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3, true);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout, seed_of(seed, kAdditiveBackward));
+      options_of(std::nullopt, dropout, seed_of(seed, kAdditiveBackward),
+                 causal_of(kAdditiveBackward, causal));
   return t.dtype == Dtype::kFloat32 ? additive_backward<float>(t, valid_lens, options)
                                     : additive_backward<double>(t, valid_lens, options);
 }
@@ -718,6 +721,7 @@ array([0.5, 0.5, 0. ], dtype=float32)
         py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
         py::arg("seed") = 0, py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(),
         R"(Additive attention: score(q, k) = w_v^T tanh(W_q q + W_k k), masked softmax, times V.
 
 Fused: the (B, Nq, Nk, H) features are never formed. Parameters are laid out
@@ -727,8 +731,9 @@ Arguments:
     queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv); or all
         three 2-D (a batch of one). float32 or float64, any strides.
     W_q: (H, Dq), W_k: (H, Dk), w_v: (H) or (1, H); the inputs' dtype.
-    valid_lens, dropout, seed, return_weights, return_lse: as in
-        scaled_dot_product_attention.
+    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+        scaled_dot_product_attention (causal: None, "top-left" or
+        "bottom-right", combined with valid_lens).
 
 Returns:
     output (B, Nq, Dv), or (output[, weights][, lse]) when a return_ flag is set.
@@ -736,7 +741,8 @@ Returns:
 Raises:
     TypeError: as scaled_dot_product_attention.
     qkv.Error (a ValueError): shapes that do not fit (the message names
-        them), a length outside [0, Nk], dropout outside [0, 1].
+        them), a length outside [0, Nk], dropout outside [0, 1], a causal
+        other than "top-left" or "bottom-right".
 
 >>> rng = np.random.default_rng(0)
 >>> q = rng.normal(size=(2, 1, 20)); k = np.ones((2, 10, 2)); v = np.ones((2, 10, 4))
@@ -749,12 +755,12 @@ Raises:
         py::arg("keys"), py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
         py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
-        py::arg("seed") = 0,
+        py::arg("seed") = 0, py::arg("causal") = py::none(),
         R"(Gradients of additive_attention with respect to its inputs and parameters.
 
 Arguments:
-    queries, keys, values, W_q, W_k, w_v, valid_lens, dropout, seed: as the
-        forward got them.
+    queries, keys, values, W_q, W_k, w_v, valid_lens, dropout, seed, causal:
+        as the forward got them.
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
 

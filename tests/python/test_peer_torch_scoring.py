@@ -1,10 +1,12 @@
 """Peer test: bilinear and distance attention (qkv.bilinear_attention,
-qkv.distance_attention and their qkv.torch autograd functions) against
-PyTorch formulations written plainly here:
+qkv.distance_attention and their qkv.torch autograd functions), and causal
+additive attention, against PyTorch formulations written plainly here:
 
 - bilinear: scores = torch.einsum("bqc,ce,bke->bqk", q, W, k);
 - distance: scores = -scale/2 * ((q[:, :, None] - k[:, None]) ** 2).sum(-1)
   (torch.cdist's squared distances without its matrix-product shortcut);
+- additive with causal (torch_formulas.additive_scores, d2l's formula; the
+  causal cap as lengths), whose other cases test_peer_torch.py holds;
 
 then the exact masked softmax of torch_formulas.py and the product with V.
 Each op gets NUM_CASES fresh random cases per dtype (sizes across the SIMD
@@ -33,7 +35,8 @@ from torch.autograd import gradcheck
 
 import qkv
 import qkv.torch
-from torch_formulas import exact_masked_softmax, key_mask, random_lens, relative_error
+from torch_formulas import (additive_scores, exact_masked_softmax, key_mask, random_lens,
+                            relative_error)
 
 NUM_CASES = 60
 TOL = {torch.float32: 2e-5, torch.float64: 1e-11}
@@ -140,6 +143,43 @@ def test_bilinear_against_torch(rng, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("case", range(NUM_CASES // 2))
+def test_causal_additive_against_torch(rng, dtype, case):
+    batch, nq, nk, dq, dk, dv, lens, _ = random_case(rng, "additive")
+    causal = ["top-left", "bottom-right"][case % 2]
+    hidden = int(rng.choice((1, 3, 8, 17)))
+    q64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nq, dq)))
+    k64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nk, dk)))
+    v64 = torch.from_numpy(rng.standard_normal((batch, nk, dv)))
+    W_q64 = torch.from_numpy(rng.uniform(-1, 1, (hidden, dq)))
+    W_k64 = torch.from_numpy(rng.uniform(-1, 1, (hidden, dk)))
+    w_v64 = torch.from_numpy(rng.uniform(-1, 1, (1, hidden)))
+    G = torch.from_numpy(rng.standard_normal((batch, nq, dv)))
+    inputs = [t.to(dtype).requires_grad_() for t in (q64, k64, v64, W_q64, W_k64, w_v64)]
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    capped = causal_lens(lens, causal, batch, nq, nk)
+    want, want_lse = torch_attention(
+        additive_scores(ref_in[0], ref_in[1], ref_in[3], ref_in[4], ref_in[5]), ref_in[2], capped)
+    (want * G).sum().backward()
+
+    args = [maybe_strided(rng, t) for t in inputs]
+    out, weights = qkv.torch.additive_attention(*args, lens, causal=causal, return_weights=True)
+    (out * G.to(dtype)).sum().backward()
+    check("output", "additive causal", dtype, out, want)
+    check("weights", "additive causal", dtype, weights,
+          exact_masked_softmax(additive_scores(*(t.detach() for t in ref_in[:2]),
+                                               *(t.detach() for t in ref_in[3:])), capped))
+    for name, got, ref in zip(("d_queries", "d_keys", "d_values", "d_W_q", "d_W_k", "d_w_v"),
+                              inputs, ref_in):
+        check(name, "additive causal", dtype, got.grad, ref.grad)
+    _, lse = qkv.additive_attention(*(t.detach().numpy() for t in args), lens, causal=causal,
+                                    return_lse=True)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.from_numpy(np.isfinite(lse)), finite)
+    check("lse", "additive causal", dtype, torch.from_numpy(lse)[finite], want_lse[finite])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("case", range(NUM_CASES))
 def test_distance_against_torch(rng, dtype, case):
     batch, nq, nk, d, _, dv, lens, causal = random_case(rng, "distance")
@@ -237,6 +277,13 @@ def test_errors():
         qkv.bilinear_attention(q, k, v, np.zeros((4, 3), dtype=np.float32))
     with pytest.raises(ValueError, match="distance_attention: causal = 'up'"):
         qkv.distance_attention(q, q, v[:, :3], causal="up")
+    W_q, W_k, w_v = np.zeros((2, 4)), np.zeros((2, 3)), np.zeros((1, 2))
+    with pytest.raises(ValueError, match="additive_attention: causal = 'up'"):
+        qkv.additive_attention(q, k, v, W_q, W_k, w_v, causal="up")
+    out = np.zeros((2, 3, 6))
+    with pytest.raises(ValueError, match="additive_attention_backward: causal = 'lower'"):
+        qkv.additive_attention_backward(q, k, v, W_q, W_k, w_v, out, np.zeros((2, 3)), out,
+                                        causal="lower")
     with pytest.raises(ValueError, match="dropout_p"):
         qkv.torch.distance_attention(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2),
                                      torch.zeros(1, 2, 2), dropout_p=2.0)
