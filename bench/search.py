@@ -76,13 +76,13 @@ def measure_typos(binary, index, count=30):
     for name in rng.sample(names, count):
         query = typo(name, rng)
         start = time.monotonic()
-        out = qkv(binary, "lookup", "--table", table, "--query", query, "--top", "1")
+        out = qkv(binary, "lookup", "--table", table, "--query", query, "--top-k", "1")
         lookup_seconds.append(time.monotonic() - start)
         top = out.strip().splitlines()[-1].split()[1]
         found["lookup"] += top == name
         for engine in ("learned", "bm25"):
             r = json.loads(subprocess.run(
-                [binary, "search", "query", "--index", index, query, "--json", "--top", "1",
+                [binary, "search", "query", "--index", index, query, "--json", "--top-k", "1",
                  "--engine", engine], capture_output=True, text=True).stdout or '{"results": []}')
             found[engine] += bool(r["results"]) and r["results"][0]["package"] == name
         if len(cases) < 4:
@@ -107,7 +107,7 @@ def measure(binary, index):
         row = {"query": text}
         for engine in ("bm25", "learned", "hybrid"):
             r = json.loads(qkv(binary, "search", "query", "--index", index, text, "--json",
-                               "--top", "3", "--engine", engine))
+                               "--top-k", "3", "--engine", engine))
             row[engine] = [h["package"] for h in r["results"]]
             if engine == "learned":
                 row["sections"] = list(r["sections"].items())[:2]

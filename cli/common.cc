@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -16,6 +17,8 @@
 #include <cstring>
 #include <iostream>
 #include <new>
+#include <string>
+#include <vector>
 
 #include "qkv/error.h"
 #include "qkv/npy.h"
@@ -141,6 +144,25 @@ int report_exception(const CLI::App& app, std::string_view command) {
   } catch (...) {
     return report_error(command);
   }
+}
+
+namespace {
+std::vector<std::string>& deprecation_warnings() {
+  static std::vector<std::string> warnings;
+  return warnings;
+}
+}  // namespace
+
+void note_deprecated(const std::string& warning) {
+  std::vector<std::string>& warnings = deprecation_warnings();
+  if (std::find(warnings.begin(), warnings.end(), warning) == warnings.end()) {
+    warnings.push_back(warning);
+  }
+}
+
+void print_deprecation_warnings() {
+  for (const std::string& warning : deprecation_warnings()) tell(warning);
+  deprecation_warnings().clear();
 }
 
 int report_error(std::string_view command) {

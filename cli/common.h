@@ -60,6 +60,7 @@ int report_exception(const CLI::App& app, std::string_view command);
 // The same for any error but CLI11's (from inside a catch block): prints it
 // and returns the exit status; a ReportedError was printed already.
 int report_error(std::string_view command);
+
 // An error report_error has already printed, with the exit status it gave.
 struct ReportedError {
   int status;
@@ -86,6 +87,31 @@ CLI::Option* require_integer(CLI::Option* option);
 // any work: commands take an empty value for "not given", which would
 // otherwise make `--weights ""` silently write nothing.
 CLI::Option* require_path(CLI::Option* option);
+
+// A warning for stderr, printed by print_deprecation_warnings once the
+// whole command line has parsed (one that fails to parse prints its error
+// alone); the same warning twice is printed once.
+void note_deprecated(const std::string& warning);
+void print_deprecation_warnings();
+
+// The old spelling of an option, kept for one release (docs/architecture.md,
+// "Names"): listed under "Deprecated" in --help, it sets the same variable
+// as `current`, warns "qkv <command>: warning: <old> is deprecated ...; use
+// <use>" on stderr, and cannot be given together with `current` (a usage
+// error). The caller gives it the same checks as `current`.
+template <class T>
+CLI::Option* add_deprecated_option(CLI::App& app, const std::string& command,
+                                   const std::string& old_name, const std::string& use,
+                                   CLI::Option* current, T& variable) {
+  CLI::Option* alias = app.add_option(old_name, variable, "Deprecated: " + use)
+                           ->group("Deprecated (goes in the next release)")
+                           ->excludes(current);
+  current->excludes(alias);
+  const std::string note = "qkv " + command + ": warning: " + old_name +
+                           " is deprecated and goes in the next release; use " + use + "\n";
+  alias->each([note](const std::string&) { note_deprecated(note); });
+  return alias;
+}
 
 // `text` as a JSON string: quotes, backslashes and control characters
 // escaped (\n, \u001b, ...), and bytes that are not UTF-8 replaced by

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -62,7 +63,7 @@ void run_lookup(const LookupArgs& args) {
   if (!std::isfinite(temperature) || temperature <= 0) {
     throw UsageError("--temperature must be a finite number > 0, got " + exact_number(temperature));
   }
-  if (args.top < 1) throw UsageError("--top must be >= 1, got " + std::to_string(args.top));
+  if (args.top < 1) throw UsageError("--top-k must be >= 1, got " + std::to_string(args.top));
 
   std::optional<KeyValueDatabase> db;
   try {
@@ -156,9 +157,12 @@ Command add_lookup_command(CLI::App& parent) {
   require_number(app->add_option("--temperature", args->temperature,
                                  "Softmax temperature of approximate match, > 0 (default 0.1)"))
       ->type_name("T");
-  require_integer(
-      app->add_option("--top", args->top, "How many records to rank, K >= 1 (default 3)"))
-      ->type_name("K");
+  CLI::Option* top_k = require_integer(
+      app->add_option("--top-k", args->top, "How many records to rank, K >= 1 (default 3)"));
+  top_k->type_name("K")->check(CLI::Range(1, std::numeric_limits<int>::max()));
+  require_integer(add_deprecated_option(*app, "lookup", "--top", "--top-k K", top_k, args->top))
+      ->type_name("K")
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
   app->add_option("--remove", args->remove, "Remove the records with these keys first")
       ->type_name("KEY");
   app->add_flag("--json", args->json, "Print the result as JSON");

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
     std::cerr << "qkv: error: no command given\n\n" << app.help();
     return qkv::cli::kExitUsage;
   }
+  qkv::cli::print_deprecation_warnings();
   try {
     qkv::set_simd_target_from_env();  // QKV_SIMD_TARGET=avx2 etc.: docs/cli.md
     command->run();

@@ -147,8 +147,13 @@ Command add_search_command(CLI::App& parent) {
       ->type_name("INDEX")
       ->required();
   query->add_option("text", args->query, "The query")->required();
-  require_integer(query->add_option("--top", args->top, "How many packages to show"))
-      ->capture_default_str()
+  CLI::Option* top_k =
+      require_integer(query->add_option("--top-k", args->top, "How many packages to show"))
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{1}, int64_t{1000}));
+  require_integer(
+      add_deprecated_option(*query, "search query", "--top", "--top-k K", top_k, args->top))
+      ->type_name("K")
       ->check(CLI::Range(int64_t{1}, int64_t{1000}));
   query->add_option("--engine", args->engine, "learned (attention), bm25, or hybrid")
       ->capture_default_str()

@@ -14,7 +14,7 @@ namespace qkv::cli {
 namespace {
 
 struct StoreArgs {
-  std::string store;  // create: --out; the others: the positional STORE
+  std::string store;  // the positional STORE (create: also the deprecated --out)
   std::string keys, values;
   std::string dtype = "float32";
   int64_t chunk_rows = kDefaultChunkRows;
@@ -107,11 +107,13 @@ Command add_store_command(CLI::App& parent) {
   };
 
   const Sub create = sub("create", "Create a new store from keys and values");
+  CLI::Option* store = require_path(create.app->add_option(
+      "store", create.args->store, "The new store's directory (must not exist)"));
+  store->type_name("STORE");
+  require_path(add_deprecated_option(*create.app, "store create", "--out", "STORE (positional)",
+                                     store, create.args->store))
+      ->type_name("STORE");
   add_rows_options(create.app, *create.args);
-  require_path(create.app->add_option("--out", create.args->store,
-                                      "The new store's directory (must not exist)"))
-      ->type_name("STORE")
-      ->required();
   create.app->add_option("--dtype", create.args->dtype, "How the rows are stored")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
@@ -137,6 +139,8 @@ Command add_store_command(CLI::App& parent) {
   const auto run = [create, append, info, verify] {
     if (create.app->parsed()) {
       const StoreArgs& args = *create.args;
+      // STORE or the deprecated --out, one of them (CLI11 refuses both).
+      if (args.store.empty()) throw UsageError("STORE is required: the new store's directory");
       const Rows rows = read_rows(args);
       Progress progress("qkv store create", args.quiet);
       const KeyValueStore store = KeyValueStore::create(

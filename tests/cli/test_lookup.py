@@ -87,14 +87,21 @@ class ApproximateTest(LookupTest):
         self.assertEqual(len(set(maxima)), len(maxima))
 
     def test_top_k_order(self):
-        result = self.lookup("--query", "Li", "--top", "4")
+        result = self.lookup("--query", "Li", "--top-k", "4")
         top = result["top"]
         self.assertEqual([t["rank"] for t in top], [1, 2, 3, 4])
         self.assertEqual([t["key"] for t in top[:2]], ["Li", "Lipton"])
         ws = [t["weight"] for t in top]
         self.assertEqual(ws, sorted(ws, reverse=True))
-        self.assertEqual(len(self.lookup("--query", "Li", "--top", "100")["top"]), 6)
+        self.assertEqual(len(self.lookup("--query", "Li", "--top-k", "100")["top"]), 6)
         self.assertEqual(len(self.lookup("--query", "Li")["top"]), 3)
+
+    def test_the_old_top_spelling_still_works_and_says_it_is_deprecated(self):
+        r = test_cli.run("lookup", "--query", "Li", "--top", "4", "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stderr, "qkv lookup: warning: --top is deprecated and goes in the "
+                                   "next release; use --top-k K\n")
+        self.assertEqual(json.loads(r.stdout), self.lookup("--query", "Li", "--top-k", "4"))
 
     def test_text_output(self):
         out = self.ok("lookup", "--query", "Li", "--remove", "Li").stdout
@@ -118,7 +125,7 @@ class TableTest(LookupTest):
         self.assertEqual(self.records(result),
                          [("apple", "red"), ("banana", "yellow"), ("grape", "purple, dark")])
         self.assertEqual(result["match"]["value"], "purple, dark")
-        result = self.lookup("--table", path, "--query", "banan", "--top", "1")
+        result = self.lookup("--table", path, "--query", "banan", "--top-k", "1")
         self.assertEqual(result["top"][0]["value"], "yellow")
 
     def test_bad_tables_exit_2(self):
@@ -145,7 +152,9 @@ class UsageTest(LookupTest):
             (["--query", "Li", "--temperature", "0"], ["--temperature"]),
             (["--query", "Li", "--temperature", "-1"], ["--temperature"]),
             (["--query", "Li", "--temperature", "nan"], ["--temperature"]),
+            (["--query", "Li", "--top-k", "0"], ["--top-k"]),
             (["--query", "Li", "--top", "0"], ["--top"]),
+            (["--query", "Li", "--top-k", "2", "--top", "2"], ["--top", "excludes"]),
             (["--query", "Li", "--mode", "fuzzy"], ["--mode"]),
             (["--query", "Li", "--mode", "exact", "--temperature", "1"], ["--temperature"]),
             (["--query", "Li", "--remove", "Lee"], ["--remove", '"Lee"']),

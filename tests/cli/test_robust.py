@@ -548,6 +548,7 @@ class EmptyValuesTest(RobustTest):
             ("softmax", ["softmax", "--scores", x, "--out", out], "--threads"),
             ("softmax", ["softmax", "--scores", x, "--out", out], "--valid-lens"),
             ("lookup", ["lookup", "--query", "Li"], "--temperature"),
+            ("lookup", ["lookup", "--query", "Li"], "--top-k"),
             ("lookup", ["lookup", "--query", "Li"], "--top"),
             ("lookup", ["lookup", "--query", "Li"], "--table"),
             ("regress", regress + ["--bandwidth", "learn"], "--epochs"),
@@ -570,6 +571,8 @@ class EmptyValuesTest(RobustTest):
         for value in ("x", "1.5x", "--"):
             r = self.run_qkv(dot + ["--scale", value])
             self.expect_exit(r, 2, "attend", "--scale")
+        r = self.run_qkv(["lookup", "--query", "Li", "--top-k", "1.5"])
+        self.expect_exit(r, 2, "lookup", "--top-k")
         r = self.run_qkv(["lookup", "--query", "Li", "--top", "1.5"])
         self.expect_exit(r, 2, "lookup", "--top")
 

@@ -107,7 +107,7 @@ class SearchIndexTest(SearchCase):
 class SearchQueryTest(SearchCase):
     def test_engines_rank(self):
         for engine in ("learned", "bm25", "hybrid"):
-            r = self.query("gnuplot", "--engine", engine, "--top", "4")
+            r = self.query("gnuplot", "--engine", engine, "--top-k", "4")
             self.assertEqual(r["engine"], engine)
             self.assertEqual(len(r["results"]), 4)
             scores = [h["score"] for h in r["results"]]
@@ -116,7 +116,7 @@ class SearchQueryTest(SearchCase):
         self.assertTrue(all(h["package"].startswith("gnuplot") for h in bm25["results"][:3]))
 
     def test_learned_weights_and_sections(self):
-        r = self.query("interactive plotting program", "--top", "274")
+        r = self.query("interactive plotting program", "--top-k", "274")
         weights = [h["score"] for h in r["results"]]
         # Softmax weights over every package: all of them sum to 1.
         self.assertAlmostEqual(sum(weights), 1.0, places=4)
@@ -150,11 +150,21 @@ class SearchQueryTest(SearchCase):
                 self.assertAlmostEqual(h["score"], -score, places=9, msg=text)
 
     def test_text_output(self):
-        r = self.ok("search", "query", "--index", self.index, "gnuplot", "--top", "3")
+        r = self.ok("search", "query", "--index", self.index, "gnuplot", "--top-k", "3")
         lines = r.stdout.splitlines()
         self.assertTrue(lines[0].startswith("rank"))
         self.assertEqual(len(lines), 5)  # header, 3 packages, the sections
         self.assertTrue(lines[-1].startswith("sections"))
+        # The old spelling, for one release: the same output and a warning.
+        old = test_cli.run("search", "query", "--index", self.index, "gnuplot", "--top", "3")
+        self.assertEqual(old.returncode, 0, old.stderr)
+        self.assertEqual(old.stdout, r.stdout)
+        self.assertEqual(old.stderr, "qkv search query: warning: --top is deprecated and goes "
+                                     "in the next release; use --top-k K\n")
+        self.expect_error("search", ["search", "query", "--index", self.index, "gnuplot",
+                                     "--top", "3", "--top-k", "3"], [], ["--top", "excludes"])
+        self.expect_error("search", ["search", "query", "--index", self.index, "gnuplot",
+                                     "--top", "0"], [], ["--top"])
 
     def test_bad_queries_and_indexes(self):
         self.expect_error("search", ["search", "query", "--index", self.index, " !? "],

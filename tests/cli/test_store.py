@@ -36,8 +36,8 @@ def bf16(x):
 class StoreCase(test_cli.CliTest):
     def create(self, name, keys, values, *extra):
         store = self.path(name)
-        self.ok("store", "create", "--keys", self.save(name + "-k.npy", keys),
-                "--values", self.save(name + "-v.npy", values), "--out", store, *extra)
+        self.ok("store", "create", store, "--keys", self.save(name + "-k.npy", keys),
+                "--values", self.save(name + "-v.npy", values), *extra)
         return store
 
     def info(self, store):
@@ -68,8 +68,8 @@ class CreateTest(StoreCase):
                 k = self.rng.normal(size=(n, 6)).astype(np.float32)
                 v = self.rng.normal(size=(n, 3))  # float64, stored as float32 or bfloat16
                 name = f"{dtype}-{n}-{chunk_rows}"
-                r = self.ok("store", "create", "--keys", self.save(name + "k.npy", k),
-                            "--values", self.save(name + "v.npy", v), "--out", self.path(name),
+                r = self.ok("store", "create", self.path(name), "--keys", self.save(name + "k.npy", k),
+                            "--values", self.save(name + "v.npy", v),
                             "--dtype", dtype, "--chunk-rows", chunk_rows, "--json")
                 summary = json.loads(r.stdout)
                 self.assertEqual(summary["rows"], n)
@@ -98,7 +98,7 @@ class CreateTest(StoreCase):
         for quiet in (False, True):
             store = self.path(f"s{quiet}")
             leader, follower = pty.openpty()
-            p = subprocess.Popen([test_cli.QKV] + args + ["--out", store] + (["--quiet"] if quiet else []),
+            p = subprocess.Popen([test_cli.QKV] + args + [store] + (["--quiet"] if quiet else []),
                                  stdout=subprocess.PIPE, stderr=follower)
             os.close(follower)
             shown = b""
@@ -120,23 +120,44 @@ class CreateTest(StoreCase):
                 for fragment in ("qkv store create: [", "100%", "MiB", "/s", "done"):
                     self.assertIn(fragment, text)
 
+    def test_the_old_out_spelling_still_works_and_says_it_is_deprecated(self):
+        k = self.rng.normal(size=(7, 3)).astype(np.float32)
+        old, new = self.path("old"), self.path("new")
+        r = test_cli.run("store", "create", "--keys", self.save("k.npy", k), "--values",
+                         self.save("v.npy", k), "--out", old, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("qkv store create: warning: --out is deprecated", r.stderr)
+        self.assertIn("use STORE (positional)", r.stderr)
+        r_new = self.ok("store", "create", new, "--keys", self.path("k.npy"), "--values",
+                        self.path("v.npy"), "--json")
+        self.assertEqual(r_new.stderr, "")
+        got_old, got_new = self.rows(old), self.rows(new)
+        for a, b in zip(got_old, got_new):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(got_new[0], k)
+
     def test_errors(self):
         k, v = self.save("k.npy", np.ones((5, 3), np.float32)), self.save("v.npy", np.ones((5, 2)))
         exists = self.create("exists", np.ones((2, 3), np.float32), np.ones((2, 2), np.float32))
         new = self.path("new")
-        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", exists],
+        self.expect_error("store", ["store", "create", exists, "--keys", k, "--values", v],
                           [], ["already exists"])
-        self.expect_error("store", ["store", "create", "--keys", k, "--values",
-                                    self.save("v4.npy", np.ones((4, 2))), "--out", new],
+        self.expect_error("store", ["store", "create", new, "--keys", k, "--values",
+                                    self.save("v4.npy", np.ones((4, 2)))],
                           [], ["[5, 3]", "[4, 2]", "same N"])
-        self.expect_error("store", ["store", "create", "--keys", self.save("k1.npy", np.ones(5)),
-                                    "--values", v, "--out", new], [], ["(N, D)"])
-        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", new,
+        self.expect_error("store", ["store", "create", new, "--keys",
+                                    self.save("k1.npy", np.ones(5)), "--values", v], [], ["(N, D)"])
+        self.expect_error("store", ["store", "create", new, "--keys", k, "--values", v,
                                     "--chunk-rows", "0"], [], ["--chunk-rows"])
-        self.expect_error("store", ["store", "create", "--keys", k, "--values", v, "--out", new,
+        self.expect_error("store", ["store", "create", new, "--keys", k, "--values", v,
                                     "--dtype", "float16"], [], ["--dtype"])
-        self.expect_error("store", ["store", "create", "--keys", self.path("missing.npy"),
-                                    "--values", v, "--out", new], [], ["--keys", "missing.npy"])
+        self.expect_error("store", ["store", "create", new, "--keys", self.path("missing.npy"),
+                                    "--values", v], [], ["--keys", "missing.npy"])
+        # STORE is required; the old --out spelling cannot come with it.
+        self.expect_error("store", ["store", "create", "--keys", k, "--values", v], [],
+                          ["STORE is required"])
+        self.expect_error("store", ["store", "create", new, "--keys", k, "--values", v,
+                                    "--out", self.path("other")], [], ["--out", "excludes"])
         self.expect_error("store", ["store", "info", self.path("nothing")], [], ["nothing"])
         self.expect_error("store", ["store"], [], ["subcommand"])
         self.assertFalse(os.path.exists(new))
