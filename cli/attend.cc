@@ -5,6 +5,7 @@
 //   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
 //   --store STORE (keys and values from a key-value store): queries (Nq, D) -> out (Nq, Dv)
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -14,6 +15,7 @@
 #include "attend_store.h"
 #include "common.h"
 #include "qkv/attention.h"
+#include "qkv/scoring.h"
 #include "qkv/npy.h"
 #include "qkv/valid_lens.h"
 
@@ -37,7 +39,7 @@ struct AttendArgs {
   std::optional<int> threads;
   // --store: attention over key-value stores' rows (cli/attend_store.h).
   std::vector<std::string> stores;
-  std::optional<double> bandwidth;  // --scoring gaussian
+  std::optional<double> bandwidth;  // --scoring distance: scale 1/H^2
   int64_t top_k = 0;
   std::string top_ids, top_weights;
   bool quiet = false;
@@ -62,17 +64,47 @@ std::optional<std::pair<int64_t, int64_t>> parse_window(const std::string& text)
   return std::pair{*left, *right};
 }
 
+// --scoring's row of the table (qkv/scoring.h): required in memory, dot by
+// default over --store; gaussian, the old name of distance over a store,
+// still means distance for one release (a warning, cli/common.h).
+const ScoringRules& scoring_of(const AttendArgs& args) {
+  if (args.scoring.empty()) {
+    if (args.stores.empty()) {
+      throw UsageError("--scoring is required (" + scoring_names() + ")");
+    }
+    return rules_of(Scoring::kDotProduct);
+  }
+  if (args.scoring == "gaussian") return rules_of(Scoring::kDistance);
+  return *find_scoring(args.scoring);  // checked by the option
+}
+
+// --bandwidth H: distance scoring's scale 1/H^2, the Gaussian kernel's width.
+void check_bandwidth(const AttendArgs& args, const ScoringRules& rules) {
+  if (!args.bandwidth) return;
+  if (rules.scoring != Scoring::kDistance) {
+    throw UsageError("--bandwidth is for --scoring distance (its scale is 1/H^2); --scoring " +
+                     std::string(rules.name) + " takes " +
+                     (rules.scale == ScaleRule::kNone ? "no scale" : "--scale"));
+  }
+  if (args.scale) {
+    throw UsageError("--bandwidth H and --scale S are one setting (S = 1/H^2); give one");
+  }
+  const double h = *args.bandwidth;
+  if (!(std::isfinite(h) && h > 0 && std::isfinite(1.0 / (h * h)) && 1.0 / (h * h) > 0)) {
+    throw UsageError("--bandwidth " + exact_number(h) +
+                     ": expected a finite number > 0 whose 1/H^2 is a finite number > 0");
+  }
+}
+
+// The scale the library gets: --scale, or 1/H^2 for --bandwidth H.
+std::optional<double> scale_of(const AttendArgs& args) {
+  if (args.bandwidth) return 1.0 / (*args.bandwidth * *args.bandwidth);
+  return args.scale;
+}
+
 // --store's option combinations, found before any file is read.
-void check_store_options(const AttendArgs& args) {
+void check_store_options(const AttendArgs& args, const ScoringRules& rules) {
   if (args.stores.empty()) {
-    if (args.scoring.empty()) {
-      throw UsageError("--scoring is required (dot, additive, bilinear or distance)");
-    }
-    if (args.scoring == "gaussian") {
-      throw UsageError("--scoring gaussian is for attention over --store (in memory, Gaussian "
-                       "attention is Nadaraya-Watson regression: qkv regress)");
-    }
-    if (args.bandwidth) throw UsageError("--bandwidth is for --scoring gaussian with --store");
     for (const auto& [flag, given] :
          {std::pair{"--top-k", args.top_k != 0}, {"--top-ids", !args.top_ids.empty()},
           {"--top-weights", !args.top_weights.empty()}, {"--quiet", args.quiet}}) {
@@ -83,15 +115,10 @@ void check_store_options(const AttendArgs& args) {
     }
     return;
   }
-  if (args.scoring == "additive" || args.scoring == "bilinear" || args.scoring == "distance") {
-    throw UsageError("--scoring " + args.scoring + " does not take --store; attention over a "
-                     "store scores by --scoring dot or gaussian");
-  }
-  if (args.scoring == "gaussian" && args.scale) {
-    throw UsageError("--scale is for --scoring dot; --scoring gaussian takes --bandwidth H");
-  }
-  if (args.bandwidth && args.scoring != "gaussian") {
-    throw UsageError("--bandwidth is for --scoring gaussian");
+  if (!rules.over_store) {
+    throw UsageError("--scoring " + std::string(rules.name) +
+                     " does not take --store; attention over a store scores by --scoring " +
+                     scoring_names(/*over_store_only=*/true));
   }
   std::vector<std::string> conflicts;
   for (const auto& [flag, given] :
@@ -116,38 +143,81 @@ void check_store_options(const AttendArgs& args) {
   }
 }
 
-// Option combinations that cannot mean anything, found before any file is read.
-void check_options(const AttendArgs& args) {
-  const bool additive = args.scoring == "additive";
-  std::vector<std::string> given, missing;
-  const std::pair<const char*, const std::string*> params[] = {
-      {"--wq", &args.w_q}, {"--wk", &args.w_k}, {"--wv", &args.w_v}};
-  for (const auto& [name, path] : params) (path->empty() ? missing : given).push_back(name);
-  if (additive && !missing.empty()) {
-    throw UsageError("--scoring additive needs --wq, --wk and --wv; missing " +
+// The command's option for a learned parameter: w_q is --wq (qkv/scoring.h).
+std::string parameter_flag(std::string_view parameter) {
+  std::string flag = "--";
+  for (const char c : parameter) {
+    if (c != '_') flag += c;
+  }
+  return flag;
+}
+
+// The file a parameter's option names (empty when not given).
+const std::string& parameter_path(const AttendArgs& args, std::string_view parameter) {
+  if (parameter == "w_q") return args.w_q;
+  if (parameter == "w_k") return args.w_k;
+  if (parameter == "w_v") return args.w_v;
+  return args.w;
+}
+
+// The options of a row's parameters: "--wq, --wk and --wv".
+std::string parameter_flags(const ScoringRules& rules) {
+  std::vector<std::string> flags;
+  for (const std::string_view p : rules.parameters) {
+    if (!p.empty()) flags.push_back(parameter_flag(p));
+  }
+  return join(flags, ", ", " and ");
+}
+
+// The names of the rows `has` holds for: "dot and distance".
+template <class Has>
+std::string names_where(Has&& has) {
+  std::vector<std::string> names;
+  for (const ScoringRules& rules : scoring_table()) {
+    if (has(rules)) names.emplace_back(rules.name);
+  }
+  return join(names, ", ", " and ");
+}
+
+// Option combinations that cannot mean anything by the scoring function's
+// rules (qkv/scoring.h), found before any file is read.
+void check_options(const AttendArgs& args, const ScoringRules& rules) {
+  const std::string scoring(rules.name);
+  // Each scoring function's parameters: its own required, the others' refused.
+  std::vector<std::string> missing;
+  for (const std::string_view p : rules.parameters) {
+    if (!p.empty() && parameter_path(args, p).empty()) missing.push_back(parameter_flag(p));
+  }
+  if (!missing.empty()) {
+    throw UsageError("--scoring " + scoring + " needs " + parameter_flags(rules) + " (" +
+                     std::string(rules.parameter_shapes) + "); missing " +
                      join(missing, ", ", " and "));
   }
-  if (!additive && !given.empty()) {
+  for (const ScoringRules& owner : scoring_table()) {
+    if (owner.scoring == rules.scoring) continue;
+    std::vector<std::string> given;
+    for (const std::string_view p : owner.parameters) {
+      if (!p.empty() && !parameter_path(args, p).empty()) given.push_back(parameter_flag(p));
+    }
+    if (given.empty()) continue;
+    const std::string takes = parameter_flags(rules);
     throw UsageError(join(given, ", ", " and ") + (given.size() == 1 ? " is" : " are") +
-                     " for --scoring additive; --scoring " + args.scoring +
-                     (args.scoring == "bilinear" ? " takes --w" : " has no parameters"));
+                     " for --scoring " + std::string(owner.name) + "; --scoring " + scoring +
+                     (takes.empty() ? " has no parameters" : " takes " + takes));
   }
-  const bool bilinear = args.scoring == "bilinear";
-  if (bilinear && args.w.empty()) throw UsageError("--scoring bilinear needs --w W.npy (Dq, Dk)");
-  if (!bilinear && !args.w.empty()) {
-    throw UsageError("--w is for --scoring bilinear; --scoring " + args.scoring +
-                     (additive ? " takes --wq, --wk and --wv" : " has no parameters"));
+  if (rules.scale == ScaleRule::kNone && args.scale) {
+    throw UsageError("--scale is for --scoring " +
+                     names_where([](const ScoringRules& r) { return r.scale != ScaleRule::kNone; }) +
+                     "; " + std::string(rules.title) + " attention has no scale");
   }
-  if ((additive || bilinear) && args.scale) {
-    throw UsageError("--scale is for --scoring dot and distance; " + args.scoring +
-                     " attention has no scale");
-  }
-  for (const auto& [flag, value] : {std::pair{"--window", &args.window},
-                                     {"--mask", &args.mask}, {"--key-mask", &args.key_mask},
-                                     {"--bias", &args.bias}}) {
-    if (args.scoring != "dot" && !value->empty()) {
-      throw UsageError(std::string(flag) + " is for --scoring dot; " + args.scoring +
-                       " attention takes --valid-lens and --causal");
+  if (!rules.masks) {
+    for (const auto& [flag, value] : {std::pair{"--window", &args.window},
+                                       {"--mask", &args.mask}, {"--key-mask", &args.key_mask},
+                                       {"--bias", &args.bias}}) {
+      if (value->empty()) continue;
+      throw UsageError(std::string(flag) + " is for --scoring " +
+                       names_where([](const ScoringRules& r) { return r.masks; }) + "; " +
+                       std::string(rules.title) + " attention takes --valid-lens and --causal");
     }
   }
 }
@@ -162,13 +232,14 @@ struct Masks {
 };
 
 template <class T>
-std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTensor>& inputs,
-                               const ValidLens& valid_lens, const Masks& masks) {
+std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules,
+                               const std::vector<FloatTensor>& inputs, const ValidLens& valid_lens,
+                               const Masks& masks) {
   const auto in = [&](size_t i) -> const Tensor<T>& { return std::get<Tensor<T>>(inputs[i]); };
   const bool batched = in(0).rank() >= 3;  // 3-D, or heads (4-D)
   const auto as_batch = [&](size_t i) { return batch_view(in(i), batched); };
   AttentionOptions options;
-  options.scale = args.scale;
+  options.scale = scale_of(args);
   options.dropout = args.dropout;
   options.training = args.train;
   options.seed = args.seed;
@@ -188,17 +259,23 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
   }
 
   AttentionResult<T> result;
-  if (args.scoring == "dot") {
-    result = scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
-  } else if (args.scoring == "additive") {
-    result = additive_attention(as_batch(0), as_batch(1), as_batch(2),
-                                AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
-                                valid_lens, options);
-  } else if (args.scoring == "bilinear") {
-    result = bilinear_attention(as_batch(0), as_batch(1), as_batch(2), in(3).view(), valid_lens,
-                                options);
-  } else {
-    result = distance_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+  switch (rules.scoring) {
+    case Scoring::kDotProduct:
+      result =
+          scaled_dot_product_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+      break;
+    case Scoring::kAdditive:
+      result = additive_attention(as_batch(0), as_batch(1), as_batch(2),
+                                  AdditiveWeights<T>{in(3).view(), in(4).view(), in(5).view()},
+                                  valid_lens, options);
+      break;
+    case Scoring::kBilinear:
+      result = bilinear_attention(as_batch(0), as_batch(1), as_batch(2), in(3).view(), valid_lens,
+                                  options);
+      break;
+    case Scoring::kDistance:
+      result = distance_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+      break;
   }
   // 2-D inputs give outputs without the batch axis of one.
   const auto bytes = [&](Tensor<T>& t) {
@@ -212,14 +289,15 @@ std::vector<OutputFile> attend(const AttendArgs& args, const std::vector<FloatTe
 }
 
 void run_attend(const AttendArgs& args) {
-  check_store_options(args);
+  const ScoringRules& rules = scoring_of(args);
+  check_store_options(args, rules);
+  check_bandwidth(args, rules);
   if (!args.stores.empty()) {
-    return run_store_attend({args.stores, args.queries, args.valid_lens,
-                             args.scoring.empty() ? "dot" : args.scoring, args.scale,
-                             args.bandwidth, args.top_k, args.out, args.lse, args.top_ids,
+    return run_store_attend({args.stores, args.queries, args.valid_lens, rules.scoring,
+                             scale_of(args), args.top_k, args.out, args.lse, args.top_ids,
                              args.top_weights, args.quiet, args.threads});
   }
-  check_options(args);
+  check_options(args, rules);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
   if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
   if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
@@ -228,10 +306,9 @@ void run_attend(const AttendArgs& args) {
 
   std::vector<Input> inputs{
       {"--queries", args.queries}, {"--keys", args.keys}, {"--values", args.values}};
-  if (args.scoring == "additive") {
-    inputs.insert(inputs.end(), {{"--wq", args.w_q}, {"--wk", args.w_k}, {"--wv", args.w_v}});
+  for (const std::string_view p : rules.parameters) {
+    if (!p.empty()) inputs.push_back({parameter_flag(p), parameter_path(args, p)});
   }
-  if (args.scoring == "bilinear") inputs.push_back({"--w", args.w});
   std::vector<FloatTensor> tensors;
   for (const Input& input : inputs) tensors.push_back(load_float(input));
 
@@ -246,7 +323,7 @@ void run_attend(const AttendArgs& args) {
   }
 
   const Shape& q_shape = shape_of(tensors[0]);
-  const bool dot = args.scoring == "dot";
+  const bool dot = rules.heads;  // 4-D inputs with heads
   if (q_shape.rank() != 2 && q_shape.rank() != 3 && !(dot && q_shape.rank() == 4)) {
     throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() + "; expected 2-D (Nq, D)" +
                      (dot ? ", 3-D (B, Nq, D) or 4-D (B, H, Nq, D)" : " or 3-D (B, Nq, D)"));
@@ -277,8 +354,8 @@ void run_attend(const AttendArgs& args) {
   }
 
   write_outputs(std::holds_alternative<Tensor<float>>(tensors[0])
-                    ? attend<float>(args, tensors, valid_lens, masks)
-                    : attend<double>(args, tensors, valid_lens, masks));
+                    ? attend<float>(args, rules, tensors, valid_lens, masks)
+                    : attend<double>(args, rules, tensors, valid_lens, masks));
 }
 
 }  // namespace
@@ -287,16 +364,30 @@ Command add_attend_command(CLI::App& parent) {
   auto args = std::make_shared<AttendArgs>();
   CLI::App* app = parent.add_subcommand(
       "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
+  std::string scoring_help;
+  std::vector<std::string> scoring_choices;
+  for (const ScoringRules& rules : scoring_table()) {
+    scoring_help += std::string(rules.name) + ": " + std::string(rules.formula) +
+                    (rules.parameters[0].empty() ? "" : " (" + parameter_flags(rules) + ")") + "; ";
+    scoring_choices.emplace_back(rules.name);
+  }
+  scoring_choices.emplace_back("gaussian");  // distance's old name over a store (deprecated)
   app->add_option("--scoring", args->scoring,
-                  "dot: Q K^T * scale; additive: w_v^T tanh(W_q q + W_k k); bilinear: q^T W k "
-                  "(--w); distance: -|q - k|^2 * scale / 2 (scale default 1); gaussian (with "
-                  "--store only): -|q - k|^2 / (2 h^2); required except with --store (default dot)")
-      ->check(CLI::IsMember({"dot", "additive", "bilinear", "distance", "gaussian"}));
+                  scoring_help + "required except with --store (default dot; a store takes " +
+                      scoring_names(/*over_store_only=*/true) + ")")
+      ->check(CLI::IsMember(scoring_choices))
+      ->each([](const std::string& value) {
+        if (value == "gaussian") {
+          note_deprecated("qkv attend: warning: --scoring gaussian is deprecated and goes in the "
+                          "next release; use --scoring distance (--bandwidth H as before)\n");
+        }
+      });
   require_path(app->add_option("--w", args->w,
                                "--scoring bilinear: W.npy (Dq, Dk), the inputs' float type"))
       ->type_name("W.npy");
   require_number(app->add_option("--bandwidth", args->bandwidth,
-                                 "--scoring gaussian: the kernel's width h > 0 (default 1)"))
+                                 "--scoring distance: the Gaussian kernel's width h > 0, the same "
+                                 "as --scale 1/h^2"))
       ->type_name("H");
   require_path(app->add_option("--queries", args->queries,
                                "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))

@@ -80,12 +80,9 @@ ValidLens valid_rows_of(const Inputs& in) {
 
 StoreAttentionOptions options_of(const StoreAttendArgs& args) {
   StoreAttentionOptions options;
+  options.scoring = args.scoring;
   options.scale = args.scale;
   options.top_k = args.top_k;
-  if (args.scoring == "gaussian") {
-    options.scoring = StoreScoring::kGaussian;
-    options.bandwidth = args.bandwidth.value_or(1.0);
-  }
   return options;
 }
 

@@ -8,14 +8,15 @@
 #include <string>
 #include <vector>
 
+#include "qkv/scoring.h"
+
 namespace qkv::cli {
 
 struct StoreAttendArgs {
   std::vector<std::string> stores;  // one store, or shard stores in row order
   std::string queries, valid_lens;
-  std::string scoring = "dot";  // or "gaussian"
+  Scoring scoring = Scoring::kDotProduct;  // or kDistance (over_store in qkv/scoring.h)
   std::optional<double> scale;
-  std::optional<double> bandwidth;  // gaussian
   int64_t top_k = 0;
   std::string out, lse, top_ids, top_weights;
   bool quiet = false;

@@ -165,6 +165,7 @@ constexpr Tols tols() {
 // ---- scoring functions -----------------------------------------------------------
 //
 // A traits struct per scoring function. What the suite needs of one:
+//   kScoring                       its row of the table (qkv/scoring.h)
 //   kFunction, kFunctionBackward   the names errors give
 //   kFloat, kDouble           tolerances (Tols)
 //   describe(case)            the case as text, sizes first
@@ -178,6 +179,7 @@ constexpr Tols tols() {
 
 // Scaled dot-product attention: softmax(Q Kᵀ · scale) V.
 struct SdpaScoring {
+  static constexpr qkv::Scoring kScoring = qkv::Scoring::kDotProduct;  // its row of qkv/scoring.h
   static constexpr const char* kFunction = "scaled_dot_product_attention";
   static constexpr const char* kFunctionBackward = "scaled_dot_product_attention_backward";
   static constexpr Tols kFloat{kSdpa, kSoftmax, kSdpaLse, kSdpaBackward};
@@ -280,6 +282,7 @@ struct SdpaScoring {
 
 // Additive attention: softmax(w_vᵀ tanh(W_q q + W_k k)) V.
 struct AdditiveScoring {
+  static constexpr qkv::Scoring kScoring = qkv::Scoring::kAdditive;  // its row of qkv/scoring.h
   static constexpr const char* kFunction = "additive_attention";
   static constexpr const char* kFunctionBackward = "additive_attention_backward";
   // lse of additive scores: the score error of kAdditive plus the log-sum-exp.
@@ -402,6 +405,7 @@ struct AdditiveScoring {
 // Bilinear attention: softmax(q W kᵀ) V with W (Dq, Dk). Its cases are
 // additive attention's (Dq != Dk; H is not read).
 struct BilinearScoring {
+  static constexpr qkv::Scoring kScoring = qkv::Scoring::kBilinear;  // its row of qkv/scoring.h
   static constexpr const char* kFunction = "bilinear_attention";
   static constexpr const char* kFunctionBackward = "bilinear_attention_backward";
   // Scaled dot-product attention's: q W is one more rounded product of
@@ -513,6 +517,7 @@ struct BilinearScoring {
 // Distance attention: softmax(-scale/2 |q - k|^2) V, scale > 0 (default 1).
 // Its cases are scaled dot-product attention's (their scales are positive).
 struct DistanceScoring {
+  static constexpr qkv::Scoring kScoring = qkv::Scoring::kDistance;  // its row of qkv/scoring.h
   static constexpr const char* kFunction = "distance_attention";
   static constexpr const char* kFunctionBackward = "distance_attention_backward";
   // Scaled dot-product attention's: on centred rows the scores' rounding is

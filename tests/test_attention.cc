@@ -709,8 +709,78 @@ TYPED_TEST_P(AttentionErrors, Backward) {
                {fn, "valid_lens", "6"});
 }
 
+// The options each scoring function takes are its row of the table
+// (qkv/scoring.h): the scale by its rule, masks and bias only where the row
+// says, and the names its errors give are the row's.
+TYPED_TEST_P(AttentionErrors, OptionsByTheTable) {
+  using Op = TypeParam;
+  const ErrorFixture<Op> f;
+  const ScoringRules& rules = rules_of(Op::kScoring);
+  EXPECT_EQ(rules.function, Op::kFunction);
+  EXPECT_EQ(std::string(rules.function) + "_backward", Op::kFunctionBackward);
+  // The forward (fast, ref, double) and the backward give the same error.
+  const auto both = [&](const AttentionOptions& opt, std::string_view what,
+                        std::string_view detail) {
+    expect_forward_error<Op>(f.in.args(), {}, opt, {Op::kFunction, what, detail});
+    expect_error([&] { Op::backward(f.in.args(), {}, opt, {f.out, f.lse}, f.d_out); },
+                 {Op::kFunctionBackward, what, detail});
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  AttentionOptions opt;
+  switch (rules.scale) {
+    case ScaleRule::kNone:
+      opt.scale = 1.0;
+      both(opt, "options.scale is set", "has no scale");
+      break;
+    case ScaleRule::kInverseSqrtDim:
+      for (const double scale : {inf, -inf, std::numeric_limits<double>::quiet_NaN()}) {
+        opt.scale = scale;
+        both(opt, "options.scale", "is not finite");
+      }
+      break;
+    case ScaleRule::kPositiveOne:
+      for (const double scale : {0.0, -1.0, inf}) {
+        opt.scale = scale;
+        both(opt, "options.scale", "expected a finite number > 0");
+      }
+      break;
+  }
+  if (!rules.masks) {
+    const Tensor<uint8_t> key_mask(Shape{2, 5}, uint8_t{1});
+    const Tensor<float> bias(Shape{3, 5});
+    AttentionOptions masked;
+    masked.key_mask = key_mask.view();
+    both(masked, "are for scaled dot-product attention", "takes valid_lens and causal");
+    AttentionOptions biased;
+    biased.bias = ConstView<float>(bias.view());
+    both(biased, "are for scaled dot-product attention", "takes valid_lens and causal");
+    AttentionOptions windowed;
+    windowed.window_left = 2;
+    both(windowed, "are for scaled dot-product attention", "takes valid_lens and causal");
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(AttentionErrors, InputShapes, ValidLens, DropoutProbability,
-                            WriteIntoBuffers, Backward);
+                            WriteIntoBuffers, Backward, OptionsByTheTable);
+
+// The table itself: one row per Scoring in the enum's order, found by its
+// name, and the names messages list.
+TEST(ScoringTable, RowsAreTheEnumInOrderAndFoundByName) {
+  const std::span<const ScoringRules> table = scoring_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(table[i].scoring), i);
+    EXPECT_EQ(&rules_of(table[i].scoring), &table[i]);
+    EXPECT_EQ(find_scoring(table[i].name), &table[i]);
+  }
+  EXPECT_EQ(find_scoring("gaussian"), nullptr);
+  EXPECT_EQ(find_scoring(""), nullptr);
+  EXPECT_EQ(find_scoring("Dot"), nullptr);
+  EXPECT_EQ(scoring_names(), "dot, additive, bilinear or distance");
+  EXPECT_EQ(scoring_names(/*over_store_only=*/true), "dot or distance");
+  expect_error([&] { rules_of(static_cast<qkv::Scoring>(table.size())); },
+               {"rules_of", "Scoring value " + std::to_string(table.size()) +
+                                " is not a scoring function"});
+}
 
 // The whole contract for a scoring function given by its traits struct:
 // Name/AttentionContract/{float,double}.*, Name/AttentionGradient/double.*

@@ -543,8 +543,8 @@ TEST_F(StoreTest, TopKOfOneQueryOverOneRowChunks) {
   const KeyValueStore store =
       KeyValueStore::create(path("one-row-chunks"), keys, values, StoreDtype::kFloat32, 1);
   ASSERT_EQ(store.chunks().size(), 3u);
-  for (StoreScoring scoring : {StoreScoring::kDot, StoreScoring::kGaussian}) {
-    SCOPED_TRACE(scoring == StoreScoring::kDot ? "dot" : "gaussian");
+  for (Scoring scoring : {Scoring::kDotProduct, Scoring::kDistance}) {
+    SCOPED_TRACE(rules_of(scoring).name);
     StoreAttentionOptions options;
     options.scoring = scoring;
     options.top_k = 2;
@@ -557,7 +557,7 @@ TEST_F(StoreTest, TopKOfOneQueryOverOneRowChunks) {
         dot += double(queries(0, c)) * keys(j, c);
         dist += (double(queries(0, c)) - keys(j, c)) * (double(queries(0, c)) - keys(j, c));
       }
-      score[j] = scoring == StoreScoring::kDot ? dot / std::sqrt(2.0) : -dist / 2;
+      score[j] = scoring == Scoring::kDotProduct ? dot / std::sqrt(2.0) : -dist / 2;
     }
     const double max = *std::max_element(score.begin(), score.end());
     double sum = 0, out = 0;
@@ -650,8 +650,8 @@ TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
                {"attend_backward", "d_output", "[2, 3]"});
 }
 
-TEST_F(StoreTest, GaussianScoringIsNadarayaWatsonOverEveryRow) {
-  // -|q - k|^2 / (2 h^2) against a float64 loop, with keys near the origin
+TEST_F(StoreTest, DistanceScoringIsNadarayaWatsonOverEveryRow) {
+  // -|q - k|^2 / (2 h^2), distance scoring at scale 1/h^2, against a float64 loop, with keys near the origin
   // and 1000 away from it (centred per chunk, so no accuracy is lost there;
   // the uncentred float form would err by ~1e-7 |k|^2 / h^2 ~ 0.4 per score).
   const uint64_t seed = test_seed();
@@ -673,8 +673,8 @@ TEST_F(StoreTest, GaussianScoringIsNadarayaWatsonOverEveryRow) {
       Tensor<int64_t> lens(Shape{nq});
       for (int64_t i = 0; i < nq; ++i) lens(i) = rng.bernoulli(0.5) ? n : rng.uniform_int(0, n);
       StoreAttentionOptions options;
-      options.scoring = StoreScoring::kGaussian;
-      options.bandwidth = h;
+      options.scoring = Scoring::kDistance;
+      options.scale = 1 / (h * h);
       options.top_k = std::min<int64_t>(n, 3);
       const StoreAttentionResult got = attend(queries, store, ValidLens(lens), options);
       // The reference on the rows as stored (bf16 rounded), queries as given.
@@ -718,18 +718,25 @@ TEST_F(StoreTest, GaussianScoringIsNadarayaWatsonOverEveryRow) {
                                                     Tensor<float>(Shape{3, 2}, 1.0f));
   const Tensor<float> q(Shape{2, 2});
   StoreAttentionOptions options;
-  options.scoring = StoreScoring::kGaussian;
-  options.bandwidth = 0;
-  expect_error([&] { attend(q, store, {}, options); }, {"attend", "bandwidth = 0"});
-  options.bandwidth = 1;
-  options.scale = 2.0;
-  expect_error([&] { attend(q, store, {}, options); }, {"attend", "scale is for dot scoring"});
+  options.scoring = Scoring::kDistance;
+  for (const double scale : {0.0, -1.0, std::numeric_limits<double>::infinity()}) {
+    options.scale = scale;
+    expect_error([&] { attend(q, store, {}, options); },
+                 {"attend", "scale = ", "expected a finite number > 0 for distance scoring"});
+  }
   options.scale.reset();
+  for (const Scoring scoring : {Scoring::kAdditive, Scoring::kBilinear}) {
+    StoreAttentionOptions other;
+    other.scoring = scoring;
+    expect_error([&] { attend(q, store, {}, other); },
+                 {"attend", "options.scoring is " + std::string(rules_of(scoring).name),
+                  "attention over a store scores by dot or distance"});
+  }
   const StoreAttentionResult forward = attend(q, store, {}, options);
   expect_error([&] {
     attend_backward(q, store, {}, options, {forward.output.view(), forward.lse.view()},
                     Tensor<float>(Shape{2, 2}));
-  }, {"attend_backward", "Gaussian scoring has none"});
+  }, {"attend_backward", "distance scoring has none"});
 }
 
 TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {

@@ -9,6 +9,7 @@
 #include <optional>
 #include <variant>
 
+#include "qkv/scoring.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
 

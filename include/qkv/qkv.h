@@ -11,6 +11,7 @@
 #include "qkv/modules.h"
 #include "qkv/npy.h"
 #include "qkv/pooling.h"
+#include "qkv/scoring.h"
 #include "qkv/simd.h"
 #include "qkv/staged_file.h"
 #include "qkv/store.h"

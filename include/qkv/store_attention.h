@@ -15,30 +15,25 @@
 #include <vector>
 
 #include "qkv/attention.h"
+#include "qkv/scoring.h"
 #include "qkv/store.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
 
 namespace qkv {
 
-// How a query scores a row.
-enum class StoreScoring {
-  // scale q . k (scaled dot product).
-  kDot,
-  // -|q - k|^2 / (2 bandwidth^2): Nadaraya-Watson's Gaussian kernel as
-  // attention (d2l 11.2), computed as the dot-product kernel with a bias per
-  // key on keys centred at each chunk's mean, so keys far from the origin
-  // lose no accuracy. Copies each chunk's keys (centred, float32) while it
-  // is attended; forward only.
-  kGaussian,
-};
-
 struct StoreAttentionOptions {
-  StoreScoring scoring = StoreScoring::kDot;
-  // Dot scoring: multiplies the dot products; default 1/sqrt(D).
+  // How a query scores a row: a scoring function that works over a store
+  // (qkv/scoring.h, over_store): Scoring::kDotProduct, scale q . k, or
+  // Scoring::kDistance, -scale/2 |q - k|^2 (Nadaraya-Watson's Gaussian
+  // kernel of bandwidth h = 1/sqrt(scale) as attention, d2l 11.2), computed
+  // by distance_attention on each chunk (keys centred at the chunk's mean,
+  // so keys far from the origin lose no accuracy; a bf16 chunk widened to
+  // float while it is attended); forward only.
+  Scoring scoring = Scoring::kDotProduct;
+  // By the scoring function's rule: dot, any finite number, default
+  // 1/sqrt(D); distance, a finite number > 0, default 1.
   std::optional<double> scale;
-  // Gaussian scoring: the kernel's width h > 0.
-  double bandwidth = 1.0;
   // Also return each query's top_k rows by weight: their row ids in the store
   // and their weights (over the whole store), by weight, largest first (ties:
   // the smaller row id first). A query with fewer than top_k valid rows gets
@@ -55,8 +50,8 @@ struct StoreAttentionResult {
   Tensor<float> top_weights;  // (Nq, top_k), empty unless top_k > 0
 };
 
-// softmax(scores) V over the store's rows, scores scale Q Kᵀ (or Gaussian,
-// options.scoring). valid_rows, as the valid
+// softmax(scores) V over the store's rows, scores scale Q Kᵀ (or distance
+// scores, options.scoring). valid_rows, as the valid
 // lengths of a batch of one (ValidLens::for_batch_of_one): absent (every row),
 // one count (a scalar or (1)) or one per query ((Nq) or (1, Nq)): query i sees
 // rows [0, valid_rows[i]) only, and chunks no query sees are not read. A

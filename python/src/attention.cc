@@ -14,6 +14,7 @@
 #include "bindings.h"
 #include "qkv/attention.h"
 #include "qkv/error.h"
+#include "qkv/scoring.h"
 
 namespace qkv::python {
 namespace {
@@ -121,19 +122,23 @@ struct Tensors {
   bool batch_of_one;
 };
 
-Tensors float_arrays(std::string_view fn, const std::vector<std::pair<const char*, py::handle>>& args,
-                     int num_inputs, bool additive = false) {
+// The shapes the messages give come from the scoring function's row of the
+// table (qkv/scoring.h): keys of their own size, and heads where it takes them.
+Tensors float_arrays(std::string_view fn, Scoring scoring,
+                     const std::vector<std::pair<const char*, py::handle>>& args, int num_inputs) {
+  const ScoringRules& rules = rules_of(scoring);
+  const bool own = rules.keys_own_dim;
   Tensors t;
   for (const auto& [name, obj] : args) t.arrays.push_back(float_array(obj, fn, name));
   t.dtype = dtype_of(t.arrays[0]);
   for (size_t i = 1; i < args.size(); ++i) {
     check_same_dtype(t.arrays[i], t.dtype, fn, args[i].first, args[0].first);
   }
-  check_rank_2_or_3(t.arrays[0], fn, args[0].first, additive ? "(B, Nq, Dq)" : "(B, Nq, D)",
-                    additive ? "(Nq, Dq)" : "(Nq, D)", additive ? "" : "(B, H, Nq, D)");
+  check_rank_2_or_3(t.arrays[0], fn, args[0].first, own ? "(B, Nq, Dq)" : "(B, Nq, D)",
+                    own ? "(Nq, Dq)" : "(Nq, D)", rules.heads ? "(B, H, Nq, D)" : "");
   std::vector<std::pair<std::string_view, const py::array*>> inputs;
   for (int i = 0; i < num_inputs; ++i) inputs.emplace_back(args[i].first, &t.arrays[i]);
-  check_same_rank(inputs, fn, additive ? "all 2-D or all 3-D" : "all 2-D, all 3-D or all 4-D");
+  check_same_rank(inputs, fn, rules.heads ? "all 2-D, all 3-D or all 4-D" : "all 2-D or all 3-D");
   t.batch_of_one = t.arrays[0].ndim() == 2;
   return t;
 }
@@ -211,7 +216,7 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
                    bool return_weights, bool return_lse, const std::optional<std::string>& causal,
                    py::handle out, py::handle mask, py::handle key_mask, py::handle window,
                    py::handle bias) {
-  Tensors t = float_arrays(kSdpa, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  Tensors t = float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   MaskArrays masks;
@@ -236,9 +241,8 @@ py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
                        bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal) {
   Tensors t = float_arrays(
-      kAdditive,
-      {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3,
-      true);
+      kAdditive, Scoring::kAdditive,
+      {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3);
   const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive),
                                               causal_of(kAdditive, causal));
   // The parameters' views made here, with the GIL (view_of may copy).
@@ -301,7 +305,7 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             const std::optional<std::string>& causal, py::handle mask,
                             py::handle key_mask, py::handle window, py::handle bias,
                             bool bias_grad) {
-  Tensors t = float_arrays(kSdpaBackward,
+  Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
                             {"values", v},
@@ -346,7 +350,7 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
                                 py::handle d_output, py::handle valid_lens, double dropout,
                                 py::handle seed, const std::optional<std::string>& causal) {
-  Tensors t = float_arrays(kAdditiveBackward,
+  Tensors t = float_arrays(kAdditiveBackward, Scoring::kAdditive,
                            {{"queries", q},
                             {"keys", k},
                             {"values", v},
@@ -356,7 +360,7 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"output", output},
                             {"lse", lse},
                             {"d_output", d_output}},
-                           3, true);
+                           3);
   const AttentionOptions options =
       options_of(std::nullopt, dropout, seed_of(seed, kAdditiveBackward),
                  causal_of(kAdditiveBackward, causal));
@@ -371,8 +375,7 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
                        py::handle valid_lens, double dropout, py::handle seed,
                        bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal) {
-  Tensors t = float_arrays(kBilinear, {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3,
-                           true);
+  Tensors t = float_arrays(kBilinear, Scoring::kBilinear, {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
   const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kBilinear),
                                               causal_of(kBilinear, causal));
   const auto run = [&](auto zero) {
@@ -390,7 +393,7 @@ py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle vali
                        std::optional<double> scale, double dropout, py::handle seed,
                        bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal) {
-  Tensors t = float_arrays(kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  Tensors t = float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
       options_of(scale, dropout, seed_of(seed, kDistance), causal_of(kDistance, causal));
   const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
@@ -437,7 +440,7 @@ py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 py::handle output, py::handle lse, py::handle d_output,
                                 py::handle valid_lens, double dropout, py::handle seed,
                                 const std::optional<std::string>& causal) {
-  Tensors t = float_arrays(kBilinearBackward,
+  Tensors t = float_arrays(kBilinearBackward, Scoring::kBilinear,
                            {{"queries", q},
                             {"keys", k},
                             {"values", v},
@@ -445,7 +448,7 @@ py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"output", output},
                             {"lse", lse},
                             {"d_output", d_output}},
-                           3, true);
+                           3);
   const AttentionOptions options =
       options_of(std::nullopt, dropout, seed_of(seed, kBilinearBackward),
                  causal_of(kBilinearBackward, causal));
@@ -472,7 +475,7 @@ py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, double dropout, py::handle seed,
                                 const std::optional<std::string>& causal) {
-  Tensors t = float_arrays(kDistanceBackward,
+  Tensors t = float_arrays(kDistanceBackward, Scoring::kDistance,
                            {{"queries", q},
                             {"keys", k},
                             {"values", v},

@@ -355,6 +355,45 @@ size_t additive_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstVie
                                         ConstView<T> d_output, const AdditiveGradViews<T>& grads,
                                         int num_threads);
 
+// Bilinear and distance attention (shapes as ref's): the fused dot-product
+// kernel on q W (bilinear_fast.cc), or on centred operands with a bias per
+// key (distance_fast.cc), whose operands live in the workspace ahead of the
+// dot-product kernel's scratch. Inputs, weights, lse and gradients
+// contiguous; the output contiguous rows.
+template <class T>
+size_t bilinear_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+                               const AttentionConfig& config, const ForwardViews<T>& out,
+                               int num_threads);
+template <class T>
+void bilinear(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+              const AttentionConfig& config, const ForwardViews<T>& out, Workspace workspace);
+template <class T>
+size_t bilinear_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                        ConstView<T> w, const AttentionConfig& config,
+                                        const SavedViews<T>& saved, ConstView<T> d_output,
+                                        const BilinearGradViews<T>& grads, int num_threads);
+template <class T>
+void bilinear_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
+                       const AttentionConfig& config, const SavedViews<T>& saved,
+                       ConstView<T> d_output, const BilinearGradViews<T>& grads,
+                       Workspace workspace);
+template <class T>
+size_t distance_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                               const AttentionConfig& config, const ForwardViews<T>& out,
+                               int num_threads);
+template <class T>
+void distance(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
+              const ForwardViews<T>& out, Workspace workspace);
+template <class T>
+size_t distance_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                                        const AttentionConfig& config, const SavedViews<T>& saved,
+                                        ConstView<T> d_output, const SdpaGradViews<T>& grads,
+                                        int num_threads);
+template <class T>
+void distance_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
+                       const AttentionConfig& config, const SavedViews<T>& saved,
+                       ConstView<T> d_output, const SdpaGradViews<T>& grads, Workspace workspace);
+
 // bf16 queries, keys and values; float results and gradients.
 size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
                            const AttentionConfig& config, const ForwardViews<float>& out,

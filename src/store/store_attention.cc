@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/attention/centred.h"
 #include "kernels/runtime/parallel.h"
 #include "qkv/attention.h"
 #include "qkv/bfloat16.h"
 #include "qkv/error.h"
 #include "qkv/merge.h"
+#include "qkv/scoring.h"
 #include "store/store_parts.h"
 
 namespace qkv {
@@ -126,46 +126,13 @@ void for_each_chunk(const KeyValueStore& store, size_t first, size_t last,
   if (progress && total > done) progress(total, total);
 }
 
-// Gaussian scoring of one chunk, -|q - k|^2 / (2 h^2), as the dot-product
-// kernel computes it (kernels/attention/centred.h): keys and queries centred at the
-// chunk's mean key, a bias per key and a term per query. The chunk's keys are
-// copied, centred, in float (and a bf16 chunk's values widened): O(chunk)
-// memory.
-struct GaussianChunk {
-  double scale = 0;
-  Tensor<float> queries, keys, values, key_terms;
-  std::vector<double> query_terms;
-
-  GaussianChunk(const KeyValueStore& store, const MappedChunk& chunk, int64_t rows,
-                ConstView<float> q, double bandwidth)
-      : scale(1.0 / (bandwidth * bandwidth)) {
-    const int64_t d = store.key_dim(), nq = q.size(0);
-    const bool f32 = store.dtype() == StoreDtype::kFloat32;
-    const auto key = [&](int64_t j, int64_t c) -> double {
-      return f32 ? static_cast<const float*>(chunk.keys)[j * d + c]
-                 : static_cast<float>(static_cast<const bfloat16*>(chunk.keys)[j * d + c]);
-    };
-    const std::vector<double> mean = kernels::row_mean(rows, d, key);
-    keys = Tensor<float>(Shape{1, rows, d});
-    key_terms = Tensor<float>(Shape{rows});
-    kernels::centre_rows(rows, d, key, mean, scale, keys.data(), key_terms.data());
-    queries = Tensor<float>(Shape{1, nq, d});
-    query_terms.resize(static_cast<size_t>(nq));
-    kernels::centre_rows(
-        nq, d, [&](int64_t i, int64_t c) -> double { return q(i, c); }, mean, scale,
-        queries.data(), query_terms.data());
-    if (!f32) {
-      const int64_t dv = store.value_dim();
-      values = Tensor<float>(Shape{1, rows, dv});
-      const auto* v = static_cast<const bfloat16*>(chunk.values);
-      for (int64_t i = 0; i < rows * dv; ++i) values.data()[i] = static_cast<float>(v[i]);
-    }
-  }
-  ConstView<float> values_view(const MappedChunk& chunk, int64_t dv) const {
-    if (!values.empty()) return values.view();
-    return ConstView<float>(static_cast<const float*>(chunk.values), Shape{1, keys.size(1), dv});
-  }
-};
+// A bf16 chunk's rows widened to float (1, rows, dim), for distance scoring.
+Tensor<float> widened_chunk(const void* data, int64_t rows, int64_t dim) {
+  Tensor<float> out(Shape{1, rows, dim});
+  const auto* x = static_cast<const bfloat16*>(data);
+  for (int64_t i = 0; i < rows * dim; ++i) out.data()[i] = static_cast<float>(x[i]);
+  return out;
+}
 
 }  // namespace
 
@@ -198,17 +165,16 @@ void check_store_attention(std::string_view function, ConstView<float> queries,
     fail(function, "top_k = " + std::to_string(options.top_k) + "; expected 0 to the store's " +
                        std::to_string(max_top_k) + " rows");
   }
-  if (options.scale && !std::isfinite(*options.scale)) {
-    fail(function, "scale = " + std::to_string(*options.scale) + "; expected a finite number");
+  const ScoringRules& rules = rules_of(options.scoring);
+  if (!rules.over_store) {
+    fail(function, "options.scoring is " + std::string(rules.name) +
+                       "; attention over a store scores by " + scoring_names(true));
   }
-  if (options.scoring == StoreScoring::kGaussian) {
-    if (options.scale) {
-      fail(function, "scale is for dot scoring; Gaussian scoring takes bandwidth");
-    }
-    if (!(options.bandwidth > 0 && std::isfinite(options.bandwidth))) {
-      fail(function,
-           "bandwidth = " + std::to_string(options.bandwidth) + "; expected a finite number > 0");
-    }
+  const bool positive = rules.scale == ScaleRule::kPositiveOne;
+  if (options.scale &&
+      !(std::isfinite(*options.scale) && (!positive || *options.scale > 0))) {
+    fail(function, "scale = " + std::to_string(*options.scale) + "; expected a finite number" +
+                       (positive ? " > 0 for distance scoring" : ""));
   }
 }
 
@@ -216,8 +182,8 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
                            size_t last, const std::vector<int64_t>& query_rows,
                            const StoreAttentionOptions& options) {
   const int64_t nq = queries.size(0), dv = store.value_dim(), k = options.top_k;
-  const bool gaussian = options.scoring == StoreScoring::kGaussian;
-  const KernelQueries q(queries, gaussian ? StoreDtype::kFloat32 : store.dtype());
+  const bool distance = options.scoring == Scoring::kDistance;
+  const KernelQueries q(queries, distance ? StoreDtype::kFloat32 : store.dtype());
   AttentionOptions attention;
   attention.scale = options.scale;
   attention.want_lse = true;
@@ -235,8 +201,8 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
   for_each_chunk(
       store, first, last, query_rows, options.progress, lens,
       [&](const MappedChunk& chunk, const StoreChunk& info, const ValidLens& valid) {
-        std::vector<double> query_terms;  // Gaussian: each query's term of its scores
-        if (gaussian || store.dtype() == StoreDtype::kFloat32) {
+        const int64_t d = store.key_dim();
+        if (distance || store.dtype() == StoreDtype::kFloat32) {
           // Once, unless chunk sizes differ. By shape, not numel: the empty
           // tensor is rank 0 and so has numel 1, as (1, 1, 1) weights do.
           if (k > 0 && result.weights.shape() != Shape{1, nq, info.rows}) {
@@ -244,29 +210,28 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
           }
           AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view()};
           if (k > 0) outputs.weights = result.weights.view();
-          if (gaussian) {
-            const GaussianChunk g(store, chunk, info.rows, queries, options.bandwidth);
-            AttentionOptions with_bias = attention;
-            with_bias.scale = g.scale;
-            with_bias.bias = ConstView<float>(g.key_terms.view());
-            scaled_dot_product_attention(g.queries.view(), g.keys.view(), g.values_view(chunk, dv),
-                                         valid, with_bias, outputs);
-            query_terms = g.query_terms;
+          if (distance) {
+            const bool bf16 = store.dtype() == StoreDtype::kBFloat16;
+            const Tensor<float> keys = bf16 ? widened_chunk(chunk.keys, info.rows, d)
+                                            : Tensor<float>();
+            const Tensor<float> values = bf16 ? widened_chunk(chunk.values, info.rows, dv)
+                                              : Tensor<float>();
+            distance_attention(q.f32.view(),
+                               bf16 ? keys.view() : chunk_view<float>(chunk.keys, info.rows, d),
+                               bf16 ? values.view() : chunk_view<float>(chunk.values, info.rows, dv),
+                               valid, attention, outputs);
           } else {
-            scaled_dot_product_attention(
-                q.f32.view(), chunk_view<float>(chunk.keys, info.rows, store.key_dim()),
-                chunk_view<float>(chunk.values, info.rows, dv), valid, attention, outputs);
+            scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, d),
+                                         chunk_view<float>(chunk.values, info.rows, dv), valid,
+                                         attention, outputs);
           }
         } else {
           result = scaled_dot_product_attention(
-              q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, store.key_dim()),
+              q.bf16.view(), chunk_view<bfloat16>(chunk.keys, info.rows, d),
               chunk_view<bfloat16>(chunk.values, info.rows, dv), valid, attention);
         }
         for (int64_t i = 0; i < nq; ++i) {
           lse_chunk(i) = result.lse(0, i);
-          // The query's own term shifts its scores alike: it leaves the weights
-          // and output be, and enters the lse.
-          if (!query_terms.empty()) lse_chunk(i) += query_terms[static_cast<size_t>(i)];
           for (int64_t j = 0; j < dv; ++j) out_chunk(i, j) = result.output(0, i, j);
         }
         merge_attention(std::vector<ConstView<double>>{part.output.view(), out_chunk.view()},
@@ -337,8 +302,9 @@ StoreAttentionResult finish(const StorePartial& partial, int64_t top_k) {
 void check_store_backward(std::string_view function, ConstView<float> queries,
                           const KeyValueStore& store, const StoreAttentionOptions& options,
                           const SavedForward<float>& saved, ConstView<float> d_output) {
-  if (options.scoring != StoreScoring::kDot) {
-    fail(function, "the backward over a store is for dot scoring; Gaussian scoring has none");
+  if (options.scoring != Scoring::kDotProduct) {
+    fail(function, "the backward over a store is for dot scoring; " +
+                       std::string(rules_of(options.scoring).name) + " scoring has none");
   }
   const Shape out_shape{queries.size(0), store.value_dim()};
   check_shape(function, "saved.output", saved.output, out_shape);

@@ -613,7 +613,12 @@ class AttendTest(CliTest):
         base = ["attend", "--queries", self.save("q.npy", q), "--keys", self.save("k.npy", k),
                 "--values", self.save("v.npy", v), "--out", self.path("o.npy")]
         out = [self.path("o.npy")]
-        self.expect_error("attend", base + ["--scoring", "bilinear"], out, ["--w W.npy"])
+        self.expect_error("attend", base + ["--scoring", "bilinear"], out,
+                          ["--scoring bilinear needs --w (w (Dq, Dk)); missing --w"])
+        self.expect_error("attend", base + ["--scoring", "dot", "--bandwidth", "1"], out,
+                          ["--bandwidth is for --scoring distance"])
+        self.expect_error("attend", base + ["--scoring", "bilinear", "--bandwidth", "1"], out,
+                          ["--bandwidth is for --scoring distance", "bilinear takes no scale"])
         w = self.save("wb.npy", np.zeros((3, 4), np.float32))
         self.expect_error("attend", base + ["--scoring", "dot", "--w", w], out,
                           ["--w is for --scoring bilinear"])
@@ -626,6 +631,14 @@ class AttendTest(CliTest):
                           ["bilinear_attention", "w"])
         self.expect_error("attend", base + ["--scoring", "distance", "--scale", "-1"], out,
                           ["distance_attention", "scale"])
+        # --bandwidth H is distance scoring's scale 1/H^2: the same bits.
+        for h in ("0.5", "3"):
+            self.ok(*base, "--scoring", "distance", "--bandwidth", h, "--lse", self.path("l1.npy"))
+            by_h = np.load(self.path("o.npy")), np.load(self.path("l1.npy"))
+            self.ok(*base, "--scoring", "distance", "--scale", repr(1 / float(h) ** 2), "--lse",
+                    self.path("l2.npy"))
+            for a, b in zip(by_h, (np.load(self.path("o.npy")), np.load(self.path("l2.npy")))):
+                np.testing.assert_array_equal(a, b)
 
     def chapter_inputs(self):
         # d2l 11.3: keys all ones, values arange(40) as (10, 4) in both batch

@@ -358,26 +358,43 @@ class AttendStoreTest(StoreCase):
                     self.assertTrue((ids[i, len(order):] == -1).all())
                     self.assertTrue((tw[i, len(order):] == 0).all())
 
-    def test_gaussian_scoring_against_numpy(self):
-        """Nadaraya-Watson's Gaussian kernel over a store, keys far from the origin."""
+    def test_distance_scoring_against_numpy(self):
+        """Nadaraya-Watson's Gaussian kernel over a store (--scoring distance
+        --bandwidth h, the same as --scale 1/h^2), keys far from the origin;
+        --scoring gaussian, its old name, gives the same bits with a warning."""
         n, d, dv, nq, h = 700, 3, 2, 6, 0.4
         k = (1000 + self.rng.uniform(-1, 1, size=(n, d))).astype(np.float32)
         v = self.rng.normal(size=(n, dv)).astype(np.float32)
         q = (1000 + self.rng.uniform(-1, 1, size=(nq, d))).astype(np.float32)
         store = self.create("g", k, v, "--chunk-rows", 256)
-        self.ok("attend", "--store", store, "--scoring", "gaussian", "--bandwidth", h,
-                "--queries", self.save("q.npy", q), "--out", self.path("o.npy"),
-                "--lse", self.path("lse.npy"), "--top-k", 1, "--top-ids", self.path("ids.npy"))
+        queries = self.save("q.npy", q)
+
+        def attend(name, *scoring, ok=True):
+            paths = [self.path(f"{name}-{part}.npy") for part in ("o", "lse", "ids")]
+            args = ["attend", "--store", store, *scoring, "--queries", queries, "--out", paths[0],
+                    "--lse", paths[1], "--top-k", 1, "--top-ids", paths[2]]
+            r = self.ok(*args) if ok else test_cli.run(*args)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            return r, [np.load(p) for p in paths]
+
+        _, (out, lse, ids) = attend("h", "--scoring", "distance", "--bandwidth", h)
         dist = ((q.astype(np.float64)[:, None, :] - k.astype(np.float64)[None, :, :]) ** 2).sum(-1)
         s = -dist / (2 * h * h)
         m = s.max(axis=1, keepdims=True)
         w = np.exp(s - m)
-        np.testing.assert_allclose(self.load(self.path("o.npy"), np.float32, (nq, dv)),
-                                   (w / w.sum(1, keepdims=True)) @ v, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(self.load(self.path("lse.npy"), np.float32, (nq,)),
-                                   np.log(w.sum(1)) + m[:, 0], rtol=1e-5, atol=1e-4)
-        np.testing.assert_array_equal(self.load(self.path("ids.npy"), np.int64, (nq, 1))[:, 0],
-                                      dist.argmin(axis=1))
+        self.assertEqual((out.dtype, out.shape, lse.shape, ids.shape),
+                         (np.float32, (nq, dv), (nq,), (nq, 1)))
+        np.testing.assert_allclose(out, (w / w.sum(1, keepdims=True)) @ v, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(lse, np.log(w.sum(1)) + m[:, 0], rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(ids[:, 0], dist.argmin(axis=1))
+        _, by_scale = attend("s", "--scoring", "distance", "--scale", repr(1 / (h * h)))
+        r, by_old_name = attend("g", "--scoring", "gaussian", "--bandwidth", h, ok=False)
+        self.assertEqual(r.stderr, "qkv attend: warning: --scoring gaussian is deprecated and goes "
+                                   "in the next release; use --scoring distance (--bandwidth H as "
+                                   "before)\n")
+        for a, b, c in zip((out, lse, ids), by_scale, by_old_name):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)
 
     def test_default_scale_and_output_only(self):
         k = self.rng.normal(size=(50, 4)).astype(np.float32)
@@ -394,14 +411,18 @@ class AttendStoreTest(StoreCase):
         out, ids = self.path("o.npy"), self.path("ids.npy")
         base = ["attend", "--store", store, "--queries", q, "--out", out]
         self.expect_error("attend", base + ["--keys", q], [out], ["--keys", "--store"])
-        self.expect_error("attend", base + ["--scoring", "additive"], [out], ["--store", "dot"])
-        self.expect_error("attend", base + ["--scoring", "gaussian", "--scale", 2], [out],
-                          ["--scale", "--bandwidth"])
-        self.expect_error("attend", base + ["--scoring", "gaussian", "--bandwidth", 0], [out],
-                          ["bandwidth = 0"])
-        self.expect_error("attend", base + ["--bandwidth", 1], [out], ["--bandwidth", "gaussian"])
-        self.expect_error("attend", ["attend", "--scoring", "gaussian", "--queries", q, "--keys", q,
-                                     "--values", q, "--out", out], [out], ["--store", "qkv regress"])
+        for scoring in ("additive", "bilinear"):
+            self.expect_error("attend", base + ["--scoring", scoring], [out],
+                              [f"--scoring {scoring} does not take --store", "dot or distance"])
+        self.expect_error("attend", base + ["--scoring", "distance", "--scale", 2, "--bandwidth", 1],
+                          [out], ["--bandwidth H and --scale S are one setting"])
+        for h in (0, -1, "inf", "1e-300"):
+            self.expect_error("attend", base + ["--scoring", "distance", "--bandwidth", h], [out],
+                              ["--bandwidth", "expected a finite number > 0"])
+        self.expect_error("attend", base + ["--scoring", "distance", "--scale", 0], [out],
+                          ["attend", "scale = 0", "> 0 for distance scoring"])
+        self.expect_error("attend", base + ["--bandwidth", 1], [out],
+                          ["--bandwidth is for --scoring distance", "--scoring dot takes --scale"])
         self.expect_error("attend", base + ["--causal", "--mask", q], [out],
                           ["--causal and --mask", "--store"])
         self.expect_error("attend", base + ["--weights", ids], [out, ids], ["--weights"])

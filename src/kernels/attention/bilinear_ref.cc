@@ -1,7 +1,7 @@
 // Bilinear attention, reference version: every score q_i W k_j formed in
 // double with plain loops (no q W shortcut), any strides; attend_ref.h does
 // the softmax, dropout, pooling and their backward. The fast path (q W, then
-// the fused dot-product kernel: src/attention/attention.cc) is tested against it.
+// the fused dot-product kernel: bilinear_fast.cc) is tested against it.
 #include "kernels/attention/attend_ref.h"
 #include "kernels/kernels.h"
 

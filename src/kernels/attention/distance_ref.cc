@@ -2,7 +2,7 @@
 // formed in double from the differences themselves (never from |q|^2 + |k|^2
 // - 2 q.k), plain loops, any strides; attend_ref.h does the softmax, dropout,
 // pooling and their backward. The fast path (centred dot products with a
-// bias per key through the fused kernel: src/attention/attention.cc) is tested against it.
+// bias per key through the fused kernel: distance_fast.cc) is tested against it.
 #include "kernels/attention/attend_ref.h"
 #include "kernels/kernels.h"
 
