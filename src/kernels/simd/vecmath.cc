@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/simd/exp-inl.h"
+#include "kernels/simd/row_max-inl.h"
 #include "kernels/simd/tail-inl.h"
 #include "kernels/simd/vecmath.h"
 
@@ -26,32 +27,8 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::RowMax;
 using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
-
-template <class T>
-T MaxOf(const T* x, int64_t n_signed, bool* all_finite) {
-  const hn::ScalableTag<T> d;
-  const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
-  const T lowest = -std::numeric_limits<T>::infinity();
-  auto vmax = hn::Set(d, lowest);
-  // x * 0 is 0 for finite x and NaN for NaN or ±inf: one sum catches them all.
-  auto probe = hn::Zero(d);
-  const auto zero = hn::Zero(d);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) {
-    const auto v = hn::LoadU(d, x + i);
-    vmax = hn::Max(vmax, v);
-    probe = hn::MulAdd(v, zero, probe);
-  }
-  if (i < n) {
-    const auto v = LoadTail(d, x + i, n - i, T(0));
-    vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, n - i), v, hn::Set(d, lowest)));
-    probe = hn::MulAdd(v, zero, probe);
-  }
-  const T probe_sum = hn::GetLane(hn::SumOfLanes(d, probe));
-  *all_finite = probe_sum == T(0);
-  return hn::GetLane(hn::MaxOfLanes(d, vmax));
-}
 
 // exp of a shifted score: float rows are a softmax's (x - shift <= ~0), so
 // they take the softmax exp of exp-inl.h; double rows also serve the
@@ -188,9 +165,12 @@ T SoftmaxRowOnce(const T* x, int64_t len_signed, int64_t n_signed, T* w, T* scra
                  bool stream) {
   const hn::ScalableTag<T> d;
   const size_t len = static_cast<size_t>(len_signed), n = static_cast<size_t>(n_signed);
-  bool all_finite = true;
-  const T max = MaxOf(x, len_signed, &all_finite);
-  if (!all_finite) return std::numeric_limits<T>::quiet_NaN();
+  bool nan_or_plus_inf = false;
+  const T max = RowMax(d, x, len, &nan_or_plus_inf);
+  // The caller's exact path takes these rows (NaN, +inf, or every score -inf).
+  if (nan_or_plus_inf || max == -std::numeric_limits<T>::infinity()) {
+    return std::numeric_limits<T>::quiet_NaN();
+  }
   // From here on x and scratch are in L1.
   const T sum = ExpShiftSum<T, true>(x, max, scratch, len_signed);
   const auto inv = hn::Set(d, T(1) / sum);
@@ -245,8 +225,12 @@ void ToFloat(const uint16_t* x, float* out, int64_t n_signed) {
 }
 
 // Non-template entry points, one per type, for HWY_EXPORT.
-float MaxOfF32(const float* x, int64_t n, bool* f) { return MaxOf(x, n, f); }
-double MaxOfF64(const double* x, int64_t n, bool* f) { return MaxOf(x, n, f); }
+float MaxOfF32(const float* x, int64_t n, bool* f) {
+  return RowMax(hn::ScalableTag<float>(), x, static_cast<size_t>(n), f);
+}
+double MaxOfF64(const double* x, int64_t n, bool* f) {
+  return RowMax(hn::ScalableTag<double>(), x, static_cast<size_t>(n), f);
+}
 float ExpShiftSumF32(const float* x, float s, float* o, int64_t n) {
   return ExpShiftSum(x, s, o, n);
 }

@@ -10,10 +10,13 @@
 
 namespace qkv::kernels::fast {
 
-// max of x[0..n); *all_finite is false if any element is NaN or ±inf (then
-// the max is meaningless and the caller takes its careful scalar path).
-float max_of(const float* x, int64_t n, bool* all_finite);
-double max_of(const double* x, int64_t n, bool* all_finite);
+// max of x[0..n) (-inf when n = 0); *nan_or_plus_inf is true if some
+// element is NaN or +inf (then the max is meaningless and the caller takes
+// its exact scalar path). -inf is an ordinary element: its weight is exactly
+// 0 on the fast exp (kernels/simd/row_max-inl.h, the same pass as the online
+// softmax tile's).
+float max_of(const float* x, int64_t n, bool* nan_or_plus_inf);
+double max_of(const double* x, int64_t n, bool* nan_or_plus_inf);
 
 // out[j] = exp(x[j] - shift); returns the sum of out. out may alias x.
 // float: for softmax rows, x[j] - shift <= 0 up to rounding (kernels/simd/exp-inl.h:
@@ -52,7 +55,8 @@ inline void widen_rows(const bfloat16* x, int64_t ld, int64_t rows, int64_t cols
 // j < len, 0 past it. With `stream` the writes bypass the cache
 // (non-temporal stores), which saves reading w's lines before writing them.
 // Returns the log-sum-exp; returns NaN without writing anything when x[0,
-// len) holds NaN or ±inf (the caller applies DESIGN.md §3 then). len >= 1.
+// len) holds NaN or +inf, or only -inf (the caller applies DESIGN.md §3
+// then); a -inf among finite scores gets weight exactly 0 here. len >= 1.
 float softmax_row_once(const float* x, int64_t len, int64_t n, float* w, float* scratch,
                        bool stream);
 double softmax_row_once(const double* x, int64_t len, int64_t n, double* w, double* scratch,

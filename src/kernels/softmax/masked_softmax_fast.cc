@@ -15,7 +15,8 @@
 namespace qkv::kernels::fast {
 namespace {
 
-// The rare rows with non-finite scores, elementwise (w may alias x).
+// The rows the fast path leaves (NaN or +inf among the scores, or only -inf),
+// elementwise (w may alias x).
 template <class T>
 T softmax_row_nonfinite(const T* x, int64_t len, T* w) {
   constexpr T kInf = std::numeric_limits<T>::infinity();
@@ -44,10 +45,12 @@ T softmax_row_impl(const T* x, int64_t len, int64_t n, T* w) {
     for (int64_t j = 0; j < n; ++j) w[j] = T(0);
     return -std::numeric_limits<T>::infinity();
   }
-  bool all_finite = true;
-  const T max = fast::max_of(x, len, &all_finite);
+  bool nan_or_plus_inf = false;
+  const T max = fast::max_of(x, len, &nan_or_plus_inf);
   T lse;
-  if (all_finite) {
+  // -inf scores among finite ones take the fast path (their weights are
+  // exactly 0); a row of only -inf, NaN or +inf takes the exact one.
+  if (!nan_or_plus_inf && max != -std::numeric_limits<T>::infinity()) {
     const T sum = fast::exp_shift_sum(x, max, w, len);
     fast::scale(w, T(1) / sum, len);
     lse = max + std::log(sum);

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kernels/simd/exp-inl.h"
+#include "kernels/simd/row_max-inl.h"
 #include "kernels/softmax/softmax_tile.h"
 #include "kernels/simd/tail-inl.h"
 
@@ -21,6 +22,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using ::qkv::kernels::fast::HWY_NAMESPACE::ExpNonPositive;
 using ::qkv::kernels::fast::HWY_NAMESPACE::LoadTail;
+using ::qkv::kernels::fast::HWY_NAMESPACE::RowMax;
 using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
 
 // bf16 bits of n <= Lanes(d) finite floats v, rounded to nearest even, to out.
@@ -62,31 +64,10 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
       continue;
     }
-    // Pass 1: max, and whether some x is NaN or +inf: not (x < +inf). A -inf
-    // score (a masked key, or a -inf bias) has weight exactly 0 and needs no
-    // exact path. Two max chains and a mask OR, all 1-2 cycles deep: the
-    // earlier probe (x * 0 summed by FMA) made a 4-cycle chain per vector,
-    // 16 % of this function's samples at AVX2.
-    const auto minus_inf = hn::Set(d, -kInf);
-    const auto plus_inf = hn::Set(d, kInf);
-    auto vmax0 = minus_inf, vmax1 = minus_inf;
-    auto bad = hn::FirstN(d, 0);  // no lane yet
-    int64_t j = 0;
-    for (; j + 2 * lanes <= n; j += 2 * lanes) {
-      const auto v0 = hn::LoadU(d, row + j);
-      const auto v1 = hn::LoadU(d, row + j + lanes);
-      vmax0 = hn::Max(vmax0, v0);
-      vmax1 = hn::Max(vmax1, v1);
-      bad = hn::Or(bad, hn::Or(hn::Not(hn::Lt(v0, plus_inf)), hn::Not(hn::Lt(v1, plus_inf))));
-    }
-    for (; j < n; j += lanes) {
-      const size_t count = static_cast<size_t>(std::min(lanes, n - j));
-      const auto v = LoadTail(d, row + j, count, -kInf);
-      vmax0 = hn::Max(vmax0, v);
-      bad = hn::Or(bad, hn::Not(hn::Lt(v, plus_inf)));
-    }
-    const auto vmax = hn::Max(vmax0, vmax1);
-    if (!hn::AllFalse(d, bad)) {
+    // Pass 1: max, and whether some x is NaN or +inf (row_max-inl.h).
+    bool bad = false;
+    const T row_max = RowMax(d, row, static_cast<size_t>(n), &bad);
+    if (bad) {
       special[r] = 1;
       if (row16) {
         ZeroBf16(row16, cols);
@@ -95,7 +76,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
       continue;
     }
-    const T m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    const T m_new = std::max(m[r], row_max);
     if (m_new == -kInf) {  // every score so far is -inf: nothing to add yet
       if (row16) {
         ZeroBf16(row16, cols);
@@ -113,7 +94,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     // AVX-512 one vector a step was 2 % slower.
     const auto shift = hn::Set(d, m_new);
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
-    j = 0;
+    int64_t j = 0;
     if constexpr (hn::MaxLanes(d) * sizeof(T) >= 64) {
       for (; j + 2 * lanes <= n; j += 2 * lanes) {
         const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
