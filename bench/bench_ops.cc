@@ -34,7 +34,7 @@ using qkv::ValidLens;
 // one store per query).
 qkv::AttentionOptions additive_options() {
   qkv::AttentionOptions options;
-  options.want_lse = true;
+  options.return_lse = true;
   return options;
 }
 
@@ -253,7 +253,7 @@ void BM_Sdpa(benchmark::State& state) {
   const Tensor<int64_t> lens = random_lens(batch, n, 5);
   const ValidLens valid_lens = use_lens ? ValidLens(lens) : ValidLens();
   qkv::AttentionOptions options;
-  options.want_lse = backward;
+  options.return_lse = backward;
 
   for (auto _ : state) {
     qkv::AttentionResult<float> result = Version::sdpa(q, k, v, valid_lens, options);

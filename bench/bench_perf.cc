@@ -288,7 +288,7 @@ void heads_attention(const Runner& run, Heads form, bool backward) {
   Tensor<uint8_t> mask;
   Tensor<float> bias;
   qkv::AttentionOptions options;
-  options.want_lse = backward;
+  options.return_lse = backward;
   if (form == Heads::kCausal) options.causal = qkv::Causal::kTopLeft;
   if (form == Heads::kMask) {
     mask = Tensor<uint8_t>({kN, kN});
@@ -408,7 +408,7 @@ void sdpa_forward_backward(const Runner& run, int64_t batch,
   const Lens lens = make_lens(lens_values);
   const ValidLens valid_lens = lens.valid();
   qkv::AttentionOptions options;
-  options.want_lse = true;
+  options.return_lse = true;
   auto call = [&] {
     const qkv::AttentionResult<float> r =
         qkv::scaled_dot_product_attention(q, k, v, valid_lens, options);
@@ -445,7 +445,7 @@ void additive(const Runner& run, int64_t batch, int64_t n,
   const Tensor<float> w_v = linear_weight({1, kHidden}, kHidden, 7);
   const ValidLens no_lens;
   qkv::AttentionOptions options;
-  options.want_lse = backward;
+  options.return_lse = backward;
   auto call = [&] {
     const qkv::AttentionResult<float> r =
         qkv::additive_attention(q, k, v, {w_q, w_k, w_v}, no_lens, options);

@@ -139,7 +139,7 @@ double in_memory_seconds(const qkv::KeyValueStore& store, const qkv::Tensor<floa
   const qkv::Tensor<float> keys = random_rows(6, 0, n), values = random_rows(7, 0, n);
   const qkv::ConstView<float> q3 = queries.view().unsqueeze0();
   qkv::AttentionOptions options;
-  options.want_lse = true;
+  options.return_lse = true;
   std::vector<double> seconds;
   if (store.dtype() == qkv::StoreDtype::kFloat32) {
     qkv::Tensor<float> out(qkv::Shape{1, nq, kDim}), lse(qkv::Shape{1, nq});

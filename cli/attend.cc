@@ -240,11 +240,11 @@ std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules
   const auto as_batch = [&](size_t i) { return batch_view(in(i), batched); };
   AttentionOptions options;
   options.scale = scale_of(args);
-  options.dropout = args.dropout;
+  options.dropout_p = args.dropout;
   options.training = args.train;
   options.seed = args.seed;
-  options.want_weights = !args.weights.empty();
-  options.want_lse = !args.lse.empty();
+  options.return_weights = !args.weights.empty();
+  options.return_lse = !args.lse.empty();
   if (args.causal == "top-left") options.causal = Causal::kTopLeft;
   if (args.causal == "bottom-right") options.causal = Causal::kBottomRight;
   if (!masks.mask.empty()) options.mask = masks.mask.view();
@@ -283,8 +283,8 @@ std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules
   };
   std::vector<OutputFile> files;
   files.push_back({"--out", args.out, bytes(result.output)});
-  if (options.want_weights) files.push_back({"--weights", args.weights, bytes(result.weights)});
-  if (options.want_lse) files.push_back({"--lse", args.lse, bytes(result.lse)});
+  if (options.return_weights) files.push_back({"--weights", args.weights, bytes(result.weights)});
+  if (options.return_lse) files.push_back({"--lse", args.lse, bytes(result.lse)});
   return files;
 }
 

@@ -66,17 +66,17 @@ struct Case {
   std::optional<double> scale;
   double dropout = 0.0;
   bool training = false;
-  bool want_weights = true, want_lse = true;
+  bool return_weights = true, return_lse = true;
   Layout layout = Layout::kContiguous;
 
   AttentionOptions options(uint64_t seed) const {
     AttentionOptions o;
     o.scale = scale;
-    o.dropout = dropout;
+    o.dropout_p = dropout;
     o.training = training;
     o.seed = seed;
-    o.want_weights = want_weights;
-    o.want_lse = want_lse;
+    o.return_weights = return_weights;
+    o.return_lse = return_lse;
     return o;
   }
   // Everything but the sizes (the traits' describe() adds those).
@@ -84,8 +84,8 @@ struct Case {
     std::ostringstream os;
     os << to_string(lens_form) << (lens32 ? " int32" : " int64");
     if (scale) os << ", scale " << *scale;
-    os << ", dropout " << dropout << (training ? " training" : " eval") << ", want_weights "
-       << want_weights << ", want_lse " << want_lse << ", " << to_string(layout);
+    os << ", dropout " << dropout << (training ? " training" : " eval") << ", return_weights "
+       << return_weights << ", return_lse " << return_lse << ", " << to_string(layout);
     return os.str();
   }
 };
@@ -276,7 +276,7 @@ struct SdpaScoring {
     return opt.scale.value_or(1.0 / std::sqrt(double(a.q.size(2))));
   }
   static NaiveDropout naive_dropout(const AttentionOptions& opt) {
-    return {opt.dropout, opt.training, opt.seed};
+    return {opt.dropout_p, opt.training, opt.seed};
   }
 };
 
@@ -398,7 +398,7 @@ struct AdditiveScoring {
     return out;
   }
   static NaiveDropout naive_dropout(const AttentionOptions& opt) {
-    return {opt.dropout, opt.training, opt.seed};
+    return {opt.dropout_p, opt.training, opt.seed};
   }
 };
 
@@ -510,7 +510,7 @@ struct BilinearScoring {
     return out;
   }
   static NaiveDropout naive_dropout(const AttentionOptions& opt) {
-    return {opt.dropout, opt.training, opt.seed};
+    return {opt.dropout_p, opt.training, opt.seed};
   }
 };
 
@@ -606,7 +606,7 @@ struct DistanceScoring {
     return out;
   }
   static NaiveDropout naive_dropout(const AttentionOptions& opt) {
-    return {opt.dropout, opt.training, opt.seed};
+    return {opt.dropout_p, opt.training, opt.seed};
   }
 };
 
@@ -721,15 +721,15 @@ void check_forward(Rng& rng, const Case& c, double lo = -1.0, double hi = 1.0,
   const Tensor<double> loop_lse = as_tensor({c.batch, c.nq}, loop.lse);
 
   ASSERT_EQ(fast.output.shape(), Shape({c.batch, c.nq, c.dv}));
-  if (c.want_weights) {
+  if (c.return_weights) {
     ASSERT_EQ(fast.weights.shape(), Shape({c.batch, c.nq, c.nk}));
   } else {
-    EXPECT_TRUE(fast.weights.empty()) << "weights returned although want_weights is off";
+    EXPECT_TRUE(fast.weights.empty()) << "weights returned although return_weights is off";
   }
-  if (c.want_lse) {
+  if (c.return_lse) {
     ASSERT_EQ(fast.lse.shape(), Shape({c.batch, c.nq}));
   } else {
-    EXPECT_TRUE(fast.lse.empty()) << "lse returned although want_lse is off";
+    EXPECT_TRUE(fast.lse.empty()) << "lse returned although return_lse is off";
   }
   // The reference returns weights and lse whatever the flags say.
   ASSERT_EQ(ref.weights.shape(), Shape({c.batch, c.nq, c.nk}));
@@ -738,8 +738,8 @@ void check_forward(Rng& rng, const Case& c, double lo = -1.0, double hi = 1.0,
   ASSERT_EQ(ref_t.lse.shape(), Shape({c.batch, c.nq}));
 
   expect_close(fast.output, ref.output, tol.out, "fast output vs ref", "b q d");
-  if (c.want_weights) expect_close(fast.weights, ref.weights, tol.weights, "fast weights vs ref");
-  if (c.want_lse) expect_close(fast.lse, ref.lse, tol.lse, "fast lse vs ref", "b q");
+  if (c.return_weights) expect_close(fast.weights, ref.weights, tol.weights, "fast weights vs ref");
+  if (c.return_lse) expect_close(fast.lse, ref.lse, tol.lse, "fast lse vs ref", "b q");
 
   expect_close(ref.output, loop_out, tol_double.out, "ref output vs loop", "b q d");
   expect_close(ref.weights, loop_w, tol_double.weights, "ref weights vs loop");

@@ -67,8 +67,8 @@ TYPED_TEST(Additive, ZeroHiddenSize) {
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   AttentionOptions opt;
-  opt.want_weights = true;
-  opt.want_lse = true;
+  opt.return_weights = true;
+  opt.return_lse = true;
   for (const bool use_ref : {false, true}) {
     SCOPED_TRACE(use_ref ? "ref" : "fast");
     const Tensor<T> q = random_tensor<T>(rng, {2, 3, 4}), k = random_tensor<T>(rng, {2, 5, 2}),
@@ -289,7 +289,7 @@ TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
       {1, 1, 1, 1}, {2, 5, 17, 13}, {3, 65, 37, 17}, {1, 70, 100, 7}, {2, 3, 130, 16}};
   int n = 0;
   for (const Dims& s : shapes) {
-    for (const bool want_weights : {false, true}) {
+    for (const bool return_weights : {false, true}) {
       for (const double dropout : {0.0, 0.3}) {
         Case c;
         c.batch = s.batch;
@@ -302,7 +302,7 @@ TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
         c.lens_form = static_cast<LensForm>(n % 3);
         c.dropout = dropout;
         c.training = dropout > 0.0;
-        c.want_weights = want_weights;
+        c.return_weights = return_weights;
         ++n;
         SCOPED_TRACE(AdditiveScoring::describe(c));
         const Inputs<AdditiveScoring, T> in(rng, c);
@@ -326,7 +326,7 @@ TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
           Tensor<T> out(Shape{c.batch, c.nq, c.dv}, t_nan), lse(Shape{c.batch, c.nq}, t_nan);
           Tensor<T> weights(Shape{c.batch, c.nq, c.nk}, t_nan);
           const kernels::ForwardViews<T> views{
-              out.view(), want_weights ? weights.view() : TensorView<T>(), lse.view()};
+              out.view(), return_weights ? weights.view() : TensorView<T>(), lse.view()};
           run_guarded(kernels::fast::additive_workspace_size<T>(in.q, in.k, in.v, params, config,
                                                                 views, threads),
                       threads, [&](kernels::Workspace ws) {
@@ -337,7 +337,7 @@ TYPED_TEST(Additive, WorkspaceSizeIsHonoured) {
           EXPECT_TRUE(bitwise_equal(out, pub.output, "output vs the public call", "b q d"));
           expect_close(out, ref.output, kTol<T>.out, "output", "b q d");
           expect_close(lse, ref.lse, kTol<T>.lse, "lse", "b q");
-          if (want_weights) {
+          if (return_weights) {
             EXPECT_TRUE(bitwise_equal(weights, pub.weights, "weights vs the public call", "b q k"));
             expect_close(weights, ref.weights, kTol<T>.weights, "weights", "b q k");
           }
@@ -445,7 +445,7 @@ TYPED_TEST(Additive, NaNKeySeenByOneQueryOnly) {
   Tensor<T> k_nan = k;
   for (int64_t d = 0; d < dk; ++d) k_nan(0, 30, d) = std::numeric_limits<T>::quiet_NaN();
   AttentionOptions opt;
-  opt.want_lse = true;
+  opt.return_lse = true;
   const ValidLens vl(lens);
   const AttentionResult<T> clean = additive_attention(q, k, v, {w_q, w_k, w_v}, vl, opt);
   const AttentionResult<T> dirty = additive_attention(q, k_nan, v, {w_q, w_k, w_v}, vl, opt);

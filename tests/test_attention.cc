@@ -92,9 +92,9 @@ TYPED_TEST_P(AttentionContract, ChapterExample) {
     const Tensor<int64_t> lens64(Shape{2}, std::vector<int64_t>{2, 6});
     const ValidLens lens = use32 ? ValidLens(lens32) : ValidLens(lens64);
     AttentionOptions opt;
-    opt.want_weights = true;
-    opt.want_lse = true;
-    opt.dropout = Op::kChapterDropout;  // as the chapter's module, in eval mode
+    opt.return_weights = true;
+    opt.return_lse = true;
+    opt.dropout_p = Op::kChapterDropout;  // as the chapter's module, in eval mode
     opt.training = false;
     // All valid scores of a row equal its score s, so lse = s + log L: the
     // plain loop's lse.
@@ -214,8 +214,8 @@ TYPED_TEST_P(AttentionContract, MaskedKeysAreNeverRead) {
 TYPED_TEST_P(AttentionContract, ZeroSizes) {
   QKV_CONTRACT_PROLOGUE();
   AttentionOptions opt;
-  opt.want_weights = true;
-  opt.want_lse = true;
+  opt.return_weights = true;
+  opt.return_lse = true;
   for (const bool use_ref : {false, true}) {
     SCOPED_TRACE(use_ref ? "ref" : "fast");
     auto attend = [&](const Args<T>& a) {
@@ -307,7 +307,7 @@ TYPED_TEST_P(AttentionContract, DropoutOnlyWhenTraining) {
   const AttentionOptions plain = c.options(rng.next());
   auto run = [&](double p, bool training, uint64_t s) {
     AttentionOptions o = plain;
-    o.dropout = p;
+    o.dropout_p = p;
     o.training = training;
     o.seed = s;
     return Op::forward(in.views, lens, o);
@@ -375,8 +375,8 @@ TYPED_TEST_P(AttentionContract, WriteIntoCallerBuffers) {
     const ValidLens lens = in.valid_lens();
     AttentionOptions opt = c.options(rng.next());
     // The flags are ignored in favour of the buffers given.
-    opt.want_weights = !give_w;
-    opt.want_lse = !give_lse;
+    opt.return_weights = !give_w;
+    opt.return_lse = !give_lse;
     // Each destination sits inside a bigger buffer whose guard elements must
     // stay untouched.
     const int64_t guard = 5;
@@ -430,7 +430,7 @@ TYPED_TEST_P(AttentionContract, LseMergesDisjointKeySets) {
     const int64_t sizes[2] = {n1, c.nk - n1};
     const int64_t key_dim = in.k.size(2);
     AttentionOptions opt;
-    opt.want_lse = true;
+    opt.return_lse = true;
     AttentionResult<T> part[2];
     for (int s = 0; s < 2; ++s) {
       Tensor<T> ks(Shape{c.batch, sizes[s], key_dim}), vs(Shape{c.batch, sizes[s], c.dv});
@@ -638,7 +638,7 @@ TYPED_TEST_P(AttentionErrors, DropoutProbability) {
   for (const double p : {-0.1, -0.5, 1.01, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
     SCOPED_TRACE("p = " + std::to_string(p));
     AttentionOptions opt;
-    opt.dropout = p;
+    opt.dropout_p = p;
     opt.training = true;
     expect_forward_error<Op>(f.in.args(), {}, opt, {Op::kFunction, "dropout"});
     expect_error([&] { Op::backward(f.in.args(), {}, opt, {f.out, f.lse}, f.d_out); },
@@ -838,7 +838,7 @@ std::vector<Case> SdpaScoring::shape_sweep(Rng& rng) {
       cases.push_back({.batch = n % 3 == 0 ? 1 : 2, .nq = kSizes[ia], .nk = kSizes[ib],
                        .dq = kSdpaDims[(ia + ib) % 5], .dv = kSdpaValueDims[(2 * ia + ib) % 5],
                        .lens_form = kAllLensForms[(ia + 2 * ib) % 3], .lens32 = n % 2 == 1,
-                       .want_weights = n % 4 < 2, .want_lse = n % 2 == 0});
+                       .return_weights = n % 4 < 2, .return_lse = n % 2 == 0});
       if (n % 5 == 2) cases.back().scale = rng.uniform(0.05, 2.0);
     }
   }
@@ -859,7 +859,7 @@ std::vector<Case> SdpaScoring::dropout_cases() {
     for (const int64_t nk : {1, 17, 65, 129}) {
       cases.push_back({.nq = kSizes[n % 7], .nk = nk, .dq = kSdpaDims[n % 5],
                        .dv = kSdpaValueDims[n % 5], .lens_form = kAllLensForms[n % 3],
-                       .dropout = p, .training = true, .want_weights = n % 2 == 0});
+                       .dropout = p, .training = true, .return_weights = n % 2 == 0});
       if (n % 3 == 1) cases.back().scale = 0.8;
       ++n;
     }
@@ -949,7 +949,7 @@ std::vector<Case> AdditiveScoring::shape_sweep(Rng&) {
                        .dv = kAdditiveValueDims[(ia + 2 * ib) % 5],
                        .hidden = kHidden[(ia + 3 * ib) % 5], .wv_row = n % 2 == 0,
                        .lens_form = kAllLensForms[(ia + 2 * ib) % 3], .lens32 = n % 4 == 1,
-                       .want_weights = n % 4 < 2, .want_lse = n % 2 == 1});
+                       .return_weights = n % 4 < 2, .return_lse = n % 2 == 1});
     }
   }
   return cases;

@@ -40,8 +40,8 @@ TYPED_TEST(Bilinear, IdentityIsDotProductAttention) {
   const Tensor<int64_t> lens(Shape{2, 9}, std::vector<int64_t>{0, 1, 5, 17, 64, 65, 70, 3, 2, 70,
                                                                69, 33, 1, 0, 8, 9, 10, 11});
   AttentionOptions opt;
-  opt.want_weights = opt.want_lse = true;
-  opt.dropout = 0.3;
+  opt.return_weights = opt.return_lse = true;
+  opt.dropout_p = 0.3;
   opt.training = true;
   opt.seed = rng.next();
   const AttentionResult<T> got = bilinear_attention(q, k, v, eye, lens, opt);

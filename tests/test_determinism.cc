@@ -216,10 +216,10 @@ TYPED_TEST(Determinism, ScaledDotProductAttention) {
     for (bool training : {false, true}) {
       AttentionOptions options;
       options.training = training;
-      options.dropout = training ? 0.2 : 0.0;
+      options.dropout_p = training ? 0.2 : 0.0;
       options.seed = rng.next();
-      options.want_weights = true;
-      options.want_lse = true;
+      options.return_weights = true;
+      options.return_lse = true;
       SCOPED_TRACE(std::string(to_string(lens.form)) + (training ? ", dropout 0.2" : ", eval"));
       expect_thread_independent<T>([&] {
         Named<T> out;
@@ -228,8 +228,8 @@ TYPED_TEST(Determinism, ScaledDotProductAttention) {
             q, k, v, lens.view(), options, {r.output, r.lse}, d_out);
         // The fused path that forms no weights.
         AttentionOptions fused = options;
-        fused.want_weights = false;
-        fused.want_lse = false;
+        fused.return_weights = false;
+        fused.return_lse = false;
         out.emplace_back("output (fused)",
                          scaled_dot_product_attention(q, k, v, lens.view(), fused).output);
         out.emplace_back("output", std::move(r.output));
@@ -259,10 +259,10 @@ TEST(Determinism, AdditiveAttention) {
   for (const Lens& lens : all_lens(rng, kBatch, kQueries, kKeys)) {
     AttentionOptions options;
     options.training = true;
-    options.dropout = 0.1;
+    options.dropout_p = 0.1;
     options.seed = rng.next();
-    options.want_weights = true;
-    options.want_lse = true;
+    options.return_weights = true;
+    options.return_lse = true;
     SCOPED_TRACE(to_string(lens.form));
     expect_thread_independent<float>([&] {
       Named<float> out;
@@ -306,9 +306,9 @@ TYPED_TEST(Determinism, DotProductDropoutMaskIsDropoutKeep) {
     for (double p : {0.1, 0.5}) {
       AttentionOptions options;
       options.training = true;
-      options.dropout = p;
+      options.dropout_p = p;
       options.seed = rng.next();
-      options.want_weights = true;
+      options.return_weights = true;
       SCOPED_TRACE(std::string(to_string(lens.form)) + ", p = " + std::to_string(p) +
                    ", dropout seed " + std::to_string(options.seed));
       const AttentionResult<T> ref_r =
@@ -346,9 +346,9 @@ TEST(Determinism, AdditiveDropoutMaskIsDropoutKeep) {
   for (const Lens& lens : all_lens(rng, batch, num_queries, num_keys)) {
     AttentionOptions options;
     options.training = true;
-    options.dropout = 0.4;
+    options.dropout_p = 0.4;
     options.seed = rng.next();
-    options.want_weights = true;
+    options.return_weights = true;
     SCOPED_TRACE(std::string(to_string(lens.form)) + ", dropout seed " +
                  std::to_string(options.seed));
     const AttentionResult<double> ref_r =

@@ -89,7 +89,7 @@ TEST(DistanceFarFromOrigin, UncentredDotFormFails) {
   const Tensor<float> k = far_tensor<float>(rng, {batch, nk, d}, 1000.0);
   const Tensor<float> v = random_tensor<float>(rng, {batch, nk, 3});
   AttentionOptions opt;
-  opt.want_weights = true;
+  opt.return_weights = true;
   const NaiveForward loop = naive_distance<float>(q, k, v, {}, 1.0, {});
   const Tensor<double> want = as_tensor({batch, nq, nk}, loop.weights);
 

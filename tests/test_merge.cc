@@ -107,7 +107,7 @@ template <class T>
 Parts<T> attend_parts(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                       const Tensor<int64_t>& lens, const std::vector<int64_t>& cuts, int key_axis) {
   AttentionOptions options;
-  options.want_lse = true;
+  options.return_lse = true;
   Parts<T> parts;
   for (size_t s = 0; s + 1 < cuts.size(); ++s) {
     const int64_t a = cuts[s], b = cuts[s + 1];
@@ -195,7 +195,7 @@ TYPED_TEST(Merge, SplitAttentionEqualsWholeAttention) {
       SCOPED_TRACE("queries " + q_shape.str() + ", keys " + k_shape.str() + ", " + to_string(form) +
                    ", " + std::to_string(parts) + " parts");
       AttentionOptions options;
-      options.want_lse = true;
+      options.return_lse = true;
       const AttentionResult<T> whole =
           scaled_dot_product_attention(q, k, v, as_valid_lens(lens), options);
       const Parts<T> split = attend_parts(q, k, v, lens, cuts, key_axis);
@@ -230,7 +230,7 @@ TYPED_TEST(Merge, BackwardOfASplitKeySetThroughTheMergedResult) {
                    " Nk=" + std::to_string(nk) + ", " + to_string(form) + ", " +
                    std::to_string(parts) + " parts");
       AttentionOptions options;
-      options.want_lse = true;
+      options.return_lse = true;
       const AttentionResult<T> whole =
           scaled_dot_product_attention(q, k, v, as_valid_lens(lens), options);
       const DotProductGrads<T> want = scaled_dot_product_attention_backward(

@@ -124,11 +124,11 @@ struct Problem {
 
 AttentionOptions options(double dropout, bool training, uint64_t seed) {
   AttentionOptions o;
-  o.dropout = dropout;
+  o.dropout_p = dropout;
   o.training = training;
   o.seed = seed;
-  o.want_weights = true;
-  o.want_lse = true;
+  o.return_weights = true;
+  o.return_lse = true;
   return o;
 }
 
@@ -614,7 +614,7 @@ void check_mha(Rng& rng, const MhaCase& c) {
         lens3.data()[bh * (per_query ? c.nq : 1) + i] = lens.at(bh / c.heads, i, c.nk);
   }
   AttentionOptions o;
-  o.dropout = c.dropout;
+  o.dropout_p = c.dropout;
   o.training = true;
   o.seed = module_seed;  // the first training forward's mask
   o.causal = c.causal;

@@ -39,8 +39,8 @@ TYPED_TEST(Sdpa, ZeroFeatureSize) {
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   AttentionOptions opt;
-  opt.want_weights = true;
-  opt.want_lse = true;
+  opt.return_weights = true;
+  opt.return_lse = true;
   for (const bool use_ref : {false, true}) {
     SCOPED_TRACE(use_ref ? "ref" : "fast");
     auto attend = [&](const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
@@ -172,7 +172,7 @@ TEST(SdpaGradient, JacobianIsKeyCovariance) {
     const Tensor<double> query = random_tensor<double>(rng, {1, 1, dim});
     AttentionOptions opt;
     opt.scale = 1.0;
-    opt.want_lse = true;
+    opt.return_lse = true;
 
     // Cov_p[k] in a plain loop.
     std::vector<double> p(static_cast<size_t>(nk));
@@ -248,7 +248,7 @@ TEST(SdpaGradient, LseGradient) {
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   AttentionOptions opt;
-  opt.want_lse = true;
+  opt.return_lse = true;
   for (const auto& [nq, nk, dim] : {std::tuple<int64_t, int64_t, int64_t>{3, 5, 4}, {5, 300, 8}}) {
     SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk));
     const Tensor<double> q = random_tensor<double>(rng, {2, nq, dim}, -2, 2);

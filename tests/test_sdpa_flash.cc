@@ -39,14 +39,14 @@ struct FlashCase {
   LensForm lens_form;
   Trend trend;
   double dropout;  // with training on
-  bool want_weights;
+  bool return_weights;
 };
 
 std::string describe(const FlashCase& c) {
   std::ostringstream os;
   os << "B=" << c.batch << " Nq=" << c.nq << " Nk=" << c.nk << " D=" << c.dim << " Dv=" << c.dv
      << " lens=" << c.lens_form << " trend=" << static_cast<int>(c.trend)
-     << " dropout=" << c.dropout << " weights=" << c.want_weights;
+     << " dropout=" << c.dropout << " weights=" << c.return_weights;
   return os.str();
 }
 
@@ -79,11 +79,11 @@ FlashInputs<T> make_inputs(Rng& rng, const FlashCase& c) {
 
 AttentionOptions options_for(const FlashCase& c, uint64_t seed) {
   AttentionOptions o;
-  o.dropout = c.dropout;
+  o.dropout_p = c.dropout;
   o.training = c.dropout > 0.0;
   o.seed = seed;
-  o.want_weights = c.want_weights;
-  o.want_lse = true;
+  o.return_weights = c.return_weights;
+  o.return_lse = true;
   return o;
 }
 
@@ -103,7 +103,7 @@ std::vector<FlashCase> flash_cases() {
       c.lens_form = form;
       c.trend = trend;
       c.dropout = n % 4 == 3 ? 0.3 : 0.0;
-      c.want_weights = n % 3 == 2;
+      c.return_weights = n % 3 == 2;
       cases.push_back(c);
       ++n;
     }
@@ -126,7 +126,7 @@ void expect_cases_match_ref(Rng& rng, const std::vector<FlashCase>& cases) {
         !expect_close(fast.lse, ref.lse, tol_for<T>(kSdpaLse, kSdpaLseDouble), "lse")) {
       return;
     }
-    if (c.want_weights &&
+    if (c.return_weights &&
         !expect_close(fast.weights, ref.weights, tol_for<T>(kSoftmax, kSoftmaxDouble), "weights")) {
       return;
     }
@@ -198,8 +198,8 @@ TYPED_TEST(Flash, NonFiniteRowsInLongSequences) {
     q(0, 1, 0) = T(0);
     q(0, 2, 0) = T(-0.5);
     AttentionOptions o;
-    o.want_lse = true;
-    o.want_weights = shape.weights;
+    o.return_lse = true;
+    o.return_weights = shape.weights;
     const AttentionResult<T> fast = scaled_dot_product_attention(q, k, v, {}, o);
     const AttentionResult<T> ref = ref::scaled_dot_product_attention(q, k, v, {}, o);
     int nan_rows = 0;
@@ -285,9 +285,9 @@ TYPED_TEST(Flash, CausalIsTheLengthsItImplies) {
     const OwnedLens given = make_lens(rng, c.lens_form, rng.bernoulli(0.5), c.batch, c.nq, c.nk);
     const Tensor<int64_t> explicit_lens = causal_lengths(given, c.causal, c.batch, c.nq, c.nk);
     AttentionOptions o;
-    o.want_lse = true;
+    o.return_lse = true;
     o.training = c.dropout > 0.0;
-    o.dropout = c.dropout;
+    o.dropout_p = c.dropout;
     o.seed = rng.next();
     AttentionOptions o_causal = o;
     o_causal.causal = c.causal;
@@ -336,7 +336,7 @@ TYPED_TEST(Flash, CausalCornersAndEmptyRows) {
     const Tensor<T> v = random_tensor<T>(rng, {1, 6, 3});
     AttentionOptions o;
     o.causal = Causal::kTopLeft;
-    o.want_weights = true;
+    o.return_weights = true;
     const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, {}, o);
     for (int64_t i = 0; i < 6; ++i) {
       for (int64_t j = i + 1; j < 6; ++j) EXPECT_EQ(r.weights(0, i, j), T(0)) << i << "," << j;
@@ -350,7 +350,7 @@ TYPED_TEST(Flash, CausalCornersAndEmptyRows) {
     const Tensor<T> v = random_tensor<T>(rng, {2, nk, 5});
     AttentionOptions o;
     o.causal = Causal::kBottomRight;
-    o.want_lse = true;
+    o.return_lse = true;
     const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, {}, o);
     const DotProductGrads<T> g = scaled_dot_product_attention_backward(
         q, k, v, {}, o, {r.output, r.lse}, random_tensor<T>(rng, {2, nq, 5}));
@@ -392,9 +392,9 @@ TYPED_TEST(Flash, SameBitsForAnyThreadCount) {
   const Tensor<T> d_out = random_tensor<T>(rng, {1, 600, 16});
   const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, false, 1, 600, 900, 0.05);
   AttentionOptions o;
-  o.want_lse = true;
+  o.return_lse = true;
   o.training = true;
-  o.dropout = 0.25;
+  o.dropout_p = 0.25;
   o.seed = rng.next();
   expect_same_for_thread_counts([&] {
     const AttentionResult<T> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
@@ -482,7 +482,7 @@ double max_abs(const Tensor<float>& x) {
 // (A flat 4e-3 max|v| was below this bound with dropout 0.3, 5.6e-3 max|v|,
 // and a CI run on 2026-11-25 failed there.)
 Tol bf16_output_tol(const Tensor<float>& values, const AttentionOptions& o) {
-  const double p = o.training ? o.dropout : 0.0;
+  const double p = o.training ? o.dropout_p : 0.0;
   return Tol{.atol = (0x1p-8 / (1.0 - p) + 1e-5) * max_abs(values), .rtol = 0};
 }
 
@@ -503,7 +503,7 @@ GradTermSizes bf16_grad_term_sizes(const Tensor<float>& weights, const Tensor<fl
                                    const Tensor<float>& k, const Tensor<float>& v,
                                    const Tensor<float>& d_out, const AttentionOptions& o) {
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), d = q.size(2), dv = v.size(2);
-  const double inv_keep = 1.0 / (1.0 - (o.training ? o.dropout : 0.0));
+  const double inv_keep = 1.0 / (1.0 - (o.training ? o.dropout_p : 0.0));
   const double scale = o.scale ? std::abs(*o.scale) : 1.0 / std::sqrt(static_cast<double>(d));
   GradTermSizes sizes;
   std::vector<double> e(nk), dq(d);
@@ -579,7 +579,7 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
         !expect_close(fast.lse, ref.lse, kSdpaLse, "lse")) {
       return;
     }
-    if (c.want_weights && !expect_close(fast.weights, ref.weights, kSoftmax, "weights")) return;
+    if (c.return_weights && !expect_close(fast.weights, ref.weights, kSoftmax, "weights")) return;
 
     // Gradients (random cases only: the trend cases' large key feature makes
     // the terms, and so the rounding errors, dwarf the gradients).
@@ -608,7 +608,7 @@ TEST(FlashBf16, SameBitsForAnyThreadCount) {
   const Tensor<float> d_out = random_tensor<float>(rng, {1, 400, 64});
   const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, true, 1, 400, 700, 0.05);
   AttentionOptions o;
-  o.want_lse = true;
+  o.return_lse = true;
   expect_same_for_thread_counts([&] {
     const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
     DotProductGrads<float> g =
@@ -688,11 +688,11 @@ struct KernelRun {
 template <class In>
 KernelRun<In> run_kernels(const Tensor<In>& q, const Tensor<In>& k, const Tensor<In>& v,
                           const Tensor<AccOf<In>>& d_out, const kernels::AttentionConfig& config,
-                          bool want_weights, int slots) {
+                          bool return_weights, int slots) {
   using Acc = AccOf<In>;
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), dv = v.size(2);
   KernelRun<In> r{Tensor<Acc>(Shape{batch, nq, dv}),
-                  want_weights ? Tensor<Acc>(Shape{batch, nq, nk}) : Tensor<Acc>(),
+                  return_weights ? Tensor<Acc>(Shape{batch, nq, nk}) : Tensor<Acc>(),
                   Tensor<Acc>(Shape{batch, nq}),
                   Tensor<Acc>(q.shape()),
                   Tensor<Acc>(k.shape()),
@@ -700,7 +700,7 @@ KernelRun<In> run_kernels(const Tensor<In>& q, const Tensor<In>& k, const Tensor
   using kernels::as_heads;
   const ConstView<In> qh = as_heads(q.view()), kh = as_heads(k.view()), vh = as_heads(v.view());
   const kernels::ForwardViews<Acc> out{
-      as_heads(r.output.view()), want_weights ? r.weights.view() : TensorView<Acc>(),
+      as_heads(r.output.view()), return_weights ? r.weights.view() : TensorView<Acc>(),
       r.lse.view()};
   GuardedWorkspace fwd(kernels::fast::sdpa_workspace_size(qh, kh, vh, config, out, slots));
   kernels::fast::sdpa(qh, kh, vh, config, out, {.data = fwd.data(), .num_threads = slots});
@@ -752,12 +752,12 @@ void check_workspace_contract(Rng& rng) {
     o.scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
     const kernels::AttentionConfig config{
         .valid_lens = valid, .scale = *o.scale, .dropout = c.dropout, .seed = o.seed};
-    const KernelRun<In> one = run_kernels(q, k, v, d_out, config, c.want_weights, 1);
-    const KernelRun<In> three = run_kernels(q, k, v, d_out, config, c.want_weights, 3);
+    const KernelRun<In> one = run_kernels(q, k, v, d_out, config, c.return_weights, 1);
+    const KernelRun<In> three = run_kernels(q, k, v, d_out, config, c.return_weights, 3);
     if (::testing::Test::HasFatalFailure()) return;
     expect_bitwise_equal(three.output, one.output, "output, 3 slots vs 1");
     expect_bitwise_equal(three.lse, one.lse, "lse, 3 slots vs 1");
-    if (c.want_weights) expect_bitwise_equal(three.weights, one.weights, "weights, 3 slots vs 1");
+    if (c.return_weights) expect_bitwise_equal(three.weights, one.weights, "weights, 3 slots vs 1");
     expect_bitwise_equal(three.d_queries, one.d_queries, "d_queries, 3 slots vs 1");
     expect_bitwise_equal(three.d_keys, one.d_keys, "d_keys, 3 slots vs 1");
     expect_bitwise_equal(three.d_values, one.d_values, "d_values, 3 slots vs 1");
@@ -778,7 +778,7 @@ void check_workspace_contract(Rng& rng) {
           scaled_dot_product_attention_backward(q, k, v, valid, o, {api.output, api.lse}, d_out);
       expect_bitwise_equal(one.output, api.output, "output vs the public API");
       expect_bitwise_equal(one.lse, api.lse, "lse vs the public API");
-      if (c.want_weights)
+      if (c.return_weights)
         expect_bitwise_equal(one.weights, api.weights, "weights vs the public API");
       expect_bitwise_equal(one.d_queries, g.d_queries, "d_queries vs the public API");
       expect_bitwise_equal(one.d_keys, g.d_keys, "d_keys vs the public API");
@@ -818,7 +818,7 @@ TEST(FlashCausal, Bf16AndAdditiveAreTheLengthsTheyImply) {
       const OwnedLens given = make_lens(rng, LensForm::kPerBatch, false, batch, nq, nk);
       const Tensor<int64_t> explicit_lens = causal_lengths(given, causal, batch, nq, nk);
       AttentionOptions o;
-      o.want_lse = true;
+      o.return_lse = true;
       AttentionOptions o_causal = o;
       o_causal.causal = causal;
       const Tensor<bfloat16> qb = to_bf16(random_tensor<float>(rng, {batch, nq, 64}));

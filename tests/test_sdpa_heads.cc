@@ -187,11 +187,11 @@ HeadsProblem<T> make_problem(Rng& rng, const HeadsCase& c) {
   p.k = random_strided<T>(rng, Shape{c.batch, c.kv_heads, c.nk, c.d}, c.layout);
   p.v = random_strided<T>(rng, Shape{c.batch, c.kv_heads, c.nk, c.dv}, c.layout);
   p.lens = make_lens(rng, c.lens, rng.bernoulli(0.5), c.batch, c.nq, c.nk, 0.1);
-  p.options.dropout = c.dropout;
+  p.options.dropout_p = c.dropout;
   p.options.training = c.dropout > 0.0;
   p.options.seed = rng.next();
-  p.options.want_weights = c.weights;
-  p.options.want_lse = true;
+  p.options.return_weights = c.weights;
+  p.options.return_lse = true;
   p.options.causal = c.causal;
   return p;
 }
@@ -427,7 +427,7 @@ TEST(HeadsEdges, EmptyHeadsAndBatch) {
     const Shape ks{qs[0], qs[1] == 0 ? 0 : 2, 7, 8}, vs{qs[0], qs[1] == 0 ? 0 : 2, 7, 3};
     const Tensor<float> q(qs), k(ks), v(vs);
     AttentionOptions o;
-    o.want_lse = true;
+    o.return_lse = true;
     const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, {}, o);
     EXPECT_EQ(r.output.shape(), (Shape{qs[0], qs[1], 5, 3}));
     const Tensor<float> d_out(r.output.shape());

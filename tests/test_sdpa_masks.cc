@@ -111,11 +111,11 @@ MaskProblem<T> make_problem(Rng& rng, const MaskCase& c) {
   p.options.window_right = c.window_right;
   p.lens = make_lens(rng, c.lens, rng.bernoulli(0.5), c.batch, c.nq, c.nk, 0.1);
   p.options.causal = c.causal;
-  p.options.dropout = c.dropout;
+  p.options.dropout_p = c.dropout;
   p.options.training = c.dropout > 0.0;
   p.options.seed = rng.next();
-  p.options.want_weights = c.weights;
-  p.options.want_lse = true;
+  p.options.return_weights = c.weights;
+  p.options.return_lse = true;
   return p;
 }
 
@@ -357,7 +357,7 @@ TEST(BiasGradient, MatchesFiniteDifferences) {
     o.causal = Causal::kBottomRight;
     o.bias = ConstView<double>(bias.view());
     o.want_bias_grad = true;
-    o.want_lse = true;
+    o.return_lse = true;
     const auto loss = [&] {
       const Tensor<double> out = scaled_dot_product_attention(q, k, v, {}, o).output;
       double sum = 0;
@@ -437,7 +437,7 @@ TEST(BiasGradient, EmptyBatchGivesZeros) {
     AttentionOptions o;
     o.bias = ConstView<float>(bias.view());
     o.want_bias_grad = true;
-    o.want_lse = true;
+    o.return_lse = true;
     const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, {}, o);
     for (const bool fast : {true, false}) {
       const DotProductGrads<float> g =

@@ -111,7 +111,7 @@ struct Got {
 // Runs the kernel; outputs converted to double for the comparison.
 template <class T>
 Got run_kernel(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const Tensor<T>* bias,
-               ScoreKind kind, double scale, const ValidLens& lens, bool want_lse = true) {
+               ScoreKind kind, double scale, const ValidLens& lens, bool return_lse = true) {
   const int64_t batch = q.size(0), nq = q.size(1), dv = v.size(2);
   Tensor<T> out(Shape{batch, nq, dv}), lse(Shape{batch, nq});
   // NaN sentinels: every element must be written.
@@ -129,7 +129,7 @@ Got run_kernel(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const
   std::vector<double> workspace(1 + words + kGuard, kSentinel);
   kernels::fast::small_dim_forward<T>(
       q.view(), k.view(), v.view(), bias ? bias->data() : nullptr, kind, config, out.view(),
-      want_lse ? lse.view() : TensorView<T>(), {.data = workspace.data() + 1, .num_threads = 1});
+      return_lse ? lse.view() : TensorView<T>(), {.data = workspace.data() + 1, .num_threads = 1});
   EXPECT_EQ(workspace[0], kSentinel) << "scratch written before its start";
   for (size_t g = 0; g < kGuard; ++g) {
     EXPECT_EQ(workspace[1 + words + g], kSentinel) << "scratch written past its size, word " << g;
@@ -363,7 +363,7 @@ TYPED_TEST(SmallDimAttention, ThreadCountsGiveTheSameBits) {
     }
     {
       ThreadCount threads(3);
-      three = run_kernel(q, k, v, b, c.kind, 0.9, lens, /*want_lse=*/false);
+      three = run_kernel(q, k, v, b, c.kind, 0.9, lens, /*return_lse=*/false);
     }
     expect_bitwise_equal(two.out, one.out, "output, 2 vs 1 threads", "b q d");
     expect_bitwise_equal(two.lse, one.lse, "lse, 2 vs 1 threads", "b q");
@@ -418,8 +418,8 @@ TYPED_TEST(SmallDimAttention, ExpErrorIsAboutOneUlp) {
     } else {
       const long double want = e / (1 + e);
       worst_mixed = std::max(worst_mixed, static_cast<double>(std::abs(out - want) / want));
-      const long double want_lse = std::log1p(e);
-      ASSERT_NEAR(got.lse(0, i), static_cast<double>(want_lse), 4 * bound)
+      const long double return_lse = std::log1p(e);
+      ASSERT_NEAR(got.lse(0, i), static_cast<double>(return_lse), 4 * bound)
           << "x = " << static_cast<double>(x);
     }
   }

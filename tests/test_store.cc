@@ -620,7 +620,7 @@ TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
       const Tensor<double> v = cast<double>(back.values).reshaped(Shape{1, n, dv});
       const Tensor<int64_t> lens2 = Tensor<int64_t>::copy_of(lens.view()).reshaped(Shape{1, nq});
       AttentionOptions with_lse;
-      with_lse.want_lse = true;
+      with_lse.return_lse = true;
       const AttentionResult<double> ref = ref::scaled_dot_product_attention(q, k, v, ValidLens(lens2), with_lse);
       const DotProductGrads<double> want = ref::scaled_dot_product_attention_backward(
           q, k, v, ValidLens(lens2), with_lse, {ref.output.view(), ref.lse.view()},

@@ -44,7 +44,7 @@ double training_loss(const Encoders& encoders, const SparseRows& documents,
   const Tensor<float> values(Shape{1, n, 1}, 0.0f);
   AttentionOptions options;
   options.scale = encoders.score_scale;
-  options.want_lse = true;
+  options.return_lse = true;
   const AttentionResult<float> fwd = scaled_dot_product_attention(q3, k3, values, {}, options);
 
   double loss = 0.0;
@@ -93,7 +93,7 @@ std::vector<std::vector<int64_t>> rank_by_attention(const Tensor<float>& queries
   const Tensor<float> values(Shape{1, n, 1}, 0.0f);
   AttentionOptions options;
   options.scale = scale;
-  options.want_weights = true;
+  options.return_weights = true;
   const ConstView<float> k3(documents.data(), Shape{1, n, d});
   for (int64_t first = 0; first < nq; first += kBlock) {
     const int64_t rows = std::min(kBlock, nq - first);

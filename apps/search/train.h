@@ -4,7 +4,7 @@
 // document's encodings (encoder.h), and the loss is the cross-entropy of the
 // softmax over all N documents at the query's own package,
 //   L = lse(q · D) - q · d_target,
-// the log-sum-exp from the fused forward (want_lse), its gradient from the
+// the log-sum-exp from the fused forward (return_lse), its gradient from the
 // fused backward (d_lse = 1 per query, d_output = 0): the exact softmax over
 // every document with memory O(batch · d), no sampled negatives. Adam on
 // both maps; batches of shuffled training queries; the same bits for a

@@ -36,16 +36,16 @@ struct AttentionOptions {
   // reject it.
   std::optional<double> scale;
   // Dropout probability p in [0, 1] on the weights, applied only when training.
-  double dropout = 0.0;
+  double dropout_p = 0.0;
   bool training = false;
   // Selects the dropout mask (qkv/dropout.h); the backward must get the same seed.
   uint64_t seed = 0;
   // Return the weights (masked softmax, before dropout, as d2l's
   // attention_weights). Off by default: fused kernels need not form them.
-  bool want_weights = false;
+  bool return_weights = false;
   // Return lse[b, i] = log sum_{j < L} exp(score[b, i, j]) (-inf when L = 0),
   // needed by the backward and for merging partial results over key sets.
-  bool want_lse = false;
+  bool return_lse = false;
   // Causal masking, combined with valid_lens by taking the smaller length:
   // query i's valid length is min(valid_lens, clamp(i + 1 + offset, 0, Nk))
   // with offset 0 (kTopLeft) or Nk - Nq (kBottomRight). Key blocks no query
@@ -85,8 +85,8 @@ struct AttentionOptions {
 template <class T>
 struct AttentionResult {
   Tensor<T> output;   // (B, Nq, Dv)
-  Tensor<T> weights;  // (B, Nq, Nk), empty unless want_weights
-  Tensor<T> lse;      // (B, Nq), empty unless want_lse
+  Tensor<T> weights;  // (B, Nq, Nk), empty unless return_weights
+  Tensor<T> lse;      // (B, Nq), empty unless return_lse
 };
 
 // Caller-provided destinations for the write-into form; each must be
@@ -133,7 +133,7 @@ struct AdditiveWeights {
   ConstView<T> w_v;
 };
 
-// What a backward reads back from its forward (want_lse set there):
+// What a backward reads back from its forward (return_lse set there):
 // output (B, Nq, Dv) and lse (B, Nq).
 template <class T>
 struct SavedForward {
@@ -152,7 +152,7 @@ AttentionResult<double> scaled_dot_product_attention(ConstView<double> queries,
                                                      ConstView<double> values,
                                                      const ValidLens& valid_lens = {},
                                                      const AttentionOptions& options = {});
-// Write-into form; options.want_weights/want_lse are ignored in favour of
+// Write-into form; options.return_weights/return_lse are ignored in favour of
 // whether outputs.weights/lse are given.
 void scaled_dot_product_attention(ConstView<float> queries, ConstView<float> keys,
                                   ConstView<float> values, const ValidLens& valid_lens,

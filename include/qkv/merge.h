@@ -1,5 +1,5 @@
 // Merging attention computed over disjoint parts of a key set: partial
-// outputs and log-sum-exps (options.want_lse) → the result over the union,
+// outputs and log-sum-exps (options.return_lse) → the result over the union,
 // exactly (DESIGN.md §3 and §9). What attention over a store's chunks, or
 // over MPI ranks each holding a shard, is built on.
 //   outputs[s]: (..., Nq, Dv)   lses[s]: (..., Nq)   → output (..., Nq, Dv), lse (..., Nq)

@@ -45,7 +45,7 @@ AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_
   AttentionOptions options;
   options.causal = causal;
   options.scale = scale;
-  options.dropout = dropout;
+  options.dropout_p = dropout;
   // The functional form has no training mode: dropout applies when p > 0,
   // as in torch.nn.functional.
   options.training = dropout > 0.0;
@@ -164,7 +164,7 @@ py::object forward_result(py::object output, std::optional<py::object> weights,
 // attend(q, k, v, lens, outputs) runs the scoring function.
 template <class T, class Attend>
 py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle lens_obj,
-                   bool want_weights, bool want_lse, py::handle out = py::none()) {
+                   bool return_weights, bool return_lse, py::handle out = py::none()) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
@@ -194,12 +194,12 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
   }
   AttentionOutputs<T> outputs{with_batch_axis(output_view, one, 2), std::nullopt, std::nullopt};
   std::optional<py::object> weights, lse;
-  if (want_weights) {
+  if (return_weights) {
     auto [array, view] = new_array<T>(with_lead({nq, nk}));
     weights = array;
     outputs.weights = with_batch_axis(view, one, 2);
   }
-  if (want_lse) {
+  if (return_lse) {
     auto [array, view] = new_array<T>(with_lead({nq}));
     lse = array;
     outputs.lse = with_batch_axis(view, one, 1);
@@ -525,8 +525,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, in.batch_of_one, options, masks);
   set_bias(kSdpa, bias, Dtype::kFloat32, options, masks);
-  options.want_weights = return_weights;
-  options.want_lse = return_lse;
+  options.return_weights = return_weights;
+  options.return_lse = return_lse;
   AttentionResult<float> r;
   {
     py::gil_scoped_release release;

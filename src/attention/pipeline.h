@@ -324,14 +324,14 @@ template <class Acc>
 kernels::AttentionConfig attention_config(std::string_view fn, const ScoringRules& rules,
                                           const Dims& dims, const ValidLens& valid_lens,
                                           const AttentionOptions& options) {
-  detail::check_dropout(fn, "options.dropout", options.dropout);
+  detail::check_dropout(fn, "options.dropout_p", options.dropout_p);
   const double scale = checked_scale(fn, rules, dims, options);
   if (!rules.causal && options.causal != Causal::kNone) {
     fail(fn, "options.causal is set, but " + std::string(rules.title) +
                  " attention takes no causal mask; leave it kNone");
   }
   kernels::AttentionConfig config{kernel_lens(fn, dims, valid_lens, options), scale,
-                                  options.training ? options.dropout : 0.0, options.seed,
+                                  options.training ? options.dropout_p : 0.0, options.seed,
                                   dims.heads};
   if (rules.masks) {
     check_masks(fn, dims, options, config);
@@ -392,8 +392,8 @@ kernels::ForwardViews<T> destinations(std::string_view fn, Version version, cons
     return {given->output, given->weights.value_or(TensorView<T>()),
             given->lse.value_or(TensorView<T>())};
   }
-  const bool weights = version == Version::kRef || options.want_weights;
-  const bool lse = version == Version::kRef || options.want_lse;
+  const bool weights = version == Version::kRef || options.return_weights;
+  const bool lse = version == Version::kRef || options.return_lse;
   result.output = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.dv));
   if (weights) result.weights = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.nk));
   if (lse) result.lse = Tensor<T>(lse_shape(dims));

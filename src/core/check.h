@@ -42,7 +42,7 @@ void check_destination(std::string_view function, std::string_view name, const T
 }
 
 // The one check of a dropout probability, for every entry point that takes
-// one: "options.dropout = 1.500000 is outside [0, 1]".
+// one: "options.dropout_p = 1.500000 is outside [0, 1]".
 inline void check_dropout(std::string_view function, std::string_view name, double p) {
   if (!(p >= 0.0 && p <= 1.0)) {
     fail(function, std::string(name) + " = " + std::to_string(p) + " is outside [0, 1]");

@@ -69,12 +69,12 @@ Tensor<T> linear_init(Shape shape, uint64_t seed, uint32_t stream) {
 // The options of one forward; a fresh dropout mask for each training forward.
 AttentionOptions forward_options(double dropout, bool training, uint64_t seed, uint64_t& count) {
   AttentionOptions options;
-  options.dropout = dropout;
+  options.dropout_p = dropout;
   options.training = training;
   options.seed = seed + count;
   if (training && dropout > 0.0) ++count;
-  options.want_weights = true;
-  options.want_lse = true;
+  options.return_weights = true;
+  options.return_lse = true;
   return options;
 }
 

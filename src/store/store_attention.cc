@@ -186,8 +186,8 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
   const KernelQueries q(queries, distance ? StoreDtype::kFloat32 : store.dtype());
   AttentionOptions attention;
   attention.scale = options.scale;
-  attention.want_lse = true;
-  attention.want_weights = k > 0;
+  attention.return_lse = true;
+  attention.return_weights = k > 0;
 
   StorePartial part{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}, -kInf),
                     std::vector<std::vector<ScoredRow>>(static_cast<size_t>(k > 0 ? nq : 0))};

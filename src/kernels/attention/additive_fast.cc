@@ -86,9 +86,9 @@ struct ForwardScratch {
   int64_t rows, nk, hidden;
 };
 ForwardScratch forward_scratch(int64_t nq, int64_t nk, int64_t hidden,
-                               const AttentionConfig& config, bool want_weights) {
+                               const AttentionConfig& config, bool return_weights) {
   const bool dropout = config.dropout > 0.0;
-  return {!want_weights, dropout && want_weights, dropout, std::min(kQueryBlock, nq), nk, hidden};
+  return {!return_weights, dropout && return_weights, dropout, std::min(kQueryBlock, nq), nk, hidden};
 }
 template <class T>
 size_t forward_slot_words(const ForwardScratch& f) {
@@ -109,7 +109,7 @@ void forward_tasks(int64_t batch, int64_t nq, int64_t nk, ConstView<T> v,
                    ScoreFn&& scores) {
   const int64_t dv = v.size(2);
   const int64_t blocks = ceil_div(nq, kQueryBlock);
-  const bool want_weights = weights.data() != nullptr;
+  const bool return_weights = weights.data() != nullptr;
   const bool dropout = config.dropout > 0.0;
   parallel_for_slots(batch * blocks, num_slots, [&](int64_t task, int slot) {
     const int64_t b = task / blocks, i0 = (task % blocks) * kQueryBlock;
@@ -118,19 +118,19 @@ void forward_tasks(int64_t batch, int64_t nq, int64_t nk, ConstView<T> v,
     double* cursor = slots + static_cast<size_t>(slot) * slot_words;
     T* s;
     int64_t lds;
-    if (want_weights) {
+    if (return_weights) {
       s = weights.data() + (b * nq + i0) * nk;
       lds = nk;
     } else {
       s = take_slice<T>(&cursor, rows * n_eff);
       lds = n_eff;
     }
-    T* const scratch = dropout && want_weights ? take_slice<T>(&cursor, rows * n_eff) : nullptr;
+    T* const scratch = dropout && return_weights ? take_slice<T>(&cursor, rows * n_eff) : nullptr;
     uint8_t* const keep = dropout ? take_slice<uint8_t>(&cursor, n_eff) : nullptr;
     scores(b, i0, rows, n_eff, s, lds, cursor);
     softmax_dropout_pool(s, lds, rows, n_eff, b, i0, config, nk, v.data() + b * nk * dv, dv,
                          output.data() + (b * nq + i0) * dv,
-                         lse.data() ? lse.data() + b * nq + i0 : nullptr, want_weights, scratch,
+                         lse.data() ? lse.data() + b * nq + i0 : nullptr, return_weights, scratch,
                          keep);
   });
 }
