@@ -505,7 +505,7 @@ int main(int argc, char** argv) {
   const qkv::Tensor<int64_t> lens(qkv::Shape{2}, std::vector<int64_t>{2, 6});
   const qkv::ValidLens valid(lens);
   qkv::AttentionOptions with_weights;
-  with_weights.want_weights = true;
+  with_weights.return_weights = true;
   const qkv::AttentionResult<float> check = qkv::scaled_dot_product_attention(q, k, v, valid);
   std::printf("{\"check\": [%g, %g],\n", check.output.data()[0], check.output.data()[4]);
   measure("plain", [&] {
@@ -729,7 +729,7 @@ def toy_table(run):
                      f"{us(t['unset'])} |")
     for key, label in (("plain", "C++ `qkv::scaled_dot_product_attention(q, k, v, lens)`, "
                                  "returning a new output (as (c))"),
-                       ("weights", "C++, the same with `want_weights` (as (a), (c′))")):
+                       ("weights", "C++, the same with `return_weights` (as (a), (c′))")):
         if "error" in cxx:
             lines.append(f"| {label} | not measured: {cxx['error']} | – | – |")
             continue
