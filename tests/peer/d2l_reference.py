@@ -1,16 +1,13 @@
 """d2l's PyTorch attention code, the reference of qkv's peer tests, and the rule they compare by.
 
 The book's formulations (masked softmax with its -1e6 sentinel,
-DotProductAttention, AdditiveAttention), written out from the chapter's
-formulas, plus the exact lse and per-row lengths they need. One copy serves
-the CLI peer test (tests/peer/test_torch_peer.py) and the Python package's
-peer tests (tests/python/test_peer_*.py).
-
-The comparison rule: relative error max|got - ref| / max(max|ref|, scale,
-tiny) within TOLERANCE of the dtype, where `scale` is the size of the terms
-the result sums (its rounding error grows with them, while cancellation can
-make the result itself small): pooled_scale for outputs, lse_scale for lse,
-*_grad_scale(s) for gradients.
+DotProductAttention, AdditiveAttention, MultiHeadAttention), written out
+from the chapter's formulas, plus the exact lse and per-row lengths they
+need. One copy serves the CLI peer test (tests/peer/test_torch_peer.py) and
+the Python package's peer tests (tests/python/test_peer_*.py, through
+tests/python/peer_harness.py), and so do the comparison rule (check_close,
+relative_error and the tolerances, below) and the one drawer of valid
+lengths (draw_lens).
 """
 
 import math
@@ -18,10 +15,6 @@ import math
 import numpy as np
 import torch
 from torch import nn
-
-TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
-TINY = 1e-30
-
 
 # ---- the book's code ------------------------------------------------------------
 
@@ -139,7 +132,82 @@ def row_lengths(valid_lens, batch, num_queries, num_keys):
     return lens
 
 
+def describe(**fields):
+    """A case's sizes for failure messages: "B=2 Nq=3 ..."."""
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+# ---- valid lengths ---------------------------------------------------------------
+
+def draw_lens(rng, form, batch, num_queries, num_keys, *, low, int_type=np.int64):
+    """The one drawer of valid lengths: None for form None, else integers in
+    [low, Nk] of shape (B) for form "B" (one per batch element) or (B, Nq) for
+    "BNq" (one per query), of int_type. With low = 0 and two entries or more,
+    the first is 0 and the last Nk, so both ends of the range always occur."""
+    if form is None:
+        return None
+    shape = (batch,) if form == "B" else (batch, num_queries)
+    lens = rng.integers(low, num_keys + 1, size=shape)
+    if low == 0 and lens.size >= 2:
+        lens.flat[0] = 0
+        lens.flat[-1] = num_keys
+    return lens.astype(int_type)
+
+
 # ---- the comparison rule ----------------------------------------------------------
+#
+# Every peer comparison, the CLI's and the Python package's, passes if
+#
+#     max |got - ref| <= tolerance * max(max |ref|, scale)
+#
+# over the elements compared (relative_error). `scale` is the size of the
+# terms the result sums: its rounding error grows with them, while
+# cancellation can make the result itself small (Dv = 1 and near-uniform
+# weights give an output near the mean of the values, maybe 0.01). The d2l
+# peers compute it (pooled_scale for outputs, lse_scale for lse,
+# *_grad_scale(s) for gradients); the torch-math peers, whose inputs and
+# d_output are O(1), take 1 for gradients and max|v| for outputs (which
+# average the values; pooled_scale is at most that).
+# `tolerance` is TOLERANCE[dtype] unless a comparison names one of the
+# others below, each with its reason. "Worst seen": the largest error of 30
+# runs of the seven tests/python/test_peer_*.py files (about 2,400 cases
+# and 10,000 comparisons a run).
+
+# qkv and the reference sum the same terms in other orders (SIMD lanes, key
+# blocks of 256, threads): float32 rounds at 6e-8, float64 at 1.1e-16, once
+# per term. Worst seen: 3.7e-6 (float32), 8.4e-15 (float64); an output held
+# to max|ref| alone, without its terms' size, cancelled past it once (1.5e-5,
+# Dv = 1: the causal peer, before its outputs took max|v|).
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
+# Gradients held to the floor 1 rather than to the size of their terms (the
+# torch-math peers: heads, masks, bias, causal): dK and dV sum up to 300
+# queries of up to 8 heads, dQ up to 500 keys, each term up to Dv = 64
+# products. Worst seen: 5.8e-5 (float32), 1.9e-13 (float64); once 1.009e-4,
+# a dK that is 0 exactly (Nk = 1) summed over 1200 query rows (heads peer).
+GRADIENT_TOLERANCE = {"float32": 1e-4, "float64": 1e-11}
+# The bilinear, distance and causal additive peers (test_peer_torch_scoring.py)
+# hold every quantity to the floor 1, and additive's d_w_v sums B Nq Nk, up
+# to 30000, terms. Worst seen: 2.1e-6 (float32; 8.9e-6 in one other run),
+# 7.7e-15 (float64).
+SCORING_TOLERANCE = {"float32": 2e-5, "float64": 1e-11}
+# bfloat16 inputs (docs/semantics.md, "bfloat16 inputs"): qkv rounds the
+# weights to bf16 (2^-8 relative) before P V, so its float32 output is within
+# 2^-8 sum_j P_j |v_j| <= 4e-3 max|v| of attention on the bf16 values (scale
+# max|v|); qkv.torch then rounds it to bf16, half an ulp, <= 2^-8 of the
+# element, allowed on top (check_close's `rounding`). bf16 gradients carry
+# errors of 2^-8 times the size of their terms: within 2e-2 of it; the
+# gradient of a bf16 bias, rounded to bf16 itself and summed over the axes
+# it broadcasts along, within 5e-2 of max(max|ref|, 1). Worst seen: output
+# 1.2e-3, gradients 5.5e-3, bias gradient 4.3e-3.
+BF16_OUTPUT_TOLERANCE = 4e-3
+BF16_ROUNDING = 2.0**-8
+BF16_GRADIENT_TOLERANCE = 2e-2
+BF16_BIAS_GRADIENT_TOLERANCE = 5e-2
+TINY = 1e-300  # the denominator's floor: a reference of zeros must be met exactly
+
+# The worst relative error per (dtype, quantity) since the last report_worst.
+WORST = {}
+
 
 def _f64(a):
     if torch.is_tensor(a):
@@ -162,6 +230,47 @@ def relative_error(got, ref, scale=None):
         return 0.0, (), denom
     at = np.unravel_index(int(np.argmax(diff)), diff.shape)
     return float(diff[at]) / denom, at, denom
+
+
+def check_close(what, got, ref, dtype, desc="", axes=None, scale=None, tolerance=None,
+                rounding=None):
+    """Asserts the rule above: relative_error(got, ref, scale) <= tolerance
+    (TOLERANCE[dtype] when None; dtype a name or a torch dtype, which also
+    files the error in WORST), the message naming the worst element's
+    coordinates (`axes` names them). With `rounding`, each element's difference
+    counts only beyond rounding * min(|got|, |ref|): the result was rounded to
+    a type of that relative half-ulp. Returns the error; records the worst."""
+    dtype = str(dtype).removeprefix("torch.")
+    got64, ref64 = _f64(got), _f64(ref)
+    assert got64.shape == ref64.shape, (f"{what}: shape {list(got64.shape)}, expected "
+                                        f"{list(ref64.shape)}; {desc}")
+    tol = TOLERANCE[dtype] if tolerance is None else tolerance
+    compared = got64
+    if rounding is not None:
+        slack = rounding * np.minimum(np.abs(got64), np.abs(ref64))
+        diff = got64 - ref64
+        compared = np.where(np.abs(diff) <= slack, ref64, got64 - np.sign(diff) * slack)
+    err, at, denom = relative_error(compared, ref64, scale)
+    key = (dtype, what.split(" ")[0])  # "output (queries with L >= 1)" counts as output
+    WORST[key] = max(WORST.get(key, 0.0), err)
+    axes = axes or tuple(f"i{n}" for n in range(got64.ndim))
+    where = " ".join(f"{name}={index}" for name, index in zip(axes, at))
+    allowed = f" beyond a rounding of {rounding:g}" if rounding is not None else ""
+    assert err <= tol, (f"{what}: rel err {err:.3g} > {tol:g} at {where}: got {got64[at]!r}, "
+                        f"ref {ref64[at]!r}{allowed} (denominator {denom:.6g}); {desc}")
+    return err
+
+
+def report_worst(title):
+    """Prints, one line per dtype, the worst relative errors since the last
+    report (by quantity), and starts over."""
+    lines = [title]
+    for dtype in sorted({d for d, _ in WORST}):
+        parts = ", ".join(f"{what} {err:.2g}" for (d, what), err in sorted(WORST.items())
+                          if d == dtype)
+        lines.append(f"  {dtype}: {parts}")
+    print("\n".join(lines))
+    WORST.clear()
 
 
 def pooled_scale(weights, values):

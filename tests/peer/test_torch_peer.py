@@ -8,15 +8,11 @@ the chapter's formulas in d2l_reference.py (next to this file, shared with
 the Python package's peer tests). The seed is printed first and in every
 failure; `--seed S` replays a run and `--case N` one case of it.
 
-Pass if max|got - ref| / max(max|ref|, tiny) <= 1e-5 (float32) or 1e-12
-(float64), with torch computing in the same float type as qkv. Outputs are
-checked in every case, weights and lse in every third. For outputs and lse
-the denominator also takes the size of the terms they sum, since their
-rounding error scales with those while cancellation can make the results
-themselves small (e.g. Dv = 1 and near-uniform weights give outputs near the
-mean of the values, maybe ~0.01): max_{b,i,d} sum_j w_bij |v_bjd| for the
-outputs; for lse the largest valid score, and at least 1 (an absolute error e
-in lse is a relative error e in the softmax normaliser exp(lse)).
+Compared by the one rule of the peer tests (d2l_reference.check_close, which
+says why): max|got - ref| / max(max|ref|, scale) <= 1e-5 (float32) or 1e-12
+(float64), torch computing in the same float type as qkv, scale the size of
+the terms the result sums (pooled_scale for outputs, lse_scale for lse).
+Outputs are checked in every case, weights and lse in every third.
 
 Where qkv and d2l differ by design (DESIGN.md section 3), the comparison avoids
 the difference and a separate check pins down qkv's side of it:
@@ -64,18 +60,21 @@ NP_DTYPE = {"float32": np.float32, "float64": np.float64}
 TORCH_DTYPE = {"float32": torch.float32, "float64": torch.float64}
 NP_INT = {"int32": np.int32, "int64": np.int64}
 
-# d2l's implementations (from the chapter's formulas) and the comparison rule
-# live next to this file, shared with the Python package's peer tests.
+# d2l's implementations (from the chapter's formulas), the comparison rule and
+# the drawer of valid lengths live next to this file, shared with the Python
+# package's peer tests.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from d2l_reference import (  # noqa: E402
-    TOLERANCE,
+    WORST,
     D2lAdditiveAttention,
     D2lDotProductAttention,
+    check_close,
     d2l_masked_softmax,
+    describe,
+    draw_lens,
     exact_lse,
     lse_scale,
     pooled_scale,
-    relative_error,
     row_lengths,
 )
 
@@ -92,7 +91,6 @@ class Runner:
         self.op = op
         self.seed = seed
         self.workdir = workdir
-        self.worst = {"float32": 0.0, "float64": 0.0}
         self.files = 0
         self.desc = ""  # the case being run, for failure messages
 
@@ -130,36 +128,22 @@ class Runner:
         return got
 
     def compare(self, what, got, ref, dtype, axes, scale=None):
-        """Relative error max|got - ref| / max(max|ref|, scale, tiny); records
-        the worst per dtype; raises Failure past the tolerance."""
-        err, at, denom = relative_error(got, ref, scale)
-        self.worst[dtype] = max(self.worst[dtype], err)
-        if err > TOLERANCE[dtype]:
-            got64, ref64 = got.astype(np.float64), np.asarray(ref, dtype=np.float64)
-            where = " ".join(f"{name}={index}" for name, index in zip(axes, at))
-            raise Failure(f"{what}: rel err {err:.3g} > {TOLERANCE[dtype]:g} at {where}: "
-                          f"got {got64[at]!r}, ref {ref64[at]!r} (denominator {denom:.6g})")
-        return err
+        """The peer tests' rule (d2l_reference.check_close); raises Failure past
+        the tolerance, with the worst element's coordinates."""
+        try:
+            return check_close(what, got, ref, dtype, axes=axes, scale=scale)
+        except AssertionError as exc:
+            raise Failure(str(exc).removesuffix("; ")) from None
 
-
-def describe(**fields):
-    return " ".join(f"{k}={v}" for k, v in fields.items())
-
-
-def draw_lens(rng, form, int_type, batch, num_queries, num_keys):
-    """Valid lengths in [1, Nk] (L = 0 has its own check) of the given form:
-    None, (B) or (B, Nq)."""
-    if form == "none":
-        return None
-    shape = (batch,) if form == "1d" else (batch, num_queries)
-    return rng.integers(1, num_keys + 1, size=shape).astype(NP_INT[int_type])
+    def worst(self, dtype):
+        return max((err for (d, _), err in WORST.items() if d == dtype), default=0.0)
 
 
 def case_plan(index, rng):
     """Cycles dtype, lens form and lens int type so every combination occurs;
     about one case in six uses 2-D inputs (a batch of one)."""
     dtype = ("float32", "float64")[index % 2]
-    form = ("none", "1d", "2d")[(index // 2) % 3]
+    form = (None, "B", "BNq")[(index // 2) % 3]
     int_type = ("int32", "int64")[(index // 6) % 2]
     two_d = index % 7 == 3 or rng.random() < 0.05
     return dtype, form, int_type, two_d
@@ -198,7 +182,8 @@ def softmax_case(runner, index, rng):
     # Logits near 90 overflow exp() in float32 unless the max is subtracted.
     offset = float(rng.choice([0.0, 0.0, 0.0, 90.0, -100.0]))
     scores = rng.normal(offset, spread, size=(batch, num_queries, num_keys))
-    lens = draw_lens(rng, form, int_type, batch, num_queries, num_keys)
+    # Lengths >= 1: L = 0 has its own check.
+    lens = draw_lens(rng, form, batch, num_queries, num_keys, low=1, int_type=NP_INT[int_type])
     lengths = row_lengths(lens, batch, num_queries, num_keys)
     notes = []
     if rng.random() < 0.25 and num_keys > 1:
@@ -217,7 +202,7 @@ def softmax_case(runner, index, rng):
         notes.append("garbage in masked positions")
     scores = scores.astype(NP_DTYPE[dtype])
     desc = describe(dtype=dtype, shape=list(scores.shape[1:] if two_d else scores.shape),
-                    lens=form if lens is None else f"{form}/{int_type}",
+                    lens="none" if lens is None else f"{form}/{int_type}",
                     spread=spread, offset=offset) + "".join(f" [{n}]" for n in notes)
     runner.desc = desc
 
@@ -310,7 +295,8 @@ def attention_inputs(runner, index, rng, op):
     queries = rng.normal(0.0, query_spread, size=(batch, num_queries, query_dim))
     keys = rng.normal(size=(batch, num_keys, key_dim))
     values = rng.normal(size=(batch, num_keys, value_dim))
-    lens = draw_lens(rng, form, int_type, batch, num_queries, num_keys)
+    # Lengths >= 1: L = 0 has its own check.
+    lens = draw_lens(rng, form, batch, num_queries, num_keys, low=1, int_type=NP_INT[int_type])
     if lens is not None and rng.random() < 0.3 and mask_dead_keys(keys, lens, num_queries):
         notes.append("NaN in keys no query may see")
     np_type = NP_DTYPE[dtype]
@@ -356,7 +342,7 @@ def attention_inputs(runner, index, rng, op):
         notes.append(f"w_v {list(w_v.shape)}")
     module.eval()  # no dropout: torch's dropout mask is not qkv's
     desc = (f"dtype={dtype} {shape_desc}{' 2-D' if two_d else ''} "
-            f"lens={form if lens is None else f'{form}/{int_type}'}"
+            f"lens={'none' if lens is None else f'{form}/{int_type}'}"
             + "".join(f" [{n}]" for n in notes))
     return desc, module, (queries, keys, values, lens), args, two_d, dtype
 
@@ -646,9 +632,8 @@ def main():
     elapsed = time.monotonic() - start
     if args.verbose:
         print(f"  ({elapsed:.1f} s)")
-    worst = runner.worst
     print(f"peer {args.op}: {passed} passed, {failed} failed (worst rel err "
-          f"float32 {worst['float32']:.2g}, float64 {worst['float64']:.2g})")
+          f"float32 {runner.worst('float32'):.2g}, float64 {runner.worst('float64'):.2g})")
     return 1 if failed else 0
 
 

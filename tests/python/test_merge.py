@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import qkv
+from torch_formulas import draw_lens  # d2l_reference's, the peer tests' one drawer of lengths
 
 DTYPES = [np.float32, np.float64]
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -63,13 +64,6 @@ def attend_parts(q, k, v, lens, cuts):
     return outputs, lses
 
 
-def make_lens(rng, kind, batch, nq, nk):
-    if kind is None:
-        return None
-    shape = (batch,) if kind == "B" else (batch, nq)
-    return rng.integers(0, nk + 1, size=shape).astype(np.int64)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [None, "B", "BNq"])
 def test_split_attention_merged_equals_torch_over_all_keys(dtype, kind, rng):
@@ -79,7 +73,7 @@ def test_split_attention_merged_equals_torch_over_all_keys(dtype, kind, rng):
         q = rng.normal(size=(batch, nq, dim)).astype(dtype)
         k = rng.normal(size=(batch, nk, dim)).astype(dtype)
         v = rng.normal(size=(batch, nk, dv)).astype(dtype)
-        lens = make_lens(rng, kind, batch, nq, nk)
+        lens = draw_lens(rng, kind, batch, nq, nk, low=0)
         cuts = random_split(rng, nk, parts)
         outputs, lses = attend_parts(q, k, v, lens, cuts)
         merged = qkv.merge_attention(outputs, lses)

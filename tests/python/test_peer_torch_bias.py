@@ -1,24 +1,21 @@
-"""Peer test: a float attn_mask (an additive bias) against PyTorch.
+"""Peer test: a float attn_mask (an additive bias) against PyTorch, as a list of cases.
 
-Debian's torch 1.13 has no scaled_dot_product_attention, so the peer is torch
-2.x's documented math written in torch, in float64: scores Q K^T * scale +
-attn_mask (broadcast against (B, H, Nq, Nk) as torch broadcasts it; -inf
-leaves a key out), -inf where is_causal or a boolean mask leaves a key out,
-softmax, times V; autograd of that for the gradients of query, key, value and
-the bias itself (summed by autograd over the axes the bias broadcasts along).
-Fresh random cases: biases N(0, 2) with a tenth of the entries -inf (key 0
-always finite, so torch's math has no NaN rows) in every broadcast form
-((Nq, Nk), (B, 1, Nq, Nk), (1, H, 1, Nk), (B, H, Nq, Nk), (B, 1, Nq, 1);
-3-D inputs' (B, Nq, Nk)), heads grouped or not, Nq from 1 to 300, Nk up to
-500, with is_causal and dropout-free; float32, float64 and bf16 through
-qkv.torch, and the NumPy API's bias= and d_bias. gradcheck in float64 for
-the bias.
-
-Tolerances as test_peer_torch_masks.py: 1e-5 (float32) and 1e-12 (float64)
-of max|ref|, gradients 10x that with a floor of 1.
+The peer is torch 2.x's documented math (torch_formulas.sdpa_math) in float64
+on the same values: scores Q K^T * scale + attn_mask (broadcast against
+(B, H, Nq, Nk) as torch broadcasts it; -inf leaves a key out), -inf where
+is_causal leaves a key out, softmax, times V; autograd of that for the
+gradients of query, key, value and the bias itself (summed by autograd over
+the axes the bias broadcasts along). Fresh random cases
+(peer_harness.mask_peer_sizes): biases N(0, 2) with a tenth of the entries
+-inf (key 0 always finite, so torch's math has no NaN rows) in every
+broadcast form ((Nq, Nk), (B, 1, Nq, Nk), (1, H, 1, Nk), (B, H, Nq, Nk),
+(B, 1, Nq, 1); 3-D inputs' (B, Nq, Nk)), heads grouped or not, Nq from 1 to
+300, Nk up to 500, with is_causal and dropout-free; float32, float64 and bf16
+through qkv.torch, and the NumPy API's bias= and d_bias. Each row of PEERS is
+drawn, run and compared by peer_harness (the one rule:
+d2l_reference.check_close). Then gradcheck in float64 for the bias, and the
+errors.
 """
-
-import math
 
 import numpy as np
 import pytest
@@ -26,114 +23,101 @@ import torch
 
 import qkv
 import qkv.torch
-from torch_formulas import heads_shapes, randn, random_heads_case, relative_error
+from peer_harness import (  # first: puts tests/peer (d2l_reference) on sys.path
+    BF16_BIAS_GRADIENT_TOLERANCE,
+    Peer,
+    check_close,
+    draw_case,
+    mask_peer_sizes,
+    peer_params,
+    run_peer,
+    torch_formula,
+    torch_inputs,
+    with_gradients,
+)
+from torch_formulas import randn, sdpa_math
 
 NUM_CASES = 100
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+NAMES = ("queries", "keys", "values")
 
 
-def biased_math(q, k, v, bias, causal=False):
-    """torch 2.x's math with an additive bias, key heads repeat_interleave'd to
-    the query heads; q's dtype."""
-    if q.dim() == 4 and q.shape[1] != k.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
-    if causal:
-        nq, nk = scores.shape[-2:]
-        keep = torch.ones(nq, nk, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def bias_shape(rng, three_d, batch, heads, nq, nk):
-    if three_d:
+def bias_shape(rng, sizes):
+    batch, nq, nk = sizes["B"], sizes["Nq"], sizes["Nk"]
+    if "H" not in sizes:
         return [(nq, nk), (batch, nq, nk), (1, nq, nk), (batch, nq, 1)][int(rng.integers(4))]
-    return [(nq, nk), (batch, 1, nq, nk), (1, heads, 1, nk), (batch, heads, nq, nk),
+    return [(nq, nk), (batch, 1, nq, nk), (1, sizes["H"], 1, nk), (batch, sizes["H"], nq, nk),
             (batch, 1, nq, 1)][int(rng.integers(5))]
 
 
-def random_bias(rng, shape, dtype):
-    """N(0, 2) with a tenth -inf, key 0 finite."""
-    values = 2.0 * rng.standard_normal(shape)
-    values[rng.random(shape) < 0.1] = -np.inf
-    values[..., 0] = 2.0 * rng.standard_normal(values[..., 0].shape)
-    return torch.from_numpy(values).to(dtype)
+def bias_case(rng, index, dtype, causal_share=0.3):
+    """mask_peer_sizes and a bias N(0, 2) with a tenth -inf, key 0 finite, in
+    inputs["bias"]; is_causal `causal_share` of the time."""
+    sizes = mask_peer_sizes(rng)
+    shape = bias_shape(rng, sizes)
+    bias = 2.0 * rng.standard_normal(shape)
+    bias[rng.random(shape) < 0.1] = -np.inf
+    bias[..., 0] = 2.0 * rng.standard_normal(bias[..., 0].shape)
+    causal = bool(rng.random() < causal_share)
+    case = draw_case(rng, index, dtype, sizes, causal=causal)
+    case.add_input("bias", bias)
+    case.notes += [f"bias {list(shape)}", f"causal {causal}"]
+    return case
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_float_attn_mask_matches_torch_math_forward_and_backward(dtype, seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (randn(rng, s, dtype, requires_grad=True) for s in heads_shapes(*c))
-        bias = random_bias(rng, bias_shape(rng, three_d, batch, heads, nq, nk), dtype)
-        bias.requires_grad_()
-        causal = bool(rng.random() < 0.3)
-        got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
-                                                     enable_gqa=True)
-        qd, kd, vd, bd = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
-        want = biased_math(qd, kd, vd, bd, causal)
-        what = (f"case {case}: 3-D {three_d} B {batch} H {heads} Hkv {kv_heads} Nq {nq} Nk {nk} "
-                f"D {dim} Dv {dv} bias {list(bias.shape)} causal {causal}")
-        assert relative_error(got, want) <= TOL[dtype], what
-        g = randn(rng, got.shape, dtype)
-        grads = torch.autograd.grad(got, (q, k, v, bias), g)
-        want_grads = torch.autograd.grad(want, (qd, kd, vd, bd), g.double())
-        for name, a, b in zip(("d_query", "d_key", "d_value", "d_bias"), grads, want_grads):
-            assert a.shape == b.shape, f"{what}: {name}"
-            assert relative_error(a, b, floor=1.0) <= 10 * TOL[dtype], f"{what}: {name}"
+def qkv_attn_mask(case):
+    """qkv.torch with the bias as attn_mask, and the gradients of query, key,
+    value and bias (bf16: of the bias alone)."""
+    names = ("bias",) if case.dtype == "bfloat16" else NAMES + ("bias",)
+    inputs = torch_inputs(case, NAMES + ("bias",))
+    output = qkv.torch.scaled_dot_product_attention(
+        *(inputs[n] for n in NAMES), attn_mask=inputs["bias"], is_causal=case.options["causal"],
+        enable_gqa=True)
+    return with_gradients({"output": output}, output, {n: inputs[n] for n in names},
+                          case.d_output)
 
 
-def test_float_attn_mask_bf16_matches_the_float64_math(seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES // 2):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (randn(rng, s, torch.float32).bfloat16().requires_grad_()
-                   for s in heads_shapes(*c))
-        bias = random_bias(rng, bias_shape(rng, three_d, batch, heads, nq, nk), torch.bfloat16)
-        bias.requires_grad_()
-        got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-        assert got.dtype == torch.bfloat16
-        bd = bias.detach().double().requires_grad_()
-        want = biased_math(q.detach().double(), k.detach().double(), v.detach().double(), bd)
-        bound = 4e-3 * v.double().abs().max() + 2.0 ** -8 * want.abs()
-        assert bool(((got.double() - want).abs() <= bound).all()), f"case {case}"
-        # The bias gradient in the bias's dtype, within bf16 rounding of its terms' size.
-        g = randn(rng, got.shape, torch.float32).bfloat16()
-        (d_bias,) = torch.autograd.grad(got, (bias,), g)
-        (want_bias,) = torch.autograd.grad(want, (bd,), g.double())
-        assert d_bias.dtype == torch.bfloat16 and d_bias.shape == bias.shape
-        assert relative_error(d_bias, want_bias, floor=1.0) <= 5e-2, f"case {case}"
+def torch_bias(case):
+    """bf16: the gradient of the bias (in the bias's dtype) within
+    BF16_BIAS_GRADIENT_TOLERANCE of max(max|ref|, 1)."""
+    diagonal = 0 if case.options["causal"] else None
+    if case.dtype == "bfloat16":
+        return torch_formula(lambda c, queries, keys, values, bias: sdpa_math(
+            queries, keys, values, bias=bias, diagonal=diagonal), case, names=("bias",),
+            grad_tolerance=BF16_BIAS_GRADIENT_TOLERANCE)
+    return torch_formula(lambda c, queries, keys, values, bias: sdpa_math(
+        queries, keys, values, bias=bias, diagonal=diagonal), case, names=NAMES + ("bias",))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_numpy_bias_and_its_gradient_match_torch_math(dtype, seed):
-    rng = np.random.default_rng(seed)
-    tdtype = torch.float32 if dtype == np.float32 else torch.float64
-    for case in range(NUM_CASES // 2):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (rng.standard_normal(s).astype(dtype) for s in heads_shapes(*c))
-        bias = random_bias(rng, bias_shape(rng, three_d, batch, heads, nq, nk), tdtype).numpy()
-        out, lse = qkv.scaled_dot_product_attention(q, k, v, bias=bias, return_lse=True)
-        qd, kd, vd, bd = (torch.from_numpy(x).double().requires_grad_() for x in (q, k, v, bias))
-        want = biased_math(qd, kd, vd, bd)
-        what = f"case {case}: {c} bias {bias.shape}"
-        assert relative_error(torch.from_numpy(out), want) <= TOL[tdtype], what
-        g = rng.standard_normal(out.shape).astype(dtype)
-        grads = qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, g, bias=bias)
-        assert isinstance(grads, qkv.ScaledDotProductAttentionBiasGrads)
-        want_grads = torch.autograd.grad(want, (qd, kd, vd, bd), torch.from_numpy(g).double())
-        for name, a, b in zip(grads._fields, grads, want_grads):
-            assert a.shape == tuple(b.shape) and a.dtype == dtype, f"{what}: {name}"
-            assert relative_error(torch.from_numpy(a), b, floor=1.0) <= 10 * TOL[tdtype], \
-                f"{what}: {name}"
-        # bias_grad=False: the three-field tuple, the same gradients.
-        plain = qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, g, bias=bias,
-                                                          bias_grad=False)
-        assert type(plain) is qkv.ScaledDotProductAttentionGrads
-        for a, b in zip(plain, grads):
-            np.testing.assert_array_equal(a, b)
+def qkv_numpy_bias(case):
+    """The NumPy API's bias= forward and backward (the four gradients, d_bias
+    shaped like the bias); with bias_grad=False the three-field tuple of the
+    same gradients."""
+    q, k, v, bias = (case.inputs[n].astype(case.dtype) for n in NAMES + ("bias",))
+    output, lse = qkv.scaled_dot_product_attention(q, k, v, bias=bias, return_lse=True)
+    g = case.d_output.astype(case.dtype)
+    grads = qkv.scaled_dot_product_attention_backward(q, k, v, output, lse, g, bias=bias)
+    assert isinstance(grads, qkv.ScaledDotProductAttentionBiasGrads)
+    plain = qkv.scaled_dot_product_attention_backward(q, k, v, output, lse, g, bias=bias,
+                                                      bias_grad=False)
+    assert type(plain) is qkv.ScaledDotProductAttentionGrads
+    for a, b in zip(plain, grads):
+        np.testing.assert_array_equal(a, b)
+    return {"output": output, **dict(zip(grads._fields, grads))}
+
+
+PEERS = [
+    Peer("attn_mask", bias_case, qkv_attn_mask, torch_bias, ("float32", "float64"), NUM_CASES),
+    # bf16: no is_causal; the output and the gradient of the bf16 bias.
+    Peer("attn_mask", lambda rng, i, dtype: bias_case(rng, i, dtype, causal_share=0.0),
+         qkv_attn_mask, torch_bias, ("bfloat16",), NUM_CASES // 2),
+    Peer("bias (NumPy)", lambda rng, i, dtype: bias_case(rng, i, dtype, causal_share=0.0),
+         qkv_numpy_bias, torch_bias, ("float32", "float64"), NUM_CASES // 2),
+]
+
+
+@pytest.mark.parametrize("peer, dtype", peer_params(PEERS))
+def test_bias_matches_torch_math(peer, dtype, seed):
+    run_peer(peer, dtype, seed)
 
 
 def test_bias_constant_along_the_keys_changes_nothing_and_has_gradient_zero(seed):
@@ -143,7 +127,8 @@ def test_bias_constant_along_the_keys_changes_nothing_and_has_gradient_zero(seed
     row_bias = randn(rng, (2, 3, 9, 1), torch.float64, requires_grad=True)
     out = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=row_bias)
     plain = qkv.torch.scaled_dot_product_attention(q, k, v)
-    assert relative_error(out, plain) <= 1e-15
+    check_close("output with a bias constant along the keys", out, plain, "float64",
+                tolerance=1e-15)
     (d_bias,) = torch.autograd.grad(out, (row_bias,), torch.ones_like(out))
     assert not d_bias.any()
 
@@ -167,7 +152,7 @@ def test_bias_with_bool_semantics_of_minus_inf():
     bias = torch.zeros(6, 8, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     a = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     b = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-    assert relative_error(a, b) <= 1e-15
+    check_close("output with a -inf bias", a, b, "float64", tolerance=1e-15)
 
 
 def test_numpy_bias_errors_name_the_function_the_bias_and_both_types_or_shapes():

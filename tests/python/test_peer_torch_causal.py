@@ -1,25 +1,17 @@
-"""Peer test: causal scaled dot-product attention against PyTorch.
+"""Peer test: causal scaled dot-product attention against PyTorch, as a list of cases.
 
-Debian's torch 1.13 has no scaled_dot_product_attention, so the peer is torch
-2.x's documented math written in torch: scores Q K^T * scale, the causal
-mask (torch.ones(Nq, Nk).tril(diagonal)) and d2l's valid lengths filled with
--inf, softmax, times V; autograd of that for the gradients. qkv.torch's
-is_causal (top-left, diagonal 0) and qkv.scaled_dot_product_attention's
-causal='bottom-right' (diagonal Nk - Nq) run on fresh random cases: Nq < Nk,
-Nq = Nk, Nq > Nk, one query, 2-D, 3-D and 4-D inputs, lengths combined with
-the mask, float32, float64 and bfloat16, forward and the gradients of a
-random linear functional. Where every key of a query is masked torch's math
-gives NaN and qkv gives 0 (DESIGN.md section 3): checked separately.
-
-Tolerances as test_peer_torch.py: max|got - ref| / max(max|ref|, floor) <=
-1e-5 (float32), 1e-12 (float64) against a float64 reference, and 10x that
-for gradients with a floor of 1 (the size of their terms: inputs and the
-functional's weights are O(1); a gradient that is 0 in exact arithmetic, dQ
-with one key, is rounding noise of that size); bf16 output within
-4e-3 max|v| + 2^-8 |out| (docs/semantics.md, "bfloat16 inputs").
+The peer is torch 2.x's documented math (torch_formulas.sdpa_math: the
+causal mask torch.ones(Nq, Nk).tril(diagonal) and d2l's valid lengths filled
+with -inf) in float64 on the same values, autograd of it for the gradients
+of sum(out * G). qkv.torch's is_causal (top-left, diagonal 0) and
+qkv.scaled_dot_product_attention's causal='bottom-right' (diagonal Nk - Nq)
+run on fresh random cases: Nq < Nk, Nq = Nk, Nq > Nk, one query, 2-D, 3-D
+and 4-D inputs, lengths combined with the mask, float32, float64 and
+bfloat16. Where every key of a query is masked torch's math gives NaN and
+qkv gives 0 with lse -inf (DESIGN.md section 3): checked beside the peer.
+Each row of PEERS is drawn, run and compared by peer_harness (the one rule:
+d2l_reference.check_close).
 """
-
-import math
 
 import numpy as np
 import pytest
@@ -27,123 +19,128 @@ import torch
 
 import qkv
 import qkv.torch
-from torch_formulas import randn, relative_error
+from peer_harness import (  # first: puts tests/peer (d2l_reference) on sys.path
+    GRADIENT_TOLERANCE,
+    Peer,
+    Want,
+    draw_case,
+    peer_params,
+    run_peer,
+    torch_formula,
+    torch_inputs,
+    with_gradients,
+)
+from torch_formulas import sdpa_math
 
 NUM_CASES = 40
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
-def torch_causal_reference(q, k, v, diagonal, valid_lens=None):
-    """torch 2.x's math path with a causal mask tril(diagonal) and d2l's
-    lengths, in q's dtype; fully masked rows are NaN as in torch."""
-    nq, nk = q.shape[-2], k.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    keep = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal)
-    if valid_lens is not None:
-        lens = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None].expand(-1, nq)
-        keep = keep & (torch.arange(nk) < lens[..., None])
-    scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def random_case(rng):
+def causal_sizes(rng):
+    """Nq and Nk from 1 to 700 (Nq > Nk too), D from 1 to 64, and 2-D, 3-D or
+    4-D inputs (B = 2 and one or two heads)."""
     nq = int(rng.choice([1, 2, 7, 16, 33, 300]))
     nk = int(rng.choice([1, 5, 16, 31, 300, 700]))
     rank = int(rng.choice([2, 3, 4]))
-    lead = {2: (), 3: (int(rng.integers(1, 4)),), 4: (2, int(rng.integers(1, 3)))}[rank]
-    dim = int(rng.choice([1, 4, 8, 17, 64]))
-    dv = int(rng.choice([1, 3, 8, 24]))
-    return lead, nq, nk, dim, dv
+    sizes = {2: {}, 3: {"B": int(rng.integers(1, 4))}}.get(rank)
+    if sizes is None:
+        heads = int(rng.integers(1, 3))
+        sizes = {"B": 2, "H": heads, "Hkv": heads}
+    sizes.update(Nq=nq, Nk=nk, D=int(rng.choice([1, 4, 8, 17, 64])),
+                 Dv=int(rng.choice([1, 3, 8, 24])))
+    return sizes
 
 
-def lens_for(rng, lead, nq, nk):
-    """None, or (B) / (B, Nq) lengths in [1, Nk] for 3-D inputs."""
-    if len(lead) != 1 or rng.random() < 0.4:
-        return None
-    shape = lead if rng.random() < 0.5 else (lead[0], nq)
-    return torch.from_numpy(rng.integers(1, nk + 1, size=shape))
+def causal_case(rng, index, dtype):
+    """causal_sizes; 3-D inputs get (B) or (B, Nq) lengths in [1, Nk] 60 % of
+    the time; bf16: the forward alone, without lengths."""
+    sizes = causal_sizes(rng)
+    bf16 = dtype == "bfloat16"
+    lens = None
+    if not bf16 and "B" in sizes and "H" not in sizes and rng.random() >= 0.4:
+        lens = ("B", "BNq")[int(rng.random() >= 0.5)]
+    return draw_case(rng, index, dtype, sizes, lens=lens, grad=not bf16)
 
 
-def finite_rows_error(got, want):
-    """Relative error over the rows torch's math leaves finite."""
-    finite = torch.isfinite(want).all(dim=-1, keepdim=True).expand_as(want)
-    if not finite.any():
-        return 0.0
-    return relative_error(got[finite], want[finite])
+# ---- qkv.torch's is_causal (top-left) ----------------------------------------------------
+
+def qkv_is_causal(case):
+    inputs = torch_inputs(case, ["queries", "keys", "values"])
+    output = qkv.torch.scaled_dot_product_attention(
+        *inputs.values(), is_causal=True, valid_lens=case.valid_lens())
+    results = {"output": output}
+    return results if case.d_output is None else with_gradients(results, output, inputs,
+                                                                case.d_output)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_is_causal_matches_torch_math_forward_and_backward(dtype, seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES):
-        lead, nq, nk, dim, dv = random_case(rng)
-        lens = lens_for(rng, lead, nq, nk)
-        q = randn(rng, (*lead, nq, dim), dtype, requires_grad=True)
-        k = randn(rng, (*lead, nk, dim), dtype, requires_grad=True)
-        v = randn(rng, (*lead, nk, dv), dtype, requires_grad=True)
-        # With lengths, every query keeps key 0 (lengths >= 1 and the
-        # diagonal >= 0), so no row is empty and the gradients compare whole.
-        got = qkv.torch.scaled_dot_product_attention(q, k, v, is_causal=True, valid_lens=lens)
-        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-        want = torch_causal_reference(qd, kd, vd, 0, lens)
-        what = f"case {case}: lead {lead} Nq {nq} Nk {nk} D {dim} Dv {dv} lens {lens is not None}"
-        assert relative_error(got, want) <= TOL[dtype], what
-        g = randn(rng, got.shape, dtype)
-        grads = torch.autograd.grad(got, (q, k, v), g)
-        want_grads = torch.autograd.grad(want, (qd, kd, vd), g.double())
-        for name, a, b in zip(("d_query", "d_key", "d_value"), grads, want_grads):
-            assert relative_error(a, b, floor=1.0) <= 10 * TOL[dtype], f"{what}: {name}"
+def torch_is_causal(case):
+    """With lengths, every query keeps key 0 (lengths >= 1 and the diagonal
+    >= 0), so no row is empty and the gradients compare whole."""
+    return torch_formula(lambda c, queries, keys, values: sdpa_math(
+        queries, keys, values, diagonal=0, valid_lens=c.valid_lens()), case)
 
 
-def test_is_causal_bf16_matches_the_float64_math(seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES // 2):
-        lead, nq, nk, dim, dv = random_case(rng)
-        qb, kb, vb = (randn(rng, (*lead, n, d), torch.float32).bfloat16()
-                      for n, d in ((nq, dim), (nk, dim), (nk, dv)))
-        got = qkv.torch.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
-        assert got.dtype == torch.bfloat16
-        want = torch_causal_reference(qb.double(), kb.double(), vb.double(), 0)
-        err = (got.double() - want).abs()
-        bound = 4e-3 * vb.double().abs().max() + 2.0 ** -8 * want.abs()
-        assert bool((err <= bound).all()), f"case {case}: lead {lead} Nq {nq} Nk {nk}"
+# ---- qkv.scaled_dot_product_attention's causal='bottom-right' -----------------------------
+
+def empty_rows(case):
+    """The first Nq - Nk queries see no key (bottom-right aligned)."""
+    return max(case.sizes["Nq"] - case.sizes["Nk"], 0)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_bottom_right_matches_torch_math(dtype, seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES):
-        _, nq, nk, dim, dv = random_case(rng)
-        batch = int(rng.integers(1, 4))
-        q, k, v = (rng.standard_normal((batch, n, d)).astype(dtype)
-                   for n, d in ((nq, dim), (nk, dim), (nk, dv)))
-        out, lse = qkv.scaled_dot_product_attention(q, k, v, causal="bottom-right",
-                                                    return_lse=True)
-        qd, kd, vd = (torch.from_numpy(x).double().requires_grad_() for x in (q, k, v))
-        want = torch_causal_reference(qd, kd, vd, nk - nq)
-        what = f"case {case}: B {batch} Nq {nq} Nk {nk} D {dim} Dv {dv}"
-        tol = TOL[torch.float32 if dtype == np.float32 else torch.float64]
-        assert finite_rows_error(torch.from_numpy(out), want) <= tol, what
-        # The first Nq - Nk queries see no key: torch's math gives NaN, qkv 0
-        # with lse -inf.
-        empty = max(nq - nk, 0)
-        assert bool(torch.isnan(want[:, :empty]).all()), what
-        assert not out[:, :empty].any(), what
-        assert np.all(lse[:, :empty] == -np.inf), what
-        # Gradients: torch's math differentiates NaN rows to NaN, so its
-        # functional runs over the other queries alone (the same problem with
-        # Nq - empty queries, still bottom-right aligned); qkv's gradients for
-        # the empty rows are 0, checked below.
-        g = rng.standard_normal(out.shape).astype(dtype)
-        grads = qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, g,
-                                                          causal="bottom-right")
-        rows = torch_causal_reference(qd[:, empty:], kd, vd, nk - nq + empty)
-        loss = (rows * torch.from_numpy(g[:, empty:]).double()).sum()
-        want_grads = list(torch.autograd.grad(loss, (qd, kd, vd)))
-        for name, a, b in zip(grads._fields, grads, want_grads):
-            assert relative_error(torch.from_numpy(a), b, floor=1.0) <= 10 * tol, \
-                f"{what}: {name}"
-        assert not grads.d_queries[:, :empty].any(), what
+def qkv_bottom_right(case):
+    """Output and gradients through the NumPy API; the first Nq - Nk queries
+    (no key) must give 0, lse -inf and a zero gradient."""
+    q, k, v = (case.inputs[n].astype(case.dtype) for n in ("queries", "keys", "values"))
+    output, lse = qkv.scaled_dot_product_attention(q, k, v, causal="bottom-right",
+                                                   return_lse=True)
+    empty, desc = empty_rows(case), case.desc()
+    assert not output[:, :empty].any(), desc
+    assert np.all(lse[:, :empty] == -np.inf), desc
+    grads = qkv.scaled_dot_product_attention_backward(
+        q, k, v, output, lse, case.d_output.astype(case.dtype), causal="bottom-right")
+    assert not grads.d_queries[:, :empty].any(), desc
+    return {"output": output, **dict(zip(grads._fields, grads))}
+
+
+def torch_bottom_right(case):
+    """The output on the rows torch's math leaves finite (its first Nq - Nk
+    rows are NaN); the gradients of the functional over the other queries
+    alone (the same problem with Nq - empty queries, still bottom-right
+    aligned), as torch's math differentiates NaN rows to NaN."""
+    nq, nk = case.sizes["Nq"], case.sizes["Nk"]
+    empty = empty_rows(case)
+    leaves = [torch.from_numpy(case.inputs[n]).requires_grad_()
+              for n in ("queries", "keys", "values")]
+    output = sdpa_math(*leaves, diagonal=nk - nq)
+    assert bool(torch.isnan(output[:, :empty]).all()), case.desc()
+    rows = np.arange(nq) >= empty
+    want = {"output": Want(output.detach(), rows=np.broadcast_to(rows, output.shape[:-1]))}
+    live = sdpa_math(leaves[0][:, empty:], *leaves[1:], diagonal=nk - nq + empty)
+    loss = (live * torch.from_numpy(case.d_output[:, empty:])).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    want.update({f"d_{n}": Want(g, scale=1.0, tolerance=GRADIENT_TOLERANCE[case.dtype])
+                 for n, g in zip(("queries", "keys", "values"), grads)})
+    return want
+
+
+def bottom_right_case(rng, index, dtype):
+    """causal_sizes' Nq, Nk, D and Dv, 3-D with B from 1 to 3, no lengths."""
+    sizes = {a: n for a, n in causal_sizes(rng).items() if a not in ("B", "H", "Hkv")}
+    return draw_case(rng, index, dtype, {"B": int(rng.integers(1, 4)), **sizes})
+
+
+PEERS = [
+    Peer("is_causal", causal_case, qkv_is_causal, torch_is_causal,
+         ("float32", "float64"), NUM_CASES),
+    Peer("is_causal", causal_case, qkv_is_causal, torch_is_causal, ("bfloat16",),
+         NUM_CASES // 2),
+    Peer("bottom-right", bottom_right_case, qkv_bottom_right, torch_bottom_right,
+         ("float32", "float64"), NUM_CASES),
+]
+
+
+@pytest.mark.parametrize("peer, dtype", peer_params(PEERS))
+def test_causal_matches_torch_math(peer, dtype, seed):
+    run_peer(peer, dtype, seed)
 
 
 def test_causal_value_must_be_known():

@@ -1,24 +1,19 @@
-"""Peer test: boolean masks, key masks and sliding windows against PyTorch.
+"""Peer test: boolean masks, key masks and sliding windows against PyTorch, as a list of cases.
 
-Debian's torch 1.13 has no scaled_dot_product_attention, so the peer is torch
-2.x's documented math written in torch, in float64: scores Q K^T * scale,
-masked_fill(-inf) where the boolean attn_mask is False (broadcast against
-(B, H, Nq, Nk) as torch broadcasts it) and where a key mask, a window or
-is_causal leaves a key out, softmax, times V; autograd of that for the
-gradients. Fresh random cases: masks of half the keys in every broadcast form
-((Nq, Nk), (B, 1, Nq, Nk), (1, H, 1, Nk), (B, H, Nq, Nk), and 3-D inputs'
-(B, Nq, Nk)), heads grouped or not, Nq from 1 to 300, Nk up to 500,
-combined with is_causal, through qkv.torch's attn_mask (float32, float64,
-bf16) and through the NumPy API's mask, key_mask and window. Every query
-keeps key 0 or its diagonal, so torch's math has no NaN rows; a query left
-with no key (torch: NaN, qkv: 0) is checked on its own.
-
-Tolerances as test_peer_torch_causal.py: 1e-5 (float32) and 1e-12 (float64)
-of max|ref|, gradients 10x that with a floor of 1; bf16 output within
-4e-3 max|v| + 2^-8 |out|.
+The peer is torch 2.x's documented math (torch_formulas.sdpa_math) in float64
+on the same values: masked_fill(-inf) where the boolean attn_mask is False
+(broadcast against (B, H, Nq, Nk) as torch broadcasts it) and where a key
+mask, a window or is_causal leaves a key out; autograd of it for the
+gradients of sum(out * G). Fresh random cases (peer_harness.mask_peer_sizes):
+masks of half the keys in every broadcast form ((Nq, Nk), (B, 1, Nq, Nk),
+(1, H, 1, Nk), (B, H, Nq, Nk), and 3-D inputs' (B, Nq, Nk)), heads grouped
+or not, Nq from 1 to 300, Nk up to 500, combined with is_causal, through
+qkv.torch's attn_mask (float32, float64, bf16) and through the NumPy API's
+mask, key_mask and window. Every query keeps key 0 or its diagonal, so
+torch's math has no NaN rows; a query left with no key (torch: NaN, qkv: 0)
+is checked on its own. Each row of PEERS is drawn, run and compared by
+peer_harness (the one rule: d2l_reference.check_close).
 """
-
-import math
 
 import numpy as np
 import pytest
@@ -26,118 +21,133 @@ import torch
 
 import qkv
 import qkv.torch
-from torch_formulas import heads_shapes, randn, random_heads_case, relative_error
+from peer_harness import (  # first: puts tests/peer (d2l_reference) on sys.path
+    Peer,
+    draw_case,
+    mask_peer_sizes,
+    peer_params,
+    run_peer,
+    torch_formula,
+    torch_inputs,
+    with_gradients,
+)
+from torch_formulas import randn, sdpa_math
 
 NUM_CASES = 100
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+NAMES = ("queries", "keys", "values")
 
 
-def masked_math(q, k, v, keep):
-    """torch 2.x's math with a boolean keep (broadcast against the scores) and
-    key heads repeat_interleave'd to the query heads; q's dtype."""
-    if q.dim() == 4 and q.shape[1] != k.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def random_mask(rng, three_d, batch, heads, nq, nk):
+def random_mask(rng, sizes):
     """A bool mask of a random broadcast form, half True, with key 0 kept for
     every query (so no row of torch's math is all -inf)."""
-    if three_d:
+    batch, nq, nk = sizes["B"], sizes["Nq"], sizes["Nk"]
+    if "H" not in sizes:
         shape = [(nq, nk), (batch, nq, nk), (1, nq, nk)][int(rng.integers(3))]
     else:
-        shape = [(nq, nk), (batch, 1, nq, nk), (1, heads, 1, nk),
-                 (batch, heads, nq, nk)][int(rng.integers(4))]
+        shape = [(nq, nk), (batch, 1, nq, nk), (1, sizes["H"], 1, nk),
+                 (batch, sizes["H"], nq, nk)][int(rng.integers(4))]
     keep = torch.from_numpy(rng.random(shape) < 0.5)
     keep[..., 0] = True
     return keep
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_attn_mask_matches_torch_math_forward_and_backward(dtype, seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (randn(rng, s, dtype, requires_grad=True) for s in heads_shapes(*c))
-        keep = random_mask(rng, three_d, batch, heads, nq, nk)
-        causal = bool(rng.random() < 0.3)
-        got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal,
-                                                     enable_gqa=True)
-        full = keep & torch.ones(nq, nk, dtype=torch.bool).tril() if causal else keep
-        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-        want = masked_math(qd, kd, vd, full)
-        what = (f"case {case}: 3-D {three_d} B {batch} H {heads} Hkv {kv_heads} Nq {nq} Nk {nk} "
-                f"D {dim} Dv {dv} mask {list(keep.shape)} causal {causal}")
-        assert relative_error(got, want) <= TOL[dtype], what
-        g = randn(rng, got.shape, dtype)
-        grads = torch.autograd.grad(got, (q, k, v), g)
-        want_grads = torch.autograd.grad(want, (qd, kd, vd), g.double())
-        for name, a, b in zip(("d_query", "d_key", "d_value"), grads, want_grads):
-            assert relative_error(a, b, floor=1.0) <= 10 * TOL[dtype], f"{what}: {name}"
+def attn_mask_case(rng, index, dtype):
+    """mask_peer_sizes, random_mask, is_causal 30 % of the time; bf16: the
+    forward alone, without is_causal."""
+    sizes = mask_peer_sizes(rng)
+    keep = random_mask(rng, sizes)
+    bf16 = dtype == "bfloat16"
+    causal = not bf16 and bool(rng.random() < 0.3)
+    case = draw_case(rng, index, dtype, sizes, grad=not bf16, keep=keep, causal=causal)
+    case.notes += [f"mask {list(keep.shape)}", f"causal {causal}"]
+    return case
 
 
-def test_attn_mask_bf16_matches_the_float64_math(seed):
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES // 2):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (randn(rng, s, torch.float32).bfloat16() for s in heads_shapes(*c))
-        keep = random_mask(rng, three_d, batch, heads, nq, nk)
-        got = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
-        assert got.dtype == torch.bfloat16
-        want = masked_math(q.double(), k.double(), v.double(), keep)
-        bound = 4e-3 * v.double().abs().max() + 2.0 ** -8 * want.abs()
-        assert bool(((got.double() - want).abs() <= bound).all()), f"case {case}"
+def qkv_attn_mask(case):
+    inputs = torch_inputs(case, NAMES)
+    output = qkv.torch.scaled_dot_product_attention(
+        *inputs.values(), attn_mask=case.options["keep"], is_causal=case.options["causal"],
+        enable_gqa=True)
+    results = {"output": output}
+    return results if case.d_output is None else with_gradients(results, output, inputs,
+                                                                case.d_output)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_numpy_key_mask_and_window_match_torch_math(dtype, seed):
+def torch_attn_mask(case):
+    diagonal = 0 if case.options["causal"] else None
+    return torch_formula(lambda c, queries, keys, values: sdpa_math(
+        queries, keys, values, keep=c.options["keep"], diagonal=diagonal), case)
+
+
+def window_case(rng, index, dtype):
     """The NumPy API's key_mask (B, Nk) and window (left, right), aligned at
-    the bottom right (FlashAttention's window_size), with a mask on top,
-    forward and backward. Each query's diagonal key j = i + Nk - Nq is kept
-    by all three; where that is before key 0 a query may be left with no
-    key (torch: NaN rows, compared apart: qkv gives 0)."""
-    rng = np.random.default_rng(seed)
-    for case in range(NUM_CASES):
-        three_d, batch, heads, kv_heads, nq, nk, dim, dv = c = random_heads_case(rng)
-        q, k, v = (rng.standard_normal(s).astype(dtype) for s in heads_shapes(*c))
-        left, right = int(rng.integers(-1, 100)), int(rng.integers(-1, 10))
-        diagonal = np.arange(nq) + nk - nq
-        inside = (diagonal >= 0) & (diagonal < nk)
-        keys = rng.random((batch, nk)) < 0.7
-        keys[:, diagonal[inside]] = True
-        mask = rng.random((batch, nq, nk) if three_d else (batch, 1, nq, nk)) < 0.6
-        mask[..., np.arange(nq)[inside], diagonal[inside]] = True
-        jj = np.arange(nk)[None, :]
-        window = (((jj >= diagonal[:, None] - left) | (left < 0)) &
-                  ((jj <= diagonal[:, None] + right) | (right < 0)))
-        keys_b = keys[:, None, :] if three_d else keys[:, None, None, :]
-        keep = torch.from_numpy(window & keys_b & mask)
-        out, lse = qkv.scaled_dot_product_attention(q, k, v, mask=mask, key_mask=keys,
-                                                    window=(left, right), return_lse=True)
-        leaves = [torch.from_numpy(x).double().requires_grad_() for x in (q, k, v)]
-        want = masked_math(*leaves, keep)
-        what = f"case {case}: 3-D {three_d} B {batch} Nq {nq} Nk {nk} window ({left}, {right})"
-        tol = TOL[torch.float32 if dtype == np.float32 else torch.float64]
-        rows = keep.any(dim=-1)  # queries left with a key
-        rows = rows.expand(want.shape[:-1]) if rows.shape != want.shape[:-1] else rows
-        assert relative_error(torch.from_numpy(out)[rows], want.detach()[rows]) <= tol, what
-        assert not out[~rows.numpy()].any(), what
-        assert np.all(lse[~rows.numpy()] == -np.inf), what
-        # Gradients of a functional over the rows that have keys: d_output is
-        # 0 on the others, where torch's math gets key 0 back so it has no NaN
-        # to differentiate (those rows then add nothing).
-        g = rng.standard_normal(out.shape).astype(dtype) * rows.numpy()[..., None]
-        grads = qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, g, mask=mask,
-                                                          key_mask=keys, window=(left, right))
-        first = torch.zeros(nk, dtype=torch.bool)
-        first[0] = True
-        want = masked_math(*leaves, keep | (~rows[..., None] & first))
-        want_grads = torch.autograd.grad(want, leaves, torch.from_numpy(g).double())
-        for name, a, b in zip(grads._fields, grads, want_grads):
-            assert relative_error(torch.from_numpy(a), b, floor=1.0) <= 10 * tol, f"{what}: {name}"
+    the bottom right (FlashAttention's window_size), with a mask on top. Each
+    query's diagonal key j = i + Nk - Nq is kept by all three; where that is
+    before key 0 a query may be left with no key: options["rows"] says which
+    have one, and d_output is 0 on the others."""
+    sizes = mask_peer_sizes(rng)
+    batch, nq, nk = sizes["B"], sizes["Nq"], sizes["Nk"]
+    case = draw_case(rng, index, dtype, sizes)
+    left, right = int(rng.integers(-1, 100)), int(rng.integers(-1, 10))
+    diagonal = np.arange(nq) + nk - nq
+    inside = (diagonal >= 0) & (diagonal < nk)
+    keys = rng.random((batch, nk)) < 0.7
+    keys[:, diagonal[inside]] = True
+    mask = rng.random((batch, 1, nq, nk) if "H" in sizes else (batch, nq, nk)) < 0.6
+    mask[..., np.arange(nq)[inside], diagonal[inside]] = True
+    jj = np.arange(nk)[None, :]
+    window = (((jj >= diagonal[:, None] - left) | (left < 0)) &
+              ((jj <= diagonal[:, None] + right) | (right < 0)))
+    keys_b = keys[:, None, None, :] if "H" in sizes else keys[:, None, :]
+    keep = torch.from_numpy(window & keys_b & mask)
+    rows = keep.any(dim=-1).expand(case.d_output.shape[:-1]).numpy()
+    case.d_output = case.d_output * rows[..., None]
+    case.options.update(mask=mask, key_mask=keys, window=(left, right), keep=keep, rows=rows)
+    case.notes.append(f"window ({left}, {right})")
+    return case
+
+
+def qkv_window(case):
+    """Output and gradients through the NumPy API; a query left with no key
+    must give 0 and lse -inf."""
+    q, k, v = (case.inputs[n].astype(case.dtype) for n in NAMES)
+    masks = {n: case.options[n] for n in ("mask", "key_mask", "window")}
+    output, lse = qkv.scaled_dot_product_attention(q, k, v, return_lse=True, **masks)
+    rows, desc = case.options["rows"], case.desc()
+    assert not output[~rows].any(), desc
+    assert np.all(lse[~rows] == -np.inf), desc
+    grads = qkv.scaled_dot_product_attention_backward(
+        q, k, v, output, lse, case.d_output.astype(case.dtype), **masks)
+    return {"output": output, **dict(zip(grads._fields, grads))}
+
+
+def torch_window(case):
+    """The output on the queries that keep a key; the gradients of the
+    functional over those (d_output is 0 on the others, where torch's math
+    gets key 0 back so it has no NaN to differentiate: those rows then add
+    nothing)."""
+    keep, rows = case.options["keep"], torch.from_numpy(case.options["rows"])
+    first = torch.zeros(case.sizes["Nk"], dtype=torch.bool)
+    first[0] = True
+    want = torch_formula(lambda c, queries, keys, values: sdpa_math(
+        queries, keys, values, keep=keep | (~rows[..., None] & first)), case)
+    want["output"].rows = case.options["rows"]
+    return want
+
+
+PEERS = [
+    Peer("attn_mask", attn_mask_case, qkv_attn_mask, torch_attn_mask, ("float32", "float64"),
+         NUM_CASES),
+    Peer("attn_mask", attn_mask_case, qkv_attn_mask, torch_attn_mask, ("bfloat16",),
+         NUM_CASES // 2),
+    Peer("key_mask and window", window_case, qkv_window, torch_window, ("float32", "float64"),
+         NUM_CASES),
+]
+
+
+@pytest.mark.parametrize("peer, dtype", peer_params(PEERS))
+def test_masks_match_torch_math(peer, dtype, seed):
+    run_peer(peer, dtype, seed)
 
 
 def test_no_key_left_gives_zeros_with_zero_gradients(seed):
@@ -151,7 +161,7 @@ def test_no_key_left_gives_zeros_with_zero_gradients(seed):
     keep[2] = False
     out = qkv.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     assert not out[:, :, 2].any()
-    assert torch.isnan(masked_math(q.detach(), k.detach(), v.detach(), keep)[:, :, 2]).all()
+    assert torch.isnan(sdpa_math(q.detach(), k.detach(), v.detach(), keep=keep)[:, :, 2]).all()
     g = torch.zeros_like(out)
     g[:, :, 2] = 1.0
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)

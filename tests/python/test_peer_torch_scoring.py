@@ -1,6 +1,7 @@
 """Peer test: bilinear and distance attention (qkv.bilinear_attention,
 qkv.distance_attention and their qkv.torch autograd functions), and causal
-additive attention, against PyTorch formulations written plainly here:
+additive attention, against PyTorch formulations written plainly here, as a
+list of cases:
 
 - bilinear: scores = torch.einsum("bqc,ce,bke->bqk", q, W, k);
 - distance: scores = -scale/2 * ((q[:, :, None] - k[:, None]) ** 2).sum(-1)
@@ -9,21 +10,19 @@ additive attention, against PyTorch formulations written plainly here:
   causal cap as lengths), whose other cases test_peer_torch.py holds;
 
 then the exact masked softmax of torch_formulas.py and the product with V.
-Each op gets NUM_CASES fresh random cases per dtype (sizes across the SIMD
-widths and block sizes, valid_lens None, (B) or (B, Nq), some strided
-inputs, some causal, distance scales in [0.05, 3], and keys and queries
-offset up to 1000 from the origin in a quarter of the distance cases):
-forward output and lse against torch in float64, and the gradients of
-every input and W through .backward() of sum(out * G) against torch
-autograd. Then torch.autograd.gradcheck of qkv.torch's functions (float64,
-with dropout at a fixed seed, causal, valid lengths), and the errors.
-
-Tolerance: max|got - ref| / max(max|ref|, 1) <= 2e-5 (float32) or 1e-11
-(float64), the reference in float64 on the same values (the floor 1 is the
-size of the inputs: a gradient that is exactly 0 in the formulas, dQ with
-one valid key, is rounding noise in both; distance's dQ and dK take the
-size of their terms, scale max|q - k|, instead).
-The worst errors are printed at the end of the module.
+Each op gets NUM_CASES fresh random cases per dtype, one test each (sizes
+across the SIMD widths and block sizes, valid_lens None, (B) or (B, Nq)
+with 0 and Nk among them, some strided inputs, some causal, distance scales
+in [0.05, 3], and keys and queries offset up to 1000 from the origin in a
+quarter of the distance cases): forward output and lse against torch in
+float64, and the gradients of every input and W through .backward() of
+sum(out * G) against torch autograd. Each row of PEERS is drawn, run and
+compared by peer_harness, by the one rule (d2l_reference.check_close) with
+the scale 1, the size of the inputs: a gradient that is exactly 0 in the
+formulas, dQ with one valid key, is rounding noise in both; distance's dQ
+and dK take the size of their terms, scale max|q - k|, instead. Then
+torch.autograd.gradcheck of qkv.torch's functions (float64, with dropout at
+a fixed seed, causal, valid lengths), and the errors.
 """
 
 import math
@@ -35,32 +34,31 @@ from torch.autograd import gradcheck
 
 import qkv
 import qkv.torch
-from torch_formulas import (additive_scores, exact_masked_softmax, key_mask, random_lens,
-                            relative_error)
+from peer_harness import (  # first: puts tests/peer (d2l_reference) on sys.path
+    SCORING_TOLERANCE,
+    Peer,
+    Want,
+    draw_case,
+    peer_params,
+    report_worst,
+    run_case,
+    torch_inputs,
+)
+from torch_formulas import additive_scores, exact_masked_softmax, key_mask, lens_tensor
 
 NUM_CASES = 60
-TOL = {torch.float32: 2e-5, torch.float64: 1e-11}
-DTYPES = [torch.float32, torch.float64]
 SIZES = (1, 2, 3, 7, 8, 16, 17, 33, 65, 100)
-WORST = {}
+NAMES = ("queries", "keys", "values")
+PARAMETERS = {"bilinear": ("W",), "additive": ("W_q", "W_k", "w_v"), "distance": ()}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def report():
+def torch_threads():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-    print("\ntest_peer_torch_scoring: worst relative errors")
-    for key, value in sorted(WORST.items()):
-        print(f"  {key}: {value:.2e}")
-
-
-def check(what, op, dtype, got, want, floor=1.0):
-    err = relative_error(got, want, floor)
-    key = f"{op} {str(dtype).removeprefix('torch.')} {what}"
-    WORST[key] = max(WORST.get(key, 0.0), err)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e}"
+    report_worst("test_peer_torch_scoring: worst relative errors")
 
 
 def bilinear_scores(q, k, W):
@@ -83,6 +81,12 @@ def causal_lens(lens, causal, batch, nq, nk):
     return torch.minimum(full, cap)
 
 
+def capped_lens(case):
+    sizes = case.sizes
+    return causal_lens(case.valid_lens(), case.options["causal"], sizes["B"], sizes["Nq"],
+                       sizes["Nk"])
+
+
 def torch_attention(scores, v, lens):
     """(output, lse) of the exact masked softmax of `scores` times v; lse -inf for no key."""
     keep = key_mask(lens, scores.shape)
@@ -90,126 +94,128 @@ def torch_attention(scores, v, lens):
     return exact_masked_softmax(scores, lens) @ v, lse
 
 
-def maybe_strided(rng, t):
-    """Half the time a view every other element of a bigger tensor (same values)."""
-    if rng.random() < 0.5:
-        return t
-    big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
-    big[..., ::2] = t
-    return big[..., ::2]
+# ---- the cases ----------------------------------------------------------------------------
 
-
-def random_case(rng, op):
-    batch = int(rng.integers(1, 4))
-    nq, nk = int(rng.choice(SIZES)), int(rng.choice(SIZES))
+def scoring_case(op, rng, index, dtype):
+    """B from 1 to 3, Nq and Nk from SIZES, Dq, Dk and Dv from 1 to 20 (distance:
+    Dk = Dq); lengths None, (B) or (B, Nq) in [0, Nk]; causal None (half the
+    time), top-left or bottom-right (causal additive: alternately top-left and
+    bottom-right); queries and keys uniform in [-1, 1] (distance: offset by
+    +-1000 a quarter of the time), values normal; each input strided (every
+    other element) half the time. Bilinear's W uniform in +-2/sqrt(Dq);
+    additive's W_q, W_k, w_v uniform in [-1, 1], H from 1 to 17; distance's
+    scale in [0.05, 3]."""
     dq, dk, dv = (int(rng.choice((1, 2, 5, 16, 20))) for _ in range(3))
-    if op == "distance":
-        dk = dq
-    kind = [None, "B", "BNq"][int(rng.integers(3))]
-    lens = random_lens(rng, kind, batch, nq, nk)
+    sizes = {"B": int(rng.integers(1, 4)), "Nq": int(rng.choice(SIZES)),
+             "Nk": int(rng.choice(SIZES)), "Dq": dq, "Dk": dq if op == "distance" else dk,
+             "Dv": dv}
+    lens = [None, "B", "BNq"][int(rng.integers(3))]
     causal = [None, None, "top-left", "bottom-right"][int(rng.integers(4))]
-    return batch, nq, nk, dq, dk, dv, lens, causal
+    if op == "additive":
+        causal = ["top-left", "bottom-right"][index % 2]
+        sizes["hidden"] = int(rng.choice((1, 3, 8, 17)))
+    offset = 0.0
+    if op == "distance":
+        offset = float(rng.choice([0.0, 0.0, 0.0, 1000.0 * rng.choice([-1, 1])]))
+    case = draw_case(rng, index, dtype, sizes, lens=lens, lens_low=0, uniform=True, offset=offset,
+                     op=op, causal=causal)
+    if op == "bilinear":
+        case.add_input("W", rng.uniform(-1, 1, (dq, dk)) * 2 / math.sqrt(dq))
+    if op == "additive":
+        hidden = sizes["hidden"]
+        case.add_input("W_q", rng.uniform(-1, 1, (hidden, dq)))
+        case.add_input("W_k", rng.uniform(-1, 1, (hidden, dk)))
+        case.add_input("w_v", rng.uniform(-1, 1, (1, hidden)))
+    if op == "distance":
+        case.options["scale"] = float(rng.uniform(0.05, 3.0))
+        case.notes += [f"scale {case.options['scale']:.4g}", f"offset {offset:g}"]
+    case.options["layouts"] = {n: ("contiguous", "every other")[int(rng.random() >= 0.5)]
+                               for n in NAMES + PARAMETERS[op]}
+    case.notes.append(f"causal {causal}")
+    return case
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
-@pytest.mark.parametrize("case", range(NUM_CASES))
-def test_bilinear_against_torch(rng, dtype, case):
-    batch, nq, nk, dq, dk, dv, lens, causal = random_case(rng, "bilinear")
-    q64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nq, dq)))
-    k64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nk, dk)))
-    v64 = torch.from_numpy(rng.standard_normal((batch, nk, dv)))
-    W64 = torch.from_numpy(rng.uniform(-1, 1, (dq, dk)) * 2 / math.sqrt(dq))
-    G = torch.from_numpy(rng.standard_normal((batch, nq, dv)))
-    # The case's values in its dtype, and the float64 reference on those values.
-    inputs = [t.to(dtype).requires_grad_() for t in (q64, k64, v64, W64)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    capped = causal_lens(lens, causal, batch, nq, nk)
-    want, want_lse = torch_attention(bilinear_scores(ref_in[0], ref_in[1], ref_in[3]), ref_in[2],
-                                     capped)
-    (want * G).sum().backward()
+# ---- qkv ------------------------------------------------------------------------------------
 
-    args = [maybe_strided(rng, t) for t in inputs]
-    out = qkv.torch.bilinear_attention(*args, lens, causal=causal)
-    (out * G.to(dtype)).sum().backward()
-    check("output", "bilinear", dtype, out, want)
-    for name, got, ref in zip(("d_queries", "d_keys", "d_values", "d_W"), inputs, ref_in):
-        check(name, "bilinear", dtype, got.grad, ref.grad)
-    # lse from the NumPy-level call.
-    _, lse = qkv.bilinear_attention(*(t.detach().numpy() for t in args), lens, causal=causal,
-                                    return_lse=True)
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.from_numpy(np.isfinite(lse)), finite)
-    check("lse", "bilinear", dtype, torch.from_numpy(lse)[finite], want_lse[finite])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
-@pytest.mark.parametrize("case", range(NUM_CASES // 2))
-def test_causal_additive_against_torch(rng, dtype, case):
-    batch, nq, nk, dq, dk, dv, lens, _ = random_case(rng, "additive")
-    causal = ["top-left", "bottom-right"][case % 2]
-    hidden = int(rng.choice((1, 3, 8, 17)))
-    q64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nq, dq)))
-    k64 = torch.from_numpy(rng.uniform(-1, 1, (batch, nk, dk)))
-    v64 = torch.from_numpy(rng.standard_normal((batch, nk, dv)))
-    W_q64 = torch.from_numpy(rng.uniform(-1, 1, (hidden, dq)))
-    W_k64 = torch.from_numpy(rng.uniform(-1, 1, (hidden, dk)))
-    w_v64 = torch.from_numpy(rng.uniform(-1, 1, (1, hidden)))
-    G = torch.from_numpy(rng.standard_normal((batch, nq, dv)))
-    inputs = [t.to(dtype).requires_grad_() for t in (q64, k64, v64, W_q64, W_k64, w_v64)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    capped = causal_lens(lens, causal, batch, nq, nk)
-    want, want_lse = torch_attention(
-        additive_scores(ref_in[0], ref_in[1], ref_in[3], ref_in[4], ref_in[5]), ref_in[2], capped)
-    (want * G).sum().backward()
-
-    args = [maybe_strided(rng, t) for t in inputs]
-    out, weights = qkv.torch.additive_attention(*args, lens, causal=causal, return_weights=True)
-    (out * G.to(dtype)).sum().backward()
-    check("output", "additive causal", dtype, out, want)
-    check("weights", "additive causal", dtype, weights,
-          exact_masked_softmax(additive_scores(*(t.detach() for t in ref_in[:2]),
-                                               *(t.detach() for t in ref_in[3:])), capped))
-    for name, got, ref in zip(("d_queries", "d_keys", "d_values", "d_W_q", "d_W_k", "d_w_v"),
-                              inputs, ref_in):
-        check(name, "additive causal", dtype, got.grad, ref.grad)
-    _, lse = qkv.additive_attention(*(t.detach().numpy() for t in args), lens, causal=causal,
-                                    return_lse=True)
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.from_numpy(np.isfinite(lse)), finite)
-    check("lse", "additive causal", dtype, torch.from_numpy(lse)[finite], want_lse[finite])
+def qkv_scoring(case):
+    """qkv.torch's function of the case's op: output (additive: and weights),
+    the gradients of sum(out * G) by .backward(), and lse from the NumPy
+    function on the same (strided) arrays."""
+    op, causal, lens = case.options["op"], case.options["causal"], case.valid_lens()
+    names = NAMES + PARAMETERS[op]
+    inputs = {n: torch_inputs(case, [n], case.options["layouts"][n])[n] for n in names}
+    args = list(inputs.values())
+    numpy_args = [t.detach().numpy() for t in args]
+    results = {}
+    if op == "bilinear":
+        output = qkv.torch.bilinear_attention(*args, lens, causal=causal)
+        _, lse = qkv.bilinear_attention(*numpy_args, lens, causal=causal, return_lse=True)
+    elif op == "additive":
+        output, results["weights"] = qkv.torch.additive_attention(
+            *args, lens, causal=causal, return_weights=True)
+        _, lse = qkv.additive_attention(*numpy_args, lens, causal=causal, return_lse=True)
+    else:
+        scale = case.options["scale"]
+        output = qkv.torch.distance_attention(*args, lens, scale=scale, causal=causal)
+        _, lse = qkv.distance_attention(*numpy_args, lens, scale=scale, causal=causal,
+                                        return_lse=True)
+    (output * torch.tensor(case.d_output, dtype=output.dtype)).sum().backward()
+    results.update(output=output, lse=torch.from_numpy(lse))
+    results.update({f"d_{n}": t.grad for n, t in inputs.items()})
+    return results
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
-@pytest.mark.parametrize("case", range(NUM_CASES))
-def test_distance_against_torch(rng, dtype, case):
-    batch, nq, nk, d, _, dv, lens, causal = random_case(rng, "distance")
-    scale = float(rng.uniform(0.05, 3.0))
-    offset = float(rng.choice([0.0, 0.0, 0.0, 1000.0 * rng.choice([-1, 1])]))
-    q64 = torch.from_numpy(offset + rng.uniform(-1, 1, (batch, nq, d)))
-    k64 = torch.from_numpy(offset + rng.uniform(-1, 1, (batch, nk, d)))
-    v64 = torch.from_numpy(rng.standard_normal((batch, nk, dv)))
-    G = torch.from_numpy(rng.standard_normal((batch, nq, dv)))
-    inputs = [t.to(dtype).requires_grad_() for t in (q64, k64, v64)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    capped = causal_lens(lens, causal, batch, nq, nk)
-    want, want_lse = torch_attention(distance_scores(ref_in[0], ref_in[1], scale), ref_in[2],
-                                     capped)
-    (want * G).sum().backward()
+def check_lse_is_finite_where_a_key_is(case, got):
+    """lse is -inf exactly where the capped length is 0 (no key)."""
+    capped = capped_lens(case)
+    finite = torch.ones(got["lse"].shape, dtype=torch.bool)
+    if capped is not None:
+        finite = (capped[:, None] if capped.dim() == 1 else capped) > 0
+    assert torch.equal(torch.isfinite(got["lse"]), finite.expand(got["lse"].shape)), case.desc()
 
-    args = [maybe_strided(rng, t) for t in inputs]
-    out = qkv.torch.distance_attention(*args, lens, scale=scale, causal=causal)
-    (out * G.to(dtype)).sum().backward()
-    check("output", "distance", dtype, out, want)
-    # dQ and dK sum terms scale (q - k) dS: their size, not the sum's, sets the floor.
-    spread = scale * (ref_in[0].detach()[:, :, None] - ref_in[1].detach()[:, None]).abs().max()
-    floors = (max(1.0, float(spread)),) * 2 + (1.0,)
-    for name, got, ref, floor in zip(("d_queries", "d_keys", "d_values"), inputs, ref_in, floors):
-        check(name, "distance", dtype, got.grad, ref.grad, floor)
-    _, lse = qkv.distance_attention(*(t.detach().numpy() for t in args), lens, scale=scale,
-                                    causal=causal, return_lse=True)
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.from_numpy(np.isfinite(lse)), finite)
-    check("lse", "distance", dtype, torch.from_numpy(lse)[finite], want_lse[finite])
+
+# ---- torch ----------------------------------------------------------------------------------
+
+def torch_scoring(case):
+    """The op's scores in float64 on the case's values, the exact masked
+    softmax with the capped lengths, times V; lse over the rows with a key;
+    autograd for the gradients. Everything against the scale 1 (distance's
+    dQ and dK: max(1, scale max|q - k|)) at SCORING_TOLERANCE."""
+    op = case.options["op"]
+    names = NAMES + PARAMETERS[op]
+    leaves = {n: torch.from_numpy(case.inputs[n]).requires_grad_() for n in names}
+    q, k, v = (leaves[n] for n in NAMES)
+    if op == "bilinear":
+        scores = bilinear_scores(q, k, leaves["W"])
+    elif op == "additive":
+        scores = additive_scores(q, k, *(leaves[n] for n in PARAMETERS[op]))
+    else:
+        scores = distance_scores(q, k, case.options["scale"])
+    capped = capped_lens(case)
+    output, lse = torch_attention(scores, v, capped)
+    grads = torch.autograd.grad(output, list(leaves.values()), torch.from_numpy(case.d_output))
+    tolerance = SCORING_TOLERANCE[case.dtype]
+    want = {"output": Want(output.detach(), 1.0, tolerance),
+            "lse": Want(lse.detach(), 1.0, tolerance, rows=torch.isfinite(lse).numpy()),
+            "weights": Want(exact_masked_softmax(scores.detach(), capped), 1.0, tolerance)}
+    floors = {}
+    if op == "distance":
+        # dQ and dK sum terms scale (q - k) dS: their size, not the sum's, sets the floor.
+        spread = case.options["scale"] * (q.detach()[:, :, None] - k.detach()[:, None]).abs().max()
+        floors = {"queries": max(1.0, float(spread)), "keys": max(1.0, float(spread))}
+    want.update({f"d_{n}": Want(g, floors.get(n, 1.0), tolerance) for n, g in zip(leaves, grads)})
+    return want
+
+
+PEERS = [Peer(op, lambda rng, index, dtype, op=op: scoring_case(op, rng, index, dtype),
+              qkv_scoring, torch_scoring, ("float32", "float64"),
+              NUM_CASES // 2 if op == "additive" else NUM_CASES, check_lse_is_finite_where_a_key_is)
+         for op in ("bilinear", "additive", "distance")]
+
+
+@pytest.mark.parametrize("peer, dtype, index", peer_params(PEERS, each_case=True))
+def test_scoring_matches_torch(peer, dtype, index, rng):
+    run_case(peer, dtype, index, rng)
 
 
 def test_distance_matches_cdist(rng):
@@ -229,7 +235,7 @@ def test_bilinear_gradcheck(rng, lens_kind, causal):
     k = torch.from_numpy(rng.standard_normal((2, 6, 5))).requires_grad_()
     v = torch.from_numpy(rng.standard_normal((2, 6, 2))).requires_grad_()
     W = torch.from_numpy(rng.standard_normal((3, 5)) / 2).requires_grad_()
-    lens = random_lens(rng, lens_kind, 2, 4, 6)
+    lens = lens_tensor(rng, lens_kind, 2, 4, 6)
     seed = int(rng.integers(1 << 40))
     assert gradcheck(lambda *a: qkv.torch.bilinear_attention(*a, lens, dropout_p=0.3, seed=seed,
                                                              causal=causal),
@@ -242,7 +248,7 @@ def test_distance_gradcheck(rng, lens_kind, causal):
     q = torch.from_numpy(rng.standard_normal((2, 4, 3))).requires_grad_()
     k = torch.from_numpy(rng.standard_normal((2, 6, 3))).requires_grad_()
     v = torch.from_numpy(rng.standard_normal((2, 6, 2))).requires_grad_()
-    lens = random_lens(rng, lens_kind, 2, 4, 6)
+    lens = lens_tensor(rng, lens_kind, 2, 4, 6)
     seed = int(rng.integers(1 << 40))
     scale = float(rng.uniform(0.2, 2.0))
     assert gradcheck(lambda *a: qkv.torch.distance_attention(*a, lens, scale=scale, dropout_p=0.3,

@@ -1,9 +1,12 @@
 """qkv.torch's autograd: gradcheck (float64 finite differences) of masked_softmax,
 scaled_dot_product_attention, additive_attention and the two modules, with
 valid_lens None, (B) and (B, Nq) (lengths 0 included) and dropout at a fixed
-seed; values and gradients against torch's autograd of the formulas
-(torch_formulas.py) under no_grad, subsets of requires_grad, non-contiguous,
-4-D, 2-D, bf16 and empty inputs. Random small shapes from the `rng` fixture.
+seed; how tensors reach the library and come back: values and gradients
+against torch's autograd of the formulas (torch_formulas.py) under no_grad,
+subsets of requires_grad, non-contiguous, 4-D, 2-D, bf16 and empty inputs.
+Random small shapes from the `rng` fixture. The functions' numerics against
+the formulas, case by case, are test_peer_torch.py's
+(test_functions_match_the_exact_formulas).
 """
 
 import itertools
@@ -17,8 +20,8 @@ from torch.autograd import gradcheck
 from torch.nn.utils import stateless
 
 import qkv.torch
-from torch_formulas import (additive_reference, exact_masked_softmax, randn, random_lens,
-                            relative_error, sdpa_reference, seed_from, small_shapes)
+from torch_formulas import (additive_reference, check_close, exact_masked_softmax, lens_tensor,
+                            randn, sdpa_reference, seed_from, small_shapes)
 
 F64 = torch.float64
 LENS = [None, "B", "BNq"]
@@ -50,9 +53,7 @@ def grads_of(output, inputs, d_output):
 
 
 def assert_close(got, want, rtol, what=""):
-    assert got.shape == want.shape, f"{what}: shape {list(got.shape)} vs {list(want.shape)}"
-    err = relative_error(got, want, floor=1.0)
-    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+    check_close(what, got, want, got.dtype, scale=1.0, tolerance=rtol)
 
 
 # ---- gradcheck ------------------------------------------------------------------------
@@ -61,7 +62,7 @@ def assert_close(got, want, rtol, what=""):
 def test_masked_softmax_gradcheck(rng, lens_kind):
     s = small_shapes(rng)
     X = randn(rng, (s["B"], s["Nq"], s["Nk"]), requires_grad=True)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     assert gradcheck(lambda X: qkv.torch.masked_softmax(X, lens), (X,))
 
 
@@ -70,7 +71,7 @@ def test_masked_softmax_gradcheck(rng, lens_kind):
 def test_scaled_dot_product_attention_gradcheck(rng, lens_kind, dropout_p):
     s = small_shapes(rng)
     inputs = sdpa_inputs(rng, s)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     seed = seed_from(rng)
     assert gradcheck(lambda q, k, v: qkv.torch.scaled_dot_product_attention(
         q, k, v, dropout_p=dropout_p, valid_lens=lens, seed=seed), inputs)
@@ -79,7 +80,7 @@ def test_scaled_dot_product_attention_gradcheck(rng, lens_kind, dropout_p):
 def test_scaled_dot_product_attention_gradcheck_with_scale(rng):
     s = small_shapes(rng)
     inputs = sdpa_inputs(rng, s)
-    lens = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"])
     scale = float(rng.uniform(0.2, 3.0))
     assert gradcheck(lambda q, k, v: qkv.torch.scaled_dot_product_attention(
         q, k, v, scale=scale, valid_lens=lens), inputs)
@@ -90,7 +91,7 @@ def test_scaled_dot_product_attention_gradcheck_with_scale(rng):
 def test_additive_attention_gradcheck(rng, lens_kind, dropout_p):
     s = small_shapes(rng)
     inputs = additive_inputs(rng, s)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     seed = seed_from(rng)
     assert gradcheck(lambda *args: qkv.torch.additive_attention(
         *args, lens, dropout_p=dropout_p, seed=seed), inputs)
@@ -99,7 +100,7 @@ def test_additive_attention_gradcheck(rng, lens_kind, dropout_p):
 def test_additive_attention_gradcheck_with_1d_w_v(rng):
     s = small_shapes(rng)
     inputs = additive_inputs(rng, s, w_v_shape=(s["H"],))
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nk"])
     assert gradcheck(lambda *args: qkv.torch.additive_attention(*args, lens), inputs)
 
 
@@ -108,7 +109,7 @@ def test_additive_attention_gradcheck_with_1d_w_v(rng):
 def test_dot_product_module_gradcheck(rng, lens_kind, mode):
     s = small_shapes(rng)
     inputs = sdpa_inputs(rng, s)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     module = qkv.torch.DotProductAttention(0.3).train(mode == "train")
     torch_seed = seed_from(rng)
 
@@ -126,7 +127,7 @@ def test_additive_module_gradcheck(rng, lens_kind, mode):
     module = qkv.torch.AdditiveAttention(s["Dk"], s["Dq"], s["H"], 0.3).double()
     module.train(mode == "train")
     inputs = additive_inputs(rng, s)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     torch_seed = seed_from(rng)
 
     def f(q, k, v, W_q, W_k, w_v):
@@ -139,37 +140,10 @@ def test_additive_module_gradcheck(rng, lens_kind, mode):
 
 # ---- values and gradients against the formulas ----------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("lens_kind", LENS)
-def test_functions_match_the_formulas(rng, lens_kind, dtype):
-    s = small_shapes(rng)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
-    X = randn(rng, (s["B"], s["Nq"], s["Nk"]), dtype, True)
-    sdpa = sdpa_inputs(rng, s, dtype)
-    additive = additive_inputs(rng, s, dtype)
-    cases = [
-        ("masked_softmax", [X], lambda X: qkv.torch.masked_softmax(X, lens),
-         lambda X: exact_masked_softmax(X, lens)),
-        ("sdpa", sdpa, lambda *a: qkv.torch.scaled_dot_product_attention(*a, valid_lens=lens),
-         lambda *a: sdpa_reference(*a, lens)),
-        ("additive", additive, lambda *a: qkv.torch.additive_attention(*a, lens),
-         lambda *a: additive_reference(*a, lens)),
-    ]
-    for name, inputs, ours, reference in cases:
-        got, want = ours(*inputs), reference(*inputs)
-        assert got.dtype == dtype
-        assert_close(got, want, TOL[dtype], f"{name} output")
-        d_output = randn(rng, tuple(want.shape), dtype)
-        for i, (g, w) in enumerate(zip(grads_of(got, inputs, d_output),
-                                       grads_of(want, inputs, d_output))):
-            assert g.dtype == dtype
-            assert_close(g, w, GRAD_TOL[dtype], f"{name} gradient {i}")
-
-
 @pytest.mark.parametrize("lens_kind", ["B", "BNq"])
 def test_length_zero_gives_zero_outputs_and_gradients(rng, lens_kind):
     s = small_shapes(rng)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     keep = (torch.arange(s["Nk"]) < (lens[:, None, None] if lens.dim() == 1
                                       else lens[:, :, None]))  # (B, Nq or 1, Nk)
     empty_query = ~keep.any(-1)                                # (B, Nq or 1)
@@ -196,7 +170,7 @@ def test_self_attention_with_one_tensor(rng):
     """query, key and value the same tensor: its gradient is the sum of the three."""
     s = small_shapes(rng)
     x = randn(rng, (s["B"], s["Nq"], s["D"]), requires_grad=True)
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nq"])
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nq"])
     got = qkv.torch.scaled_dot_product_attention(x, x, x, valid_lens=lens)
     want = sdpa_reference(x, x, x, lens)
     assert_close(got, want, TOL[F64], "output")
@@ -223,7 +197,7 @@ def _all_calls(rng, s, lens):
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_no_grad_gives_no_graph_and_the_same_values(rng, context):
     s = small_shapes(rng)
-    lens = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"])
     for fn, inputs in _all_calls(rng, s, lens):
         with_grad = fn(*inputs)
         assert with_grad.requires_grad
@@ -236,7 +210,7 @@ def test_no_grad_gives_no_graph_and_the_same_values(rng, context):
 @pytest.mark.parametrize("op", ["sdpa", "additive"])
 def test_each_subset_of_requires_grad_gets_the_same_gradients(rng, op):
     s = small_shapes(rng)
-    lens = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"])
     seed = seed_from(rng)
     if op == "sdpa":
         base = sdpa_inputs(rng, s, requires_grad=False)
@@ -298,7 +272,7 @@ def test_non_contiguous_inputs_match_contiguous_copies(rng, op, kind, dtype):
     # Sizes >= 2: a view with a size-1 axis can be contiguous after all.
     s = {name: max(size, 2) for name, size in small_shapes(rng).items()}
     B, Nq, Nk = s["B"], s["Nq"], s["Nk"]
-    lens = random_lens(rng, "BNq", B, Nq, Nk)
+    lens = lens_tensor(rng, "BNq", B, Nq, Nk)
     if op == "masked_softmax":
         shapes = [(B, Nq, Nk)]
         fn = lambda X: qkv.torch.masked_softmax(X, lens)  # noqa: E731
@@ -330,7 +304,7 @@ def test_non_contiguous_inputs_match_contiguous_copies(rng, op, kind, dtype):
 def test_non_contiguous_output_gradient(rng, loss):
     """The incoming gradient may be a transposed view or (for sum()) expanded."""
     s = small_shapes(rng)
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nk"])
     inputs = sdpa_inputs(rng, s)
     weight = randn(rng, (s["B"], s["Dv"], s["Nq"]))
 
@@ -430,7 +404,7 @@ def test_bf16_smoke(rng, lens_kind):
     (docs/semantics.md: output within 4e-3 max|v|, gradients within 2e-2 max|gradient|)."""
     s = small_shapes(rng)
     s.update(Nq=int(rng.integers(1, 9)), Nk=int(rng.integers(1, 12)), D=int(rng.integers(1, 17)))
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     bf16 = [t.detach().bfloat16().requires_grad_() for t in sdpa_inputs(rng, s, torch.float32)]
     bf16[0] = bf16[0].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     f32 = [t.detach().float().requires_grad_() for t in bf16]
@@ -550,7 +524,7 @@ def test_valid_lens_forms(rng):
     """int64, int32, non-contiguous tensors, NumPy arrays and lists give the same results."""
     s = small_shapes(rng)
     inputs = sdpa_inputs(rng, s)
-    base = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"])
+    base = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"])
     d_output = randn(rng, (s["B"], s["Nq"], s["Dv"]))
     want = sdpa_reference(*inputs, base)
     want_grads = grads_of(want, inputs, d_output)

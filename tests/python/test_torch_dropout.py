@@ -14,8 +14,8 @@ import torch
 import qkv
 import qkv.torch
 from torch_formulas import (BookAdditiveAttention, BookDotProductAttention, additive_reference,
-                            additive_scores, exact_masked_softmax, randn, random_lens,
-                            relative_error, sdpa_reference, seed_from)
+                            additive_scores, check_close, exact_masked_softmax, lens_tensor,
+                            randn, sdpa_reference, seed_from)
 
 F64 = torch.float64
 
@@ -81,7 +81,7 @@ def test_backward_replays_the_forwards_mask(rng, op, lens_kind):
     p = float(rng.uniform(0.2, 0.8))
     seed = seed_from(rng)
     inputs, fn, weights = make_inputs(rng, op, s)
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"])
     dropped, keep, valid = mask_from_qkv(fn, inputs, lens, p, seed, weights)
     # The mask keeps about 1 - p of the valid weights (5 sigma of a binomial).
     n = int(valid.sum())
@@ -93,18 +93,17 @@ def test_backward_replays_the_forwards_mask(rng, op, lens_kind):
         want = sdpa_reference(*inputs, lens, keep=keep)
     else:
         want = additive_reference(*inputs, lens, keep=keep)
-    assert relative_error(output, want, floor=1.0) <= 1e-12
+    check_close("output", output, want, "float64", scale=1.0, tolerance=1e-12)
     d_output = randn(rng, tuple(output.shape))
     got_grads = torch.autograd.grad(output, inputs, d_output)
     want_grads = torch.autograd.grad(want, inputs, d_output)
     for i, (g, w) in enumerate(zip(got_grads, want_grads)):
-        err = relative_error(g, w, floor=1.0)
-        assert err <= 1e-10, f"gradient of input {i}: relative error {err:.3g}"
+        check_close(f"gradient of input {i}", g, w, "float64", scale=1.0, tolerance=1e-10)
     # d(sum output)/d values = the dropped weights summed over the queries.
     (d_values,) = torch.autograd.grad(fn(inputs, inputs[2], lens, dropout_p=p, seed=seed).sum(),
                                       inputs[2])
     expected = dropped.sum(dim=1)[:, :, None].expand_as(d_values)
-    assert relative_error(d_values, expected, floor=1.0) <= 1e-12
+    check_close("d_values", d_values, expected, "float64", scale=1.0, tolerance=1e-12)
 
 
 @pytest.mark.parametrize("op", ["sdpa", "additive"])
@@ -136,7 +135,7 @@ def test_manual_seed_repeats_and_different_seeds_differ(rng, op):
 def test_no_and_full_dropout(rng, op):
     s = shapes(rng)
     inputs, fn, _ = make_inputs(rng, op, s)
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nk"])
     d_output = randn(rng, (s["B"], s["Nq"], s["Dv"]))
     plain = fn(inputs, inputs[2], lens)
     plain_grads = torch.autograd.grad(plain, inputs, d_output)
@@ -152,7 +151,7 @@ def test_no_and_full_dropout(rng, op):
 
 def test_modules_eval_turns_dropout_off(rng):
     s = shapes(rng)
-    lens = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"], low=1)
+    lens = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"], low=1)
     dot_inputs, dot_fn, _ = make_inputs(rng, "sdpa", s)
     add_inputs, _, _ = make_inputs(rng, "additive", s)
     dot = qkv.torch.DotProductAttention(0.5)
@@ -170,12 +169,13 @@ def test_modules_eval_turns_dropout_off(rng):
         book.eval()
         evaluated = module(*inputs, lens)
         assert not torch.equal(trained, evaluated)
-        assert relative_error(evaluated, book(*inputs, lens), floor=1.0) <= 1e-12
+        check_close("output (eval)", evaluated, book(*inputs, lens), "float64", scale=1.0,
+                    tolerance=1e-12)
         assert torch.equal(evaluated, module(*inputs, lens))  # nothing random left
         module.train()
         assert not torch.equal(module(*inputs, lens), evaluated)
-    assert relative_error(dot.eval()(*dot_inputs[:3], lens),
-                          dot_fn(dot_inputs, dot_inputs[2], lens), floor=1.0) <= 1e-12
+    check_close("output (eval)", dot.eval()(*dot_inputs[:3], lens),
+                dot_fn(dot_inputs, dot_inputs[2], lens), "float64", scale=1.0, tolerance=1e-12)
 
 
 @pytest.mark.parametrize("module_kind", ["dot", "additive"])
@@ -184,7 +184,7 @@ def test_module_backward_replays_its_mask(rng, module_kind):
     replays it: re-seeding and running with values = I reads the mask back."""
     s = shapes(rng)
     p = 0.4
-    lens = random_lens(rng, "BNq", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "BNq", s["B"], s["Nq"], s["Nk"])
     if module_kind == "dot":
         module = qkv.torch.DotProductAttention(p)
         inputs, _, weights = make_inputs(rng, "sdpa", s)
@@ -206,21 +206,20 @@ def test_module_backward_replays_its_mask(rng, module_kind):
         dropped = run(eye)
         w = weights(inputs, lens)
     # attention_weights are the weights before dropout.
-    assert relative_error(module.attention_weights, w, floor=1.0) <= 1e-12
+    check_close("weights", module.attention_weights, w, "float64", scale=1.0, tolerance=1e-12)
     kept = dropped != 0
     keep = kept.to(F64) / (1 - p)
-    assert relative_error(dropped, w * keep, floor=1.0) <= 1e-12
+    check_close("dropped weights", dropped, w * keep, "float64", scale=1.0, tolerance=1e-12)
     output = run(v)
     if module_kind == "dot":
         want = sdpa_reference(q, k, v, lens, keep=keep)
     else:
         want = additive_reference(*inputs, lens, keep=keep)
-    assert relative_error(output, want, floor=1.0) <= 1e-12
+    check_close("output", output, want, "float64", scale=1.0, tolerance=1e-12)
     d_output = randn(rng, tuple(output.shape))
     for i, (g, r) in enumerate(zip(torch.autograd.grad(output, inputs, d_output),
                                    torch.autograd.grad(want, inputs, d_output))):
-        err = relative_error(g, r, floor=1.0)
-        assert err <= 1e-10, f"gradient of input {i}: relative error {err:.3g}"
+        check_close(f"gradient of input {i}", g, r, "float64", scale=1.0, tolerance=1e-10)
 
 
 def test_mask_does_not_depend_on_threads_or_dtype(rng):
@@ -229,7 +228,7 @@ def test_mask_does_not_depend_on_threads_or_dtype(rng):
     s = shapes(rng)
     seed = seed_from(rng)
     inputs, fn, _ = make_inputs(rng, "sdpa", s)
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"])
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nk"])
     d_output = randn(rng, (s["B"], s["Nq"], s["Dv"]))
     threads = qkv.get_num_threads()
     results = []

@@ -11,8 +11,8 @@ from torch import nn
 
 import qkv.torch
 from torch_formulas import (BookAdditiveAttention, BookDotProductAttention,
-                            BookMultiHeadAttention, exact_masked_softmax, key_mask, randn,
-                            random_lens, relative_error, sdpa_reference)
+                            BookMultiHeadAttention, check_close, exact_masked_softmax,
+                            key_mask, lens_tensor, randn, sdpa_reference)
 
 # Relative to the largest entry (at least 1; inputs are O(1)): the brief's
 # float32 1e-5 and float64 1e-12, rounding of sums over a few dozen terms.
@@ -44,18 +44,17 @@ def compare(book, ours, inputs, lens, rng, dtype, with_input_grads=True):
     want = book(*inputs_book, lens)
     got = ours(*inputs_ours, lens)
     assert got.dtype == dtype and got.shape == want.shape
-    err = relative_error(got, want, floor=1.0)
-    assert err <= TOL[dtype], f"output: relative error {err:.3g}"
+    check_close("output", got, want, dtype, scale=1.0, tolerance=TOL[dtype])
     d_output = randn(rng, tuple(want.shape), dtype)
     want.backward(d_output)
     got.backward(d_output)
     for (name, p_book), (_, p_ours) in zip(book.named_parameters(), ours.named_parameters()):
-        err = relative_error(p_ours.grad, p_book.grad, floor=1.0)
-        assert err <= TOL[dtype], f"gradient of {name}: relative error {err:.3g}"
+        check_close(f"gradient of {name}", p_ours.grad, p_book.grad, dtype, scale=1.0,
+                    tolerance=TOL[dtype])
     if with_input_grads:
         for i, (a, b) in enumerate(zip(inputs_ours, inputs_book)):
-            err = relative_error(a.grad, b.grad, floor=1.0)
-            assert err <= TOL[dtype], f"gradient of input {i}: relative error {err:.3g}"
+            check_close(f"gradient of input {i}", a.grad, b.grad, dtype, scale=1.0,
+                        tolerance=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -69,7 +68,7 @@ def test_multi_head_attention_matches_the_books(rng, lens_kind, dtype):
               randn(rng, (s["B"], s["Nk"], s["key_size"]), dtype),
               randn(rng, (s["B"], s["Nk"], s["value_size"]), dtype)]
     # Lengths >= 1: at 0 the book's -1e6 sentinel gives uniform weights, qkv zeros.
-    lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"], low=1)
+    lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"], low=1)
     compare(book, ours, inputs, lens, rng, dtype)
 
 
@@ -113,7 +112,7 @@ def test_additive_module_loads_the_books_state_dict(rng, lens_kind, dtype):
     ours.load_state_dict(book.state_dict())  # strict
     inputs = [randn(rng, (B, Nq, query_size), dtype), randn(rng, (B, Nk, key_size), dtype),
               randn(rng, (B, Nk, int(rng.integers(1, 4))), dtype)]
-    lens = random_lens(rng, lens_kind, B, Nq, Nk, low=1)
+    lens = lens_tensor(rng, lens_kind, B, Nq, Nk, low=1)
     compare(book, ours, inputs, lens, rng, dtype)
 
 
@@ -127,7 +126,7 @@ def test_dot_product_module_matches_the_books(rng, lens_kind, dtype):
     assert list(ours.parameters()) == []
     inputs = [randn(rng, (B, Nq, D), dtype), randn(rng, (B, Nk, D), dtype),
               randn(rng, (B, Nk, Dv), dtype)]
-    lens = random_lens(rng, lens_kind, B, Nq, Nk, low=1)
+    lens = lens_tensor(rng, lens_kind, B, Nq, Nk, low=1)
     compare(book, ours, inputs, lens, rng, dtype)
 
 
@@ -148,7 +147,7 @@ def test_attention_weights(rng, lens_kind, mode):
     """(B, Nq, Nk), detached, before dropout: rows sum to 1 over the valid keys,
     0 past the length (all 0 for length 0), and equal the formulas' weights."""
     B, Nq, Nk = int(rng.integers(2, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 8))
-    lens = random_lens(rng, lens_kind, B, Nq, Nk)
+    lens = lens_tensor(rng, lens_kind, B, Nq, Nk)
     for module, (q, k, v), additive in _modules(rng, B, Nq, Nk):
         module.train(mode == "train")
         assert module.attention_weights is None
@@ -169,7 +168,8 @@ def test_attention_weights(rng, lens_kind, mode):
             features = torch.tanh((q @ additive.W_q.weight.T)[:, :, None]
                                   + (k @ additive.W_k.weight.T)[:, None])
             scores = (features @ additive.w_v.weight.T)[..., 0]
-        assert relative_error(w, exact_masked_softmax(scores, lens), floor=1.0) <= 1e-12
+        check_close("weights", w, exact_masked_softmax(scores, lens), "float64", scale=1.0,
+                    tolerance=1e-12)
         # A new forward replaces them.
         module(q[:, :1], k, v, None if lens is None else lens[:, :1] if lens.dim() == 2 else lens)
         assert module.attention_weights.shape == (B, 1, Nk)
@@ -183,14 +183,14 @@ def test_attention_weights_of_4d_inputs(rng):
     assert output.shape == (B, H, Nq, 2)
     w = module.attention_weights
     assert w.shape == (B, H, Nq, Nk)
-    assert relative_error(w, torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5, -1),
-                          floor=1.0) <= 1e-12
-    assert relative_error(output, sdpa_reference(q, k, v), floor=1.0) <= 1e-12
+    check_close("weights", w, torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5, -1), "float64",
+                scale=1.0, tolerance=1e-12)
+    check_close("output", output, sdpa_reference(q, k, v), "float64", scale=1.0, tolerance=1e-12)
 
 
 def test_keep_attention_weights_false(rng):
     B, Nq, Nk = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 8))
-    lens = random_lens(rng, "B", B, Nq, Nk)
+    lens = lens_tensor(rng, "B", B, Nq, Nk)
     for with_weights, inputs, additive in _modules(rng, B, Nq, Nk):
         if additive is None:
             module = qkv.torch.DotProductAttention(0.5, keep_attention_weights=False)
@@ -204,7 +204,8 @@ def test_keep_attention_weights_false(rng):
         output = module(*inputs, lens)
         assert getattr(module, "attention_weights", None) is None
         # The output does not depend on the flag.
-        assert relative_error(output, with_weights(*inputs, lens), floor=1.0) <= 1e-12
+        check_close("output", output, with_weights(*inputs, lens), "float64", scale=1.0,
+                    tolerance=1e-12)
         assert with_weights.attention_weights is not None
 
 
@@ -236,13 +237,13 @@ def test_multi_head_module_loads_the_books_state_dict(rng, lens_kind, dtype):
         ours.eval()
         assert list(ours.state_dict()) == list(book.state_dict()) == [
             "W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"]
-        lens = random_lens(rng, lens_kind, s["B"], s["Nq"], s["Nk"], low=1)
+        lens = lens_tensor(rng, lens_kind, s["B"], s["Nq"], s["Nk"], low=1)
         compare(book, ours, mha_inputs(rng, s, dtype), lens, rng, dtype)
         # The book's attention_weights shape, (B * heads, Nq, Nk), and values.
         got = ours.attention.attention_weights
         want = book.attention.attention_weights
         assert got.shape == want.shape
-        assert relative_error(got, want, floor=1.0) <= TOL[dtype]
+        check_close("output", got, want, dtype, scale=1.0, tolerance=TOL[dtype])
 
 
 def test_multi_head_module_with_dropout_is_the_folded_heads_bit_for_bit(rng):
@@ -255,7 +256,7 @@ def test_multi_head_module_with_dropout_is_the_folded_heads_bit_for_bit(rng):
     ours = qkv.torch.MultiHeadAttention(s["num_hiddens"], s["heads"], 0.4).train()
     ours.load_state_dict(folded.state_dict())
     inputs = mha_inputs(rng, s, torch.float32)
-    lens = random_lens(rng, "B", s["B"], s["Nq"], s["Nk"], low=1)
+    lens = lens_tensor(rng, "B", s["B"], s["Nq"], s["Nk"], low=1)
     torch.manual_seed(7)
     want = folded(*inputs, lens)
     torch.manual_seed(7)
@@ -281,12 +282,14 @@ def test_multi_head_module_grouped_query_heads(rng):
         keep = torch.arange(Nk)[None, None, None, :] < torch.tensor([3, 7])[:, None, None, None]
         attn = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
         want = ours.W_o(attn.transpose(1, 2).reshape(B, Nq, -1))
-        assert relative_error(got, want, floor=1.0) <= TOL[dtype], (heads, kv_heads)
+        check_close("output", got, want, dtype, scale=1.0, tolerance=TOL[dtype],
+                    desc=f"H {heads} Hkv {kv_heads}")
         g = randn(rng, got.shape, dtype)
         grads = torch.autograd.grad(got, list(ours.parameters()), g)
         want_grads = torch.autograd.grad(want, list(ours.parameters()), g)
         for a, b in zip(grads, want_grads):
-            assert relative_error(a, b, floor=1.0) <= TOL[dtype], (heads, kv_heads)
+            check_close("gradient", a, b, dtype, scale=1.0, tolerance=TOL[dtype],
+                        desc=f"H {heads} Hkv {kv_heads}")
 
 
 def test_heads_output_concatenates_without_a_copy(rng):

@@ -1,9 +1,11 @@
-"""The book's attention code (d2l §11.3, §11.5) and qkv's exact-mask rules as
-plain PyTorch, written from the formulas, for the qkv.torch tests: torch's
-own autograd of these is the reference for qkv.torch's fused backwards.
+"""The book's attention code (d2l §11.3, §11.5), qkv's exact-mask rules and
+torch 2.x's scaled_dot_product_attention as plain PyTorch, written from the
+formulas, for the qkv.torch tests and the torch-math peers: torch's own
+autograd of these is the reference for qkv.torch's fused backwards.
 The book's masked_softmax, DotProductAttention, AdditiveAttention and
 MultiHeadAttention (§11.5) come from tests/peer/d2l_reference.py, the one copy
-of the book's code (shared with the peer tests).
+of the book's code (shared with the peer tests), and so do the comparison
+rule (check_close, relative_error) and the drawer of valid lengths (draw_lens).
 
 Also the tests' random inputs (from the `rng` fixture's NumPy generator).
 """
@@ -21,7 +23,9 @@ from d2l_reference import (  # noqa: E402,F401  (re-exported under the tests' na
     D2lAdditiveAttention as BookAdditiveAttention,
     D2lDotProductAttention as BookDotProductAttention,
     D2lMultiHeadAttention as BookMultiHeadAttention,
+    check_close,
     d2l_masked_softmax as book_masked_softmax,
+    draw_lens,
     transpose_output,
     transpose_qkv,
 )
@@ -35,20 +39,11 @@ def randn(rng, shape, dtype=torch.float64, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
-def random_lens(rng, kind, batch, num_queries, num_keys, low=0):
-    """valid_lens of `kind` None, "B" (B) or "BNq" (B, Nq), int64, in [low, Nk].
-
-    With low = 0 and at least two entries, the first is 0 and the last Nk,
-    so both ends of the range are always exercised.
-    """
-    if kind is None:
-        return None
-    shape = (batch,) if kind == "B" else (batch, num_queries)
-    lens = rng.integers(low, num_keys + 1, size=shape)
-    if low == 0 and lens.size >= 2:
-        lens.flat[0] = 0
-        lens.flat[-1] = num_keys
-    return torch.from_numpy(lens).to(torch.int64)
+def lens_tensor(rng, kind, batch, num_queries, num_keys, low=0):
+    """d2l_reference.draw_lens's lengths (None, "B" or "BNq", in [low, Nk])
+    as an int64 tensor, as qkv.torch and the formulas take them."""
+    lens = draw_lens(rng, kind, batch, num_queries, num_keys, low=low)
+    return None if lens is None else torch.from_numpy(lens)
 
 
 def small_shapes(rng):
@@ -110,39 +105,32 @@ def additive_reference(q, k, v, W_q, W_k, w_v, valid_lens=None, keep=None):
     return weights @ v
 
 
-# Heads and key heads of the mask and bias peer tests: (H, Hkv) pairs.
-HEAD_GROUPS = [(1, 1), (2, 2), (4, 2), (6, 1)]
-
-
-def random_heads_case(rng):
-    """(three_d, B, H, Hkv, Nq, Nk, D, Dv): 3-D inputs a quarter of the time
-    (H = Hkv = 1), else heads grouped or not; Nq up to 300, Nk up to 500."""
-    heads, kv_heads = HEAD_GROUPS[int(rng.integers(len(HEAD_GROUPS)))]
-    three_d = rng.random() < 0.25
-    if three_d:
-        heads = kv_heads = 1
-    batch = int(rng.integers(1, 3))
-    nq = int(rng.choice([1, 3, 33, 300]))
-    nk = int(rng.choice([1, 7, 64, 500]))
-    dim, dv = int(rng.choice([4, 17, 64])), int(rng.choice([3, 16, 64]))
-    return three_d, batch, heads, kv_heads, nq, nk, dim, dv
-
-
-def heads_shapes(three_d, batch, heads, kv_heads, nq, nk, dim, dv):
-    """The query, key and value shapes of a random_heads_case."""
-    if three_d:
-        return (batch, nq, dim), (batch, nk, dim), (batch, nk, dv)
-    return (batch, heads, nq, dim), (batch, kv_heads, nk, dim), (batch, kv_heads, nk, dv)
-
-
-def relative_error(got, want, floor=1e-300):
-    """max |got - want| / max(max |want|, floor), in float64. A floor of the
-    inputs' size keeps a result that is exactly 0 in the formulas (dQ with one
-    valid key, say) from dividing rounding noise by 0."""
-    got, want = got.detach().double(), want.detach().double()
-    if want.numel() == 0:
-        return 0.0
-    return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+def sdpa_math(q, k, v, *, keep=None, bias=None, diagonal=None, valid_lens=None):
+    """torch 2.x's documented math of scaled_dot_product_attention, in q's
+    dtype (Debian's torch 1.13 has no scaled_dot_product_attention): with
+    enable_gqa, key and value heads repeat_interleave'd to the query heads
+    (query head h reads key head h // (H / Hkv)); scores Q K^T / sqrt(D) plus
+    `bias` (an attn_mask of floats, broadcast against the scores); -inf where
+    the boolean `keep` (an attn_mask of bools, broadcast) is False, above the
+    diagonal (is_causal: torch.ones(Nq, Nk).tril(diagonal)) and at or past a
+    query's valid length (d2l's lengths, (B) or (B, Nq), shared by the
+    heads); softmax; times V. A query left with no key gives NaN, as torch's."""
+    if q.dim() == 4 and q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    nq, nk = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias
+    mask = torch.ones(nq, nk, dtype=torch.bool) if keep is None else keep
+    if diagonal is not None:
+        mask = mask & torch.ones(nq, nk, dtype=torch.bool).tril(diagonal)
+    if valid_lens is not None:
+        lens = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None].expand(-1, nq)
+        inside = torch.arange(nk) < lens[..., None]  # (B, Nq, Nk)
+        mask = mask & (inside[:, None] if q.dim() == 4 else inside)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def seed_from(rng):
