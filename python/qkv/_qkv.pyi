@@ -74,7 +74,7 @@ def scaled_dot_product_attention(
     valid_lens: ValidLens = None,
     *,
     scale: Optional[float] = None,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
@@ -84,6 +84,7 @@ def scaled_dot_product_attention(
     key_mask: Optional[ArrayLike] = None,
     window: Optional[Tuple[int, int]] = None,
     bias: Optional[ArrayLike] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
     queries: ArrayLike,
@@ -95,7 +96,7 @@ def scaled_dot_product_attention_backward(
     valid_lens: ValidLens = None,
     *,
     scale: Optional[float] = None,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     causal: Optional[str] = None,
     mask: Optional[ArrayLike] = None,
@@ -103,6 +104,7 @@ def scaled_dot_product_attention_backward(
     window: Optional[Tuple[int, int]] = None,
     bias: Optional[ArrayLike] = None,
     bias_grad: bool = True,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[ScaledDotProductAttentionGrads, ScaledDotProductAttentionBiasGrads]: ...
 def additive_attention(
     queries: ArrayLike,
@@ -113,11 +115,12 @@ def additive_attention(
     w_v: ArrayLike,
     valid_lens: ValidLens = None,
     *,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def additive_attention_backward(
     queries: ArrayLike,
@@ -131,9 +134,10 @@ def additive_attention_backward(
     d_output: ArrayLike,
     valid_lens: ValidLens = None,
     *,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> AdditiveAttentionGrads: ...
 def bilinear_attention(
     queries: ArrayLike,
@@ -142,11 +146,12 @@ def bilinear_attention(
     W: ArrayLike,
     valid_lens: ValidLens = None,
     *,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def bilinear_attention_backward(
     queries: ArrayLike,
@@ -158,9 +163,10 @@ def bilinear_attention_backward(
     d_output: ArrayLike,
     valid_lens: ValidLens = None,
     *,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> BilinearAttentionGrads: ...
 def distance_attention(
     queries: ArrayLike,
@@ -169,11 +175,12 @@ def distance_attention(
     valid_lens: ValidLens = None,
     *,
     scale: Optional[float] = None,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def distance_attention_backward(
     queries: ArrayLike,
@@ -185,9 +192,10 @@ def distance_attention_backward(
     valid_lens: ValidLens = None,
     *,
     scale: Optional[float] = None,
-    dropout: float = 0.0,
+    dropout_p: Optional[float] = None,
     seed: int = 0,
     causal: Optional[str] = None,
+    dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> ScaledDotProductAttentionGrads: ...
 
 # ---- pooling with given weights ----
@@ -255,7 +263,7 @@ def _scaled_dot_product_attention_bf16(
     values: ArrayLike,
     valid_lens: ValidLens,
     scale: Optional[float],
-    dropout: float,
+    dropout_p: float,
     seed: int,
     return_weights: bool,
     return_lse: bool,
@@ -274,7 +282,7 @@ def _scaled_dot_product_attention_bf16_backward(
     d_output: ArrayLike,
     valid_lens: ValidLens,
     scale: Optional[float],
-    dropout: float,
+    dropout_p: float,
     seed: int,
     causal: Optional[str],
     mask: Optional[ArrayLike],

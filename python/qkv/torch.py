@@ -197,7 +197,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
         batch, heads, nq = query.shape[:3]
         out = torch.empty((batch, nq, heads, value.shape[-1]), dtype=query.dtype).transpose(1, 2)
     parts = _qkv.scaled_dot_product_attention(
-        _array(query), _array(key), _array(value), lens, scale=scale, dropout=dropout_p,
+        _array(query), _array(key), _array(value), lens, scale=scale, dropout_p=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
         out=None if out is None else _array(out), mask=mask,
         bias=None if bias is None else _array(bias))
@@ -244,7 +244,7 @@ class _Sdpa(torch.autograd.Function):
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output), lens, scale=scale, dropout=dropout_p, seed=seed, causal=causal,
+                _array(d_output), lens, scale=scale, dropout_p=dropout_p, seed=seed, causal=causal,
                 mask=mask, bias=bias_array, bias_grad=bias_grad)
             d_bias = grads[3] if bias_grad else None
             grads = [torch.from_numpy(g) for g in grads[:3]]
@@ -412,7 +412,7 @@ def _scored(fn, ops, named, valid_lens, dropout_p, seed, options, want_weights):
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
-    options = dict(options, dropout=float(dropout_p), seed=seed or 0)
+    options = dict(options, dropout_p=float(dropout_p), seed=seed or 0)
     lens = _lens(fn, valid_lens)
     tensors = tuple(t for _, t in named)
     if _needs_grad(*tensors):

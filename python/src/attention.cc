@@ -40,6 +40,23 @@ Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) 
               "' is not one of None, 'top-left', 'bottom-right'");
 }
 
+// dropout_p, or `dropout`, its old name, for one release: a DeprecationWarning
+// names the function; giving both is a TypeError.
+double dropout_of(std::string_view fn, std::optional<double> dropout_p, py::handle dropout_old) {
+  if (dropout_old.is_none()) return dropout_p.value_or(0.0);
+  if (dropout_p) {
+    throw py::type_error(std::string(fn) + "() got dropout_p and dropout, its old name; give "
+                         "dropout_p only");
+  }
+  const std::string warning = std::string(fn) +
+                              ": dropout= is deprecated and goes in the next release; use "
+                              "dropout_p=";
+  if (PyErr_WarnEx(PyExc_DeprecationWarning, warning.c_str(), 1) != 0) {
+    throw py::error_already_set();
+  }
+  return py::cast<double>(dropout_old);
+}
+
 AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_t seed,
                             Causal causal = Causal::kNone) {
   AttentionOptions options;
@@ -212,13 +229,13 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
 }
 
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
-                   std::optional<double> scale, double dropout, py::handle seed,
+                   std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
                    bool return_weights, bool return_lse, const std::optional<std::string>& causal,
                    py::handle out, py::handle mask, py::handle key_mask, py::handle window,
-                   py::handle bias) {
+                   py::handle bias, py::handle dropout_old) {
   Tensors t = float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options =
-      options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+      options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old), seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpa, bias, t.dtype, options, masks);
@@ -237,13 +254,13 @@ AdditiveWeights<T> additive_weights(Tensors& t) {
 }
 
 py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q, py::handle w_k,
-                       py::handle w_v, py::handle valid_lens, double dropout, py::handle seed,
+                       py::handle w_v, py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
                        bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal) {
+                       const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(
       kAdditive, Scoring::kAdditive,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3);
-  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kAdditive),
+  const AttentionOptions options = options_of(std::nullopt, dropout_of(kAdditive, dropout_p, dropout_old), seed_of(seed, kAdditive),
                                               causal_of(kAdditive, causal));
   // The parameters' views made here, with the GIL (view_of may copy).
   const auto run = [&](auto zero) {
@@ -301,10 +318,10 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
 
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
-                            std::optional<double> scale, double dropout, py::handle seed,
+                            std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
                             const std::optional<std::string>& causal, py::handle mask,
                             py::handle key_mask, py::handle window, py::handle bias,
-                            bool bias_grad) {
+                            bool bias_grad, py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -313,7 +330,7 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
+  AttentionOptions options = options_of(scale, dropout_of(kSdpaBackward, dropout_p, dropout_old), seed_of(seed, kSdpaBackward),
                                         causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
@@ -348,8 +365,8 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
                                 py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
-                                py::handle d_output, py::handle valid_lens, double dropout,
-                                py::handle seed, const std::optional<std::string>& causal) {
+                                py::handle d_output, py::handle valid_lens, std::optional<double> dropout_p,
+                                py::handle seed, const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kAdditiveBackward, Scoring::kAdditive,
                            {{"queries", q},
                             {"keys", k},
@@ -362,7 +379,7 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout, seed_of(seed, kAdditiveBackward),
+      options_of(std::nullopt, dropout_of(kAdditiveBackward, dropout_p, dropout_old), seed_of(seed, kAdditiveBackward),
                  causal_of(kAdditiveBackward, causal));
   return t.dtype == Dtype::kFloat32 ? additive_backward<float>(t, valid_lens, options)
                                     : additive_backward<double>(t, valid_lens, options);
@@ -372,11 +389,11 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
 
 // Bilinear attention: W (Dq, Dk) is array 3 (not batched with the inputs).
 py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
-                       py::handle valid_lens, double dropout, py::handle seed,
+                       py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
                        bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal) {
+                       const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kBilinear, Scoring::kBilinear, {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
-  const AttentionOptions options = options_of(std::nullopt, dropout, seed_of(seed, kBilinear),
+  const AttentionOptions options = options_of(std::nullopt, dropout_of(kBilinear, dropout_p, dropout_old), seed_of(seed, kBilinear),
                                               causal_of(kBilinear, causal));
   const auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -390,12 +407,12 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
 }
 
 py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
-                       std::optional<double> scale, double dropout, py::handle seed,
+                       std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
                        bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal) {
+                       const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
-      options_of(scale, dropout, seed_of(seed, kDistance), causal_of(kDistance, causal));
+      options_of(scale, dropout_of(kDistance, dropout_p, dropout_old), seed_of(seed, kDistance), causal_of(kDistance, causal));
   const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
     distance_attention(q, k, v, lens, options, outputs);
   };
@@ -438,8 +455,8 @@ py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::handle w,
                                 py::handle output, py::handle lse, py::handle d_output,
-                                py::handle valid_lens, double dropout, py::handle seed,
-                                const std::optional<std::string>& causal) {
+                                py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
+                                const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kBilinearBackward, Scoring::kBilinear,
                            {{"queries", q},
                             {"keys", k},
@@ -450,7 +467,7 @@ py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout, seed_of(seed, kBilinearBackward),
+      options_of(std::nullopt, dropout_of(kBilinearBackward, dropout_p, dropout_old), seed_of(seed, kBilinearBackward),
                  causal_of(kBilinearBackward, causal));
   return t.dtype == Dtype::kFloat32 ? bilinear_backward<float>(t, valid_lens, options)
                                     : bilinear_backward<double>(t, valid_lens, options);
@@ -473,8 +490,8 @@ py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
-                                std::optional<double> scale, double dropout, py::handle seed,
-                                const std::optional<std::string>& causal) {
+                                std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
+                                const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kDistanceBackward, Scoring::kDistance,
                            {{"queries", q},
                             {"keys", k},
@@ -483,7 +500,7 @@ py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  const AttentionOptions options = options_of(scale, dropout, seed_of(seed, kDistanceBackward),
+  const AttentionOptions options = options_of(scale, dropout_of(kDistanceBackward, dropout_p, dropout_old), seed_of(seed, kDistanceBackward),
                                               causal_of(kDistanceBackward, causal));
   return t.dtype == Dtype::kFloat32 ? distance_backward<float>(t, valid_lens, options)
                                     : distance_backward<double>(t, valid_lens, options);
@@ -603,11 +620,12 @@ void register_attention(py::module_& m) {
 
   m.def("scaled_dot_product_attention", &sdpa_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(), py::arg("out") = py::none(),
         py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
         py::arg("window") = py::none(), py::arg("bias") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -626,8 +644,9 @@ Arguments:
         inputs: a scalar, (1), (Nq) or (1, Nq)); keys j >= the length get
         weight 0.
     scale: multiplies Q K^T; default 1/sqrt(D).
-    dropout: probability p in [0, 1] of dropping each weight (kept weights
-        are scaled by 1/(1-p)); applied whenever p > 0.
+    dropout_p: probability p in [0, 1] of dropping each weight (kept weights
+        are scaled by 1/(1-p)); applied whenever p > 0. (dropout=, its old
+        name, still works for one release with a DeprecationWarning.)
     seed: selects the dropout mask, a pure function of (seed, b, i, j)
         (heads: of (seed, b * H + h, i, j)): the backward given the same
         seed replays it.
@@ -671,7 +690,7 @@ Raises:
     TypeError: an input that is not float32/float64, mixed dtypes, or
         valid_lens that are not integers.
     qkv.Error (a ValueError): shapes that do not fit, a length outside
-        [0, Nk], dropout outside [0, 1], a scale that is not finite.
+        [0, Nk], dropout_p outside [0, 1], a scale that is not finite.
 
 >>> import numpy as np, qkv
 >>> q = np.ones((2, 1, 2), np.float32); k = np.ones((2, 10, 2), np.float32)
@@ -685,17 +704,18 @@ array([[[ 2.,  3.,  4.,  5.]],
   m.def("scaled_dot_product_attention_backward", &sdpa_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
         py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
         py::arg("causal") = py::none(), py::arg("mask") = py::none(),
         py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
         py::arg("bias") = py::none(), py::arg("bias_grad") = true,
+        py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
 from the seed, not stored.
 
 Arguments:
-    queries, keys, values, valid_lens, scale, dropout, seed, causal, mask,
+    queries, keys, values, valid_lens, scale, dropout_p, seed, causal, mask,
         key_mask, window, bias: exactly as the forward got them.
     bias_grad: with a bias, also return d_bias (False skips it).
     output, lse: the forward's output and lse (return_lse=True).
@@ -722,9 +742,10 @@ array([0.5, 0.5, 0. ], dtype=float32)
 
   m.def("additive_attention", &additive_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
-        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
         py::arg("seed") = 0, py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Additive attention: score(q, k) = w_v^T tanh(W_q q + W_k k), masked softmax, times V.
 
 Fused: the (B, Nq, Nk, H) features are never formed. Parameters are laid out
@@ -734,7 +755,7 @@ Arguments:
     queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv); or all
         three 2-D (a batch of one). float32 or float64, any strides.
     W_q: (H, Dq), W_k: (H, Dk), w_v: (H) or (1, H); the inputs' dtype.
-    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+    valid_lens, dropout_p, seed, return_weights, return_lse, causal: as in
         scaled_dot_product_attention (causal: None, "top-left" or
         "bottom-right", combined with valid_lens).
 
@@ -744,7 +765,7 @@ Returns:
 Raises:
     TypeError: as scaled_dot_product_attention.
     qkv.Error (a ValueError): shapes that do not fit (the message names
-        them), a length outside [0, Nk], dropout outside [0, 1], a causal
+        them), a length outside [0, Nk], dropout_p outside [0, 1], a causal
         other than "top-left" or "bottom-right".
 
 >>> rng = np.random.default_rng(0)
@@ -757,12 +778,13 @@ Raises:
   m.def("additive_attention_backward", &additive_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
         py::arg("output"), py::arg("lse"), py::arg("d_output"),
-        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout") = 0.0,
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
         py::arg("seed") = 0, py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Gradients of additive_attention with respect to its inputs and parameters.
 
 Arguments:
-    queries, keys, values, W_q, W_k, w_v, valid_lens, dropout, seed, causal:
+    queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, seed, causal:
         as the forward got them.
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
@@ -782,8 +804,9 @@ Raises:
 
   m.def("bilinear_attention", &bilinear_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("W"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("dropout") = 0.0, py::arg("seed") = 0, py::arg("return_weights") = false,
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("return_weights") = false,
         py::arg("return_lse") = false, py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Bilinear attention: score(q, k) = q^T W k, masked softmax, times V.
 
 Queries and keys of different sizes through one matrix. Computed as q W
@@ -794,7 +817,7 @@ Arguments:
     queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv); or all
         three 2-D (a batch of one). float32 or float64, any strides.
     W: (Dq, Dk), the inputs' dtype.
-    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+    valid_lens, dropout_p, seed, return_weights, return_lse, causal: as in
         scaled_dot_product_attention.
 
 Returns:
@@ -803,7 +826,7 @@ Returns:
 Raises:
     TypeError: as scaled_dot_product_attention.
     qkv.Error (a ValueError): shapes that do not fit (W must be (Dq, Dk); the
-        message names them), a length outside [0, Nk], dropout outside [0, 1].
+        message names them), a length outside [0, Nk], dropout_p outside [0, 1].
 
 >>> # q (2, 1, 20), k (2, 10, 2), v (2, 10, 4) as in additive_attention
 >>> W = np.random.default_rng(1).normal(size=(20, 2))
@@ -814,14 +837,15 @@ Raises:
   m.def("bilinear_attention_backward", &bilinear_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("W"), py::arg("output"), py::arg("lse"),
         py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("dropout") = 0.0, py::arg("seed") = 0, py::arg("causal") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Gradients of bilinear_attention with respect to its inputs and W.
 
 The fused dot-product backward on q W, then dQ = d(qW) W^T and
 dW = sum_b Q_b^T d(qW)_b.
 
 Arguments:
-    queries, keys, values, W, valid_lens, dropout, seed, causal: as the
+    queries, keys, values, W, valid_lens, dropout_p, seed, causal: as the
         forward got them.
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
@@ -841,9 +865,10 @@ Raises:
 
   m.def("distance_attention", &distance_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Distance attention: score(q, k) = -scale/2 |q - k|^2, masked softmax, times V.
 
 The Gaussian kernel as a scoring function (Nadaraya-Watson with bandwidth
@@ -855,7 +880,7 @@ Arguments:
     queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv); or all
         three 2-D (a batch of one). float32 or float64, any strides.
     scale: > 0; None means 1.
-    valid_lens, dropout, seed, return_weights, return_lse, causal: as in
+    valid_lens, dropout_p, seed, return_weights, return_lse, causal: as in
         scaled_dot_product_attention.
 
 Returns:
@@ -864,7 +889,7 @@ Returns:
 Raises:
     TypeError: as scaled_dot_product_attention.
     qkv.Error (a ValueError): shapes that do not fit (the message names
-        them), a length outside [0, Nk], dropout outside [0, 1], scale <= 0.
+        them), a length outside [0, Nk], dropout_p outside [0, 1], scale <= 0.
 
 >>> xq = np.array([[0.0], [2.0]]); xk = np.array([[0.0], [1.0], [3.0]]); xv = np.eye(3)
 >>> qkv.distance_attention(xq, xk, xv, scale=100.0).round(3)
@@ -875,12 +900,13 @@ array([[1. , 0. , 0. ],
   m.def("distance_attention_backward", &distance_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
         py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout") = 0.0, py::arg("seed") = 0,
+        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
         py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Gradients of distance_attention with respect to its inputs.
 
 Arguments:
-    queries, keys, values, valid_lens, scale, dropout, seed, causal: as the
+    queries, keys, values, valid_lens, scale, dropout_p, seed, causal: as the
         forward got them.
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
@@ -901,7 +927,7 @@ Raises:
   // qkv.torch's path for torch.bfloat16: the tensors' bits as int16 arrays
   // (3-D, or 2-D for a batch of one); float32 results.
   m.def("_scaled_dot_product_attention_bf16", &sdpa_bf16_py, py::arg("queries"), py::arg("keys"),
-        py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout"),
+        py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"),
         py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
         py::arg("mask"), py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
@@ -909,7 +935,7 @@ Raises:
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
         py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
         py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
-        py::arg("dropout"), py::arg("seed"), py::arg("causal"), py::arg("mask"),
+        py::arg("dropout_p"), py::arg("seed"), py::arg("causal"), py::arg("mask"),
         py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
         py::arg("bias_grad") = true,
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "

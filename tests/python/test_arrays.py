@@ -186,7 +186,7 @@ def make_qkv(rng, dtype, batch):
 
 def make_sdpa_backward(rng, dtype, batch):
     a = make_qkv(rng, dtype, batch)
-    out, lse = qkv.scaled_dot_product_attention(**a, scale=0.3, dropout=0.25, seed=11,
+    out, lse = qkv.scaled_dot_product_attention(**a, scale=0.3, dropout_p=0.25, seed=11,
                                                 return_lse=True)
     return {**a, "output": out, "lse": lse, "d_output": normal(rng, dtype, out.shape)}
 
@@ -200,7 +200,7 @@ def make_additive(rng, dtype, batch):
 
 def make_additive_backward(rng, dtype, batch):
     a = make_additive(rng, dtype, batch)
-    out, lse = qkv.additive_attention(**a, dropout=0.25, seed=12, return_lse=True)
+    out, lse = qkv.additive_attention(**a, dropout_p=0.25, seed=12, return_lse=True)
     return {**a, "output": out, "lse": lse, "d_output": normal(rng, dtype, out.shape)}
 
 
@@ -236,16 +236,16 @@ OPS = {
     "masked_softmax_backward": (make_softmax_backward, qkv.masked_softmax_backward),
     "scaled_dot_product_attention": (
         make_qkv, lambda **a: qkv.scaled_dot_product_attention(
-            **a, scale=0.3, dropout=0.25, seed=11, return_weights=True, return_lse=True)),
+            **a, scale=0.3, dropout_p=0.25, seed=11, return_weights=True, return_lse=True)),
     "scaled_dot_product_attention_backward": (
         make_sdpa_backward, lambda **a: qkv.scaled_dot_product_attention_backward(
-            **a, scale=0.3, dropout=0.25, seed=11)),
+            **a, scale=0.3, dropout_p=0.25, seed=11)),
     "additive_attention": (
         make_additive, lambda **a: qkv.additive_attention(
-            **a, dropout=0.25, seed=12, return_weights=True, return_lse=True)),
+            **a, dropout_p=0.25, seed=12, return_weights=True, return_lse=True)),
     "additive_attention_backward": (
         make_additive_backward, lambda **a: qkv.additive_attention_backward(
-            **a, dropout=0.25, seed=12)),
+            **a, dropout_p=0.25, seed=12)),
     "attention_pooling": (make_pooling, qkv.attention_pooling),
     "average_pooling": (make_average, qkv.average_pooling),
     "one_hot_lookup": (make_lookup, qkv.one_hot_lookup),
@@ -351,7 +351,7 @@ def test_forward_result_forms(op, dtype, rng):
 @pytest.mark.parametrize("w_v_shape", [(H,), (1, H)], ids=["(H)", "(1, H)"])
 def test_gradient_tuples(w_v_shape, rng):
     a = make_sdpa_backward(rng, np.float64, 2)
-    g = qkv.scaled_dot_product_attention_backward(**a, scale=0.3, dropout=0.25, seed=11)
+    g = qkv.scaled_dot_product_attention_backward(**a, scale=0.3, dropout_p=0.25, seed=11)
     assert type(g) is qkv.ScaledDotProductAttentionGrads and isinstance(g, tuple)
     assert g._fields == ("d_queries", "d_keys", "d_values")
     assert [x.shape for x in g] == [a["queries"].shape, a["keys"].shape, a["values"].shape]
@@ -601,7 +601,7 @@ def test_attention_bits_equal_the_cli(qkv_cli, tmp_path, dtype, case, rng):
         kwargs["scale"] = extra["scale"]
     if "dropout" in extra:
         args += ["--dropout", repr(extra["dropout"]), "--train", "--seed", extra["seed"]]
-        kwargs.update(dropout=extra["dropout"], seed=extra["seed"])
+        kwargs.update(dropout_p=extra["dropout"], seed=extra["seed"])
     if scoring == "additive":
         h = 8
         Wq, Wk = normal(rng, dtype, (h, d)), normal(rng, dtype, (h, dk))

@@ -198,7 +198,7 @@ def test_non_integer_indices_are_type_errors(a, index):
 
 SEED_FUNCTIONS = {
     "scaled_dot_product_attention": lambda a, s: qkv.scaled_dot_product_attention(
-        a.q, a.k, a.v, dropout=0.5, seed=s),
+        a.q, a.k, a.v, dropout_p=0.5, seed=s),
     "scaled_dot_product_attention_backward": lambda a, s: (
         qkv.scaled_dot_product_attention_backward(a.q, a.k, a.v, a.out, a.lse, a.out, seed=s)),
     "additive_attention": lambda a, s: qkv.additive_attention(a.q, a.k, a.v, a.Wq, a.Wk, a.wv,
@@ -311,14 +311,14 @@ SHAPE_CASES = [
     ("sdpa 2-D lens > Nk", lambda a: lambda: qkv.scaled_dot_product_attention(
         a.q[0], a.k[0], a.v[0], 6),
      "qkv.Error", SDPA, ["valid_lens[0] = 6 is outside [0, 5]"]),
-    ("sdpa dropout 1.5", sdpa_case(dropout=1.5), "qkv.Error", SDPA,
-     ["dropout = 1.5", "is outside [0, 1]"]),
-    ("sdpa dropout -0.1", sdpa_case(dropout=-0.1), "qkv.Error", SDPA,
-     ["dropout = -0.1", "is outside [0, 1]"]),
-    ("sdpa dropout nan", sdpa_case(dropout=math.nan), "qkv.Error", SDPA,
-     ["dropout = nan is outside [0, 1]"]),
-    ("sdpa dropout inf", sdpa_case(dropout=math.inf), "qkv.Error", SDPA,
-     ["dropout = inf is outside [0, 1]"]),
+    ("sdpa dropout 1.5", sdpa_case(dropout_p=1.5), "qkv.Error", SDPA,
+     ["dropout_p = 1.5", "is outside [0, 1]"]),
+    ("sdpa dropout -0.1", sdpa_case(dropout_p=-0.1), "qkv.Error", SDPA,
+     ["dropout_p = -0.1", "is outside [0, 1]"]),
+    ("sdpa dropout nan", sdpa_case(dropout_p=math.nan), "qkv.Error", SDPA,
+     ["dropout_p = nan is outside [0, 1]"]),
+    ("sdpa dropout inf", sdpa_case(dropout_p=math.inf), "qkv.Error", SDPA,
+     ["dropout_p = inf is outside [0, 1]"]),
     ("sdpa scale inf", sdpa_case(scale=math.inf), "qkv.Error", SDPA,
      ["scale = inf is not finite"]),
     ("sdpa scale -inf", sdpa_case(scale=-math.inf), "qkv.Error", SDPA,
@@ -357,8 +357,8 @@ SHAPE_CASES = [
         a.q, a.k, a.v, a.out, a.lse, a.out, [9, 1]),
      "qkv.Error", SDPA_B, ["valid_lens[0] = 9 is outside [0, 5]"]),
     ("sdpa_b dropout", lambda a: lambda: qkv.scaled_dot_product_attention_backward(
-        a.q, a.k, a.v, a.out, a.lse, a.out, dropout=2.0),
-     "qkv.Error", SDPA_B, ["dropout = 2", "is outside [0, 1]"]),
+        a.q, a.k, a.v, a.out, a.lse, a.out, dropout_p=2.0),
+     "qkv.Error", SDPA_B, ["dropout_p = 2", "is outside [0, 1]"]),
     ("sdpa_b scale", lambda a: lambda: qkv.scaled_dot_product_attention_backward(
         a.q, a.k, a.v, a.out, a.lse, a.out, scale=math.nan),
      "qkv.Error", SDPA_B, ["scale = nan is not finite"]),
@@ -396,8 +396,8 @@ SHAPE_CASES = [
                                                           [6, 0]),
      "qkv.Error", ADD, ["valid_lens[0] = 6 is outside [0, 5]"]),
     ("add dropout", lambda a: lambda: qkv.additive_attention(a.q, a.k, a.v, a.Wq, a.Wk, a.wv,
-                                                             dropout=-1.0),
-     "qkv.Error", ADD, ["dropout = -1", "is outside [0, 1]"]),
+                                                             dropout_p=-1.0),
+     "qkv.Error", ADD, ["dropout_p = -1", "is outside [0, 1]"]),
     ("add 1-D queries", lambda a: lambda: qkv.additive_attention(a.q[0, 0], a.k, a.v, a.Wq, a.Wk,
                                                                  a.wv),
      "ValueError", ADD, ["queries has shape [4]; expected rank 3 (B, Nq, Dq) or rank 2 (Nq, Dq)"]),
@@ -420,8 +420,8 @@ SHAPE_CASES = [
         a.q, a.k, a.v, a.Wq, a.Wk, a.wv[:3], a.aout, a.alse, a.aout),
      "qkv.Error", ADD_B, ["w_v has shape [3] but", "expected [7] or [1, 7]"]),
     ("add_b dropout", lambda a: lambda: qkv.additive_attention_backward(
-        a.q, a.k, a.v, a.Wq, a.Wk, a.wv, a.aout, a.alse, a.aout, dropout=math.nan),
-     "qkv.Error", ADD_B, ["dropout = nan is outside [0, 1]"]),
+        a.q, a.k, a.v, a.Wq, a.Wk, a.wv, a.aout, a.alse, a.aout, dropout_p=math.nan),
+     "qkv.Error", ADD_B, ["dropout_p = nan is outside [0, 1]"]),
     # masked softmax
     ("softmax 1-D", lambda a: lambda: qkv.masked_softmax(a.X[0, 0]),
      "ValueError", "masked_softmax",
@@ -751,10 +751,10 @@ GARBAGE = {
 
 def legal(fn, name, label):
     """Whether garbage `label` is a legal value of argument `name` of `fn`: None
-    means no lengths (valid_lens), the default (scale, initial_w, loo_error's
-    bandwidth) or false (a flag, as pybind11 converts it), and a flag takes any
-    number's truth value."""
-    if label == "None" and name in ("valid_lens", "scale", "initial_w"):
+    means no lengths (valid_lens), the default (scale, dropout_p, initial_w,
+    loo_error's bandwidth) or false (a flag, as pybind11 converts it), and a
+    flag takes any number's truth value."""
+    if label == "None" and name in ("valid_lens", "scale", "dropout_p", "initial_w"):
         return True
     if label == "None" and fn == "KernelRegression.loo_error":
         return True
@@ -770,15 +770,15 @@ def sweep_calls(rng):
         ("masked_softmax", {"X": a.X, "valid_lens": [1, 2]}),
         ("masked_softmax_backward", {"weights": a.X, "d_weights": a.X, "valid_lens": [1, 2]}),
         ("scaled_dot_product_attention", {**sdpa_kwargs(a), "valid_lens": [1, 2], "scale": 0.5,
-                                          "dropout": 0.1, "seed": 3, "return_weights": True,
+                                          "dropout_p": 0.1, "seed": 3, "return_weights": True,
                                           "return_lse": True}),
         ("scaled_dot_product_attention_backward", {**sdpa_backward_kwargs(a),
                                                    "valid_lens": [5, 5], "scale": None,
-                                                   "dropout": 0.0, "seed": 0}),
-        ("additive_attention", {**additive_kwargs(a), "valid_lens": [1, 2], "dropout": 0.1,
+                                                   "dropout_p": 0.0, "seed": 0}),
+        ("additive_attention", {**additive_kwargs(a), "valid_lens": [1, 2], "dropout_p": 0.1,
                                 "seed": 3, "return_weights": True, "return_lse": True}),
         ("additive_attention_backward", {**additive_backward_kwargs(a), "valid_lens": [5, 5],
-                                         "dropout": 0.0, "seed": 0}),
+                                         "dropout_p": 0.0, "seed": 0}),
         ("attention_pooling", {"weights": a.X, "values": a.v}),
         ("average_pooling", {"values": a.v, "num_queries": 3, "valid_lens": [1, 2]}),
         ("one_hot_lookup", {"index": [[0, 1, 2], [2, 1, 0]], "values": a.v}),
@@ -945,3 +945,35 @@ if __name__ == "__main__":
         run_sweep(int(sys.argv[2]))
     elif len(sys.argv) == 3 and sys.argv[1] == "--empty":
         run_empty(set(json.loads(sys.argv[2])))
+
+
+OLD_DROPOUT_CALLS = {
+    "scaled_dot_product_attention": lambda q, k, v, **kw: qkv.scaled_dot_product_attention(
+        q, k, v, [3, 5], seed=4, return_lse=True, **kw),
+    "additive_attention": lambda q, k, v, **kw: qkv.additive_attention(
+        q, k, v, np.ones((6, 4)), np.ones((6, 4)), np.ones(6), [3, 5], seed=4, **kw),
+    "bilinear_attention": lambda q, k, v, **kw: qkv.bilinear_attention(
+        q, k, v, np.eye(4), [3, 5], seed=4, **kw),
+    "distance_attention": lambda q, k, v, **kw: qkv.distance_attention(
+        q, k, v, [3, 5], seed=4, **kw),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(OLD_DROPOUT_CALLS))
+def test_the_old_dropout_spelling_still_works_and_warns(fn, rng):
+    """dropout=, dropout_p's old name, gives the same bits for one release with
+    a DeprecationWarning that names the function; both together are a TypeError."""
+    q, k, v = (rng.normal(size=(2, n, 4)) for n in (3, 5, 5))
+    call = OLD_DROPOUT_CALLS[fn]
+    new = call(q, k, v, dropout_p=0.4)
+    with pytest.warns(DeprecationWarning, match=rf"^{fn}: dropout= is deprecated and goes in the "
+                                                 r"next release; use dropout_p=$"):
+        old = call(q, k, v, dropout=0.4)
+    for a, b in zip(new if isinstance(new, tuple) else (new,),
+                    old if isinstance(old, tuple) else (old,)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(np.asarray(new if not isinstance(new, tuple) else new[0]),
+                              np.asarray(call(q, k, v)[0] if isinstance(new, tuple)
+                                         else call(q, k, v))), "dropout had no effect"
+    with pytest.raises(TypeError, match=rf"{fn}\(\) got dropout_p and dropout, its old name"):
+        call(q, k, v, dropout_p=0.4, dropout=0.4)

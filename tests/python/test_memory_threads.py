@@ -318,7 +318,7 @@ def concurrent_workloads(rng):
     n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     q, k, v = n(2, 40, 16), n(2, 300, 16), n(2, 300, 8)
     lens = rng.integers(0, 301, size=(2, 40))
-    out, lse = qkv.scaled_dot_product_attention(q, k, v, lens, dropout=0.1, seed=3,
+    out, lse = qkv.scaled_dot_product_attention(q, k, v, lens, dropout_p=0.1, seed=3,
                                                 return_lse=True)
     Wq, Wk, wv = n(12, 16), n(12, 16), n(12)
     aout, alse = qkv.additive_attention(q, k, v, Wq, Wk, wv, lens, return_lse=True)
@@ -326,10 +326,10 @@ def concurrent_workloads(rng):
     x = rng.uniform(0, 5, 300)
     y = np.sin(x)
     first = [
-        lambda: qkv.scaled_dot_product_attention(q, k, v, lens, dropout=0.1, seed=3,
+        lambda: qkv.scaled_dot_product_attention(q, k, v, lens, dropout_p=0.1, seed=3,
                                                  return_weights=True, return_lse=True),
         lambda: qkv.scaled_dot_product_attention_backward(q, k, v, out, lse, out, lens,
-                                                          dropout=0.1, seed=3),
+                                                          dropout_p=0.1, seed=3),
         lambda: qkv.masked_softmax(X, [10, 200, 0, 57]),
     ]
     second = [
@@ -404,7 +404,7 @@ def call_all():
     qkv.masked_softmax(big_endian, [3, 9])
     qkv.masked_softmax(misaligned)
     qkv.masked_softmax_backward(X, X, lens32)
-    qkv.scaled_dot_product_attention(q, k, v, lens32, dropout=0.5, seed=1,
+    qkv.scaled_dot_product_attention(q, k, v, lens32, dropout_p=0.5, seed=1,
                                      return_weights=True, return_lse=True)
     qkv.scaled_dot_product_attention(q64[0], k[0].astype(np.float64),
                                      v[0].astype(np.float64), 4)

@@ -100,10 +100,10 @@ def thread_sensitive_calls(rng, dtype):
     lens = rng.integers(0, Nk + 1, size=(B, Nq))
     X = n(B, Nq, Nk)
     Wq, Wk, wv = n(H, D), n(H, D), n(H)
-    out, lse = qkv.scaled_dot_product_attention(q, k, v, lens, dropout=0.2, seed=5,
+    out, lse = qkv.scaled_dot_product_attention(q, k, v, lens, dropout_p=0.2, seed=5,
                                                 return_lse=True)
     qa, ka, va = q[:, :64], k[:, :200], v[:, :200]
-    aout, alse = qkv.additive_attention(qa, ka, va, Wq, Wk, wv, dropout=0.2, seed=6,
+    aout, alse = qkv.additive_attention(qa, ka, va, Wq, Wk, wv, dropout_p=0.2, seed=6,
                                         return_lse=True)
     dout, daout = n(*out.shape), n(*aout.shape)
     x = rng.uniform(0, 5, (400, 2))
@@ -112,13 +112,13 @@ def thread_sensitive_calls(rng, dtype):
         "masked_softmax": lambda: qkv.masked_softmax(X, lens),
         "masked_softmax_backward": lambda: qkv.masked_softmax_backward(X, X, lens),
         "sdpa": lambda: qkv.scaled_dot_product_attention(
-            q, k, v, lens, dropout=0.2, seed=5, return_weights=True, return_lse=True),
+            q, k, v, lens, dropout_p=0.2, seed=5, return_weights=True, return_lse=True),
         "sdpa_backward": lambda: qkv.scaled_dot_product_attention_backward(
-            q, k, v, out, lse, dout, lens, dropout=0.2, seed=5),
-        "additive": lambda: qkv.additive_attention(qa, ka, va, Wq, Wk, wv, dropout=0.2, seed=6,
+            q, k, v, out, lse, dout, lens, dropout_p=0.2, seed=5),
+        "additive": lambda: qkv.additive_attention(qa, ka, va, Wq, Wk, wv, dropout_p=0.2, seed=6,
                                                    return_weights=True, return_lse=True),
         "additive_backward": lambda: qkv.additive_attention_backward(
-            qa, ka, va, Wq, Wk, wv, aout, alse, daout, dropout=0.2, seed=6),
+            qa, ka, va, Wq, Wk, wv, aout, alse, daout, dropout_p=0.2, seed=6),
         "attention_pooling": lambda: qkv.attention_pooling(X, v),
         "nadaraya_watson": lambda: qkv.nadaraya_watson(x, y, x, bandwidth=[0.3, 0.5]),
     }
