@@ -15,8 +15,8 @@
 #include "attend_store.h"
 #include "common.h"
 #include "qkv/attention.h"
-#include "qkv/scoring.h"
 #include "qkv/npy.h"
+#include "qkv/scoring.h"
 #include "qkv/valid_lens.h"
 
 namespace qkv::cli {
@@ -105,9 +105,10 @@ std::optional<double> scale_of(const AttendArgs& args) {
 // --store's option combinations, found before any file is read.
 void check_store_options(const AttendArgs& args, const ScoringRules& rules) {
   if (args.stores.empty()) {
-    for (const auto& [flag, given] :
-         {std::pair{"--top-k", args.top_k != 0}, {"--top-ids", !args.top_ids.empty()},
-          {"--top-weights", !args.top_weights.empty()}, {"--quiet", args.quiet}}) {
+    for (const auto& [flag, given] : {std::pair{"--top-k", args.top_k != 0},
+                                      {"--top-ids", !args.top_ids.empty()},
+                                      {"--top-weights", !args.top_weights.empty()},
+                                      {"--quiet", args.quiet}}) {
       if (given) throw UsageError(std::string(flag) + " is for attention over --store");
     }
     if (args.keys.empty() || args.values.empty()) {
@@ -121,12 +122,16 @@ void check_store_options(const AttendArgs& args, const ScoringRules& rules) {
                      scoring_names(/*over_store_only=*/true));
   }
   std::vector<std::string> conflicts;
-  for (const auto& [flag, given] :
-       {std::pair{"--keys", !args.keys.empty()}, {"--values", !args.values.empty()},
-        {"--causal", !args.causal.empty()}, {"--window", !args.window.empty()},
-        {"--mask", !args.mask.empty()}, {"--key-mask", !args.key_mask.empty()},
-        {"--bias", !args.bias.empty()}, {"--dropout", args.dropout != 0.0},
-        {"--train", args.train}, {"--weights", !args.weights.empty()}}) {
+  for (const auto& [flag, given] : {std::pair{"--keys", !args.keys.empty()},
+                                    {"--values", !args.values.empty()},
+                                    {"--causal", !args.causal.empty()},
+                                    {"--window", !args.window.empty()},
+                                    {"--mask", !args.mask.empty()},
+                                    {"--key-mask", !args.key_mask.empty()},
+                                    {"--bias", !args.bias.empty()},
+                                    {"--dropout", args.dropout != 0.0},
+                                    {"--train", args.train},
+                                    {"--weights", !args.weights.empty()}}) {
     if (given) conflicts.push_back(flag);
   }
   if (!conflicts.empty()) {
@@ -206,14 +211,16 @@ void check_options(const AttendArgs& args, const ScoringRules& rules) {
                      (takes.empty() ? " has no parameters" : " takes " + takes));
   }
   if (rules.scale == ScaleRule::kNone && args.scale) {
-    throw UsageError("--scale is for --scoring " +
-                     names_where([](const ScoringRules& r) { return r.scale != ScaleRule::kNone; }) +
+    throw UsageError("--scale is for --scoring " + names_where([](const ScoringRules& r) {
+                       return r.scale != ScaleRule::kNone;
+                     }) +
                      "; " + std::string(rules.title) + " attention has no scale");
   }
   if (!rules.masks) {
     for (const auto& [flag, value] : {std::pair{"--window", &args.window},
-                                       {"--mask", &args.mask}, {"--key-mask", &args.key_mask},
-                                       {"--bias", &args.bias}}) {
+                                      {"--mask", &args.mask},
+                                      {"--key-mask", &args.key_mask},
+                                      {"--bias", &args.bias}}) {
       if (value->empty()) continue;
       throw UsageError(std::string(flag) + " is for --scoring " +
                        names_where([](const ScoringRules& r) { return r.masks; }) + "; " +
@@ -325,7 +332,8 @@ void run_attend(const AttendArgs& args) {
   const Shape& q_shape = shape_of(tensors[0]);
   const bool dot = rules.heads;  // 4-D inputs with heads
   if (q_shape.rank() != 2 && q_shape.rank() != 3 && !(dot && q_shape.rank() == 4)) {
-    throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() + "; expected 2-D (Nq, D)" +
+    throw UsageError(inputs[0].describe() + " has shape " + q_shape.str() +
+                     "; expected 2-D (Nq, D)" +
                      (dot ? ", 3-D (B, Nq, D) or 4-D (B, H, Nq, D)" : " or 3-D (B, Nq, D)"));
   }
   for (size_t i = 1; i < 3; ++i) {
@@ -378,19 +386,21 @@ Command add_attend_command(CLI::App& parent) {
       ->check(CLI::IsMember(scoring_choices))
       ->each([](const std::string& value) {
         if (value == "gaussian") {
-          note_deprecated("qkv attend: warning: --scoring gaussian is deprecated and goes in the "
-                          "next release; use --scoring distance (--bandwidth H as before)\n");
+          note_deprecated(
+              "qkv attend: warning: --scoring gaussian is deprecated and goes in the "
+              "next release; use --scoring distance (--bandwidth H as before)\n");
         }
       });
-  require_path(app->add_option("--w", args->w,
-                               "--scoring bilinear: W.npy (Dq, Dk), the inputs' float type"))
+  require_path(
+      app->add_option("--w", args->w, "--scoring bilinear: W.npy (Dq, Dk), the inputs' float type"))
       ->type_name("W.npy");
   require_number(app->add_option("--bandwidth", args->bandwidth,
                                  "--scoring distance: the Gaussian kernel's width h > 0, the same "
                                  "as --scale 1/h^2"))
       ->type_name("H");
-  require_path(app->add_option("--queries", args->queries,
-                               "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))
+  require_path(
+      app->add_option("--queries", args->queries,
+                      "Queries Q.npy: (B, Nq, D), or (Nq, D); dot also heads (B, H, Nq, D)"))
       ->type_name("Q.npy")
       ->required();
   require_path(app->add_option("--keys", args->keys,
@@ -428,10 +438,9 @@ Command add_attend_command(CLI::App& parent) {
           "one length (a scalar or (1)) or one per query ((Nq) or (1, Nq)); default: "
           "every key is valid"))
       ->type_name("L.npy");
-  require_number(
-      app->add_option("--scale", args->scale,
-                      "dot: multiplies Q K^T (default 1/sqrt(D)); distance: multiplies "
-                      "-|q - k|^2 / 2 (default 1)"))
+  require_number(app->add_option("--scale", args->scale,
+                                 "dot: multiplies Q K^T (default 1/sqrt(D)); distance: multiplies "
+                                 "-|q - k|^2 / 2 (default 1)"))
       ->type_name("S");
   require_path(
       app->add_option("--wq", args->w_q, "additive only: W_q (H, D), like nn.Linear's weight"))
@@ -469,9 +478,9 @@ Command add_attend_command(CLI::App& parent) {
       ->type_name("L,R")
       ->check(CLI::Validator(
           [](std::string& text) {
-            return parse_window(text) ? std::string()
-                                      : "must be two integers >= -1 as L,R (e.g. 256,0), got " +
-                                            text;
+            return parse_window(text)
+                       ? std::string()
+                       : "must be two integers >= -1 as L,R (e.g. 256,0), got " + text;
           },
           ""));
   app->add_option("--dropout", args->dropout,

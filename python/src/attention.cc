@@ -3,6 +3,8 @@
 // for torch.bfloat16 tensors. Inputs are views over the caller's arrays;
 // forward results are new arrays qkv writes into; gradients are the
 // library's tensors handed to NumPy without a copy.
+#include "qkv/attention.h"
+
 #include <pybind11/stl.h>
 
 #include <initializer_list>
@@ -12,7 +14,6 @@
 
 #include "arrays.h"
 #include "bindings.h"
-#include "qkv/attention.h"
 #include "qkv/error.h"
 #include "qkv/scoring.h"
 
@@ -45,7 +46,8 @@ Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) 
 double dropout_of(std::string_view fn, std::optional<double> dropout_p, py::handle dropout_old) {
   if (dropout_old.is_none()) return dropout_p.value_or(0.0);
   if (dropout_p) {
-    throw py::type_error(std::string(fn) + "() got dropout_p and dropout, its old name; give "
+    throw py::type_error(std::string(fn) +
+                         "() got dropout_p and dropout, its old name; give "
                          "dropout_p only");
   }
   const std::string warning = std::string(fn) +
@@ -106,9 +108,9 @@ void set_bias(std::string_view fn, py::handle bias, Dtype compute, AttentionOpti
               MaskArrays& storage) {
   if (bias.is_none()) return;
   py::array array = float_array(bias, fn, "bias");
-  check_same_dtype(array, compute, fn, "bias",
-                   compute == Dtype::kFloat32 ? "the inputs (float32 for bf16 inputs)"
-                                              : "the inputs");
+  check_same_dtype(
+      array, compute, fn, "bias",
+      compute == Dtype::kFloat32 ? "the inputs (float32 for bf16 inputs)" : "the inputs");
   storage.bias = array;
   if (compute == Dtype::kFloat32) {
     options.bias = view_of<float>(array);
@@ -233,9 +235,10 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
                    bool return_weights, bool return_lse, const std::optional<std::string>& causal,
                    py::handle out, py::handle mask, py::handle key_mask, py::handle window,
                    py::handle bias, py::handle dropout_old) {
-  Tensors t = float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
-  AttentionOptions options =
-      options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old), seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+  Tensors t =
+      float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old),
+                                        seed_of(seed, kSdpa), causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpa, bias, t.dtype, options, masks);
@@ -254,14 +257,15 @@ AdditiveWeights<T> additive_weights(Tensors& t) {
 }
 
 py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q, py::handle w_k,
-                       py::handle w_v, py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
-                       bool return_weights, bool return_lse,
+                       py::handle w_v, py::handle valid_lens, std::optional<double> dropout_p,
+                       py::handle seed, bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(
       kAdditive, Scoring::kAdditive,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3);
-  const AttentionOptions options = options_of(std::nullopt, dropout_of(kAdditive, dropout_p, dropout_old), seed_of(seed, kAdditive),
-                                              causal_of(kAdditive, causal));
+  const AttentionOptions options =
+      options_of(std::nullopt, dropout_of(kAdditive, dropout_p, dropout_old),
+                 seed_of(seed, kAdditive), causal_of(kAdditive, causal));
   // The parameters' views made here, with the GIL (view_of may copy).
   const auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -300,8 +304,7 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
   const ConstView<T> v = with_batch_axis(view_of<T>(t.arrays[2]), one, 2);
   const Saved<T> s = saved_of<T>(t, 3);
   py::object lens_storage;
-  const ValidLens lens =
-      lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
+  const ValidLens lens = lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
   DotProductGrads<T> g;
   {
     py::gil_scoped_release release;
@@ -318,10 +321,10 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
 
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
-                            std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
-                            const std::optional<std::string>& causal, py::handle mask,
-                            py::handle key_mask, py::handle window, py::handle bias,
-                            bool bias_grad, py::handle dropout_old) {
+                            std::optional<double> scale, std::optional<double> dropout_p,
+                            py::handle seed, const std::optional<std::string>& causal,
+                            py::handle mask, py::handle key_mask, py::handle window,
+                            py::handle bias, bool bias_grad, py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -330,8 +333,9 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  AttentionOptions options = options_of(scale, dropout_of(kSdpaBackward, dropout_p, dropout_old), seed_of(seed, kSdpaBackward),
-                                        causal_of(kSdpaBackward, causal));
+  AttentionOptions options =
+      options_of(scale, dropout_of(kSdpaBackward, dropout_p, dropout_old),
+                 seed_of(seed, kSdpaBackward), causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpaBackward, bias, t.dtype, options, masks);
@@ -365,8 +369,9 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
                                 py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
-                                py::handle d_output, py::handle valid_lens, std::optional<double> dropout_p,
-                                py::handle seed, const std::optional<std::string>& causal, py::handle dropout_old) {
+                                py::handle d_output, py::handle valid_lens,
+                                std::optional<double> dropout_p, py::handle seed,
+                                const std::optional<std::string>& causal, py::handle dropout_old) {
   Tensors t = float_arrays(kAdditiveBackward, Scoring::kAdditive,
                            {{"queries", q},
                             {"keys", k},
@@ -379,8 +384,8 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kAdditiveBackward, dropout_p, dropout_old), seed_of(seed, kAdditiveBackward),
-                 causal_of(kAdditiveBackward, causal));
+      options_of(std::nullopt, dropout_of(kAdditiveBackward, dropout_p, dropout_old),
+                 seed_of(seed, kAdditiveBackward), causal_of(kAdditiveBackward, causal));
   return t.dtype == Dtype::kFloat32 ? additive_backward<float>(t, valid_lens, options)
                                     : additive_backward<double>(t, valid_lens, options);
 }
@@ -392,9 +397,11 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
                        py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
                        bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal, py::handle dropout_old) {
-  Tensors t = float_arrays(kBilinear, Scoring::kBilinear, {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
-  const AttentionOptions options = options_of(std::nullopt, dropout_of(kBilinear, dropout_p, dropout_old), seed_of(seed, kBilinear),
-                                              causal_of(kBilinear, causal));
+  Tensors t = float_arrays(kBilinear, Scoring::kBilinear,
+                           {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
+  const AttentionOptions options =
+      options_of(std::nullopt, dropout_of(kBilinear, dropout_p, dropout_old),
+                 seed_of(seed, kBilinear), causal_of(kBilinear, causal));
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     const ConstView<T> w = view_of<T>(t.arrays[3]);  // with the GIL (view_of may copy)
@@ -407,12 +414,14 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
 }
 
 py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
-                       std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
-                       bool return_weights, bool return_lse,
+                       std::optional<double> scale, std::optional<double> dropout_p,
+                       py::handle seed, bool return_weights, bool return_lse,
                        const std::optional<std::string>& causal, py::handle dropout_old) {
-  Tensors t = float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
+  Tensors t =
+      float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
-      options_of(scale, dropout_of(kDistance, dropout_p, dropout_old), seed_of(seed, kDistance), causal_of(kDistance, causal));
+      options_of(scale, dropout_of(kDistance, dropout_p, dropout_old), seed_of(seed, kDistance),
+                 causal_of(kDistance, causal));
   const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
     distance_attention(q, k, v, lens, options, outputs);
   };
@@ -455,8 +464,9 @@ py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::handle w,
                                 py::handle output, py::handle lse, py::handle d_output,
-                                py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
-                                const std::optional<std::string>& causal, py::handle dropout_old) {
+                                py::handle valid_lens, std::optional<double> dropout_p,
+                                py::handle seed, const std::optional<std::string>& causal,
+                                py::handle dropout_old) {
   Tensors t = float_arrays(kBilinearBackward, Scoring::kBilinear,
                            {{"queries", q},
                             {"keys", k},
@@ -467,8 +477,8 @@ py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kBilinearBackward, dropout_p, dropout_old), seed_of(seed, kBilinearBackward),
-                 causal_of(kBilinearBackward, causal));
+      options_of(std::nullopt, dropout_of(kBilinearBackward, dropout_p, dropout_old),
+                 seed_of(seed, kBilinearBackward), causal_of(kBilinearBackward, causal));
   return t.dtype == Dtype::kFloat32 ? bilinear_backward<float>(t, valid_lens, options)
                                     : bilinear_backward<double>(t, valid_lens, options);
 }
@@ -490,8 +500,9 @@ py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 
 py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
-                                std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
-                                const std::optional<std::string>& causal, py::handle dropout_old) {
+                                std::optional<double> scale, std::optional<double> dropout_p,
+                                py::handle seed, const std::optional<std::string>& causal,
+                                py::handle dropout_old) {
   Tensors t = float_arrays(kDistanceBackward, Scoring::kDistance,
                            {{"queries", q},
                             {"keys", k},
@@ -500,8 +511,9 @@ py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"lse", lse},
                             {"d_output", d_output}},
                            3);
-  const AttentionOptions options = options_of(scale, dropout_of(kDistanceBackward, dropout_p, dropout_old), seed_of(seed, kDistanceBackward),
-                                              causal_of(kDistanceBackward, causal));
+  const AttentionOptions options =
+      options_of(scale, dropout_of(kDistanceBackward, dropout_p, dropout_old),
+                 seed_of(seed, kDistanceBackward), causal_of(kDistanceBackward, causal));
   return t.dtype == Dtype::kFloat32 ? distance_backward<float>(t, valid_lens, options)
                                     : distance_backward<double>(t, valid_lens, options);
 }
@@ -572,8 +584,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
     check_same_dtype(saved.back(), Dtype::kFloat32, kSdpaBackward, name, "the bf16 path");
   }
   const bool one = in.batch_of_one;
-  AttentionOptions options = options_of(scale, dropout, seed_of(seed, kSdpaBackward),
-                                        causal_of(kSdpaBackward, causal));
+  AttentionOptions options =
+      options_of(scale, dropout, seed_of(seed, kSdpaBackward), causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
   set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
@@ -586,11 +598,11 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
     py::gil_scoped_release release;
     grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g);
   }
-  return py::make_tuple(to_numpy(std::move(grads.d_queries), without_batch_axis(in.q.shape(), one)),
-                        to_numpy(std::move(grads.d_keys), without_batch_axis(in.k.shape(), one)),
-                        to_numpy(std::move(grads.d_values), without_batch_axis(in.v.shape(), one)),
-                        options.want_bias_grad ? py::object(to_numpy(std::move(grads.d_bias)))
-                                               : py::none());
+  return py::make_tuple(
+      to_numpy(std::move(grads.d_queries), without_batch_axis(in.q.shape(), one)),
+      to_numpy(std::move(grads.d_keys), without_batch_axis(in.k.shape(), one)),
+      to_numpy(std::move(grads.d_values), without_batch_axis(in.v.shape(), one)),
+      options.want_bias_grad ? py::object(to_numpy(std::move(grads.d_bias))) : py::none());
 }
 
 }  // namespace
@@ -622,10 +634,9 @@ void register_attention(py::module_& m) {
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
         py::arg("return_weights") = false, py::arg("return_lse") = false,
-        py::arg("causal") = py::none(), py::arg("out") = py::none(),
-        py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
-        py::arg("window") = py::none(), py::arg("bias") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("causal") = py::none(), py::arg("out") = py::none(), py::arg("mask") = py::none(),
+        py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
+        py::arg("bias") = py::none(), py::arg("dropout") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -702,12 +713,11 @@ array([[[ 2.,  3.,  4.,  5.]],
 )");
 
   m.def("scaled_dot_product_attention_backward", &sdpa_backward_py, py::arg("queries"),
-        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
-        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
-        py::arg("causal") = py::none(), py::arg("mask") = py::none(),
-        py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
-        py::arg("bias") = py::none(), py::arg("bias_grad") = true,
+        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
+        py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
+        py::arg("window") = py::none(), py::arg("bias") = py::none(), py::arg("bias_grad") = true,
         py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
@@ -740,12 +750,11 @@ Raises:
 array([0.5, 0.5, 0. ], dtype=float32)
 )");
 
-  m.def("additive_attention", &additive_py, py::arg("queries"), py::arg("keys"),
-        py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
-        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
-        py::arg("seed") = 0, py::arg("return_weights") = false, py::arg("return_lse") = false,
-        py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+  m.def("additive_attention", &additive_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
+        py::arg("W_q"), py::arg("W_k"), py::arg("w_v"), py::arg("valid_lens") = py::none(),
+        py::kw_only(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
+        py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Additive attention: score(q, k) = w_v^T tanh(W_q q + W_k k), masked softmax, times V.
 
 Fused: the (B, Nq, Nk, H) features are never formed. Parameters are laid out
@@ -775,11 +784,10 @@ Raises:
 (2, 1, 4)
 )");
 
-  m.def("additive_attention_backward", &additive_backward_py, py::arg("queries"),
-        py::arg("keys"), py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"),
-        py::arg("output"), py::arg("lse"), py::arg("d_output"),
-        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
-        py::arg("seed") = 0, py::arg("causal") = py::none(),
+  m.def("additive_attention_backward", &additive_backward_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"), py::arg("output"),
+        py::arg("lse"), py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
         py::arg("dropout") = py::none(),
         R"(Gradients of additive_attention with respect to its inputs and parameters.
 
@@ -802,8 +810,8 @@ Raises:
 (1, 8)
 )");
 
-  m.def("bilinear_attention", &bilinear_py, py::arg("queries"), py::arg("keys"),
-        py::arg("values"), py::arg("W"), py::arg("valid_lens") = py::none(), py::kw_only(),
+  m.def("bilinear_attention", &bilinear_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
+        py::arg("W"), py::arg("valid_lens") = py::none(), py::kw_only(),
         py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("return_weights") = false,
         py::arg("return_lse") = false, py::arg("causal") = py::none(),
         py::arg("dropout") = py::none(),
@@ -834,11 +842,10 @@ Raises:
 (2, 1, 4)
 )");
 
-  m.def("bilinear_attention_backward", &bilinear_backward_py, py::arg("queries"),
-        py::arg("keys"), py::arg("values"), py::arg("W"), py::arg("output"), py::arg("lse"),
-        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+  m.def("bilinear_attention_backward", &bilinear_backward_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("W"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
+        py::arg("seed") = 0, py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Gradients of bilinear_attention with respect to its inputs and W.
 
 The fused dot-product backward on q W, then dQ = d(qW) W^T and
@@ -863,11 +870,10 @@ Raises:
 (20, 2)
 )");
 
-  m.def("distance_attention", &distance_py, py::arg("queries"), py::arg("keys"),
-        py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
-        py::arg("return_weights") = false, py::arg("return_lse") = false,
-        py::arg("causal") = py::none(),
+  m.def("distance_attention", &distance_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("return_weights") = false,
+        py::arg("return_lse") = false, py::arg("causal") = py::none(),
         py::arg("dropout") = py::none(),
         R"(Distance attention: score(q, k) = -scale/2 |q - k|^2, masked softmax, times V.
 
@@ -897,11 +903,10 @@ array([[1. , 0. , 0. ],
        [0. , 0.5, 0.5]])
 )");
 
-  m.def("distance_attention_backward", &distance_backward_py, py::arg("queries"),
-        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"),
-        py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
-        py::arg("causal") = py::none(),
+  m.def("distance_attention_backward", &distance_backward_py, py::arg("queries"), py::arg("keys"),
+        py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
+        py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
         py::arg("dropout") = py::none(),
         R"(Gradients of distance_attention with respect to its inputs.
 
@@ -932,12 +937,11 @@ Raises:
         py::arg("mask"), py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
         "(output, weights or None, lse or None) out.");
-  m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py,
-        py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("output"),
-        py::arg("lse"), py::arg("d_output"), py::arg("valid_lens"), py::arg("scale"),
-        py::arg("dropout_p"), py::arg("seed"), py::arg("causal"), py::arg("mask"),
-        py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
-        py::arg("bias_grad") = true,
+  m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py, py::arg("queries"),
+        py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
+        py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"),
+        py::arg("causal"), py::arg("mask"), py::arg("key_mask"), py::arg("window"),
+        py::arg("bias") = py::none(), py::arg("bias_grad") = true,
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values, d_bias or None).");
 }

@@ -58,8 +58,7 @@ AttentionResult<T> additive_forward(Version version, ConstView<T> q, ConstView<T
       const detail::Contiguous<T> wqc(params.w_q), wkc(params.w_k), wvc(params.w_v);
       const kernels::AdditiveParams<T> fast_params{wqc.view(), wkc.view(), wvc.view()};
       with_workspace(
-          pair_flops(qc.view(), kc.view(),
-                     4.0 * static_cast<double>(params.w_q.size(0) + dims.dv)),
+          pair_flops(qc.view(), kc.view(), 4.0 * static_cast<double>(params.w_q.size(0) + dims.dv)),
           [&](int threads) {
             return kernels::fast::additive_workspace_size(qc.view(), kc.view(), vc.view(),
                                                           fast_params, config, out, threads);
@@ -79,10 +78,11 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
                                    const AdditiveWeights<T>& weights, const ValidLens& valid_lens,
                                    const AttentionOptions& options, const SavedForward<T>& saved,
                                    ConstView<T> d_output) {
-  const Dims dims = check_inputs(kAdditiveBackward, rules_of(Scoring::kAdditive), q, k, v, valid_lens);
+  const Dims dims =
+      check_inputs(kAdditiveBackward, rules_of(Scoring::kAdditive), q, k, v, valid_lens);
   const kernels::AdditiveParams<T> params = check_weights(kAdditiveBackward, dims, weights);
-  const kernels::AttentionConfig config =
-      attention_config<T>(kAdditiveBackward, rules_of(Scoring::kAdditive), dims, valid_lens, options);
+  const kernels::AttentionConfig config = attention_config<T>(
+      kAdditiveBackward, rules_of(Scoring::kAdditive), dims, valid_lens, options);
   check_saved(kAdditiveBackward, dims, saved, d_output);
   const int64_t hidden = params.w_q.size(0);
   AdditiveGrads<T> grads{Tensor<T>(q.shape()),           Tensor<T>(k.shape()),
@@ -126,9 +126,9 @@ AdditiveGrads<T> additive_backward(Version version, ConstView<T> q, ConstView<T>
 
 // ---- the public overloads: each picks a version and an element type ----------
 
-using detail::Version;
-using detail::additive_forward;
 using detail::additive_backward;
+using detail::additive_forward;
+using detail::Version;
 
 AttentionResult<float> additive_attention(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const AdditiveWeights<float>& w,

@@ -10,7 +10,6 @@ namespace {
 constexpr std::string_view kBilinear = "bilinear_attention";
 constexpr std::string_view kBilinearBackward = "bilinear_attention_backward";
 
-
 // w (Dq, Dk).
 template <class T>
 void check_bilinear_w(std::string_view fn, const Dims& dims, ConstView<T> w) {
@@ -76,9 +75,9 @@ BilinearGrads<T> bilinear_backward(Version version, ConstView<T> q, ConstView<T>
   with_workspace(
       pair_flops(qc.view(), kc.view(), 5.0 * static_cast<double>(dims.dk + dims.dv)),
       [&](int threads) {
-        return kernels::fast::bilinear_backward_workspace_size(
-            qc.view(), kc.view(), vc.view(), wc.view(), config, fast_saved, gc.view(), out,
-            threads);
+        return kernels::fast::bilinear_backward_workspace_size(qc.view(), kc.view(), vc.view(),
+                                                               wc.view(), config, fast_saved,
+                                                               gc.view(), out, threads);
       },
       [&](kernels::Workspace ws) {
         kernels::fast::bilinear_backward(qc.view(), kc.view(), vc.view(), wc.view(), config,
@@ -92,9 +91,9 @@ BilinearGrads<T> bilinear_backward(Version version, ConstView<T> q, ConstView<T>
 
 // ---- the public overloads: each picks a version and an element type ----------
 
-using detail::Version;
-using detail::bilinear_forward;
 using detail::bilinear_backward;
+using detail::bilinear_forward;
+using detail::Version;
 
 AttentionResult<float> bilinear_attention(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, ConstView<float> w,

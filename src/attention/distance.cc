@@ -10,7 +10,6 @@ namespace {
 constexpr std::string_view kDistance = "distance_attention";
 constexpr std::string_view kDistanceBackward = "distance_attention_backward";
 
-
 template <class T>
 AttentionResult<T> distance_forward(Version version, ConstView<T> q, ConstView<T> k, ConstView<T> v,
                                     const ValidLens& valid_lens, const AttentionOptions& options,
@@ -75,9 +74,9 @@ DotProductGrads<T> distance_backward(Version version, ConstView<T> q, ConstView<
 
 // ---- the public overloads: each picks a version and an element type ----------
 
-using detail::Version;
-using detail::distance_forward;
 using detail::distance_backward;
+using detail::distance_forward;
+using detail::Version;
 
 AttentionResult<float> distance_attention(ConstView<float> q, ConstView<float> k,
                                           ConstView<float> v, const ValidLens& lens,

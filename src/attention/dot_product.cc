@@ -41,7 +41,6 @@ void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
       });
 }
 
-
 // The gradients of a backward, allocated in the inputs' shapes (and the
 // bias's when asked for), and the views the kernels write them through.
 template <class In, class Acc>
@@ -67,7 +66,8 @@ AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k,
                                 const ValidLens& valid_lens, const AttentionOptions& options,
                                 const AttentionOutputs<T>* given = nullptr) {
   const Dims dims = check_inputs(kSdpa, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
-  const kernels::AttentionConfig config = attention_config<T>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
+  const kernels::AttentionConfig config =
+      attention_config<T>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   AttentionResult<T> result;
   kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result,
                                               /*strided_output=*/true);
@@ -86,8 +86,10 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
                                  const ValidLens& valid_lens, const AttentionOptions& options,
                                  const SavedForward<T>& saved, ConstView<T> d_output,
                                  ConstView<T> d_lse = {}) {
-  const Dims dims = check_inputs(kSdpaBackward, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
-  const kernels::AttentionConfig config = attention_config<T>(kSdpaBackward, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
+  const Dims dims =
+      check_inputs(kSdpaBackward, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
+  const kernels::AttentionConfig config =
+      attention_config<T>(kSdpaBackward, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
   if (d_lse.data() != nullptr) detail::check_shape(kSdpaBackward, "d_lse", d_lse, lse_shape(dims));
   DotProductGrads<T> grads;
@@ -95,13 +97,14 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
   if (version == Version::kFast) {
     const KernelOperand<T> qk(q), kk(k), vk(v), ok(saved.output), gk(d_output);
     const detail::Contiguous<T> lc(saved.lse), dlc(d_lse);
-    fast_sdpa_backward(qk.view(), kk.view(), vk.view(), config,
-                       {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<T>()},
-                       gk.view(), out);
+    fast_sdpa_backward(
+        qk.view(), kk.view(), vk.view(), config,
+        {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<T>()}, gk.view(),
+        out);
     return grads;
   }
-  kernels::ref::sdpa_backward(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v), config,
-                              {kernels::as_heads(saved.output), saved.lse, d_lse},
+  kernels::ref::sdpa_backward(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v),
+                              config, {kernels::as_heads(saved.output), saved.lse, d_lse},
                               kernels::as_heads(d_output), out);
   return grads;
 }
@@ -126,7 +129,8 @@ AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat
                                          ConstView<bfloat16> v, const ValidLens& valid_lens,
                                          const AttentionOptions& options) {
   const Dims dims = check_inputs(kSdpa, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
-  const kernels::AttentionConfig config = attention_config<float>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
+  const kernels::AttentionConfig config =
+      attention_config<float>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   AttentionResult<float> result;
   kernels::ForwardViews<float> out =
       destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
@@ -141,9 +145,10 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
                                           const AttentionOptions& options,
                                           const SavedForward<float>& saved,
                                           ConstView<float> d_output) {
-  const Dims dims = check_inputs(kSdpaBackward, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
-  const kernels::AttentionConfig config =
-      attention_config<float>(kSdpaBackward, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
+  const Dims dims =
+      check_inputs(kSdpaBackward, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
+  const kernels::AttentionConfig config = attention_config<float>(
+      kSdpaBackward, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   check_saved(kSdpaBackward, dims, saved, d_output);
   if (bf16_backward_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
@@ -164,11 +169,11 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
 
 // ---- the public overloads: each picks a version and an element type ----------
 
-using detail::Version;
-using detail::sdpa_forward;
 using detail::sdpa_backward;
-using detail::sdpa_forward_bf16;
 using detail::sdpa_backward_bf16;
+using detail::sdpa_forward;
+using detail::sdpa_forward_bf16;
+using detail::Version;
 
 AttentionResult<float> scaled_dot_product_attention(ConstView<float> q, ConstView<float> k,
                                                     ConstView<float> v, const ValidLens& lens,
@@ -204,8 +209,7 @@ DotProductGrads<float> scaled_dot_product_attention_backward(
 }
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
-    const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output,
+    const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output,
     ConstView<double> d_lse) {
   return sdpa_backward(Version::kFast, q, k, v, lens, options, saved, d_output, d_lse);
 }
@@ -235,8 +239,7 @@ DotProductGrads<float> scaled_dot_product_attention_backward(
 }
 DotProductGrads<double> scaled_dot_product_attention_backward(
     ConstView<double> q, ConstView<double> k, ConstView<double> v, const ValidLens& lens,
-    const AttentionOptions& options, const SavedForward<double>& saved,
-    ConstView<double> d_output,
+    const AttentionOptions& options, const SavedForward<double>& saved, ConstView<double> d_output,
     ConstView<double> d_lse) {
   return sdpa_backward(Version::kRef, q, k, v, lens, options, saved, d_output, d_lse);
 }

@@ -65,7 +65,8 @@ struct Dims {
   int64_t heads = 1, kv_heads = 1;
 };
 
-inline std::string shapes_of(std::string_view a, const Shape& sa, std::string_view b, const Shape& sb) {
+inline std::string shapes_of(std::string_view a, const Shape& sa, std::string_view b,
+                             const Shape& sb) {
   return " (" + std::string(a) + " " + sa.str() + ", " + std::string(b) + " " + sb.str() + ")";
 }
 
@@ -91,9 +92,9 @@ Dims check_heads_inputs(std::string_view fn, ConstView<T> q, ConstView<T> k, Con
   check_same(fn, "Hkv", "values", v, 1, "keys", k, 1);
   const int64_t heads = q.size(1), kv_heads = k.size(1);
   if (kv_heads == 0 ? heads != 0 : heads % kv_heads != 0) {
-    fail(fn, "queries has H = " + std::to_string(heads) + " heads, not a multiple of the Hkv = " +
-                 std::to_string(kv_heads) + " heads of keys and values" +
-                 shapes_of("queries", q.shape(), "keys", k.shape()));
+    fail(fn, "queries has H = " + std::to_string(heads) +
+                 " heads, not a multiple of the Hkv = " + std::to_string(kv_heads) +
+                 " heads of keys and values" + shapes_of("queries", q.shape(), "keys", k.shape()));
   }
   check_same(fn, "D", "keys", k, 3, "queries", q, 3);
   check_same(fn, "Nk", "values", v, 2, "keys", k, 2);
@@ -180,7 +181,7 @@ bool no_overlap(TensorView<T> x) {
 // The lengths the kernels see: the given ones, capped by the causal mask
 // when options.causal asks for one.
 inline ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& valid_lens,
-                      const AttentionOptions& options) {
+                             const AttentionOptions& options) {
   switch (options.causal) {
     case Causal::kNone:
       return valid_lens;
@@ -225,7 +226,7 @@ TensorView<T> broadcast_to_scores(std::string_view fn, std::string_view name, Te
 // The masks of options as the kernels read them: mask as a (B, H, Nq, Nk)
 // view with zero strides where it broadcasts; key_mask (B, Nk); the window.
 inline void check_masks(std::string_view fn, const Dims& dims, const AttentionOptions& options,
-                 kernels::AttentionConfig& config) {
+                        kernels::AttentionConfig& config) {
   if (options.mask.rank() > 0) {
     config.mask = broadcast_to_scores(fn, "options.mask", options.mask, dims);
   }
@@ -261,9 +262,10 @@ void check_bias(std::string_view fn, const Dims& dims, const AttentionOptions& o
   }
   const ConstView<Acc>* bias = std::get_if<ConstView<Acc>>(&options.bias);
   if (bias == nullptr) {
-    fail(fn, std::string("options.bias is ") + (std::is_same_v<Acc, float> ? "float64" : "float32") +
-                 " but the inputs compute in " + type_name(Acc()) + "; give a " +
-                 type_name(Acc()) + " bias (float32 for float32 and bfloat16 inputs, float64 "
+    fail(fn, std::string("options.bias is ") +
+                 (std::is_same_v<Acc, float> ? "float64" : "float32") +
+                 " but the inputs compute in " + type_name(Acc()) + "; give a " + type_name(Acc()) +
+                 " bias (float32 for float32 and bfloat16 inputs, float64 "
                  "for float64 ones)");
   }
   const ConstView<Acc> full = broadcast_to_scores(fn, "options.bias", *bias, dims);
@@ -281,7 +283,7 @@ inline bool has_masks(const AttentionOptions& options) {
 
 // options.scale by the scoring function's rule (qkv/scoring.h), or its default.
 inline double checked_scale(std::string_view fn, const ScoringRules& rules, const Dims& dims,
-                     const AttentionOptions& options) {
+                            const AttentionOptions& options) {
   const std::optional<double>& scale = options.scale;
   switch (rules.scale) {
     case ScaleRule::kNone:
@@ -295,8 +297,9 @@ inline double checked_scale(std::string_view fn, const ScoringRules& rules, cons
         fail(fn, "options.scale = " + std::to_string(*scale) + " is not finite");
       }
       if (!scale && dims.dq == 0) {
-        fail(fn, "queries has D = 0, so the default scale 1/sqrt(D) is undefined; set "
-                 "options.scale");
+        fail(fn,
+             "queries has D = 0, so the default scale 1/sqrt(D) is undefined; set "
+             "options.scale");
       }
       return scale.value_or(1.0 / std::sqrt(static_cast<double>(dims.dq)));
     case ScaleRule::kPositiveOne:
@@ -385,8 +388,8 @@ void check_saved(std::string_view fn, const Dims& dims, const SavedForward<T>& s
 template <class T>
 kernels::ForwardViews<T> destinations(std::string_view fn, Version version, const Dims& dims,
                                       const AttentionOptions& options,
-                                      const AttentionOutputs<T>* given,
-                                      AttentionResult<T>& result, bool strided_output = false) {
+                                      const AttentionOutputs<T>* given, AttentionResult<T>& result,
+                                      bool strided_output = false) {
   if (given != nullptr) {
     check_outputs(fn, dims, *given, strided_output);
     return {given->output, given->weights.value_or(TensorView<T>()),

@@ -171,8 +171,7 @@ void check_store_attention(std::string_view function, ConstView<float> queries,
                        "; attention over a store scores by " + scoring_names(true));
   }
   const bool positive = rules.scale == ScaleRule::kPositiveOne;
-  if (options.scale &&
-      !(std::isfinite(*options.scale) && (!positive || *options.scale > 0))) {
+  if (options.scale && !(std::isfinite(*options.scale) && (!positive || *options.scale > 0))) {
     fail(function, "scale = " + std::to_string(*options.scale) + "; expected a finite number" +
                        (positive ? " > 0 for distance scoring" : ""));
   }
@@ -212,14 +211,14 @@ StorePartial attend_chunks(ConstView<float> queries, const KeyValueStore& store,
           if (k > 0) outputs.weights = result.weights.view();
           if (distance) {
             const bool bf16 = store.dtype() == StoreDtype::kBFloat16;
-            const Tensor<float> keys = bf16 ? widened_chunk(chunk.keys, info.rows, d)
-                                            : Tensor<float>();
-            const Tensor<float> values = bf16 ? widened_chunk(chunk.values, info.rows, dv)
-                                              : Tensor<float>();
-            distance_attention(q.f32.view(),
-                               bf16 ? keys.view() : chunk_view<float>(chunk.keys, info.rows, d),
-                               bf16 ? values.view() : chunk_view<float>(chunk.values, info.rows, dv),
-                               valid, attention, outputs);
+            const Tensor<float> keys =
+                bf16 ? widened_chunk(chunk.keys, info.rows, d) : Tensor<float>();
+            const Tensor<float> values =
+                bf16 ? widened_chunk(chunk.values, info.rows, dv) : Tensor<float>();
+            distance_attention(
+                q.f32.view(), bf16 ? keys.view() : chunk_view<float>(chunk.keys, info.rows, d),
+                bf16 ? values.view() : chunk_view<float>(chunk.values, info.rows, dv), valid,
+                attention, outputs);
           } else {
             scaled_dot_product_attention(q.f32.view(), chunk_view<float>(chunk.keys, info.rows, d),
                                          chunk_view<float>(chunk.values, info.rows, dv), valid,

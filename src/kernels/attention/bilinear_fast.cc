@@ -67,8 +67,8 @@ void bilinear(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView<T> w,
   Slicer slicer(workspace.data);
   const Layout<T> layout(slicer, batch * nq, dk, false);
   queries_times_w(q, w, layout.qw);
-  sdpa(heads_of<T>(layout.qw, batch, nq, dk), as_heads(k), as_heads(v), config,
-       forward_heads(out), Workspace{workspace.data + slicer.words(), workspace.num_threads});
+  sdpa(heads_of<T>(layout.qw, batch, nq, dk), as_heads(k), as_heads(v), config, forward_heads(out),
+       Workspace{workspace.data + slicer.words(), workspace.num_threads});
 }
 
 template <class T>
@@ -106,16 +106,16 @@ void bilinear_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, ConstView
   gemm(true, false, dq, dk, rows, T(1), q.data(), dq, layout.d_qw, dk, T(0), grads.d_w.data(), dk);
 }
 
-#define QKV_INSTANTIATE_BILINEAR(T)                                                              \
+#define QKV_INSTANTIATE_BILINEAR(T)                                                               \
   template size_t bilinear_workspace_size(ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>, \
-                                          const AttentionConfig&, const ForwardViews<T>&, int);  \
-  template void bilinear(ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>,                 \
-                         const AttentionConfig&, const ForwardViews<T>&, Workspace);             \
-  template size_t bilinear_backward_workspace_size(                                              \
+                                          const AttentionConfig&, const ForwardViews<T>&, int);   \
+  template void bilinear(ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>,                  \
+                         const AttentionConfig&, const ForwardViews<T>&, Workspace);              \
+  template size_t bilinear_backward_workspace_size(                                               \
       ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>, const AttentionConfig&,             \
-      const SavedViews<T>&, ConstView<T>, const BilinearGradViews<T>&, int);                     \
-  template void bilinear_backward(ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>,        \
-                                  const AttentionConfig&, const SavedViews<T>&, ConstView<T>,    \
+      const SavedViews<T>&, ConstView<T>, const BilinearGradViews<T>&, int);                      \
+  template void bilinear_backward(ConstView<T>, ConstView<T>, ConstView<T>, ConstView<T>,         \
+                                  const AttentionConfig&, const SavedViews<T>&, ConstView<T>,     \
                                   const BilinearGradViews<T>&, Workspace);
 QKV_INSTANTIATE_BILINEAR(float)
 QKV_INSTANTIATE_BILINEAR(double)

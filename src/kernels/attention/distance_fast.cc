@@ -94,10 +94,10 @@ AttentionConfig with_bias(AttentionConfig config, T* key_terms, int64_t batch, i
 // Where the size queries point the key terms and their gradient: the
 // dot-product kernel's scratch depends on which views are present (a bias
 // rules out the small-dimension kernel), never on their elements, so a view
-// over this placeholder stands for the workspace's slice, which does not
+// over this stand-in element stands for the workspace's slice, which does not
 // exist yet when the size is asked.
 template <class T>
-T* placeholder() {
+T* bias_stand_in() {
   alignas(kWorkspaceAlign) static T element{};
   return &element;
 }
@@ -142,7 +142,7 @@ size_t distance_workspace_size(ConstView<T> q, ConstView<T> k, ConstView<T> v,
   return layout_words(q, k, false) +
          sdpa_workspace_size(as_heads(ConstView<T>(nullptr, q.shape())),
                              as_heads(ConstView<T>(nullptr, k.shape())), as_heads(v),
-                             with_bias(config, placeholder<T>(), batch, nq, nk),
+                             with_bias(config, bias_stand_in<T>(), batch, nq, nk),
                              {as_heads(out.output), out.weights, out.lse}, num_threads);
 }
 
@@ -160,7 +160,8 @@ void distance(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionCon
   // The kernel's lse leaves out each query's own term.
   if (out.lse.data() != nullptr) {
     for (int64_t r = 0; r < batch * nq; ++r) {
-      out.lse.data()[r] = static_cast<T>(static_cast<double>(out.lse.data()[r]) + at.query_terms[r]);
+      out.lse.data()[r] =
+          static_cast<T>(static_cast<double>(out.lse.data()[r]) + at.query_terms[r]);
     }
   }
 }
@@ -173,12 +174,12 @@ size_t distance_backward_workspace_size(ConstView<T> q, ConstView<T> k, ConstVie
   const int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1);
   const SdpaGradViews<T> sdpa_grads{as_heads(grads.d_queries), as_heads(grads.d_keys),
                                     as_heads(grads.d_values),
-                                    per_key(placeholder<T>(), batch, nq, nk)};
+                                    per_key(bias_stand_in<T>(), batch, nq, nk)};
   return layout_words(q, k, true) +
-         sdpa_backward_workspace_size(as_heads(ConstView<T>(nullptr, q.shape())),
-                                      as_heads(ConstView<T>(nullptr, k.shape())), as_heads(v),
-                                      with_bias(config, placeholder<T>(), batch, nq, nk), {as_heads(saved.output), saved.lse},
-                                      as_heads(d_output), sdpa_grads, num_threads);
+         sdpa_backward_workspace_size(
+             as_heads(ConstView<T>(nullptr, q.shape())), as_heads(ConstView<T>(nullptr, k.shape())),
+             as_heads(v), with_bias(config, bias_stand_in<T>(), batch, nq, nk),
+             {as_heads(saved.output), saved.lse}, as_heads(d_output), sdpa_grads, num_threads);
 }
 
 template <class T>
@@ -216,16 +217,16 @@ void distance_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v,
   });
 }
 
-#define QKV_INSTANTIATE_DISTANCE(T)                                                             \
-  template size_t distance_workspace_size(ConstView<T>, ConstView<T>, ConstView<T>,             \
-                                          const AttentionConfig&, const ForwardViews<T>&, int); \
-  template void distance(ConstView<T>, ConstView<T>, ConstView<T>, const AttentionConfig&,      \
-                         const ForwardViews<T>&, Workspace);                                    \
-  template size_t distance_backward_workspace_size(ConstView<T>, ConstView<T>, ConstView<T>,    \
+#define QKV_INSTANTIATE_DISTANCE(T)                                                              \
+  template size_t distance_workspace_size(ConstView<T>, ConstView<T>, ConstView<T>,              \
+                                          const AttentionConfig&, const ForwardViews<T>&, int);  \
+  template void distance(ConstView<T>, ConstView<T>, ConstView<T>, const AttentionConfig&,       \
+                         const ForwardViews<T>&, Workspace);                                     \
+  template size_t distance_backward_workspace_size(ConstView<T>, ConstView<T>, ConstView<T>,     \
                                                    const AttentionConfig&, const SavedViews<T>&, \
-                                                   ConstView<T>, const SdpaGradViews<T>&, int); \
-  template void distance_backward(ConstView<T>, ConstView<T>, ConstView<T>,                     \
-                                  const AttentionConfig&, const SavedViews<T>&, ConstView<T>,   \
+                                                   ConstView<T>, const SdpaGradViews<T>&, int);  \
+  template void distance_backward(ConstView<T>, ConstView<T>, ConstView<T>,                      \
+                                  const AttentionConfig&, const SavedViews<T>&, ConstView<T>,    \
                                   const SdpaGradViews<T>&, Workspace);
 QKV_INSTANTIATE_DISTANCE(float)
 QKV_INSTANTIATE_DISTANCE(double)

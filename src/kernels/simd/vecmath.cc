@@ -5,9 +5,9 @@
 #define HWY_TARGET_INCLUDE "kernels/simd/vecmath.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Highway's own headers must follow foreach_target.h.
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/aligned_allocator.h>
 #include <hwy/cache_control.h>
+#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -66,7 +66,8 @@ T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
   }
   if (i < n) {
     const auto e = hn::IfThenElseZero(
-        hn::FirstN(d, n - i), ExpShifted<kNoNaN>(d, hn::Sub(LoadTail(d, x + i, n - i, shift), vshift)));
+        hn::FirstN(d, n - i),
+        ExpShifted<kNoNaN>(d, hn::Sub(LoadTail(d, x + i, n - i, shift), vshift)));
     StoreTail(d, e, out + i, n - i);
     sum1 = hn::Add(sum1, e);
   }
@@ -161,8 +162,7 @@ HWY_INLINE void write_row(D d, T* out, size_t n, bool stream, ValueFn&& value) {
 }
 
 template <class T>
-T SoftmaxRowOnce(const T* x, int64_t len_signed, int64_t n_signed, T* w, T* scratch,
-                 bool stream) {
+T SoftmaxRowOnce(const T* x, int64_t len_signed, int64_t n_signed, T* w, T* scratch, bool stream) {
   const hn::ScalableTag<T> d;
   const size_t len = static_cast<size_t>(len_signed), n = static_cast<size_t>(n_signed);
   bool nan_or_plus_inf = false;

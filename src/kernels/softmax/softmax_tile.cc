@@ -12,8 +12,8 @@
 
 #include "kernels/simd/exp-inl.h"
 #include "kernels/simd/row_max-inl.h"
-#include "kernels/softmax/softmax_tile.h"
 #include "kernels/simd/tail-inl.h"
+#include "kernels/softmax/softmax_tile.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::kernels::fast {
