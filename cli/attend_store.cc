@@ -103,7 +103,7 @@ void run_single(const StoreAttendArgs& args) {
   StoreAttentionOptions options = options_of(args);
   Progress progress("qkv attend --store", args.quiet);
   options.progress = report(progress);
-  std::vector<const KeyValueStore*> pointers;
+  std::vector<const ChunkSource*> pointers;
   for (const KeyValueStore& store : stores) pointers.push_back(&store);
   const StoreAttentionResult result = pointers.size() == 1
                                           ? attend(in.queries.view(), stores[0], valid_rows_of(in), options)

@@ -13,14 +13,12 @@
 #include <variant>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "qkv/npy.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
 
-namespace CLI {
-class App;
-class Option;
-}  // namespace CLI
 
 namespace qkv::cli {
 

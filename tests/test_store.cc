@@ -25,6 +25,7 @@
 #include "attention_testing.h"
 #include "io/npy_header.h"
 #include "qkv/store_attention.h"
+#include "qkv/threads.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -52,31 +53,50 @@ class StoreTest : public ::testing::Test {
   std::string root_;
 };
 
-// The store's rows read back through map_chunk, as float.
+// A chunk's keys or values as float (rows, dim).
+template <class T>
+void copy_rows(ConstView<T> from, int64_t first_row, Tensor<float>& to) {
+  ASSERT_EQ(from.size(1), to.size(1));
+  for (int64_t i = 0; i < from.size(0); ++i) {
+    for (int64_t j = 0; j < from.size(1); ++j) to(first_row + i, j) = static_cast<float>(from(i, j));
+  }
+}
+
+// The store's rows read back through the chunk source interface, as float;
+// each chunk's range as the manifest has it, the views of the store's dtype
+// only.
 struct ReadBack {
   Tensor<float> keys, values;
 };
-ReadBack read_back(const KeyValueStore& store) {
+ReadBack read_back(const ChunkSource& store) {
   ReadBack all{Tensor<float>(Shape{store.rows(), store.key_dim()}),
                Tensor<float>(Shape{store.rows(), store.value_dim()})};
-  for (size_t c = 0; c < store.chunks().size(); ++c) {
-    const StoreChunk& chunk = store.chunks()[c];
-    const std::shared_ptr<const MappedChunk> mapped = store.map_chunk(c);
-    for (const auto& [dest, source, dim] :
-         {std::tuple{&all.keys, mapped->keys, store.key_dim()},
-          std::tuple{&all.values, mapped->values, store.value_dim()}}) {
-      for (int64_t i = 0; i < chunk.rows * dim; ++i) {
-        float x;
-        if (store.dtype() == StoreDtype::kFloat32) {
-          x = static_cast<const float*>(source)[i];
-        } else {
-          x = static_cast<float>(static_cast<const bfloat16*>(source)[i]);
-        }
-        dest->data()[chunk.first_row * dim + i] = x;
-      }
+  int64_t next_row = 0;
+  for (size_t c = 0; c < store.num_chunks(); ++c) {
+    const SourceChunk chunk = store.read_chunk(c);
+    EXPECT_EQ(chunk.range().first_row, next_row);
+    EXPECT_EQ(chunk.range().first_row, store.chunk_range(c).first_row);
+    EXPECT_EQ(chunk.range().rows, store.chunk_range(c).rows);
+    EXPECT_EQ(chunk.dtype(), store.dtype());
+    next_row += chunk.range().rows;
+    if (store.dtype() == StoreDtype::kFloat32) {
+      copy_rows(chunk.keys<float>(), chunk.range().first_row, all.keys);
+      copy_rows(chunk.values<float>(), chunk.range().first_row, all.values);
+      expect_error([&] { chunk.keys<bfloat16>(); }, {"SourceChunk::keys", "float32", "not bfloat16"});
+    } else {
+      copy_rows(chunk.keys<bfloat16>(), chunk.range().first_row, all.keys);
+      copy_rows(chunk.values<bfloat16>(), chunk.range().first_row, all.values);
+      expect_error([&] { chunk.values<float>(); }, {"SourceChunk::values", "bfloat16", "not float32"});
     }
   }
+  EXPECT_EQ(next_row, store.rows());
   return all;
+}
+
+// Where a chunk's keys are in memory.
+const void* keys_address(const SourceChunk& chunk) {
+  return chunk.dtype() == StoreDtype::kFloat32 ? static_cast<const void*>(chunk.keys<float>().data())
+                                               : static_cast<const void*>(chunk.keys<bfloat16>().data());
 }
 
 Tensor<float> rounded_to_bf16(const Tensor<float>& x) {
@@ -139,7 +159,7 @@ TEST_F(StoreTest, RowsComeBackAsWrittenInEveryChunking) {
         const ReadBack back = read_back(store);
         if (!store.chunks().empty()) {  // mapped once, kept, shared by copies
           const KeyValueStore copy = store;
-          EXPECT_EQ(store.map_chunk(0).get(), copy.map_chunk(0).get());
+          EXPECT_EQ(keys_address(store.read_chunk(0)), keys_address(copy.read_chunk(0)));
         }
         const bool bf16 = dtype == StoreDtype::kBFloat16;
         expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(keys) : keys, "keys");
@@ -326,13 +346,14 @@ TEST_F(StoreTest, DamagedChunksAreNamed) {
                  {"KeyValueStore::open", file, "checksum", "altered"});
     expect_error([&] { store.verify(); }, {"KeyValueStore::verify", file, "altered"});
   }
-  {  // a truncated chunk: open() finds it without checksums, and so does map_chunk
+  {  // a truncated chunk: open() finds it without checksums, and so does read_chunk
     const KeyValueStore store = fresh("cut");
     const std::string file = path("cut/") + store.chunks()[1].keys_file;
     fs::resize_file(file, fs::file_size(file) - 4);
     expect_error([&] { KeyValueStore::open(path("cut"), StoreCheck::kStructure); },
                  {"KeyValueStore::open", file, "truncated"});
-    expect_error([&] { store.map_chunk(1); }, {"KeyValueStore::map_chunk", file, "truncated"});
+    expect_error([&] { store.read_chunk(1); }, {"KeyValueStore::read_chunk", file, "truncated"});
+    store.read_ahead(1);  // a hint: what it cannot read, read_chunk reports
     expect_error([&] { store.verify(); }, {file});
   }
   {  // a missing chunk file
@@ -773,7 +794,7 @@ TEST_F(StoreTest, ChunksNoQuerySeesAreNotRead) {
   EXPECT_EQ(got.output(0, 0), 0.0f);
   EXPECT_NEAR(got.lse(1), std::log(20.0) + 1.0, 1e-5);  // 20 equal scores of 4 * 0.5 / 2
   EXPECT_NEAR(got.output(2, 1), 1.0f, 1e-6);
-  expect_error([&] { attend(queries, store); }, {"map_chunk", store.chunks()[2].keys_file, "truncated"});
+  expect_error([&] { attend(queries, store); }, {"read_chunk", store.chunks()[2].keys_file, "truncated"});
 }
 
 TEST_F(StoreTest, AttentionOverAnEmptyStore) {
@@ -803,6 +824,256 @@ TEST_F(StoreTest, AttentionErrors) {
   expect_error([&] { attend(queries, store, ValidLens(too_many)); }, {"attend", "6"});
   const Tensor<int64_t> wrong_shape({3}, {1, 2, 3});
   expect_error([&] { attend(queries, store, ValidLens(wrong_shape)); }, {"valid_rows", "[3]"});
+}
+
+// A storage backend in one class: rows held in memory, in chunks of the
+// sizes given, float32 or bfloat16 (the rows rounded as a store would).
+class MemorySource final : public ChunkSource {
+ public:
+  MemorySource(const Tensor<float>& keys, const Tensor<float>& values, StoreDtype dtype,
+               std::vector<int64_t> chunk_rows)
+      : keys_(keys), values_(values), dtype_(dtype), chunk_rows_(std::move(chunk_rows)) {
+    if (dtype == StoreDtype::kBFloat16) {
+      keys16_ = cast<bfloat16>(keys);
+      values16_ = cast<bfloat16>(values);
+    }
+    int64_t row = 0;
+    for (int64_t rows : chunk_rows_) {
+      first_rows_.push_back(row);
+      row += rows;
+    }
+  }
+  std::string name() const override { return "memory"; }
+  StoreDtype dtype() const override { return dtype_; }
+  int64_t rows() const override { return keys_.size(0); }
+  int64_t key_dim() const override { return keys_.size(1); }
+  int64_t value_dim() const override { return values_.size(1); }
+  size_t num_chunks() const override { return chunk_rows_.size(); }
+  ChunkRange chunk_range(size_t c) const override { return {first_rows_.at(c), chunk_rows_.at(c)}; }
+  SourceChunk read_chunk(size_t c) const override {
+    ++reads;
+    const ChunkRange r = chunk_range(c);
+    const int64_t d = key_dim(), dv = value_dim();
+    if (dtype_ == StoreDtype::kFloat32) {
+      return SourceChunk(r, ConstView<float>(keys_.data() + r.first_row * d, Shape{r.rows, d}),
+                         ConstView<float>(values_.data() + r.first_row * dv, Shape{r.rows, dv}),
+                         nullptr);
+    }
+    return SourceChunk(r, ConstView<bfloat16>(keys16_.data() + r.first_row * d, Shape{r.rows, d}),
+                       ConstView<bfloat16>(values16_.data() + r.first_row * dv, Shape{r.rows, dv}),
+                       nullptr);
+  }
+  mutable int reads = 0;
+
+ private:
+  Tensor<float> keys_, values_;
+  Tensor<bfloat16> keys16_, values16_;
+  StoreDtype dtype_;
+  std::vector<int64_t> chunk_rows_, first_rows_;
+};
+
+TEST_F(StoreTest, AnyChunkSourceIsAttendedAsAStoreIs) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int made = 0;
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    const bool bf16 = dtype == StoreDtype::kBFloat16;
+    const int64_t chunk_rows = rng.uniform_int(5, 60), chunks = rng.uniform_int(1, 6);
+    const int64_t n = chunk_rows * chunks, d = rng.uniform_int(1, 24), dv = rng.uniform_int(1, 9);
+    const int64_t nq = rng.uniform_int(1, 7);
+    const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
+    const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+    const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, -2, 2);
+    const KeyValueStore store =
+        KeyValueStore::create(path("s" + std::to_string(made++)), keys, values, dtype, chunk_rows);
+    StoreAttentionOptions options;
+    options.top_k = std::min<int64_t>(n, 4);
+    // The same chunks in memory: the same bits as the store.
+    const MemorySource same(keys, values, dtype, std::vector<int64_t>(chunks, chunk_rows));
+    const StoreAttentionResult want = attend(queries, store, {}, options);
+    const StoreAttentionResult got = attend(queries, same, {}, options);
+    expect_bitwise_equal(got.output, want.output, "output");
+    expect_bitwise_equal(got.lse, want.lse, "lse");
+    expect_bitwise_equal(got.top_ids, want.top_ids, "top_ids");
+    expect_bitwise_equal(got.top_weights, want.top_weights, "top_weights");
+    const ReadBack back = read_back(same);
+    expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(keys) : keys, "keys read back");
+    // Chunks of uneven sizes, one of a single row: attention over every row.
+    std::vector<int64_t> uneven = {1};
+    for (int64_t left = n - 1; left > 0;) {
+      uneven.push_back(std::min(left, rng.uniform_int(1, 2 * chunk_rows)));
+      left -= uneven.back();
+    }
+    const MemorySource source(keys, values, dtype, uneven);
+    const StoreAttentionResult other = attend(queries, source, {}, options);
+    const Tensor<float> ref_q = bf16 ? rounded_to_bf16(queries) : queries;
+    const PlainAttention ref =
+        plain_attention(ref_q, bf16 ? rounded_to_bf16(keys) : keys,
+                        bf16 ? rounded_to_bf16(values) : values, std::vector<int64_t>(nq, n),
+                        1.0 / std::sqrt(double(d)));
+    expect_close(other.output, ref.output, bf16 ? Tol{.atol = 0x1p-8 + 1e-5, .rtol = 0} : kSdpa,
+                 "output of uneven chunks");
+    expect_close(other.lse, ref.lse, kSdpaLse, "lse of uneven chunks");
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t r = 0; r < options.top_k; ++r) {
+        EXPECT_NEAR(other.top_weights(i, r), ref.weights(i, other.top_ids(i, r)), 1e-6)
+            << "i=" << i << " r=" << r;
+      }
+    }
+    // Its backward too.
+    const Tensor<float> d_out = random_tensor<float>(rng, Shape{nq, dv});
+    const SavedForward<float> saved{want.output.view(), want.lse.view()};
+    const StoreAttentionGrads g_store = attend_backward(queries, store, {}, {}, saved, d_out);
+    const StoreAttentionGrads g_same = attend_backward(queries, same, {}, {}, saved, d_out);
+    expect_bitwise_equal(g_same.d_queries, g_store.d_queries, "d_queries");
+    expect_bitwise_equal(g_same.d_keys, g_store.d_keys, "d_keys");
+    expect_bitwise_equal(g_same.d_values, g_store.d_values, "d_values");
+  }
+}
+
+TEST_F(StoreTest, ChunksNoQuerySeesAreNotReadFromAnySource) {
+  const Tensor<float> keys(Shape{30, 4}, 0.5f), values(Shape{30, 2}, 1.0f);
+  const MemorySource source(keys, values, StoreDtype::kFloat32, {10, 10, 10});
+  const Tensor<int64_t> within({2}, {0, 13});
+  attend(Tensor<float>(Shape{2, 4}, 1.0f), source, ValidLens(within));
+  EXPECT_EQ(source.reads, 2);
+}
+
+// One query's top rows come from a pass split over the threads by rows
+// (4096 rows a piece at least): the same rows and bits for any thread count,
+// and the rows of largest weight by a float64 loop.
+TEST_F(StoreTest, TopKOfFewQueriesSplitsOverRows) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 20000, d = 16, dv = 3, k = 9;
+  const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
+  const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    const bool bf16 = dtype == StoreDtype::kBFloat16;
+    const MemorySource source(keys, values, dtype, {n});
+    for (int64_t nq : {1, 2}) {
+      for (Scoring scoring : {Scoring::kDotProduct, Scoring::kDistance}) {
+        SCOPED_TRACE("nq=" + std::to_string(nq) + (bf16 ? " bf16 " : " f32 ") +
+                     std::string(rules_of(scoring).name));
+        const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, -2, 2);
+        StoreAttentionOptions options;
+        options.top_k = k;
+        options.scoring = scoring;
+        std::vector<StoreAttentionResult> by_threads;
+        for (int threads : {1, 2, 3}) {
+          set_num_threads(threads);
+          by_threads.push_back(attend(queries, source, {}, options));
+        }
+        set_num_threads(0);
+        for (size_t t = 1; t < by_threads.size(); ++t) {
+          expect_bitwise_equal(by_threads[t].top_ids, by_threads[0].top_ids, "top_ids");
+          expect_bitwise_equal(by_threads[t].top_weights, by_threads[0].top_weights, "top_weights");
+        }
+        // The float64 scores of the rows as the store holds them (queries
+        // rounded to bf16 for dot scoring over a bf16 source).
+        const Tensor<float> q = bf16 && scoring == Scoring::kDotProduct ? rounded_to_bf16(queries)
+                                                                         : queries;
+        const Tensor<float> kk = bf16 ? rounded_to_bf16(keys) : keys;
+        const StoreAttentionResult& got = by_threads[0];
+        for (int64_t i = 0; i < nq; ++i) {
+          std::vector<std::pair<double, int64_t>> scores;
+          double top = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (int64_t c = 0; c < d; ++c) {
+              const double a = q(i, c), b = kk(j, c);
+              s += scoring == Scoring::kDotProduct ? a * b : -0.5 * (a - b) * (a - b);
+            }
+            scores.push_back({scoring == Scoring::kDotProduct ? s / std::sqrt(double(d)) : s, j});
+            top = std::max(top, scores.back().first);
+          }
+          double sum = 0;
+          for (const auto& [s, j] : scores) sum += std::exp(s - top);
+          const double lse = top + std::log(sum);
+          std::sort(scores.begin(), scores.end(), [](const auto& a, const auto& b) {
+            return a.first > b.first || (a.first == b.first && a.second < b.second);
+          });
+          EXPECT_NEAR(got.lse(i), lse, 1e-4 * std::max(1.0, std::abs(lse)));
+          for (int64_t r = 0; r < k; ++r) {
+            const double want = std::exp(scores[static_cast<size_t>(r)].first - lse);
+            EXPECT_NEAR(got.top_weights(i, r), want, 1e-6 + 1e-4 * want) << "i=" << i << " r=" << r;
+            if (got.top_ids(i, r) != scores[static_cast<size_t>(r)].second) {  // only a near tie
+              EXPECT_NEAR(got.top_weights(i, r), want, 1e-7) << "i=" << i << " r=" << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(StoreTest, MergePartsIsAttentionOverTheUnion) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t d = 6, dv = 4, nq = 5, k = 6;
+  const int64_t sizes[] = {rng.uniform_int(1, 40), rng.uniform_int(0, 3), rng.uniform_int(1, 40)};
+  const int64_t n = sizes[0] + sizes[1] + sizes[2];
+  const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
+  const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+  const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, -2, 2);
+  std::vector<StoreAttentionResult> parts;
+  int64_t first = 0;
+  for (const int64_t rows : sizes) {
+    Tensor<float> part_keys(Shape{rows, d}), part_values(Shape{rows, dv});
+    std::copy_n(keys.data() + first * d, rows * d, part_keys.data());
+    std::copy_n(values.data() + first * dv, rows * dv, part_values.data());
+    StoreAttentionOptions options;
+    options.top_k = std::min(k, rows);
+    parts.push_back(attend(queries, MemorySource(part_keys, part_values, StoreDtype::kFloat32,
+                                                 rows > 0 ? std::vector<int64_t>{rows}
+                                                          : std::vector<int64_t>{}),
+                           {}, options));
+    first += rows;
+  }
+  const std::vector<int64_t> part_rows(std::begin(sizes), std::end(sizes));
+  const int64_t top_k = std::min(k, n);
+  const StoreAttentionResult merged = merge_parts(parts, part_rows, top_k);
+  const PlainAttention ref =
+      plain_attention(queries, keys, values, std::vector<int64_t>(nq, n), 1.0 / std::sqrt(double(d)));
+  expect_close(merged.output, ref.output, kSdpa, "output");
+  expect_close(merged.lse, ref.lse, kSdpaLse, "lse");
+  for (int64_t i = 0; i < nq; ++i) {
+    std::vector<double> sorted(ref.weights.data() + i * n, ref.weights.data() + (i + 1) * n);
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int64_t r = 0; r < top_k; ++r) {
+      EXPECT_NEAR(merged.top_weights(i, r), ref.weights(i, merged.top_ids(i, r)), 1e-6);
+      EXPECT_NEAR(merged.top_weights(i, r), sorted[static_cast<size_t>(r)], 1e-6);
+    }
+  }
+  // The same parts, the same bits.
+  expect_bitwise_equal(merge_parts(parts, part_rows, top_k).top_weights, merged.top_weights,
+                       "again");
+  expect_error([&] { merge_parts({}, {}, 0); }, {"merge_parts", "parts is empty"});
+  expect_error([&] { merge_parts(parts, {1, 2}, 0); },
+               {"merge_parts", "part_rows has 2 entries but parts has 3"});
+  std::vector<StoreAttentionResult> bad = parts;
+  bad[0].top_ids = Tensor<int64_t>();  // a part asked for no top rows
+  expect_error([&] { merge_parts(bad, part_rows, top_k); },
+               {"merge_parts", "parts[0]", "top_k = " + std::to_string(top_k)});
+  bad = parts;
+  bad[2].lse = Tensor<float>(Shape{nq + 1});
+  expect_error([&] { merge_parts(bad, part_rows, 0); }, {"merge_parts", "parts[2].lse"});
+}
+
+TEST_F(StoreTest, ChunkIndicesOutOfRangeAreNamed) {
+  const KeyValueStore store = KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
+                                                    Tensor<float>(Shape{5, 2}, 1.0f),
+                                                    StoreDtype::kFloat32, 2);
+  ASSERT_EQ(store.num_chunks(), 3u);
+  EXPECT_EQ(store.chunk_range(2).first_row, 4);
+  EXPECT_EQ(store.chunk_range(2).rows, 1);
+  EXPECT_EQ(store.name(), "store " + path("s"));
+  expect_error([&] { store.chunk_range(3); }, {"KeyValueStore::chunk_range", "index = 3", "3 chunks"});
+  expect_error([&] { store.read_chunk(7); }, {"KeyValueStore::read_chunk", "index = 7", "3 chunks"});
+  store.read_ahead(3);  // a hint past the end reads nothing and is no error
 }
 
 }  // namespace

@@ -1,11 +1,9 @@
 #include "search/index.h"
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <omp.h>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -19,7 +17,6 @@
 #include "qkv/npy.h"
 #include "qkv/staged_file.h"
 #include "qkv/store_attention.h"
-#include "qkv/threads.h"
 #include "search/encoder.h"
 
 namespace qkv::search {
@@ -111,9 +108,12 @@ std::vector<Hit> mix(const Candidates& c, const Hybrid& h, int64_t k) {
   for (size_t i = 0; i < c.docs.size(); ++i) {
     double score = 0.0;
     switch (h.fusion) {
-      case Fusion::kLinear: score = h.weight * c.bm25[i] + c.logits[i]; break;
+      case Fusion::kLinear:
+        score = h.weight * c.bm25[i] + c.logits[i];
+        break;
       case Fusion::kNormalized:
-        score = h.weight * (best_bm25 > 0 ? c.bm25[i] / best_bm25 : 0.0) + (c.logits[i] - best_logit);
+        score =
+            h.weight * (best_bm25 > 0 ? c.bm25[i] / best_bm25 : 0.0) + (c.logits[i] - best_logit);
         break;
       case Fusion::kRanks:
         score = h.weight * reciprocal(c.bm25_rank[i]) + reciprocal(c.learned_rank[i]);
@@ -143,66 +143,58 @@ std::vector<int64_t> docs_of(const std::vector<Hit>& hits) {
 struct LearnedScorer {
   const FeatureHashing* hashing;
   const Tensor<float>* query_map;
-  const bfloat16* documents;  // (N, d)
-  int64_t n, d;
+  const ChunkSource* documents;  // keys (N, d) bfloat16, values the sections (N, S)
   double scale;
 
   // The query's encoding, rounded to bfloat16.
   std::vector<float> encode(std::string_view query) const {
     const SparseRows rows = query_features({std::string(query)}, *hashing);
-    Tensor<float> q(Shape{1, d});
+    Tensor<float> q(Shape{1, documents->key_dim()});
     search::encode(rows, query_map->view(), q.view());
     std::vector<float> out = q.values();
     for (float& x : out) x = static_cast<float>(bfloat16(x));
     return out;
   }
-  float dot(const std::vector<float>& q, int64_t doc) const {
-    // bfloat16 is float32's upper half: widening is a shift, which the
-    // compiler vectorizes (bfloat16's operator float did not: 6 ms a query).
-    const uint16_t* row = &documents[doc * d].bits;
-    const float* qq = q.data();
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < d; ++c) s += qq[c] * std::bit_cast<float>(uint32_t{row[c]} << 16);
-    return s;
+  // Attention of the query over every document: the pooled sections, the
+  // lse and, with k > 0, the k documents of largest weight (the store's
+  // top-k, split over the threads by rows).
+  StoreAttentionResult attend(const std::vector<float>& q, int64_t k) const {
+    StoreAttentionOptions options;
+    options.scale = scale;
+    options.top_k = std::min(k, documents->rows());
+    return qkv::attend(ConstView<float>(q.data(), Shape{1, static_cast<int64_t>(q.size())}),
+                       *documents, {}, options);
   }
-  double logit(const std::vector<float>& q, int64_t doc) const { return scale * double{dot(q, doc)}; }
-  // The k documents of largest logit, best first (ties: smaller doc), their
-  // scores the logits: one pass over the encodings, split over the threads.
+  // The k documents of largest weight, best first (ties: smaller doc),
+  // their scores the weights.
   std::vector<Hit> top(const std::vector<float>& q, int64_t k) const {
-    const int threads = num_threads();
-    std::vector<std::vector<Hit>> parts(static_cast<size_t>(threads));
-    const auto better = [](const Hit& a, const Hit& b) {
-      return a.score > b.score || (a.score == b.score && a.doc < b.doc);
-    };
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
-      const int64_t first = n * t / threads, last = n * (t + 1) / threads;
-      std::vector<Hit>& best = parts[static_cast<size_t>(t)];  // a heap, worst on top
-      for (int64_t j = first; j < last; ++j) {
-        const Hit hit{j, logit(q, j)};
-        if (static_cast<int64_t>(best.size()) < k) {
-          best.push_back(hit);
-          std::push_heap(best.begin(), best.end(), better);
-        } else if (k > 0 && better(hit, best.front())) {
-          std::pop_heap(best.begin(), best.end(), better);
-          best.back() = hit;
-          std::push_heap(best.begin(), best.end(), better);
-        }
-      }
+    const StoreAttentionResult r = attend(q, k);
+    return hits_of(r);
+  }
+  static std::vector<Hit> hits_of(const StoreAttentionResult& r) {
+    std::vector<Hit> hits;
+    for (int64_t j = 0; j < r.top_ids.numel(); ++j) {
+      if (r.top_ids(0, j) >= 0) hits.push_back({r.top_ids(0, j), double{r.top_weights(0, j)}});
     }
-    std::vector<Hit> all;
-    for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
-    std::sort(all.begin(), all.end(), better);
-    if (static_cast<int64_t>(all.size()) > k) all.resize(static_cast<size_t>(k));
-    return all;
+    return hits;
+  }
+  // scale q . k of one document, read through the store's chunk that holds it.
+  double logit(const std::vector<float>& q, int64_t doc) const {
+    size_t c = 0;
+    while (c + 1 < documents->num_chunks() && documents->chunk_range(c + 1).first_row <= doc) ++c;
+    const SourceChunk chunk = documents->read_chunk(c);
+    const ConstView<bfloat16> keys = chunk.keys<bfloat16>();
+    const int64_t row = doc - chunk.range().first_row;
+    float s = 0.0f;
+    for (int64_t j = 0; j < keys.size(1); ++j)
+      s += q[static_cast<size_t>(j)] * static_cast<float>(keys(row, j));
+    return scale * double{s};
   }
   Candidates candidates(const std::vector<float>& q, const std::vector<Hit>& learned_hits,
                         const std::vector<Hit>& bm25_hits) const {
     Candidates c;
     std::unordered_map<int64_t, std::pair<double, int64_t>> bm25;  // score, rank
-    std::unordered_map<int64_t, int64_t> learned;                   // rank
+    std::unordered_map<int64_t, int64_t> learned;                  // rank
     for (size_t r = 0; r < bm25_hits.size(); ++r) {
       bm25[bm25_hits[r].doc] = {bm25_hits[r].score, static_cast<int64_t>(r) + 1};
       c.docs.push_back(bm25_hits[r].doc);
@@ -223,18 +215,6 @@ struct LearnedScorer {
   }
 };
 
-// Attention of one query over the documents' store: the pooled sections
-// and the lse (with top_k, also the top rows by weight, which the fused
-// kernel forms on one thread: 11 ms for 63,666 rows, against 2.6 ms without).
-StoreAttentionResult attend_documents(const std::vector<float>& q, const KeyValueStore& store,
-                                      double scale, int64_t k) {
-  StoreAttentionOptions options;
-  options.scale = scale;
-  options.top_k = std::min(k, store.rows());
-  return attend(ConstView<float>(q.data(), Shape{1, static_cast<int64_t>(q.size())}), store, {},
-                options);
-}
-
 // The fusion and weight of the hybrid that give the best MRR@10 on
 // `queries` (the validation split: neither trained on nor the test queries).
 Hybrid fit_hybrid(const LearnedScorer& scorer, const Bm25& bm25,
@@ -248,8 +228,8 @@ Hybrid fit_hybrid(const LearnedScorer& scorer, const Bm25& bm25,
   Hybrid best_hybrid;
   double best = -1.0;
   for (const Fusion fusion : {Fusion::kLinear, Fusion::kNormalized, Fusion::kRanks}) {
-    for (const double w : {0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
-                           20.0, 50.0}) {
+    for (const double w :
+         {0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0}) {
       MetricsSum sum;
       for (const auto& [c, target] : cases) sum.add(docs_of(mix(c, {fusion, w}, 10)), target);
       if (sum.metrics().mrr_at_10 > best) {
@@ -285,7 +265,8 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
   }
   // Early stopping on the validation queries' MRR@10.
   std::vector<std::string> validation_texts;
-  for (const int64_t id : validation_ids) validation_texts.push_back(packages[id].short_description);
+  for (const int64_t id : validation_ids)
+    validation_texts.push_back(packages[id].short_description);
   const SparseRows validation_queries = query_features(validation_texts, options.hashing);
   const SparseRows document_rows = document_features(packages, options.hashing);
   if (!validation_ids.empty()) {
@@ -331,9 +312,7 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
 
   // The hybrid's weight, on training queries.
   const Bm25 bm25(path("bm25.sqlite"));
-  const std::shared_ptr<const MappedChunk> chunk = store.map_chunk(0);
-  const LearnedScorer scorer{&enc.hashing, &enc.query_map,
-                             static_cast<const bfloat16*>(chunk->keys), n, d, enc.score_scale};
+  const LearnedScorer scorer{&enc.hashing, &enc.query_map, &store, enc.score_scale};
   std::vector<std::pair<std::string, int64_t>> fit;
   for (const int64_t id : validation_ids) fit.push_back({packages[id].short_description, id});
   if (progress) progress("fitting the hybrid", 0, 1);
@@ -419,7 +398,7 @@ SearchIndex SearchIndex::open(const std::string& dir) {
   if (index.documents_->rows() != static_cast<int64_t>(index.packages_.size()) ||
       index.documents_->key_dim() != index.query_map_.size(1) ||
       index.documents_->value_dim() != static_cast<int64_t>(index.sections_.size()) ||
-      index.documents_->chunks().size() > 1 || index.documents_->dtype() != StoreDtype::kBFloat16) {
+      index.documents_->dtype() != StoreDtype::kBFloat16) {
     fail(kFn, path("documents") + ": does not match the index's manifest");
   }
   index.bm25_ = std::make_shared<const Bm25>(path("bm25.sqlite"));
@@ -434,16 +413,12 @@ Tensor<float> SearchIndex::encode_queries(const std::vector<std::string>& querie
 }
 
 Ranking SearchIndex::learned(std::string_view query, int64_t k) const {
-  const std::shared_ptr<const MappedChunk> chunk = documents_->map_chunk(0);
-  const LearnedScorer scorer{&hashing_, &query_map_, static_cast<const bfloat16*>(chunk->keys),
-                             documents_->rows(), query_map_.size(1), score_scale_};
-  const std::vector<float> q = scorer.encode(query);
-  // The attention over every document gives the lse and the pooled
-  // sections; the top k by logit are the top k by weight, exp(logit - lse).
-  const StoreAttentionResult r = attend_documents(q, *documents_, score_scale_, 0);
+  const LearnedScorer scorer{&hashing_, &query_map_, documents_.get(), score_scale_};
+  // The attention over every document gives the pooled sections and the
+  // top k by weight.
+  const StoreAttentionResult r = scorer.attend(scorer.encode(query), k);
   Ranking out;
-  out.hits = scorer.top(q, k);
-  for (Hit& h : out.hits) h.score = std::exp(h.score - double{r.lse(0)});
+  out.hits = LearnedScorer::hits_of(r);
   for (size_t s = 0; s < sections_.size(); ++s) {
     out.sections.push_back({sections_[s], double{r.output(0, static_cast<int64_t>(s))}});
   }
@@ -457,9 +432,7 @@ Ranking SearchIndex::bm25(std::string_view query, int64_t k) const {
 }
 
 Ranking SearchIndex::hybrid(std::string_view query, int64_t k) const {
-  const std::shared_ptr<const MappedChunk> chunk = documents_->map_chunk(0);
-  const LearnedScorer scorer{&hashing_, &query_map_, static_cast<const bfloat16*>(chunk->keys),
-                             documents_->rows(), query_map_.size(1), score_scale_};
+  const LearnedScorer scorer{&hashing_, &query_map_, documents_.get(), score_scale_};
   const std::vector<float> q = scorer.encode(query);
   const Candidates c =
       scorer.candidates(q, scorer.top(q, kCandidates), bm25_->search(query, kCandidates));
@@ -473,9 +446,7 @@ Evaluation SearchIndex::evaluate(const BuildProgress& progress) const {
   }
   MetricsSum bm25_sum, learned_sum, hybrid_sum;
   std::vector<double> bm25_ms, learned_ms, hybrid_ms;
-  const std::shared_ptr<const MappedChunk> chunk = documents_->map_chunk(0);
-  const LearnedScorer scorer{&hashing_, &query_map_, static_cast<const bfloat16*>(chunk->keys),
-                             documents_->rows(), query_map_.size(1), score_scale_};
+  const LearnedScorer scorer{&hashing_, &query_map_, documents_.get(), score_scale_};
   for (size_t n = 0; n < held.size(); ++n) {
     const std::string& text = packages_[held[n]].short_description;
     double t0 = now_ms();
@@ -493,10 +464,11 @@ Evaluation SearchIndex::evaluate(const BuildProgress& progress) const {
     bm25_sum.add(docs_of(b), held[n]);
     learned_sum.add(docs_of(l), held[n]);
     hybrid_sum.add(docs_of(h), held[n]);
-    if (progress) progress("evaluating", static_cast<int64_t>(n + 1), static_cast<int64_t>(held.size()));
+    if (progress)
+      progress("evaluating", static_cast<int64_t>(n + 1), static_cast<int64_t>(held.size()));
   }
   Evaluation e{bm25_sum.metrics(), learned_sum.metrics(), hybrid_sum.metrics(),
-               median(bm25_ms), median(learned_ms), median(hybrid_ms)};
+               median(bm25_ms),    median(learned_ms),    median(hybrid_ms)};
   std::vector<double> fts5_ms;
   for (size_t n = 0; n < held.size() && n < kFts5Checks; ++n) {
     const std::string& text = packages_[held[n]].short_description;

@@ -7,7 +7,8 @@
 // layout and the cost model.
 //
 // The rows, in order, are rank 0's part, then rank 1's, ...: a part is a
-// range of one store's chunks (StorePart). Two layouts:
+// range of one store's chunks (StorePart; any chunk source,
+// qkv/chunk_source.h). Two layouts:
 // - one store that every rank can read (a shared file system): each rank
 //   takes a contiguous share of its chunks (share_of_chunks);
 // - a shard store per rank (each machine holds its own): every chunk of it.
@@ -28,6 +29,7 @@
 #include <string>
 
 #include "qkv/attention.h"
+#include "qkv/chunk_source.h"
 #include "qkv/error.h"
 #include "qkv/store.h"
 #include "qkv/store_attention.h"
@@ -36,18 +38,18 @@
 
 namespace qkv::mpi {
 
-// A rank's part of the key set: chunks [first_chunk, last_chunk) of `store`.
+// A rank's part of the key set: chunks [first_chunk, last_chunk) of `source`.
 struct StorePart {
-  const KeyValueStore* store = nullptr;
+  const ChunkSource* source = nullptr;
   size_t first_chunk = 0, last_chunk = 0;
 };
 
 // Every chunk of a shard store.
-StorePart whole(const KeyValueStore& store);
+StorePart whole(const ChunkSource& store);
 // Rank `rank`'s share of a store that every rank reads: chunks
 // [C rank / R, C (rank + 1) / R) of its C chunks, in rank order (a rank gets
 // none when R > C).
-StorePart share_of_chunks(const KeyValueStore& store, int rank, int ranks);
+StorePart share_of_chunks(const ChunkSource& store, int rank, int ranks);
 
 // Where the time of a call went, on this rank (seconds).
 struct Timings {
@@ -59,21 +61,22 @@ struct Timings {
 // Attention of queries (Nq, D) over the union of the ranks' parts; every rank
 // gets the output (Nq, Dv), lse (Nq) and, with top_k, each query's top rows
 // over all parts (row ids as above). valid_rows: as attend()'s, in those row
-// ids. On the wire: each rank sends its partial output and lse, Nq (Dv + 1)
-// float64, to rank 0, plus Nq top_k (id, log-weight) pairs with top_k; rank 0
-// sends the merged result back to every rank.
+// ids. Each rank runs attend() over its part; on the wire, each rank sends
+// that result, Nq (Dv + 1) float32 and with top_k Nq top_k (id, weight)
+// pairs, to rank 0, which merges them in rank order by merge_parts (as
+// attend() over a list of the same parts does, to the bit) and sends the
+// merged result back to every rank.
 StoreAttentionResult attend(ConstView<float> queries, const StorePart& part, MPI_Comm comm,
                             const ValidLens& valid_rows = {},
-                            const StoreAttentionOptions& options = {},
-                            Timings* timings = nullptr);
+                            const StoreAttentionOptions& options = {}, Timings* timings = nullptr);
 
 // The gradients of attend() given its output and lse (saved, as every rank
 // got them) and d_output: d_queries (Nq, D) summed over the ranks in rank
 // order (every rank gets it), and d_keys, d_values of this rank's own rows
 // (its part's rows, in order), so a model can train against a sharded
 // memory without moving it.
-StoreAttentionGrads attend_backward(ConstView<float> queries, const StorePart& part,
-                                    MPI_Comm comm, const ValidLens& valid_rows,
+StoreAttentionGrads attend_backward(ConstView<float> queries, const StorePart& part, MPI_Comm comm,
+                                    const ValidLens& valid_rows,
                                     const StoreAttentionOptions& options,
                                     const SavedForward<float>& saved, ConstView<float> d_output,
                                     Timings* timings = nullptr);

@@ -6,7 +6,8 @@
 // written and flushed to disk under temporary names and renamed into place,
 // and only then is the manifest replaced by a rename, so a crash or a kill at
 // any point leaves the store as it was before the change or after it.
-// Attention over a store is in qkv/store_attention.h.
+// The store is a chunk source (qkv/chunk_source.h): attention over a store
+// (qkv/store_attention.h) reads it through that interface.
 #pragma once
 
 #include <cstddef>
@@ -17,13 +18,10 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/chunk_source.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
-
-enum class StoreDtype { kFloat32, kBFloat16 };
-// "float32", "bfloat16"
-std::string_view store_dtype_name(StoreDtype dtype);
 
 // 2^18 rows: at D = Dv = 64 in float32 a chunk's keys are 64 MiB, large
 // enough that a chunk's attention call (and, read cold, its read) pays for
@@ -35,7 +33,7 @@ inline constexpr int64_t kDefaultChunkRows = int64_t{1} << 18;
 struct StoreChunk {
   int64_t first_row = 0;
   int64_t rows = 0;
-  std::string keys_file, values_file;  // names inside the store's directory
+  std::string keys_file, values_file;       // names inside the store's directory
   uint64_t keys_xxh3 = 0, values_xxh3 = 0;  // XXH3-64 of each whole file
 };
 
@@ -44,10 +42,6 @@ struct StoreChunk {
 // replaced file); O(chunks). kChecksums: that too, and every file's checksum
 // (an altered byte anywhere), which reads the whole store.
 enum class StoreCheck { kStructure, kChecksums };
-
-// Called as work proceeds with the bytes done and the bytes in all, for
-// progress reports; may be empty.
-using StoreProgress = std::function<void(int64_t done, int64_t total)>;
 
 // A file mapped read-only into memory (MAP_SHARED: the page cache's pages,
 // no copy). Moves, unmaps when destroyed.
@@ -73,15 +67,7 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// One chunk's keys (rows, D) and values (rows, Dv), mapped; views stay valid
-// while it lives.
-struct MappedChunk {
-  MappedFile keys_file, values_file;
-  const void* keys = nullptr;    // float or bfloat16, as the store's dtype
-  const void* values = nullptr;
-};
-
-class KeyValueStore {
+class KeyValueStore : public ChunkSource {
  public:
   // Creates a new store at `dir` from keys (N, D) and values (N, Dv), any
   // strides, rounded to bfloat16 (to nearest, ties to even) for kBFloat16,
@@ -114,19 +100,26 @@ class KeyValueStore {
   // the manifest; Error naming the first file that disagrees.
   void verify(const StoreProgress& progress = {}) const;
 
-  // Chunk `index`'s files, mapped the first time they are asked for (their
-  // sizes and headers checked against the manifest then: a file truncated
-  // since open() would fault when read) and kept mapped while this store or
-  // a copy of it lives, so attention over a store in the page cache does not
-  // fault its pages in again on every call: 10^7 rows of d = dv = 64 are 1.25
-  // million 4 KiB pages.
-  std::shared_ptr<const MappedChunk> map_chunk(size_t index) const;
+  // The chunk source (qkv/chunk_source.h). read_chunk maps chunk `index`'s
+  // files the first time they are asked for (their sizes and headers checked
+  // against the manifest then: a file truncated since open() would fault
+  // when read; Error "KeyValueStore::read_chunk: FILE: ...") and keeps them
+  // mapped while this store or a copy of it lives, so attention over a store
+  // in the page cache does not fault its pages in again on every call: 10^7
+  // rows of d = dv = 64 are 1.25 million 4 KiB pages. read_ahead maps the
+  // chunk and starts reading it into the page cache (madvise WILLNEED); it
+  // throws nothing (a damaged chunk is read_chunk's Error).
+  std::string name() const override { return "store " + dir_; }
+  StoreDtype dtype() const override { return dtype_; }
+  int64_t rows() const override { return rows_; }
+  int64_t key_dim() const override { return key_dim_; }
+  int64_t value_dim() const override { return value_dim_; }
+  size_t num_chunks() const override { return chunks_.size(); }
+  ChunkRange chunk_range(size_t index) const override;
+  SourceChunk read_chunk(size_t index) const override;
+  void read_ahead(size_t index) const override;
 
   const std::string& dir() const { return dir_; }
-  StoreDtype dtype() const { return dtype_; }
-  int64_t rows() const { return rows_; }
-  int64_t key_dim() const { return key_dim_; }
-  int64_t value_dim() const { return value_dim_; }
   int64_t chunk_rows() const { return chunk_rows_; }
   const std::vector<StoreChunk>& chunks() const { return chunks_; }
   // The bytes of all chunk files.
@@ -139,7 +132,9 @@ class KeyValueStore {
   std::string manifest_text() const;
 
  private:
-  // map_chunk, with errors told as `function`'s.
+  // Chunk `index`'s files mapped (store.cc's MappedChunk), with errors told
+  // as `function`'s.
+  struct MappedChunk;
   std::shared_ptr<const MappedChunk> map_checked(std::string_view function, size_t index) const;
   // The chunks mapped so far, shared by copies of this store.
   struct Mappings;

@@ -1,11 +1,11 @@
-// Scaled dot-product attention over a key-value store (qkv/store.h) too
-// large to hold in memory: the fused kernel runs over the store's chunks one
-// after another (each mapped, the next one's read started ahead of it), and
-// the chunks' partial results are merged by their log-sum-exps in chunk
-// order (qkv/merge.h), so the result is attention over every row at once,
-// to float rounding. Memory: the queries, output and lse, one chunk's
-// partial output, and with top_k one chunk's weights (Nq x chunk_rows
-// floats): independent of the store's size.
+// Attention over a key-value store (qkv/store.h, or any chunk source,
+// qkv/chunk_source.h) too large to hold in memory: the fused kernel runs
+// over the source's chunks one after another (each read, the next one's
+// read started ahead of it), and the chunks' partial results are merged by
+// their log-sum-exps in chunk order (qkv/merge.h), so the result is
+// attention over every row at once, to float rounding. Memory: the queries,
+// output and lse, one chunk's partial output, and with top_k each thread's
+// top_k candidates: independent of the store's size.
 //   queries: (Nq, D)   store: keys (N, D), values (N, Dv)   valid_rows: absent, one, or (Nq)
 //   output: (Nq, Dv)   lse: (Nq)   top_ids, top_weights: (Nq, top_k)
 #pragma once
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "qkv/attention.h"
+#include "qkv/chunk_source.h"
 #include "qkv/scoring.h"
-#include "qkv/store.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
 
@@ -38,6 +38,9 @@ struct StoreAttentionOptions {
   // and their weights (over the whole store), by weight, largest first (ties:
   // the smaller row id first). A query with fewer than top_k valid rows gets
   // id -1 and weight 0 in the places left over. 0 <= top_k <= the store's rows.
+  // The rows are chosen by a pass over each chunk's scores split over the
+  // threads by rows as well as by queries, so a single query uses every
+  // thread.
   int64_t top_k = 0;
   // Called after each chunk with the bytes of keys and values done and in all.
   StoreProgress progress;
@@ -59,17 +62,26 @@ struct StoreAttentionResult {
 // queries rounded to bfloat16 (products in float32, results in float32).
 // Throws Error for bad shapes or options before reading any chunk, and for a
 // chunk file that no longer matches the manifest when it is mapped.
-StoreAttentionResult attend(ConstView<float> queries, const KeyValueStore& store,
+StoreAttentionResult attend(ConstView<float> queries, const ChunkSource& store,
                             const ValidLens& valid_rows = {},
                             const StoreAttentionOptions& options = {});
 
 // The same over the rows of several stores, in the order given (shards on
-// one machine): row ids count through the stores in order, and the stores'
-// results merge exactly as the chunks' do. Every store has the same D and Dv.
-StoreAttentionResult attend(ConstView<float> queries,
-                            const std::vector<const KeyValueStore*>& stores,
+// one machine): row ids count through the stores in order; each store's
+// result is merged by merge_parts. Every store has the same D and Dv.
+StoreAttentionResult attend(ConstView<float> queries, const std::vector<const ChunkSource*>& stores,
                             const ValidLens& valid_rows = {},
                             const StoreAttentionOptions& options = {});
+
+// Attention over a key set from attend()'s results over its consecutive
+// parts, in order (shards, or MPI ranks: qkv::mpi merges its ranks' parts
+// with it): part p holds part_rows[p] rows, and its top row ids count from
+// the first of them. Outputs and lses merge by merge_attention, in double;
+// the top rows by weight over the whole key set, exp(lse_p + log w - lse),
+// top_k of them (each part's result must hold at least min(top_k, its rows)
+// top rows per query). The same parts give the same bits.
+StoreAttentionResult merge_parts(const std::vector<StoreAttentionResult>& parts,
+                                 const std::vector<int64_t>& part_rows, int64_t top_k);
 
 struct StoreAttentionGrads {
   Tensor<float> d_queries;  // (Nq, D)
@@ -83,7 +95,7 @@ struct StoreAttentionGrads {
 // over parts of a key set"), dQ's shares summed in chunk order. Same
 // queries, store, valid_rows and scale as the forward (top_k is ignored).
 // Memory: dK and dV hold a row per store row.
-StoreAttentionGrads attend_backward(ConstView<float> queries, const KeyValueStore& store,
+StoreAttentionGrads attend_backward(ConstView<float> queries, const ChunkSource& store,
                                     const ValidLens& valid_rows,
                                     const StoreAttentionOptions& options,
                                     const SavedForward<float>& saved, ConstView<float> d_output);

@@ -88,9 +88,7 @@ struct ManifestReader {
   std::string_view function;
   const std::string& name;
 
-  [[noreturn]] void fail(const std::string& what) const {
-    qkv::fail(function, name + ": " + what);
-  }
+  [[noreturn]] void fail(const std::string& what) const { qkv::fail(function, name + ": " + what); }
   const Json& member(const Json& object, const char* key, const std::string& where) const {
     const auto it = object.find(key);
     if (it == object.end()) fail(where + " has no \"" + key + "\"");
@@ -213,8 +211,9 @@ class StoreLock {
   StoreLock(std::string_view function, const std::string& dir) {
     const std::string path = (fs::path(dir) / kLock).string();
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (fd_ < 0) fail(function, "store " + dir + ": cannot open its lock file " + path + ": " +
-                                    errno_text(errno));
+    if (fd_ < 0)
+      fail(function,
+           "store " + dir + ": cannot open its lock file " + path + ": " + errno_text(errno));
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int error = errno;
       ::close(fd_);
@@ -258,7 +257,6 @@ std::string read_text_file(std::string_view function, const std::string& path) {
   return text;
 }
 
-
 }  // namespace
 
 std::string_view store_dtype_name(StoreDtype dtype) {
@@ -281,8 +279,8 @@ MappedFile::MappedFile(std::string_view function, const std::string& path) {
     if (p == MAP_FAILED) {
       const int error = errno;
       ::close(fd);
-      fail(function, path + ": cannot map " + std::to_string(size_) + " bytes: " +
-                         errno_text(error));
+      fail(function,
+           path + ": cannot map " + std::to_string(size_) + " bytes: " + errno_text(error));
     }
     data_ = static_cast<const unsigned char*>(p);
   }
@@ -337,8 +335,10 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
   } catch (const Json::exception& e) {  // a parse error, or a number out of range (1e400)
     in.fail(std::string("not valid JSON: ") + e.what());
   }
-  if (!json.is_object()) in.fail(std::string("is a JSON ") + json.type_name() + "; expected an object");
-  in.only(json, {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows", "rows", "chunks"},
+  if (!json.is_object())
+    in.fail(std::string("is a JSON ") + json.type_name() + "; expected an object");
+  in.only(json,
+          {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows", "rows", "chunks"},
           "");
   if (in.text(json, "format", "") != kFormat) {
     in.fail("\"format\" is " + shown(json["format"]) + "; expected \"" + kFormat + "\"");
@@ -365,7 +365,8 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
   store.chunk_rows_ = in.integer(json, "chunk_rows", "", 1, kMaxRows);
   store.rows_ = in.integer(json, "rows", "", 0, kMaxRows);
   const Json& chunks = in.member(json, "chunks", "");
-  if (!chunks.is_array()) in.fail(std::string("\"chunks\" is ") + chunks.type_name() + "; expected an array");
+  if (!chunks.is_array())
+    in.fail(std::string("\"chunks\" is ") + chunks.type_name() + "; expected an array");
   int64_t first_row = 0;
   std::vector<std::string> names;
   for (size_t c = 0; c < chunks.size(); ++c) {
@@ -388,7 +389,8 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
       names.push_back(*file);
     }
     first_row += chunk.rows;
-    if (first_row > kMaxRows) in.fail(where + "takes the store past " + std::to_string(kMaxRows) + " rows");
+    if (first_row > kMaxRows)
+      in.fail(where + "takes the store past " + std::to_string(kMaxRows) + " rows");
     store.chunks_.push_back(std::move(chunk));
   }
   if (first_row != store.rows_) {
@@ -442,7 +444,8 @@ std::vector<StoreChunk> write_chunks(std::string_view function, const std::strin
   std::vector<StoreChunk> chunks;
   std::vector<unsigned char> buffer;
   const int64_t n = keys.size(0);
-  const int64_t row_bytes = (keys.size(1) + values.size(1)) * static_cast<int64_t>(item_size(dtype));
+  const int64_t row_bytes =
+      (keys.size(1) + values.size(1)) * static_cast<int64_t>(item_size(dtype));
   for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
     StoreChunk chunk;
     chunk.first_row = first_row + r0;
@@ -509,7 +512,8 @@ KeyValueStore KeyValueStore::create(const std::string& dir, ConstView<float> key
   if (chunk_rows < 1) fail(kFn, "chunk_rows = " + std::to_string(chunk_rows) + "; expected >= 1");
   if (dir.empty()) fail(kFn, "the store's path is empty");
   struct stat st;
-  if (::lstat(dir.c_str(), &st) == 0) fail(kFn, dir + ": already exists; a new store needs a new path");
+  if (::lstat(dir.c_str(), &st) == 0)
+    fail(kFn, dir + ": already exists; a new store needs a new path");
   StagedDirectory staged(kFn, dir);
   const std::string& temp = staged.temp();
   KeyValueStore store;
@@ -533,7 +537,8 @@ KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,
                                   const StoreProgress& progress) {
   constexpr std::string_view kFn = "KeyValueStore::open";
   struct stat st;
-  if (::stat(dir.c_str(), &st) != 0) fail(kFn, dir + ": cannot open the store: " + errno_text(errno));
+  if (::stat(dir.c_str(), &st) != 0)
+    fail(kFn, dir + ": cannot open the store: " + errno_text(errno));
   if (!S_ISDIR(st.st_mode)) fail(kFn, dir + ": not a store (a store is a directory)");
   const std::string manifest = (fs::path(dir) / kManifest).string();
   if (::stat(manifest.c_str(), &st) != 0) {
@@ -549,6 +554,13 @@ KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,
   return store;
 }
 
+// One chunk's keys (rows, D) and values (rows, Dv), mapped; its views stay
+// valid while it lives.
+struct KeyValueStore::MappedChunk {
+  MappedFile keys_file, values_file;
+  size_t keys_offset = 0, values_offset = 0;  // where the .npy data starts
+};
+
 struct KeyValueStore::Mappings {
   std::mutex mutex;
   std::map<std::string, std::shared_ptr<const MappedChunk>> by_keys_file;
@@ -558,12 +570,53 @@ std::shared_ptr<KeyValueStore::Mappings> KeyValueStore::no_mappings() {
   return std::make_shared<Mappings>();
 }
 
-std::shared_ptr<const MappedChunk> KeyValueStore::map_chunk(size_t index) const {
-  return map_checked("KeyValueStore::map_chunk", index);
+ChunkRange KeyValueStore::chunk_range(size_t index) const {
+  if (index >= chunks_.size()) {
+    fail("KeyValueStore::chunk_range", "index = " + std::to_string(index) + "; store " + dir_ +
+                                           " has " + std::to_string(chunks_.size()) + " chunks");
+  }
+  return {chunks_[index].first_row, chunks_[index].rows};
 }
 
-std::shared_ptr<const MappedChunk> KeyValueStore::map_checked(std::string_view kFn,
-                                                              size_t index) const {
+SourceChunk KeyValueStore::read_chunk(size_t index) const {
+  constexpr std::string_view kFn = "KeyValueStore::read_chunk";
+  if (index >= chunks_.size()) {
+    fail(kFn, "index = " + std::to_string(index) + "; store " + dir_ + " has " +
+                  std::to_string(chunks_.size()) + " chunks");
+  }
+  std::shared_ptr<const MappedChunk> mapped = map_checked(kFn, index);
+  const int64_t rows = chunks_[index].rows;
+  const unsigned char* keys = mapped->keys_file.data() + mapped->keys_offset;
+  const unsigned char* values = mapped->values_file.data() + mapped->values_offset;
+  const ChunkRange range{chunks_[index].first_row, rows};
+  if (dtype_ == StoreDtype::kFloat32) {
+    return SourceChunk(
+        range, ConstView<float>(reinterpret_cast<const float*>(keys), Shape{rows, key_dim_}),
+        ConstView<float>(reinterpret_cast<const float*>(values), Shape{rows, value_dim_}),
+        std::move(mapped));
+  }
+  return SourceChunk(
+      range, ConstView<bfloat16>(reinterpret_cast<const bfloat16*>(keys), Shape{rows, key_dim_}),
+      ConstView<bfloat16>(reinterpret_cast<const bfloat16*>(values), Shape{rows, value_dim_}),
+      std::move(mapped));
+}
+
+void KeyValueStore::read_ahead(size_t index) const {
+  if (index >= chunks_.size()) return;  // a hint: nothing to read
+  try {
+    const std::shared_ptr<const MappedChunk> mapped =
+        map_checked("KeyValueStore::read_ahead", index);
+    mapped->keys_file.prefetch();
+    mapped->values_file.prefetch();
+  } catch (const Error&) {
+  } catch (const IoError&) {
+    // A hint: a chunk that cannot be mapped is reported by read_chunk, to
+    // the caller that reads it (a chunk no query reaches never is).
+  }
+}
+
+std::shared_ptr<const KeyValueStore::MappedChunk> KeyValueStore::map_checked(std::string_view kFn,
+                                                                             size_t index) const {
   const StoreChunk& chunk = chunks_.at(index);
   const std::lock_guard<std::mutex> lock(mappings_->mutex);
   std::shared_ptr<const MappedChunk>& cached = mappings_->by_keys_file[chunk.keys_file];
@@ -579,8 +632,8 @@ std::shared_ptr<const MappedChunk> KeyValueStore::map_checked(std::string_view k
   mapped.values_file = MappedFile(kFn, values_path);
   check_chunk_file(kFn, values_path, mapped.values_file, dtype_, chunk.rows, value_dim_, 0, false,
                    &values_header);
-  mapped.keys = mapped.keys_file.data() + keys_header.data_offset;
-  mapped.values = mapped.values_file.data() + values_header.data_offset;
+  mapped.keys_offset = static_cast<size_t>(keys_header.data_offset);
+  mapped.values_offset = static_cast<size_t>(values_header.data_offset);
   cached = std::move(made);
   return cached;
 }
@@ -627,10 +680,11 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool named = name == kManifest || name == kLock ||
-                       std::any_of(now.chunks_.begin(), now.chunks_.end(), [&](const StoreChunk& c) {
-                         return c.keys_file == name || c.values_file == name;
-                       });
+    const bool named =
+        name == kManifest || name == kLock ||
+        std::any_of(now.chunks_.begin(), now.chunks_.end(), [&](const StoreChunk& c) {
+          return c.keys_file == name || c.values_file == name;
+        });
     const bool ours = (is_chunk_file_name(name, "keys") || is_chunk_file_name(name, "values") ||
                        (name[0] == '.' && name.find(".qkv-") != std::string::npos)) &&
                       entry.is_regular_file(ec);
@@ -644,16 +698,18 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
         return c.keys_file == name || c.values_file == name;
       });
     };
-    const auto new_chunks = static_cast<size_t>((keys.size(0) + now.chunk_rows_ - 1) / now.chunk_rows_);
+    const auto new_chunks =
+        static_cast<size_t>((keys.size(0) + now.chunk_rows_ - 1) / now.chunk_rows_);
     size_t next = now.chunks_.size();
     for (size_t i = 0; i < new_chunks; ++i) {
-      if (in_use(chunk_file_name("keys", next + i)) || in_use(chunk_file_name("values", next + i))) {
+      if (in_use(chunk_file_name("keys", next + i)) ||
+          in_use(chunk_file_name("values", next + i))) {
         next += i + 1;
         i = static_cast<size_t>(-1);  // start the range again after the name in use
       }
     }
-    std::vector<StoreChunk> added = write_chunks(kFn, dir_, keys, values, now.dtype_, now.chunk_rows_,
-                                                 next, now.rows_, progress);
+    std::vector<StoreChunk> added = write_chunks(kFn, dir_, keys, values, now.dtype_,
+                                                 now.chunk_rows_, next, now.rows_, progress);
     sync_directory(dir_);
     for (StoreChunk& chunk : added) now.chunks_.push_back(std::move(chunk));
     now.rows_ += keys.size(0);

@@ -181,7 +181,7 @@ TEST_F(MpiStoreTest, AShardPerRankEqualsTheirConcatenation) {
   const KeyValueStore all = shared_store("all", keys, values, 100);
   std::vector<KeyValueStore> shards;
   for (int r = 0; r < ranks(); ++r) shards.push_back(KeyValueStore::open(path("shard" + std::to_string(r))));
-  std::vector<const KeyValueStore*> list;
+  std::vector<const ChunkSource*> list;
   for (const KeyValueStore& s : shards) list.push_back(&s);
   for (const ValidLens& valid : {ValidLens(), ValidLens(per_query)}) {
     StoreAttentionOptions options;
