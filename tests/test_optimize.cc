@@ -1,6 +1,7 @@
-// Tests of the bandwidth search's minimisers (src/regression/optimize.h): BFGS and the
-// golden-section search find the minimum of smooth test functions from
-// random starts, never end worse than they start, and skip +inf points.
+// Tests of the bandwidth search's minimisers (src/regression/optimize.h): BFGS,
+// Nelder-Mead and the golden-section search find the minimum of smooth test
+// functions from random starts, never end worse than they start, and skip
+// +inf points.
 #include <cmath>
 #include <limits>
 #include <random>
@@ -106,6 +107,52 @@ TEST(Optimize, GoldenSectionKeepsABetterStart) {
   golden_section_search(bowl, best, 0, 2.0, 3.0);
   EXPECT_EQ(best.theta[0], 0.0);
   EXPECT_EQ(best.f, 0.0);
+}
+
+TEST(Optimize, NelderMeadFindsTheMinimumOfABowl) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(-2.0, 2.0);
+  for (size_t p : {1, 2, 4}) {
+    Bowl bowl;
+    std::vector<double> start;
+    for (size_t c = 0; c < p; ++c) {
+      bowl.centre.push_back(uniform(rng));
+      bowl.a.push_back(std::pow(10.0, static_cast<double>(c) / 2.0));
+      start.push_back(uniform(rng));
+    }
+    BestPoint best;
+    const int evals = minimize_nelder_mead(bowl, start, best, 5000);
+    EXPECT_GT(evals, static_cast<int>(p));
+    EXPECT_LE(evals, 5000 + static_cast<int>(p) + 1);  // a shrink may finish its vertices
+    EXPECT_LE(best.f, bowl(start, nullptr));
+    for (size_t c = 0; c < p; ++c) {
+      EXPECT_NEAR(best.theta[c], bowl.centre[c], 1e-4) << "p=" << p << " c=" << c;
+    }
+  }
+}
+
+TEST(Optimize, NelderMeadStopsAtItsBudgetAndSkipsInfinitePoints) {
+  // +inf for theta_0 > 0.5 (x > e^0.5): the bowl's minimum at 2 lies there.
+  const Bowl bowl{{2.0, -1.0}, {1.0, 1.0}};
+  int calls = 0;
+  const Objective f = [&](const std::vector<double>& theta, std::vector<double>* grad) {
+    ++calls;
+    if (!(theta[0] <= 0.5)) return kInf;
+    return bowl(theta, grad);
+  };
+  BestPoint best;
+  const int evals = minimize_nelder_mead(f, {0.0, 0.0}, best, 200);
+  EXPECT_EQ(evals, calls);
+  EXPECT_LE(evals, 200 + 3);
+  EXPECT_TRUE(std::isfinite(best.f));
+  EXPECT_LE(best.theta[0], 0.5);
+  EXPECT_NEAR(best.theta[0], 0.5, 1e-3);
+  EXPECT_NEAR(best.theta[1], -1.0, 1e-3);
+  BestPoint few;
+  EXPECT_LE(minimize_nelder_mead(f, {0.0, 0.0}, few, 5), 5 + 3);
+  EXPECT_LE(few.f, bowl({0.0, 0.0}, nullptr));
 }
 
 }  // namespace

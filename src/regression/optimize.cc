@@ -136,5 +136,88 @@ void golden_section_search(const Objective& f, BestPoint& best, size_t c, double
   }
 }
 
+int minimize_nelder_mead(const Objective& f, const std::vector<double>& theta0, BestPoint& best,
+                         int max_evals) {
+  const size_t p = theta0.size();
+  int evals = 0;
+  // The objective at x (> 0 in every coordinate) through theta = log x.
+  std::vector<double> theta(p);
+  auto value = [&](const std::vector<double>& x) {
+    ++evals;
+    for (size_t c = 0; c < p; ++c) {
+      if (!(x[c] > 0.0)) return kInf;
+      theta[c] = std::log(x[c]);
+    }
+    const double v = f(theta, nullptr);
+    best.offer(theta, v);
+    return std::isnan(v) ? kInf : v;
+  };
+  std::vector<std::vector<double>> simplex(p + 1, std::vector<double>(p));
+  for (size_t c = 0; c < p; ++c) simplex[0][c] = std::exp(theta0[c]);
+  for (size_t k = 0; k < p; ++k) {
+    simplex[k + 1] = simplex[0];
+    simplex[k + 1][k] *= 1.05;
+  }
+  std::vector<double> fs(p + 1);
+  for (size_t i = 0; i <= p; ++i) fs[i] = value(simplex[i]);
+  std::vector<size_t> order(p + 1);
+  std::vector<double> centroid(p), xr(p), xe(p), xc(p);
+  auto point = [&](double t, std::vector<double>& out) {  // centroid + t (centroid - worst)
+    for (size_t c = 0; c < p; ++c) out[c] = centroid[c] + t * (centroid[c] - simplex[order[p]][c]);
+  };
+  while (evals < max_evals) {
+    for (size_t i = 0; i <= p; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return fs[a] < fs[b]; });
+    const std::vector<double>& lowest = simplex[order[0]];
+    double spread = 0.0, fspread = 0.0;
+    for (size_t i = 1; i <= p; ++i) {
+      for (size_t c = 0; c < p; ++c) {
+        spread = std::max(spread, std::abs(simplex[order[i]][c] - lowest[c]) / std::exp(theta0[c]));
+      }
+      fspread = std::max(fspread, std::abs(fs[order[i]] - fs[order[0]]));
+    }
+    if (spread <= 1e-10 && fspread <= 1e-13 * std::abs(fs[order[0]])) break;
+    std::fill(centroid.begin(), centroid.end(), 0.0);
+    for (size_t i = 0; i < p; ++i) {
+      for (size_t c = 0; c < p; ++c) centroid[c] += simplex[order[i]][c] / static_cast<double>(p);
+    }
+    const size_t worst = order[p];
+    point(1.0, xr);
+    const double fr = value(xr);
+    if (fr < fs[order[0]]) {
+      point(2.0, xe);
+      const double fe = value(xe);
+      if (fe < fr) {
+        simplex[worst] = xe;
+        fs[worst] = fe;
+      } else {
+        simplex[worst] = xr;
+        fs[worst] = fr;
+      }
+      continue;
+    }
+    if (fr < fs[order[p - 1]]) {
+      simplex[worst] = xr;
+      fs[worst] = fr;
+      continue;
+    }
+    // Contract: outside when the reflection beat the worst, else inside.
+    const bool outside = fr < fs[worst];
+    point(outside ? 0.5 : -0.5, xc);
+    const double fc = value(xc);
+    if (outside ? fc <= fr : fc < fs[worst]) {
+      simplex[worst] = xc;
+      fs[worst] = fc;
+      continue;
+    }
+    // Shrink towards the lowest vertex.
+    for (size_t i = 1; i <= p; ++i) {
+      std::vector<double>& v = simplex[order[i]];
+      for (size_t c = 0; c < p; ++c) v[c] = lowest[c] + 0.5 * (v[c] - lowest[c]);
+      fs[order[i]] = value(v);
+    }
+  }
+  return evals;
+}
 
 }  // namespace qkv

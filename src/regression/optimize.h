@@ -14,7 +14,8 @@ namespace qkv {
 
 // f(theta) and, when grad is not null, its gradient (resized to theta's
 // size). May return +inf (a point outside the domain).
-using Objective = std::function<double(const std::vector<double>& theta, std::vector<double>* grad)>;
+using Objective =
+    std::function<double(const std::vector<double>& theta, std::vector<double>* grad)>;
 
 // The best point seen so far (theta empty until a finite value is offered).
 struct BestPoint {
@@ -39,5 +40,17 @@ int minimize_bfgs(const Objective& f, BestPoint& best);
 // other coordinates fixed), 40 steps (the bracket shrinks to 0.618^40 ~
 // 4e-9 of its width).
 void golden_section_search(const Objective& f, BestPoint& best, size_t c, double lo, double hi);
+
+// Nelder-Mead on x = exp(theta) (for theta = log h: on h itself), from x0 =
+// exp(theta0) with the initial simplex x0 and x0 with one coordinate times
+// 1.05, and the usual coefficients (reflect 1, expand 2, contract 1/2,
+// shrink 1/2): scipy's optimize.fmin, which statsmodels' cv_ls runs on h, so
+// a search that includes this start finds its basin. A vertex with some
+// x <= 0 is +inf. Every point tried is offered to `best`. At most max_evals
+// evaluations; stops sooner when the simplex spans less than 1e-10 of x0 in
+// every coordinate and its values agree to 1e-13 relative. Returns the
+// evaluations made.
+int minimize_nelder_mead(const Objective& f, const std::vector<double>& theta0, BestPoint& best,
+                         int max_evals);
 
 }  // namespace qkv
