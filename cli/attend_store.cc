@@ -6,7 +6,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 
 #include "common.h"
@@ -29,11 +31,35 @@ std::vector<std::pair<std::string, std::string>> output_paths(const StoreAttendA
   return outputs;
 }
 
+// Checks that no output is one of an input store's files (the manifest, a
+// chunk, the lock), however its path is spelled: both are compared with
+// `..`, `.` and symbolic links resolved. Writing an output over a store's
+// manifest would leave a store that no longer opens.
+void check_outputs_outside_stores(const StoreAttendArgs& args) {
+  namespace fs = std::filesystem;
+  for (const auto& [option, path] : output_paths(args)) {
+    std::error_code error;
+    const fs::path out = fs::weakly_canonical(path, error);
+    if (error) continue;  // the output's own checks name what is wrong with it
+    for (const std::string& dir : args.stores) {
+      const fs::path store = fs::weakly_canonical(dir, error);
+      if (error) continue;
+      const auto [store_end, out_at] =
+          std::mismatch(store.begin(), store.end(), out.begin(), out.end());
+      if (store_end == store.end()) {
+        throw UsageError(option + " " + path + " is inside --store " + dir +
+                         "; an output must not be one of an input store's files");
+      }
+    }
+  }
+}
+
 std::vector<OutputFile> output_files(const StoreAttendArgs& args, const StoreAttentionResult& r) {
   std::vector<OutputFile> files;
   files.push_back({"--out", args.out, npy_bytes(r.output.view())});
   if (!args.lse.empty()) files.push_back({"--lse", args.lse, npy_bytes(r.lse.view())});
-  if (!args.top_ids.empty()) files.push_back({"--top-ids", args.top_ids, npy_bytes(r.top_ids.view())});
+  if (!args.top_ids.empty())
+    files.push_back({"--top-ids", args.top_ids, npy_bytes(r.top_ids.view())});
   if (!args.top_weights.empty()) {
     files.push_back({"--top-weights", args.top_weights, npy_bytes(r.top_weights.view())});
   }
@@ -58,7 +84,8 @@ Inputs read_inputs(const StoreAttendArgs& args) {
   Inputs in{Tensor<float>(q_shape), {}};
   std::visit(
       [&](const auto& t) {
-        for (int64_t i = 0; i < t.numel(); ++i) in.queries.data()[i] = static_cast<float>(t.data()[i]);
+        for (int64_t i = 0; i < t.numel(); ++i)
+          in.queries.data()[i] = static_cast<float>(t.data()[i]);
       },
       read);
   if (!args.valid_lens.empty()) {
@@ -92,6 +119,7 @@ StoreProgress report(Progress& progress) {
 
 void run_single(const StoreAttendArgs& args) {
   check_output_paths(output_paths(args));
+  check_outputs_outside_stores(args);
   apply_threads(args.threads);
   // Manifests and each chunk file's size and header now; the checksums are
   // `qkv store verify`'s (reading every chunk twice would double the work).
@@ -105,9 +133,9 @@ void run_single(const StoreAttendArgs& args) {
   options.progress = report(progress);
   std::vector<const ChunkSource*> pointers;
   for (const KeyValueStore& store : stores) pointers.push_back(&store);
-  const StoreAttentionResult result = pointers.size() == 1
-                                          ? attend(in.queries.view(), stores[0], valid_rows_of(in), options)
-                                          : attend(in.queries.view(), pointers, valid_rows_of(in), options);
+  const StoreAttentionResult result =
+      pointers.size() == 1 ? attend(in.queries.view(), stores[0], valid_rows_of(in), options)
+                           : attend(in.queries.view(), pointers, valid_rows_of(in), options);
   progress.finish();
   write_outputs(output_files(args, result));
 }
@@ -132,18 +160,23 @@ StoreAttentionResult attend_mpi(const StoreAttendArgs& args, MPI_Comm comm, int 
   constexpr const char* kFn = "";  // "qkv attend: error: rank r of R: ..."
   if (args.stores.size() != 1 && args.stores.size() != static_cast<size_t>(ranks)) {
     throw UsageError(std::to_string(args.stores.size()) + " --store shards for " +
-                     std::to_string(ranks) + " ranks; give one store (every rank reads its "
+                     std::to_string(ranks) +
+                     " ranks; give one store (every rank reads its "
                      "share of the chunks) or one shard store per rank");
   }
   mpi::all_or_none(kFn, comm, [&] {
-    if (rank == 0) check_output_paths(output_paths(args));
+    if (rank == 0) {
+      check_output_paths(output_paths(args));
+      check_outputs_outside_stores(args);
+    }
     apply_threads(args.threads);
   });
   // One store: every rank opens it and takes a share of its chunks. Shards:
   // rank r opens only the r-th.
   std::unique_ptr<KeyValueStore> store;
   mpi::all_or_none(kFn, comm, [&] {
-    const std::string& dir = args.stores.size() == 1 ? args.stores[0] : args.stores[static_cast<size_t>(rank)];
+    const std::string& dir =
+        args.stores.size() == 1 ? args.stores[0] : args.stores[static_cast<size_t>(rank)];
     store = std::make_unique<KeyValueStore>(KeyValueStore::open(dir, StoreCheck::kStructure));
   });
   const mpi::StorePart part =
@@ -158,7 +191,8 @@ StoreAttentionResult attend_mpi(const StoreAttendArgs& args, MPI_Comm comm, int 
   StoreAttentionOptions options = options_of(args);
   Progress progress("qkv attend --store (rank 0's part)", args.quiet || rank != 0);
   options.progress = report(progress);
-  const StoreAttentionResult result = mpi::attend(in.queries.view(), part, comm, valid_rows_of(in), options);
+  const StoreAttentionResult result =
+      mpi::attend(in.queries.view(), part, comm, valid_rows_of(in), options);
   progress.finish();
   // Every rank is still there: only then does rank 0 write (a rank that died
   // meanwhile ends the job before any output exists).

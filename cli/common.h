@@ -4,6 +4,7 @@
 // exception into a message and an exit status.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -49,6 +50,9 @@ Command add_demo_command(CLI::App& parent);
 // uses "%.17g", which reads back as the same double.
 std::string format_number(double x, const char* format);
 inline std::string exact_number(double x) { return format_number(x, "%.17g"); }
+// A number in JSON, which has no NaN or infinity: those are null, so every
+// --json output parses.
+inline std::string json_number(double x) { return std::isfinite(x) ? exact_number(x) : "null"; }
 
 // Call from inside a catch block: prints "qkv <command>: error: <message>"
 // (or "qkv: error: ..." when `command` is empty) on stderr and returns the

@@ -85,7 +85,7 @@ void run_lookup(const LookupArgs& args) {
   if (args.json) {
     std::string json = "{\"query\": " + json_string(args.query) +
                        ", \"mode\": " + json_string(args.mode) + ", \"temperature\": " +
-                       (mode == LookupMode::kApproximate ? exact_number(temperature) : "null") +
+                       (mode == LookupMode::kApproximate ? json_number(temperature) : "null") +
                        ", \"match\": ";
     json += result.match ? "{\"key\": " + json_string(records[*result.match].key) +
                                ", \"value\": " + json_string(records[*result.match].value) + "}"
@@ -94,7 +94,7 @@ void run_lookup(const LookupArgs& args) {
     for (size_t j = 0; j < records.size(); ++j) {
       json += std::string(j == 0 ? "" : ", ") + "{\"key\": " + json_string(records[j].key) +
               ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + exact_number(result.weights[j]) + "}";
+              ", \"weight\": " + json_number(result.weights[j]) + "}";
     }
     json += "], \"top\": [";
     for (size_t r = 0; r < top.size(); ++r) {
@@ -102,7 +102,7 @@ void run_lookup(const LookupArgs& args) {
       json += std::string(r == 0 ? "" : ", ") + "{\"rank\": " + std::to_string(r + 1) +
               ", \"key\": " + json_string(records[j].key) +
               ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + exact_number(result.weights[j]) + "}";
+              ", \"weight\": " + json_number(result.weights[j]) + "}";
     }
     std::cout << json << "]}\n";
     return;

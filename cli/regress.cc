@@ -389,9 +389,6 @@ ConstView<double> features(const Tensor<double>& t) {
 
 // ---- output -----------------------------------------------------------------------
 
-// JSON has no NaN or infinity: those are null.
-std::string json_number(double x) { return std::isfinite(x) ? exact_number(x) : "null"; }
-
 std::string predictions_csv(const Training& data, const Tensor<double>& queries,
                             const Tensor<double>& predictions) {
   std::string out;

@@ -38,7 +38,7 @@ void print_ranking(const search::SearchIndex& index, const search::Ranking& r, c
     for (size_t i = 0; i < r.hits.size(); ++i) {
       const auto& p = packages[static_cast<size_t>(r.hits[i].doc)];
       std::cout << (i ? ", " : "") << "{\"package\": " << json_string(p.name)
-                << ", \"score\": " << exact_number(r.hits[i].score)
+                << ", \"score\": " << json_number(r.hits[i].score)
                 << ", \"section\": " << json_string(p.section)
                 << ", \"description\": " << json_string(p.short_description) << "}";
     }
@@ -47,7 +47,7 @@ void print_ranking(const search::SearchIndex& index, const search::Ranking& r, c
       std::cout << ", \"sections\": {";
       for (size_t i = 0; i < r.sections.size(); ++i) {
         std::cout << (i ? ", " : "") << json_string(r.sections[i].first) << ": "
-                  << exact_number(r.sections[i].second);
+                  << json_number(r.sections[i].second);
       }
       std::cout << "}";
     }
@@ -80,14 +80,14 @@ void print_evaluation(const search::Evaluation& e, bool json) {
     std::cout << "{\"queries\": " << e.bm25.queries;
     for (int i = 0; i < 3; ++i) {
       std::cout << ", \"" << rows[i].first << "\": {\"mrr_at_10\": "
-                << exact_number(rows[i].second->mrr_at_10)
-                << ", \"recall_at_1\": " << exact_number(rows[i].second->recall_at_1)
-                << ", \"recall_at_10\": " << exact_number(rows[i].second->recall_at_10)
-                << ", \"ms_per_query\": " << exact_number(ms[i]) << "}";
+                << json_number(rows[i].second->mrr_at_10)
+                << ", \"recall_at_1\": " << json_number(rows[i].second->recall_at_1)
+                << ", \"recall_at_10\": " << json_number(rows[i].second->recall_at_10)
+                << ", \"ms_per_query\": " << json_number(ms[i]) << "}";
     }
     std::cout << ", \"fts5_check\": {\"compared\": " << e.fts5_compared
               << ", \"same_top_10\": " << e.fts5_same
-              << ", \"fts5_ms_per_query\": " << exact_number(e.fts5_ms) << "}}\n";
+              << ", \"fts5_ms_per_query\": " << json_number(e.fts5_ms) << "}}\n";
     return;
   }
   std::printf("%lld held-out queries (short descriptions of packages never trained on)\n",

@@ -1,14 +1,18 @@
 // `qkv store`: the on-disk key-value store (qkv/store.h) from the command
 // line: create, append, info, verify.
 //   keys: (N, D)   values: (N, Dv), float32 or float64 .npy (stored as float32 or bfloat16)
+#include "qkv/store.h"
+
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <cmath>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "common.h"
 #include "progress.h"
-#include "qkv/store.h"
 
 namespace qkv::cli {
 namespace {
@@ -22,22 +26,35 @@ struct StoreArgs {
 };
 
 // Keys (N, D) and values (N, Dv) from .npy files as float32; float64 is
-// rounded (the store holds float32 or bfloat16).
+// rounded (the store holds float32 or bfloat16), and a float64 value beyond
+// float32's range is a usage error, not an inf in the store.
 struct Rows {
   Tensor<float> keys, values;
 };
 
-Tensor<float> as_float32(FloatTensor tensor) {
+Tensor<float> as_float32(FloatTensor tensor, const Input& input) {
   if (auto* f = std::get_if<Tensor<float>>(&tensor)) return std::move(*f);
   const Tensor<double>& d = std::get<Tensor<double>>(tensor);
   Tensor<float> f(d.shape());
-  for (int64_t i = 0; i < d.numel(); ++i) f.data()[i] = static_cast<float>(d.data()[i]);
+  for (int64_t i = 0; i < d.numel(); ++i) {
+    f.data()[i] = static_cast<float>(d.data()[i]);
+    if (std::isfinite(d.data()[i]) && !std::isfinite(f.data()[i])) {
+      char value[32];  // the shortest text that reads back as the same double
+      const auto written = std::to_chars(value, value + sizeof value, d.data()[i]);
+      const std::string at = d.rank() == 2 ? "[" + std::to_string(i / d.size(1)) + ", " +
+                                                 std::to_string(i % d.size(1)) + "]"
+                                           : std::to_string(i) + " (flat index)";
+      throw UsageError(input.describe() + ": element " + at + " is " +
+                       std::string(value, written.ptr) +
+                       ", beyond float32's range (about ±3.4e38); the store holds float32");
+    }
+  }
   return f;
 }
 
 Rows read_rows(const StoreArgs& args) {
   const Input keys{"--keys", args.keys}, values{"--values", args.values};
-  Rows rows{as_float32(load_float(keys)), as_float32(load_float(values))};
+  Rows rows{as_float32(load_float(keys), keys), as_float32(load_float(values), values)};
   if (rows.keys.rank() != 2 || rows.values.rank() != 2 ||
       rows.keys.size(0) != rows.values.size(0)) {
     throw UsageError(keys.describe() + " has shape " + rows.keys.shape().str() + " and " +
@@ -49,17 +66,19 @@ Rows read_rows(const StoreArgs& args) {
 
 std::string summary(const KeyValueStore& store, bool json) {
   if (json) {
-    return "{\"store\": " + json_string(store.dir()) + ", \"rows\": " +
-           std::to_string(store.rows()) + ", \"key_dim\": " + std::to_string(store.key_dim()) +
+    return "{\"store\": " + json_string(store.dir()) +
+           ", \"rows\": " + std::to_string(store.rows()) +
+           ", \"key_dim\": " + std::to_string(store.key_dim()) +
            ", \"value_dim\": " + std::to_string(store.value_dim()) + ", \"dtype\": \"" +
-           std::string(store_dtype_name(store.dtype())) + "\", \"chunk_rows\": " +
-           std::to_string(store.chunk_rows()) + ", \"chunks\": " +
-           std::to_string(store.chunks().size()) + ", \"bytes\": " +
-           std::to_string(store.file_bytes()) + "}\n";
+           std::string(store_dtype_name(store.dtype())) +
+           "\", \"chunk_rows\": " + std::to_string(store.chunk_rows()) +
+           ", \"chunks\": " + std::to_string(store.chunks().size()) +
+           ", \"bytes\": " + std::to_string(store.file_bytes()) + "}\n";
   }
-  return store.dir() + ": " + std::to_string(store.rows()) + " rows, keys D = " +
-         std::to_string(store.key_dim()) + ", values Dv = " + std::to_string(store.value_dim()) +
-         ", " + std::string(store_dtype_name(store.dtype())) + ", " +
+  return store.dir() + ": " + std::to_string(store.rows()) +
+         " rows, keys D = " + std::to_string(store.key_dim()) +
+         ", values Dv = " + std::to_string(store.value_dim()) + ", " +
+         std::string(store_dtype_name(store.dtype())) + ", " +
          std::to_string(store.chunks().size()) + " chunks of at most " +
          std::to_string(store.chunk_rows()) + " rows, " + std::to_string(store.file_bytes()) +
          " bytes\n";
@@ -145,8 +164,8 @@ Command add_store_command(CLI::App& parent) {
       Progress progress("qkv store create", args.quiet);
       const KeyValueStore store = KeyValueStore::create(
           args.store, rows.keys.view(), rows.values.view(),
-          args.dtype == "bfloat16" ? StoreDtype::kBFloat16 : StoreDtype::kFloat32,
-          args.chunk_rows, report(progress));
+          args.dtype == "bfloat16" ? StoreDtype::kBFloat16 : StoreDtype::kFloat32, args.chunk_rows,
+          report(progress));
       progress.finish();
       std::cout << summary(store, args.json);
     } else if (append.app->parsed()) {
@@ -167,8 +186,9 @@ Command add_store_command(CLI::App& parent) {
           KeyValueStore::open(args.store, StoreCheck::kChecksums, report(progress));
       progress.finish();
       if (args.json) {
-        std::cout << "{\"store\": " << json_string(store.dir()) << ", \"ok\": true, \"chunks\": "
-                  << store.chunks().size() << ", \"bytes\": " << store.file_bytes() << "}\n";
+        std::cout << "{\"store\": " << json_string(store.dir())
+                  << ", \"ok\": true, \"chunks\": " << store.chunks().size()
+                  << ", \"bytes\": " << store.file_bytes() << "}\n";
       } else {
         std::cout << store.dir() << ": ok, " << store.chunks().size()
                   << " chunks match their checksums (" << store.file_bytes() << " bytes)\n";

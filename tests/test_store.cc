@@ -1063,6 +1063,37 @@ TEST_F(StoreTest, MergePartsIsAttentionOverTheUnion) {
   expect_error([&] { merge_parts(bad, part_rows, 0); }, {"merge_parts", "parts[2].lse"});
 }
 
+// Ties go to the smaller row id however the rows are chunked: the top rows
+// are ranked by their scores, which do not depend on the chunking (they
+// were ranked by weights rounded through each chunk's lse, and ten equal
+// keys gave ids 7 8 9 in chunks of 7 and 3, 0 1 2 in chunks of 10).
+TEST_F(StoreTest, TopKTiesDoNotDependOnChunking) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> keys(Shape{10, 4}, 0.5f);
+  const Tensor<float> values = random_tensor<float>(rng, Shape{10, 2});
+  Tensor<float> queries = random_tensor<float>(rng, Shape{2, 4}, -2, 2);
+  for (int64_t c = 0; c < 4; ++c) queries(1, c) = 0.0f;  // a zero query: every score 0
+  StoreAttentionOptions options;
+  options.top_k = 3;
+  int made = 0;
+  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (int64_t chunk_rows : {10, 7, 3, 4, 1}) {
+      SCOPED_TRACE("chunk_rows=" + std::to_string(chunk_rows));
+      const KeyValueStore store = KeyValueStore::create(path("s" + std::to_string(made++)), keys,
+                                                        values, dtype, chunk_rows);
+      const StoreAttentionResult got = attend(queries, store, {}, options);
+      for (int64_t i = 0; i < 2; ++i) {
+        for (int64_t r = 0; r < 3; ++r) {
+          EXPECT_EQ(got.top_ids(i, r), r) << "i=" << i;
+          EXPECT_NEAR(got.top_weights(i, r), 0.1f, 1e-6) << "i=" << i << " r=" << r;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(StoreTest, ChunkIndicesOutOfRangeAreNamed) {
   const KeyValueStore store = KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
                                                     Tensor<float>(Shape{5, 2}, 1.0f),

@@ -37,6 +37,17 @@ constexpr size_t kFts5Checks = 200;
 constexpr int64_t kCandidates = 100;
 
 std::string read_file(const std::string& path) {
+  // Checked before it is opened: a FIFO would block the open, and a device
+  // such as /dev/zero would be read until memory runs out.
+  std::error_code error;
+  const fs::file_status status = fs::status(path, error);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    fail(kFn, path + ": not a regular file (" +
+                  (fs::is_directory(status) ? "a directory"
+                   : fs::is_fifo(status)    ? "a FIFO"
+                                            : "a special file") +
+                  "); an index's files are regular files (build the index again)");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(kFn, path + ": missing or unreadable (the index is incomplete; build it again)");
   std::ostringstream s;

@@ -9,6 +9,7 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <vector>
 
 #include "qkv/error.h"
 #include "qkv/masked_softmax.h"
@@ -126,10 +127,19 @@ LookupResult KeyValueDatabase::approximate(std::string_view query, double temper
   if (n == 0) return result;
   const Grams q = ngrams(query);
   const double q_norm = norm(q);
-  // scores: (B=1, Nq=1, Nk=n)
+  // scores: (B=1, Nq=1, Nk=n), each similarity less the largest, then over
+  // the temperature: softmax is the same for any shift, and shifted the
+  // largest score is 0 however small the temperature, so a temperature as
+  // small as 5e-324 (cos / T = inf, and softmax of inf is NaN) gives its
+  // limit, the weight shared by the keys of the largest similarity.
+  std::vector<double> similarity(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    similarity[static_cast<size_t>(j)] = cosine(q, q_norm, ngrams(records_[j].key));
+  }
+  const double largest = *std::max_element(similarity.begin(), similarity.end());
   Tensor<double> scores(Shape{1, 1, n});
   for (int64_t j = 0; j < n; ++j) {
-    scores(0, 0, j) = cosine(q, q_norm, ngrams(records_[j].key)) / temperature;
+    scores(0, 0, j) = (similarity[static_cast<size_t>(j)] - largest) / temperature;
   }
   const Tensor<double> weights = masked_softmax(scores.view());
   result.weights.assign(weights.data(), weights.data() + n);

@@ -232,9 +232,39 @@ class StoreLock {
   int fd_ = -1;
 };
 
-std::string read_text_file(std::string_view function, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// What a file that is not a regular one is, for messages.
+std::string kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Opens `path` for reading if it is a regular file, else Error naming it and
+// what it is. O_NONBLOCK, so a FIFO without a writer does not block the
+// open itself (for a regular file it changes nothing); a device such as
+// /dev/zero is refused before a byte is read.
+int open_regular_file(std::string_view function, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) fail(function, path + ": cannot open: " + errno_text(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    ::close(fd);
+    fail(function, path + ": cannot stat: " + errno_text(error));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(function, path + ": not a regular file (" + kind_of(st.st_mode) +
+                       "); a store's manifest and chunks are regular files");
+  }
+  return fd;
+}
+
+std::string read_text_file(std::string_view function, const std::string& path) {
+  const int fd = open_regular_file(function, path);
   std::string text;
   char buffer[65536];
   for (;;) {
@@ -266,12 +296,12 @@ std::string_view store_dtype_name(StoreDtype dtype) {
 // ---- MappedFile
 
 MappedFile::MappedFile(std::string_view function, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(function, path + ": cannot open: " + errno_text(errno));
+  const int fd = open_regular_file(function, path);
   struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
     ::close(fd);
-    fail(function, path + ": not a regular file");
+    fail(function, path + ": cannot stat: " + errno_text(error));
   }
   size_ = static_cast<size_t>(st.st_size);
   if (size_ > 0) {

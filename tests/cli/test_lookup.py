@@ -86,6 +86,24 @@ class ApproximateTest(LookupTest):
         self.assertEqual(maxima, sorted(maxima))
         self.assertEqual(len(set(maxima)), len(maxima))
 
+    def test_the_smallest_temperatures_give_the_limit_and_valid_json(self):
+        """A temperature as small as 5e-324 gave NaN weights and bare `nan`
+        in the JSON (similarity / T overflowed): the limit T -> 0 is the
+        weight shared by the keys of the largest similarity, and the output
+        is JSON that a strict parser reads."""
+        def strict(text):
+            raise ValueError(f"not JSON: {text}")
+        for t in ("5e-324", "1e-310", "1e-300"):
+            r = self.ok("lookup", "--query", "Li", "--remove", "Li", "--temperature", t, "--json")
+            result = json.loads(r.stdout, parse_constant=strict)
+            w = self.weights(result)
+            self.assertTrue(all(x in (0.0, 1.0) for x in w), (t, w))
+            self.assertEqual(sum(w), 1.0)
+            # The nearest key at T = 0.02 holds the whole weight at T -> 0.
+            near = self.weights(self.lookup("--query", "Li", "--remove", "Li",
+                                            "--temperature", "0.02"))
+            self.assertEqual(w.index(1.0), near.index(max(near)))
+
     def test_top_k_order(self):
         result = self.lookup("--query", "Li", "--top-k", "4")
         top = result["top"]

@@ -189,6 +189,26 @@ class SearchQueryTest(SearchCase):
         self.expect_error("search", ["search", "eval", "--index", damaged],
                           fragments=["manifest.json"])
 
+    def test_special_files_are_refused_at_once(self):
+        """A FIFO in place of an index's file would block its open, and
+        /dev/zero would be read until memory runs out: both are refused by
+        what they are, exit 2, before a byte is read (test_cli's runs time
+        out after 120 s, so a blocked open fails the test)."""
+        for name, make, what in (
+                ("packages.json", os.mkfifo, "a FIFO"),
+                ("manifest.json", os.mkfifo, "a FIFO"),
+                ("query_map.npy", lambda p: os.symlink("/dev/zero", p), "a special file"),
+                ("manifest.json", os.mkdir, "a directory"),
+                (os.path.join("documents", "manifest.json"), os.mkfifo, "a FIFO")):
+            damaged = self.path("special")
+            shutil.rmtree(damaged, ignore_errors=True)
+            shutil.copytree(self.index, damaged)
+            path = os.path.join(damaged, name)
+            os.remove(path)
+            make(path)
+            self.expect_error("search", ["search", "query", "--index", damaged, "gnuplot"],
+                              fragments=[path, "not a regular file", what])
+
 
 class SearchEvalTest(SearchCase):
     def test_table(self):

@@ -160,10 +160,21 @@ class CreateTest(StoreCase):
                                     "--out", self.path("other")], [], ["--out", "excludes"])
         self.expect_error("store", ["store", "info", self.path("nothing")], [], ["nothing"])
         self.expect_error("store", ["store"], [], ["subcommand"])
+        # float64 beyond float32's range is refused, not stored as inf.
+        for big, text in ((1e300, "is 1e+300,"), (-3.5e38, "is -3.5e+38,")):
+            huge = np.ones((5, 3))
+            huge[2, 1] = big
+            self.expect_error("store", ["store", "create", new, "--keys",
+                                        self.save("huge.npy", huge), "--values", v],
+                              [], ["--keys", "element [2, 1]", text, "beyond float32's range"])
+        self.expect_error("store", ["store", "append", exists, "--keys", k, "--values",
+                                    self.save("huge.npy", np.full((5, 2), 1e39))],
+                          [], ["--values", "element [0, 0]", "beyond float32's range"])
+        self.assertEqual(self.info(exists)["rows"], 2)
         self.assertFalse(os.path.exists(new))
         self.assertEqual(sorted(os.listdir(self.dir)),
                          sorted(["exists", "exists-k.npy", "exists-v.npy", "k.npy", "v.npy",
-                                 "v4.npy", "k1.npy"]))
+                                 "v4.npy", "k1.npy", "huge.npy"]))
 
 
 class AppendTest(StoreCase):
@@ -306,6 +317,39 @@ class DamageTest(StoreCase):
         self.expect_error("store", ["store", "info", store], [], ["manifest.json", "not valid JSON"])
 
 
+class SpecialFilesTest(StoreCase):
+    def test_special_files_are_refused_at_once(self):
+        """A FIFO in place of a manifest or chunk would block its open, and
+        /dev/zero would be read until memory runs out: refused by what they
+        are, exit 2, before a byte is read (test_cli's runs time out after
+        120 s, so a blocked open fails the test)."""
+        k = self.rng.normal(size=(20, 4)).astype(np.float32)
+        q = self.save("q.npy", k[:2])
+        out = self.path("o.npy")
+        store = self.create("s", k, k, "--chunk-rows", 8)
+        with open(os.path.join(store, "manifest.json")) as f:
+            chunk = os.path.join(store, json.load(f)["chunks"][1]["keys"])
+        manifest = os.path.join(store, "manifest.json")
+        for path, make, what in ((manifest, os.mkfifo, "a FIFO"),
+                                 (manifest, lambda p: os.symlink("/dev/zero", p),
+                                  "a character device"),
+                                 (chunk, os.mkfifo, "a FIFO")):
+            saved = path + ".saved"
+            os.rename(path, saved)
+            make(path)
+            try:
+                for args in (["store", "info", store], ["store", "verify", store],
+                             ["store", "append", store, "--keys", q, "--values", q]):
+                    self.expect_error("store", args, [], [path, "not a regular file", what])
+                self.expect_error("attend", ["attend", "--store", store, "--queries", q,
+                                             "--out", out], [out],
+                                  [path, "not a regular file", what])
+            finally:
+                os.remove(path)
+                os.rename(saved, path)
+        self.ok("store", "verify", store)
+
+
 class AttendStoreTest(StoreCase):
     def reference(self, q, k, v, lens, scale=None):
         q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -430,6 +474,22 @@ class AttendStoreTest(StoreCase):
         self.expect_error("attend", base + ["--top-k", 2], [out], ["--top-ids", "--top-weights"])
         self.expect_error("attend", base + ["--top-k", 11, "--top-ids", ids], [out, ids],
                           ["top_k = 11", "10 rows"])
+        # No output may be one of the store's files, however its path is
+        # spelled (the manifest, through "..", through a link to the store).
+        with open(os.path.join(store, "manifest.json"), "rb") as f:
+            manifest = f.read()
+        os.symlink(store, self.path("link"))
+        for option, inside in (("--out", os.path.join(store, "manifest.json")),
+                               ("--out", os.path.join(store, "..", "s", "manifest.json")),
+                               ("--lse", os.path.join(self.path("link"), "manifest.json")),
+                               ("--out", os.path.join(store, "new.npy"))):
+            args = ["attend", "--store", store, "--queries", q, "--out", out, "--lse", ids]
+            args[args.index(option) + 1] = inside
+            self.expect_error("attend", args, [], [option, inside, "is inside --store " + store])
+            with open(os.path.join(store, "manifest.json"), "rb") as f:
+                self.assertEqual(f.read(), manifest)
+            self.assertFalse(os.path.exists(os.path.join(store, "new.npy")))
+        self.ok("store", "verify", store)
         self.expect_error("attend", ["attend", "--store", store, "--queries",
                                      self.save("q5.npy", np.ones((2, 5), np.float32)), "--out", out],
                           [out], ["[2, 5]", "D = 4"])
