@@ -90,9 +90,13 @@ void check_bandwidth(const AttendArgs& args, const ScoringRules& rules) {
     throw UsageError("--bandwidth H and --scale S are one setting (S = 1/H^2); give one");
   }
   const double h = *args.bandwidth;
-  if (!(std::isfinite(h) && h > 0 && std::isfinite(1.0 / (h * h)) && 1.0 / (h * h) > 0)) {
-    throw UsageError("--bandwidth " + exact_number(h) +
-                     ": expected a finite number > 0 whose 1/H^2 is a finite number > 0");
+  if (!(std::isfinite(h) && h > 0)) {
+    throw UsageError("--bandwidth " + shortest_number(h) + ": expected a finite number > 0");
+  }
+  if (!(std::isfinite(1.0 / (h * h)) && 1.0 / (h * h) > 0)) {
+    throw UsageError("--bandwidth " + shortest_number(h) +
+                     ": 1/H^2 = " + shortest_number(1.0 / (h * h)) +
+                     " is beyond float64's range; give a bandwidth between 1e-154 and 1e154");
   }
 }
 
@@ -100,6 +104,14 @@ void check_bandwidth(const AttendArgs& args, const ScoringRules& rules) {
 std::optional<double> scale_of(const AttendArgs& args) {
   if (args.bandwidth) return 1.0 / (*args.bandwidth * *args.bandwidth);
   return args.scale;
+}
+
+// How messages name the scale as the user gave it: "--bandwidth 1e-25", or
+// "--scale 1e+50", or the default.
+std::string scale_option(const AttendArgs& args) {
+  if (args.bandwidth) return "--bandwidth " + shortest_number(*args.bandwidth);
+  if (args.scale) return "--scale " + shortest_number(*args.scale);
+  return "the default scale";
 }
 
 // --store's option combinations, found before any file is read.
@@ -282,6 +294,8 @@ std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules
       break;
     case Scoring::kDistance:
       result = distance_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
+      check_distance_overflow(result.output.data(), result.output.numel(),
+                              result.output.size(result.output.rank() - 1), scale_option(args));
       break;
   }
   // 2-D inputs give outputs without the batch axis of one.
@@ -301,8 +315,8 @@ void run_attend(const AttendArgs& args) {
   check_bandwidth(args, rules);
   if (!args.stores.empty()) {
     return run_store_attend({args.stores, args.queries, args.valid_lens, rules.scoring,
-                             scale_of(args), args.top_k, args.out, args.lse, args.top_ids,
-                             args.top_weights, args.quiet, args.threads});
+                             scale_of(args), scale_option(args), args.top_k, args.out, args.lse,
+                             args.top_ids, args.top_weights, args.quiet, args.threads});
   }
   check_options(args, rules);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};

@@ -54,7 +54,29 @@ void check_outputs_outside_stores(const StoreAttendArgs& args) {
   }
 }
 
+// A store given twice (however spelled: "..", a link) would count its rows
+// twice, silently: every weight halved against the rows' own.
+void check_stores_distinct(const StoreAttendArgs& args) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> seen;
+  for (size_t i = 0; i < args.stores.size(); ++i) {
+    std::error_code error;
+    fs::path store = fs::weakly_canonical(args.stores[i], error);
+    if (error) store = args.stores[i];  // opening it names what is wrong
+    const auto same = std::find(seen.begin(), seen.end(), store);
+    if (same != seen.end()) {
+      throw UsageError("--store " + args.stores[i] + " is --store " +
+                       args.stores[static_cast<size_t>(same - seen.begin())] +
+                       " again; each store's rows count once (give each store once)");
+    }
+    seen.push_back(store);
+  }
+}
+
 std::vector<OutputFile> output_files(const StoreAttendArgs& args, const StoreAttentionResult& r) {
+  if (args.scoring == Scoring::kDistance) {
+    check_distance_overflow(r.output.data(), r.output.numel(), r.output.size(1), args.scale_option);
+  }
   std::vector<OutputFile> files;
   files.push_back({"--out", args.out, npy_bytes(r.output.view())});
   if (!args.lse.empty()) files.push_back({"--lse", args.lse, npy_bytes(r.lse.view())});
@@ -243,6 +265,7 @@ bool started_by_mpirun() {
 }
 
 void run_store_attend(const StoreAttendArgs& args) {
+  check_stores_distinct(args);
 #ifdef QKV_WITH_MPI
   if (started_by_mpirun()) return run_mpi(args);
 #endif

@@ -17,6 +17,7 @@ struct StoreAttendArgs {
   std::string queries, valid_lens;
   Scoring scoring = Scoring::kDotProduct;  // or kDistance (over_store in qkv/scoring.h)
   std::optional<double> scale;
+  std::string scale_option;  // the scale as the user gave it, for messages ("--bandwidth 1e-25")
   int64_t top_k = 0;
   std::string out, lse, top_ids, top_weights;
   bool quiet = false;

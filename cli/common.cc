@@ -31,8 +31,7 @@ namespace {
 std::string errno_text(int error) { return std::strerror(error); }
 
 const char* npy_dtype_name(const NpyArray& array) {
-  static constexpr const char* kNames[] = {"float32", "float64", "int32", "int64",
-                                           "bool or uint8"};
+  static constexpr const char* kNames[] = {"float32", "float64", "int32", "int64", "bool or uint8"};
   return kNames[array.index()];
 }
 
@@ -111,6 +110,12 @@ NpyArray read_npy_input(const Input& input, OpenInput& file, std::string_view co
   }
 }
 
+std::string shortest_number(double x) {
+  char buffer[32];
+  const auto [end, error] = std::to_chars(buffer, buffer + sizeof buffer, x);
+  return error == std::errc() ? std::string(buffer, end) : exact_number(x);
+}
+
 std::string format_number(double x, const char* format) {
   char text[64];
   std::snprintf(text, sizeof text, format, x);
@@ -132,6 +137,95 @@ std::string error_prefix(std::string_view command) {
 }
 }  // namespace
 
+namespace {
+
+// Edits (insert, delete, substitute, swap two neighbours) from a to b.
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min(
+          {d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+// "; did you mean X?" for the nearest of `known` to `word` (within a third
+// of its length, at least 1 edit and at most 3), or "".
+std::string nearest(std::string_view word, const std::vector<std::string>& known) {
+  const size_t reach = std::clamp<size_t>(word.size() / 3, 1, 3);
+  std::string best;
+  size_t best_distance = reach + 1;
+  for (const std::string& k : known) {
+    const size_t distance = edit_distance(word, k);
+    if (distance < best_distance) {
+      best = k;
+      best_distance = distance;
+    }
+  }
+  return best.empty() ? "" : "; did you mean " + best + "?";
+}
+
+// The first word of `argv` that `root` does not know, and the top-level
+// command it was given to; an empty message if every word was known.
+struct UnknownWord {
+  std::string command, message;
+};
+
+UnknownWord find_unknown_word(CLI::App& root, int argc, char** argv) {
+  CLI::App* app = &root;
+  std::string command;
+  bool value_next = false;  // the word after an option that takes a value is that value
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--") break;
+    if (value_next) {
+      value_next = false;
+      continue;
+    }
+    if (word.size() > 2 && word.rfind("--", 0) == 0) {
+      const std::string name = word.substr(0, word.find('='));
+      const CLI::Option* option = app->get_option_no_throw(name);
+      if (option == nullptr) {
+        std::vector<std::string> known;
+        for (const CLI::Option* o : app->get_options()) {
+          for (const std::string& long_name : o->get_lnames()) known.push_back("--" + long_name);
+        }
+        return {command, "unknown option " + name + nearest(name, known)};
+      }
+      value_next = word.find('=') == std::string::npos && option->get_items_expected_max() > 0;
+      continue;
+    }
+    if (word[0] == '-') continue;  // a short option, or a negative number
+    // A bare word: a subcommand where the app has some and takes no
+    // positional argument of its own, else an argument.
+    std::vector<CLI::App*> subcommands = app->get_subcommands([](CLI::App*) { return true; });
+    if (subcommands.empty()) continue;
+    CLI::App* next = nullptr;
+    std::vector<std::string> names;
+    for (CLI::App* sub : subcommands) {
+      names.push_back(sub->get_name());
+      if (sub->check_name(word)) next = sub;
+    }
+    if (next == nullptr) {
+      bool positional = false;
+      for (const CLI::Option* o : app->get_options()) positional |= o->get_positional();
+      if (positional) continue;
+      return {command, "unknown command " + word + nearest(word, names)};
+    }
+    app = next;
+    if (command.empty()) command = next->get_name();
+  }
+  return {};
+}
+
+}  // namespace
+
 int report_exception(const CLI::App& app, std::string_view command) {
   try {
     throw;
@@ -144,6 +238,24 @@ int report_exception(const CLI::App& app, std::string_view command) {
   } catch (...) {
     return report_error(command);
   }
+}
+
+int report_parse_error(CLI::App& root, std::string_view command, int argc, char** argv) {
+  try {
+    throw;
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() != 0) {  // not --help or --version
+      const UnknownWord unknown = find_unknown_word(root, argc, argv);
+      if (!unknown.message.empty()) {
+        tell(error_prefix(unknown.command) + unknown.message + "\nRun 'qkv" +
+             (unknown.command.empty() ? "" : " ") + unknown.command +
+             " --help' for more information.\n");
+        return kExitUsage;
+      }
+    }
+  } catch (...) {
+  }
+  return report_exception(root, command);
 }
 
 namespace {
@@ -303,7 +415,8 @@ std::string join(const std::vector<std::string>& items, std::string_view separat
                  std::string_view last_separator) {
   std::string text;
   for (size_t i = 0; i < items.size(); ++i) {
-    if (i > 0) text += i + 1 == items.size() && !last_separator.empty() ? last_separator : separator;
+    if (i > 0)
+      text += i + 1 == items.size() && !last_separator.empty() ? last_separator : separator;
     text += items[i];
   }
   return text;
@@ -349,8 +462,8 @@ const Shape& shape_of(const FloatTensor& tensor) {
 
 ValidLens batch_valid_lens(const LensTensor& lens, const Input& lens_input, const Input& against,
                            const Shape& input_shape) {
-  const ValidLens given = std::visit([](const auto& tensor) -> ValidLens { return tensor.view(); },
-                                     lens);
+  const ValidLens given =
+      std::visit([](const auto& tensor) -> ValidLens { return tensor.view(); }, lens);
   if (input_shape.rank() == 2) {
     return given.for_batch_of_one("", lens_input.describe(), against.describe(), input_shape);
   }

@@ -4,6 +4,7 @@
 // exception into a message and an exit status.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -14,12 +15,9 @@
 #include <variant>
 #include <vector>
 
-#include <CLI/CLI.hpp>
-
 #include "qkv/npy.h"
 #include "qkv/tensor.h"
 #include "qkv/valid_lens.h"
-
 
 namespace qkv::cli {
 
@@ -53,6 +51,36 @@ inline std::string exact_number(double x) { return format_number(x, "%.17g"); }
 // A number in JSON, which has no NaN or infinity: those are null, so every
 // --json output parses.
 inline std::string json_number(double x) { return std::isfinite(x) ? exact_number(x) : "null"; }
+// The shortest text that reads back as x ("1e-200", "0.1", "-1e-09"): a
+// number in a message as the user typed it, not exact_number's 17 digits.
+std::string shortest_number(double x);
+
+// Distance scores are -scale |q - k|^2 / 2: a scale so large (a bandwidth so
+// small) that they overflow the float type makes a query's weights
+// inf - inf, NaN, silently. The inputs are finite (refused otherwise when
+// read), so a NaN in `output` (rows of `row_size`) is that overflow: a
+// UsageError naming the option as the user gave it (`scale_option`, e.g.
+// "--bandwidth 1e-25") and the first query it reached.
+template <class T>
+void check_distance_overflow(const T* output, int64_t count, int64_t row_size,
+                             const std::string& scale_option) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isnan(output[i])) continue;
+    throw UsageError(
+        scale_option + " is too small for these inputs: the scores |q - k|^2 / (2 H^2) overflow " +
+        (sizeof(T) == 4 ? "float32 (largest 3.4e+38)" : "float64 (largest 1.8e+308)") +
+        ", so the weights of query " + std::to_string(i / row_size) +
+        " (counted over the batch) are NaN; give a larger bandwidth (as it shrinks, each "
+        "query's output tends to its nearest key's value)");
+  }
+}
+
+// report_exception for a failed parse of the command line: a word the
+// command does not know (an option of the subcommand it follows, or a
+// subcommand) is named first, with the nearest known one ("unknown option
+// --querys; did you mean --queries?"), not CLI11's message, which names
+// what the typo hid ("--queries is required").
+int report_parse_error(CLI::App& root, std::string_view command, int argc, char** argv);
 
 // Call from inside a catch block: prints "qkv <command>: error: <message>"
 // (or "qkv: error: ..." when `command` is empty) on stderr and returns the

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (...) {
     const Command* command = selected();
-    return qkv::cli::report_exception(app, command ? command->app->get_name() : "");
+    return qkv::cli::report_parse_error(app, command ? command->app->get_name() : "", argc, argv);
   }
   const Command* command = selected();
   if (command == nullptr) {

@@ -5,12 +5,14 @@
 #             format version and rank written by NumPy
 #   manifest  the key-value store's manifest reader (fuzz/manifest_fuzz.cc),
 #             from manifests as qkv writes them
-# Usage: fuzz/run_fuzz.sh npy|manifest FUZZER_BINARY SECONDS
+#   index     the search index's readers (fuzz/index_fuzz.cc): its manifest,
+#             packages.json and BM25 postings, from files as qkv writes them
+# Usage: fuzz/run_fuzz.sh npy|manifest|index FUZZER_BINARY SECONDS
 # Exits non-zero if the fuzzer finds a crash (the reproducer is kept and named).
 set -euo pipefail
 
-if [ $# -ne 3 ] || { [ "$1" != npy ] && [ "$1" != manifest ]; }; then
-  echo "usage: $0 npy|manifest FUZZER_BINARY SECONDS" >&2
+if [ $# -ne 3 ] || { [ "$1" != npy ] && [ "$1" != manifest ] && [ "$1" != index ]; }; then
+  echo "usage: $0 npy|manifest|index FUZZER_BINARY SECONDS" >&2
   exit 2
 fi
 reader=$1
@@ -103,6 +105,62 @@ cat >"$work/fuzz.dict" <<'DICT'
 "18446744073709551615"
 "-9223372036854775808"
 "1e400"
+DICT
+}
+
+seed_index() {
+# Seeds: the first byte picks the reader (index_fuzz.cc). A manifest as
+# qkv writes it, its checksum formed by Debian's libxxhash; packages.json;
+# postings blobs of 3 and 1 documents.
+/usr/bin/python3 - "$work/corpus" <<'PY'
+import ctypes, json, sys
+xxh = ctypes.CDLL("libxxhash.so.0")
+xxh.XXH3_64bits.restype = ctypes.c_uint64
+xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+out = sys.argv[1]
+manifest = {"format": "qkv search index", "version": 1, "packages": 3, "dim": 4,
+            "buckets": 4096, "hash_seed": 0, "score_scale": 16.0, "tied": False,
+            "hybrid_fusion": "linear", "hybrid_weight": 5.0, "sections": ["admin", "math"],
+            "files": {"packages.json": "a06fb0e9c2347f54", "query_map.npy": "c9943ff12eb70f30",
+                      "doc_map.npy": "30c353f3389fca62", "bm25.sqlite": "efd56195dbf783d7"}}
+body = json.dumps(manifest, separators=(",", ":")).encode()
+manifest["xxh3"] = f"{xxh.XXH3_64bits(body, len(body)):016x}"
+with open(f"{out}/manifest.bin", "wb") as f:
+    f.write(b"\0" + json.dumps(manifest, indent=2).encode())
+packages = [{"name": "gnuplot", "short_description": "plotting", "section": "math",
+             "held_out": False},
+            {"name": "zsh", "short_description": "shell", "section": "shells", "held_out": True}]
+with open(f"{out}/packages.bin", "wb") as f:
+    f.write(b"\1" + json.dumps(packages).encode())
+with open(f"{out}/postings.bin", "wb") as f:  # 3 documents, 2 hits: rowids 1 and 3
+    f.write(bytes([2, 3, 0, 2, 0, 1, 2, 2, 1]))
+with open(f"{out}/postings_long.bin", "wb") as f:  # a multi-byte varint count
+    f.write(bytes([2, 1, 0, 1, 0, 1, 0x81, 0x01]))
+PY
+
+cat >"$work/fuzz.dict" <<'DICT'
+"\"format\""
+"\"qkv search index\""
+"\"version\""
+"\"buckets\""
+"\"hash_seed\""
+"\"score_scale\""
+"\"hybrid_fusion\""
+"\"hybrid_weight\""
+"\"sections\""
+"\"files\""
+"\"xxh3\""
+"\"linear\""
+"\"ranks\""
+"\"name\""
+"\"short_description\""
+"\"section\""
+"\"held_out\""
+"true"
+"18446744073709551615"
+"-1"
+"1e308"
+"\x80\x80\x80\x80\x80"
 DICT
 }
 

@@ -70,16 +70,26 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
       return $status
     }
     trap print_stages EXIT
+    fuzz_readers() {  # readers: each fuzzed for a minute, all at once (sharing the cores)
+      local reader pid pids=() status=0
+      for reader in "$@"; do
+        fuzz/run_fuzz.sh "$reader" "build/fuzz/${reader}_fuzz" 60 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      return $status
+    }
     stage "install dependencies" scripts/install-deps.sh test
     # Fuzz the file readers first (clang's libFuzzer with ASan, bounded to a
-    # minute each): the .npy reader and the key-value store's manifest reader.
+    # minute each, side by side): the .npy reader, the key-value store's
+    # manifest reader and the search index's readers.
     if [ ! -f build/fuzz/CMakeCache.txt ]; then
       cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++-14 \
         -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF >/dev/null
     fi
-    stage "fuzz: build" cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz
-    stage "fuzz: .npy reader" fuzz/run_fuzz.sh npy build/fuzz/npy_fuzz 60
-    stage "fuzz: store manifest reader" fuzz/run_fuzz.sh manifest build/fuzz/manifest_fuzz 60
+    stage "fuzz: build" cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz \
+      index_fuzz
+    stage "fuzz: .npy, store manifest, index" fuzz_readers npy manifest index
     # Debug with AddressSanitizer + UndefinedBehaviorSanitizer: the kernels at
     # this CPU's best SIMD target and scalar (CMakeLists.txt).
     stage "ASan+UBSan: build" configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug \

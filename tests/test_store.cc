@@ -1,31 +1,23 @@
-// Tests of the on-disk key-value store (qkv/store.h) and attention over it
-// (qkv/store_attention.h): round trips of float32 and bfloat16 rows through
-// chunk files; appends (also from a stale object) and their atomicity
-// pieces (the lock, leftovers of killed appends); every kind of damage open()
-// and verify() must name; manifest parsing errors; attention over a store
-// against a float64 plain loop over all rows, with every valid-rows form,
-// top-k against sorting, chunks no query sees left unread, 1 and 2 threads
-// bitwise; every error. Killing a real appender is tests/cli/test_store.py's.
-#include <fcntl.h>
-#include <sys/file.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
+// Tests of attention over the on-disk key-value store (qkv/store_attention.h)
+// and over any chunk source: against a float64 plain loop over all rows,
+// with every valid-rows form, top-k against sorting, chunks no query sees
+// left unread, 1, 2 and 3 threads bitwise, merge_parts; every error. The
+// kernels underneath run once per SIMD target. The store's files (round
+// trips, appends, damage, the manifest) are test_store_files.cc's.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include "qkv/store.h"
 #include "attention_testing.h"
-#include "io/npy_header.h"
+#include "qkv/store.h"
 #include "qkv/store_attention.h"
 #include "qkv/threads.h"
+#include "store_testing.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -35,429 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-class StoreTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char pattern[] = "/tmp/qkv-store-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    root_ = pattern;
-  }
-  void TearDown() override { fs::remove_all(root_); }
-  std::string path(const std::string& name) const { return (fs::path(root_) / name).string(); }
-  std::vector<std::string> listing(const std::string& dir) const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-  std::string root_;
-};
-
-// A chunk's keys or values as float (rows, dim).
-template <class T>
-void copy_rows(ConstView<T> from, int64_t first_row, Tensor<float>& to) {
-  ASSERT_EQ(from.size(1), to.size(1));
-  for (int64_t i = 0; i < from.size(0); ++i) {
-    for (int64_t j = 0; j < from.size(1); ++j) to(first_row + i, j) = static_cast<float>(from(i, j));
-  }
-}
-
-// The store's rows read back through the chunk source interface, as float;
-// each chunk's range as the manifest has it, the views of the store's dtype
-// only.
-struct ReadBack {
-  Tensor<float> keys, values;
-};
-ReadBack read_back(const ChunkSource& store) {
-  ReadBack all{Tensor<float>(Shape{store.rows(), store.key_dim()}),
-               Tensor<float>(Shape{store.rows(), store.value_dim()})};
-  int64_t next_row = 0;
-  for (size_t c = 0; c < store.num_chunks(); ++c) {
-    const SourceChunk chunk = store.read_chunk(c);
-    EXPECT_EQ(chunk.range().first_row, next_row);
-    EXPECT_EQ(chunk.range().first_row, store.chunk_range(c).first_row);
-    EXPECT_EQ(chunk.range().rows, store.chunk_range(c).rows);
-    EXPECT_EQ(chunk.dtype(), store.dtype());
-    next_row += chunk.range().rows;
-    if (store.dtype() == StoreDtype::kFloat32) {
-      copy_rows(chunk.keys<float>(), chunk.range().first_row, all.keys);
-      copy_rows(chunk.values<float>(), chunk.range().first_row, all.values);
-      expect_error([&] { chunk.keys<bfloat16>(); }, {"SourceChunk::keys", "float32", "not bfloat16"});
-    } else {
-      copy_rows(chunk.keys<bfloat16>(), chunk.range().first_row, all.keys);
-      copy_rows(chunk.values<bfloat16>(), chunk.range().first_row, all.values);
-      expect_error([&] { chunk.values<float>(); }, {"SourceChunk::values", "bfloat16", "not float32"});
-    }
-  }
-  EXPECT_EQ(next_row, store.rows());
-  return all;
-}
-
-// Where a chunk's keys are in memory.
-const void* keys_address(const SourceChunk& chunk) {
-  return chunk.dtype() == StoreDtype::kFloat32 ? static_cast<const void*>(chunk.keys<float>().data())
-                                               : static_cast<const void*>(chunk.keys<bfloat16>().data());
-}
-
-Tensor<float> rounded_to_bf16(const Tensor<float>& x) {
-  Tensor<float> out(x.shape());
-  for (int64_t i = 0; i < x.numel(); ++i) out.data()[i] = static_cast<float>(bfloat16(x.data()[i]));
-  return out;
-}
-
-Tensor<float> rows_of(const Tensor<float>& x, int64_t first, int64_t n) {
-  Tensor<float> out(Shape{n, x.size(1)});
-  std::copy_n(x.data() + first * x.size(1), n * x.size(1), out.data());
-  return out;
-}
-
-void flip_byte(const std::string& file, long offset) {
-  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(offset);
-  char c = 0;
-  f.read(&c, 1);
-  c = static_cast<char>(c ^ 0x10);
-  f.seekp(offset);
-  f.write(&c, 1);
-}
-
-// ---- round trips ----------------------------------------------------------------
-
-TEST_F(StoreTest, RowsComeBackAsWrittenInEveryChunking) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  int made = 0;
-  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
-    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{64}, rng.uniform_int(65, 300)}) {
-      for (int64_t chunk_rows : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{1000}}) {
-        if (n / chunk_rows > 80) continue;
-        const int64_t d = rng.uniform_int(1, 9), dv = rng.uniform_int(1, 9);
-        const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -3, 3);
-        const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv}, -3, 3);
-        const std::string dir = path("s" + std::to_string(made++));
-        const KeyValueStore created = KeyValueStore::create(dir, keys, values, dtype, chunk_rows);
-        const KeyValueStore store = KeyValueStore::open(dir);
-        SCOPED_TRACE(dir + " n=" + std::to_string(n) + " chunk_rows=" + std::to_string(chunk_rows));
-        EXPECT_EQ(store.rows(), n);
-        EXPECT_EQ(store.key_dim(), d);
-        EXPECT_EQ(store.value_dim(), dv);
-        EXPECT_EQ(store.dtype(), dtype);
-        EXPECT_EQ(store.chunk_rows(), chunk_rows);
-        EXPECT_EQ(store.chunks().size(), static_cast<size_t>((n + chunk_rows - 1) / chunk_rows));
-        EXPECT_EQ(store.manifest_text(), created.manifest_text());
-        int64_t next_row = 0, bytes = 0;
-        for (const StoreChunk& chunk : store.chunks()) {
-          EXPECT_EQ(chunk.first_row, next_row);
-          EXPECT_GE(chunk.rows, 1);
-          EXPECT_LE(chunk.rows, chunk_rows);
-          next_row += chunk.rows;
-          bytes += static_cast<int64_t>(fs::file_size(fs::path(dir) / chunk.keys_file) +
-                                        fs::file_size(fs::path(dir) / chunk.values_file));
-        }
-        EXPECT_EQ(store.file_bytes(), bytes);
-        const ReadBack back = read_back(store);
-        if (!store.chunks().empty()) {  // mapped once, kept, shared by copies
-          const KeyValueStore copy = store;
-          EXPECT_EQ(keys_address(store.read_chunk(0)), keys_address(copy.read_chunk(0)));
-        }
-        const bool bf16 = dtype == StoreDtype::kBFloat16;
-        expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(keys) : keys, "keys");
-        expect_bitwise_equal(back.values, bf16 ? rounded_to_bf16(values) : values, "values");
-      }
-    }
-  }
-}
-
-TEST_F(StoreTest, ChunkFilesAreNumPyFiles) {
-  // NumPy reads a chunk as (rows, D) <f4, or <u2 holding bfloat16's bits.
-  const Tensor<float> keys({3, 2}, {1, 2, 3, 4, 5, 6.5f});
-  const Tensor<float> values({3, 1}, {-1, 0, 1});
-  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
-  const NpyArray read = read_npy((fs::path(store.dir()) / store.chunks()[0].keys_file).string());
-  expect_bitwise_equal(std::get<Tensor<float>>(read), keys, "keys chunk");
-  const KeyValueStore bf = KeyValueStore::create(path("b"), keys, values, StoreDtype::kBFloat16);
-  const std::string file = (fs::path(bf.dir()) / bf.chunks()[0].keys_file).string();
-  expect_error([&] { read_npy(file); }, {"<u2"});  // not a dtype the tensor readers take
-  std::ifstream in(file, std::ios::binary);
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const NpyHeader header = parse_npy_header(bytes.data(), bytes.size(), file);
-  EXPECT_EQ(header.descr, "<u2");
-  EXPECT_EQ(header.shape, Shape({3, 2}));
-  uint16_t bits;
-  std::memcpy(&bits, bytes.data() + header.data_offset + 5 * 2, 2);
-  EXPECT_EQ(bits, bfloat16(6.5f).bits);
-}
-
-TEST_F(StoreTest, StridedInputsAreGathered) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  const Tensor<float> wide = random_tensor<float>(rng, Shape{10, 8});
-  // Every other column of every row: keys (10, 4) with strides (8, 2).
-  const ConstView<float> keys(wide.data(), Shape{10, 4}, Shape{8, 2});
-  const ConstView<float> values(wide.data() + 1, Shape{10, 4}, Shape{8, 2});
-  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 3);
-  const ReadBack back = read_back(store);
-  expect_bitwise_equal(back.keys, Tensor<float>::copy_of(keys), "keys");
-  expect_bitwise_equal(back.values, Tensor<float>::copy_of(values), "values");
-}
-
-// ---- appends --------------------------------------------------------------------
-
-TEST_F(StoreTest, AppendsAddChunksAndKeepEveryRow) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  for (StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
-    const std::string dir = path(dtype == StoreDtype::kFloat32 ? "f" : "b");
-    Tensor<float> all_keys = random_tensor<float>(rng, Shape{60, 5});
-    Tensor<float> all_values = random_tensor<float>(rng, Shape{60, 3});
-    KeyValueStore store = KeyValueStore::create(dir, rows_of(all_keys, 0, 10),
-                                                rows_of(all_values, 0, 10), dtype, 8);
-    // A second object opened now goes stale when `store` appends; its own
-    // append must still keep those rows (it reads the manifest under the lock).
-    KeyValueStore stale = KeyValueStore::open(dir);
-    store.append(rows_of(all_keys, 10, 20), rows_of(all_values, 10, 20));
-    EXPECT_EQ(store.rows(), 30);
-    stale.append(rows_of(all_keys, 30, 17), rows_of(all_values, 30, 17));
-    EXPECT_EQ(stale.rows(), 47);
-    stale.append(Tensor<float>(Shape{0, 5}), Tensor<float>(Shape{0, 3}));  // nothing to add
-    KeyValueStore again = KeyValueStore::open(dir);
-    again.append(rows_of(all_keys, 47, 13), rows_of(all_values, 47, 13));
-    const KeyValueStore last = KeyValueStore::open(dir);
-    EXPECT_EQ(last.rows(), 60);
-    // 10 = 8 + 2, 20 = 8 + 8 + 4, 17 = 8 + 8 + 1, 13 = 8 + 5: earlier chunks never rewritten.
-    std::vector<int64_t> sizes;
-    for (const StoreChunk& c : last.chunks()) sizes.push_back(c.rows);
-    EXPECT_EQ(sizes, (std::vector<int64_t>{8, 2, 8, 8, 4, 8, 8, 1, 8, 5}));
-    const ReadBack back = read_back(last);
-    const bool bf16 = dtype == StoreDtype::kBFloat16;
-    expect_bitwise_equal(back.keys, bf16 ? rounded_to_bf16(all_keys) : all_keys, "keys");
-    expect_bitwise_equal(back.values, bf16 ? rounded_to_bf16(all_values) : all_values, "values");
-  }
-}
-
-TEST_F(StoreTest, AppendOfOtherSizesChangesNothing) {
-  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
-  KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
-  const std::string before = store.manifest_text();
-  expect_error([&] { store.append(Tensor<float>(Shape{2, 4}), Tensor<float>(Shape{2, 2})); },
-               {"KeyValueStore::append", "[2, 4]", "D = 3", "Dv = 2"});
-  expect_error([&] { store.append(Tensor<float>(Shape{2, 3}), Tensor<float>(Shape{3, 2})); },
-               {"KeyValueStore::append", "[2, 3]", "[3, 2]", "one value row per key row"});
-  expect_error([&] { store.append(Tensor<float>(Shape{3}), Tensor<float>(Shape{3, 2})); },
-               {"keys has shape [3]", "(N, D)"});
-  EXPECT_EQ(KeyValueStore::open(path("s")).manifest_text(), before);
-  EXPECT_EQ(listing(path("s")),
-            (std::vector<std::string>{"keys-000000.npy", "lock", "manifest.json", "values-000000.npy"}));
-}
-
-TEST_F(StoreTest, ASecondAppenderGetsAnErrorAndWritesNothing) {
-  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
-  KeyValueStore store = KeyValueStore::create(path("s"), keys, values);
-  const std::vector<std::string> files = listing(path("s"));
-  {
-    // Another appender holds the lock (flock on <store>/lock, as append does).
-    const int fd = ::open(path("s/lock").c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
-    expect_io_error([&] { store.append(keys, values); },
-                    {"KeyValueStore::append", path("s"), "another process", "nothing was written"});
-    ::close(fd);
-  }
-  EXPECT_EQ(listing(path("s")), files);
-  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 4);
-  store.append(keys, values);  // the lock is free again
-  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 8);
-}
-
-TEST_F(StoreTest, AnAppendClearsWhatAKilledAppendLeft) {
-  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
-  KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 4);
-  // A killed append leaves renamed chunk files the manifest never named and
-  // staged temporary files.
-  for (const char* name : {"keys-000001.npy", "values-000001.npy", ".keys-000002.npy.qkv-Ab12Cd",
-                           ".manifest.json.qkv-Zz99Yy"}) {
-    std::ofstream(path(std::string("s/") + name)) << "left behind";
-  }
-  std::ofstream(path("s/notes.txt")) << "the user's own file";
-  std::ofstream(path("s/keys-notes.npy")) << "and another, named like a chunk but not one";
-  EXPECT_EQ(KeyValueStore::open(path("s")).rows(), 4);  // readers ignore them
-  store.append(keys, values);
-  EXPECT_EQ(listing(path("s")),
-            (std::vector<std::string>{"keys-000000.npy", "keys-000001.npy", "keys-notes.npy", "lock",
-                                      "manifest.json", "notes.txt", "values-000000.npy",
-                                      "values-000001.npy"}));
-  KeyValueStore::open(path("s"), StoreCheck::kChecksums);  // the new chunk 1 is whole
-}
-
-// ---- create's errors ---------------------------------------------------------------
-
-TEST_F(StoreTest, CreateRefusesAnExistingPathAndBadArguments) {
-  const Tensor<float> keys(Shape{4, 3}, 1.0f), values(Shape{4, 2}, 2.0f);
-  fs::create_directory(path("exists"));
-  expect_error([&] { KeyValueStore::create(path("exists"), keys, values); },
-               {"KeyValueStore::create", path("exists"), "already exists"});
-  std::ofstream(path("file")) << "x";
-  expect_error([&] { KeyValueStore::create(path("file"), keys, values); }, {"already exists"});
-  expect_error([&] { KeyValueStore::create(path("no/such/dir/s"), keys, values); },
-               {"KeyValueStore::create", "cannot create a directory"});
-  expect_error([&] { KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 0); },
-               {"chunk_rows = 0"});
-  expect_error([&] { KeyValueStore::create(path("s"), keys, Tensor<float>(Shape{3, 2})); },
-               {"[4, 3]", "[3, 2]"});
-  expect_error([&] { KeyValueStore::create(path("s"), Tensor<float>(Shape{4, 0}), values); },
-               {"D >= 1"});
-  // Nothing left behind by the failures: no store, no temporary directory.
-  EXPECT_EQ(listing(root_), (std::vector<std::string>{"exists", "file"}));
-}
-
-TEST_F(StoreTest, AFailedCreateLeavesNoDirectory) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  const Tensor<float> keys = random_tensor<float>(rng, Shape{4096, 64});
-  const Tensor<float> values = random_tensor<float>(rng, Shape{4096, 64});
-  {
-    const FileSizeLimit limit(100000);  // the first chunk file fails part way
-    expect_io_error([&] { KeyValueStore::create(path("s"), keys, values); }, {"cannot write"});
-  }
-  EXPECT_TRUE(listing(root_).empty());
-}
-
-// ---- damage open() and verify() find ------------------------------------------------
-
-TEST_F(StoreTest, DamagedChunksAreNamed) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  const Tensor<float> keys = random_tensor<float>(rng, Shape{30, 4});
-  const Tensor<float> values = random_tensor<float>(rng, Shape{30, 2});
-  const auto fresh = [&](const std::string& name) {
-    return KeyValueStore::create(path(name), keys, values, StoreDtype::kFloat32, 8);
-  };
-  {  // a flipped byte in the data: only the checksums see it
-    const KeyValueStore store = fresh("flip");
-    const std::string file = path("flip/") + store.chunks()[2].values_file;
-    flip_byte(file, static_cast<long>(fs::file_size(file)) - 3);
-    KeyValueStore::open(path("flip"), StoreCheck::kStructure);
-    expect_error([&] { KeyValueStore::open(path("flip")); },
-                 {"KeyValueStore::open", file, "checksum", "altered"});
-    expect_error([&] { store.verify(); }, {"KeyValueStore::verify", file, "altered"});
-  }
-  {  // a truncated chunk: open() finds it without checksums, and so does read_chunk
-    const KeyValueStore store = fresh("cut");
-    const std::string file = path("cut/") + store.chunks()[1].keys_file;
-    fs::resize_file(file, fs::file_size(file) - 4);
-    expect_error([&] { KeyValueStore::open(path("cut"), StoreCheck::kStructure); },
-                 {"KeyValueStore::open", file, "truncated"});
-    expect_error([&] { store.read_chunk(1); }, {"KeyValueStore::read_chunk", file, "truncated"});
-    store.read_ahead(1);  // a hint: what it cannot read, read_chunk reports
-    expect_error([&] { store.verify(); }, {file});
-  }
-  {  // a missing chunk file
-    const KeyValueStore store = fresh("gone");
-    const std::string file = path("gone/") + store.chunks()[3].values_file;
-    fs::remove(file);
-    expect_error([&] { KeyValueStore::open(path("gone"), StoreCheck::kStructure); },
-                 {file, "cannot open"});
-  }
-  {  // a chunk file replaced by another array (another shape, another dtype)
-    const KeyValueStore store = fresh("swap");
-    const std::string file = path("swap/") + store.chunks()[0].keys_file;
-    write_npy(file, Tensor<float>(Shape{8, 5}).view());
-    expect_error([&] { KeyValueStore::open(path("swap"), StoreCheck::kStructure); },
-                 {file, "[8, 5]", "[8, 4]", "replaced"});
-    write_npy(file, Tensor<double>(Shape{8, 4}).view());
-    expect_error([&] { KeyValueStore::open(path("swap"), StoreCheck::kStructure); },
-                 {file, "<f8", "<f4", "replaced"});
-  }
-  {  // not a store at all
-    expect_error([&] { KeyValueStore::open(path("nothing")); }, {path("nothing"), "cannot open"});
-    fs::create_directory(path("empty"));
-    expect_error([&] { KeyValueStore::open(path("empty")); }, {"not a store", "manifest.json"});
-  }
-}
-
-// ---- the manifest -------------------------------------------------------------
-
-TEST(StoreManifest, EveryMistakeIsNamed) {
-  const std::string good = R"({"format": "qkv key-value store", "version": 1, "dtype": "float32",
-    "key_dim": 4, "value_dim": 2, "chunk_rows": 8, "rows": 10, "chunks": [
-    {"rows": 8, "keys": "keys-000000.npy", "keys_xxh3": "0123456789abcdef",
-     "values": "values-000000.npy", "values_xxh3": "fedcba9876543210"},
-    {"rows": 2, "keys": "k1.npy", "keys_xxh3": "0000000000000000",
-     "values": "v1.npy", "values_xxh3": "ffffffffffffffff"}]})";
-  const KeyValueStore store = KeyValueStore::parse_manifest(good, "m.json");
-  EXPECT_EQ(store.rows(), 10);
-  EXPECT_EQ(store.chunks()[1].first_row, 8);
-  EXPECT_EQ(store.chunks()[0].keys_xxh3, 0x0123456789abcdefULL);
-  EXPECT_EQ(store.chunks()[1].values_xxh3, 0xffffffffffffffffULL);
-  // The text written back parses to the same store.
-  EXPECT_EQ(KeyValueStore::parse_manifest(store.manifest_text(), "again").manifest_text(),
-            store.manifest_text());
-
-  const auto with = [&](const std::string& from, const std::string& to) {
-    std::string text = good;
-    const size_t at = text.find(from);
-    EXPECT_NE(at, std::string::npos) << from;
-    return text.replace(at, from.size(), to);
-  };
-  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
-      {"", {"not valid JSON"}},
-      {"{", {"not valid JSON"}},
-      {"[1, 2]", {"is a JSON array", "expected an object"}},
-      {with("qkv key-value store", "something else"), {"\"format\"", "something else"}},
-      {with("\"version\": 1", "\"version\": 2"), {"\"version\" is 2", "reads version 1"}},
-      {with("\"version\": 1", "\"version\": \"1\""), {"\"version\"", "expected an integer"}},
-      {with("float32", "float16"), {"\"dtype\" is \"float16\""}},
-      {with("\"key_dim\": 4", "\"key_dim\": 0"), {"\"key_dim\" is 0"}},
-      {with("\"key_dim\": 4", "\"key_dim\": 4.5"), {"\"key_dim\"", "expected an integer"}},
-      {with("\"key_dim\": 4", "\"key_dim\": 1e400"), {"not valid JSON", "1e400"}},  // fuzz-found
-      {with("\"value_dim\": 2", "\"value_dim\": -2"), {"\"value_dim\" is -2"}},
-      {with("\"rows\": 10", "\"rows\": 18446744073709551615"), {"\"rows\" is 18446744073709551615"}},
-      {with("\"rows\": 10", "\"rows\": 11"), {"\"rows\" is 11", "the chunks hold 10"}},
-      {with("\"chunk_rows\": 8", "\"chunk_rows\": 4"), {"chunks[0] \"rows\" is 8"}},
-      {with("\"rows\": 2", "\"rows\": 0"), {"chunks[1] \"rows\" is 0"}},
-      {with("\"k1.npy\"", "\"../k1.npy\""), {"chunks[1] \"keys\"", "a file in the store's directory"}},
-      {with("\"k1.npy\"", "\".hidden\""), {"chunks[1] \"keys\""}},
-      {with("\"k1.npy\"", "\"manifest.json\""), {"chunks[1]", "manifest.json"}},
-      {with("\"k1.npy\"", "\"keys-000000.npy\""), {"chunks[1]", "uses already"}},
-      {with("\"0000000000000000\"", "\"00000000000000\""), {"chunks[1] \"keys_xxh3\"", "16 hex"}},
-      {with("\"0000000000000000\"", "\"000000000000000G\""), {"16 hex digits"}},
-      {with("\"dtype\"", "\"extra\": 1, \"dtype\""), {"unknown member \"extra\""}},
-      {with("\"rows\": 2,", "\"rows\": 2, \"more\": 1,"), {"chunks[1] has an unknown member"}},
-      {with("\"chunks\": [", "\"chunks\": 5, \"x\": ["), {"unknown member \"x\""}},
-      {with(", \"value_dim\": 2", ""), {"has no \"value_dim\""}},
-  };
-  for (const auto& [text, fragments] : cases) {
-    SCOPED_TRACE(text);
-    const std::string message = expect_error(
-        [&] { KeyValueStore::parse_manifest(text, "m.json"); }, {"KeyValueStore::open", "m.json"});
-    for (const std::string& fragment : fragments) {
-      EXPECT_NE(message.find(fragment), std::string::npos) << fragment << "\n" << message;
-    }
-  }
-}
-
 // ---- attention over a store -----------------------------------------------------
-
-// softmax(scale Q Kᵀ) V over rows [0, len_i) in double, and the weights:
-// attention_testing.h's float64 loop on the rows as one batch element.
-struct PlainAttention {
-  Tensor<double> output, lse, weights;
-};
-PlainAttention plain_attention(const Tensor<float>& q, const Tensor<float>& k,
-                               const Tensor<float>& v, const std::vector<int64_t>& lens,
-                               double scale) {
-  const int64_t nq = q.size(0), n = k.size(0), dv = v.size(1);
-  const Tensor<int64_t> lens2(Shape{1, nq}, lens);
-  const NaiveForward r = naive_sdpa<float>(q.view().unsqueeze0(), k.view().unsqueeze0(),
-                                           v.view().unsqueeze0(), ValidLens(lens2), scale, {});
-  return {as_tensor(Shape{nq, dv}, r.out), as_tensor(Shape{nq}, r.lse),
-          as_tensor(Shape{nq, n}, r.weights)};
-}
 
 TEST_F(StoreTest, AttentionEqualsAttentionOverEveryRow) {
   const uint64_t seed = test_seed();
@@ -491,9 +61,9 @@ TEST_F(StoreTest, AttentionEqualsAttentionOverEveryRow) {
       const double scale = rng.bernoulli(0.5) ? 1.0 / std::sqrt(double(d)) : rng.uniform(0.1, 2);
       const int64_t top_k = rng.uniform_int(0, std::min<int64_t>(n, 12));
       for (int form = 0; form < 4; ++form) {
-        SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) + " dv=" +
-                     std::to_string(dv) + " nq=" + std::to_string(nq) + " chunk_rows=" +
-                     std::to_string(chunk_rows) + " form=" + std::to_string(form) +
+        SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) +
+                     " dv=" + std::to_string(dv) + " nq=" + std::to_string(nq) +
+                     " chunk_rows=" + std::to_string(chunk_rows) + " form=" + std::to_string(form) +
                      (bf16 ? " bf16" : " f32"));
         std::vector<int64_t> lens(static_cast<size_t>(nq), n);
         ValidLens valid;
@@ -628,21 +198,22 @@ TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
       SCOPED_TRACE("n=" + std::to_string(n) + " chunk_rows=" + std::to_string(chunk_rows) +
                    (dtype == StoreDtype::kBFloat16 ? " bf16" : " f32"));
       const StoreAttentionResult forward = attend(queries, store, ValidLens(lens));
-      const StoreAttentionGrads got = attend_backward(
-          queries, store, ValidLens(lens), {}, {forward.output.view(), forward.lse.view()},
-          d_output);
+      const StoreAttentionGrads got =
+          attend_backward(queries, store, ValidLens(lens), {},
+                          {forward.output.view(), forward.lse.view()}, d_output);
       // The reference: float64, over the rows as stored (bf16 rounded), the
       // queries rounded as the store rounds them.
       const bool bf16 = dtype == StoreDtype::kBFloat16;
       const ReadBack back = read_back(store);
-      const Tensor<double> q = cast<double>(bf16 ? rounded_to_bf16(queries) : queries)
-                                   .reshaped(Shape{1, nq, d});
+      const Tensor<double> q =
+          cast<double>(bf16 ? rounded_to_bf16(queries) : queries).reshaped(Shape{1, nq, d});
       const Tensor<double> k = cast<double>(back.keys).reshaped(Shape{1, n, d});
       const Tensor<double> v = cast<double>(back.values).reshaped(Shape{1, n, dv});
       const Tensor<int64_t> lens2 = Tensor<int64_t>::copy_of(lens.view()).reshaped(Shape{1, nq});
       AttentionOptions with_lse;
       with_lse.return_lse = true;
-      const AttentionResult<double> ref = ref::scaled_dot_product_attention(q, k, v, ValidLens(lens2), with_lse);
+      const AttentionResult<double> ref =
+          ref::scaled_dot_product_attention(q, k, v, ValidLens(lens2), with_lse);
       const DotProductGrads<double> want = ref::scaled_dot_product_attention_backward(
           q, k, v, ValidLens(lens2), with_lse, {ref.output.view(), ref.lse.view()},
           cast<double>(d_output).reshaped(Shape{1, nq, dv}));
@@ -665,16 +236,22 @@ TEST_F(StoreTest, BackwardEqualsTheBackwardOverEveryRow) {
   const KeyValueStore store = KeyValueStore::create(path("e"), Tensor<float>(Shape{3, 2}, 1.0f),
                                                     Tensor<float>(Shape{3, 2}, 1.0f));
   const Tensor<float> q(Shape{2, 2}), o(Shape{2, 2}), lse(Shape{2});
-  expect_error([&] { attend_backward(q, store, {}, {}, {o.view(), Tensor<float>(Shape{3}).view()}, o); },
-               {"attend_backward", "saved.lse", "[3]", "[2]"});
-  expect_error([&] { attend_backward(q, store, {}, {}, {o.view(), lse.view()}, Tensor<float>(Shape{2, 3})); },
-               {"attend_backward", "d_output", "[2, 3]"});
+  expect_error(
+      [&] {
+        attend_backward(q, store, {}, {}, {o.view(), Tensor<float>(Shape{3}).view()}, o);
+      },
+      {"attend_backward", "saved.lse", "[3]", "[2]"});
+  expect_error(
+      [&] {
+        attend_backward(q, store, {}, {}, {o.view(), lse.view()}, Tensor<float>(Shape{2, 3}));
+      },
+      {"attend_backward", "d_output", "[2, 3]"});
 }
 
 TEST_F(StoreTest, DistanceScoringIsNadarayaWatsonOverEveryRow) {
-  // -|q - k|^2 / (2 h^2), distance scoring at scale 1/h^2, against a float64 loop, with keys near the origin
-  // and 1000 away from it (centred per chunk, so no accuracy is lost there;
-  // the uncentred float form would err by ~1e-7 |k|^2 / h^2 ~ 0.4 per score).
+  // -|q - k|^2 / (2 h^2), distance scoring at scale 1/h^2, against a float64 loop, with keys near
+  // the origin and 1000 away from it (centred per chunk, so no accuracy is lost there; the
+  // uncentred float form would err by ~1e-7 |k|^2 / h^2 ~ 0.4 per score).
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
@@ -686,11 +263,13 @@ TEST_F(StoreTest, DistanceScoringIsNadarayaWatsonOverEveryRow) {
       const double h = rng.uniform(0.3, 2.0);
       const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, offset - 1, offset + 1);
       const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
-      const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, d}, offset - 1.2, offset + 1.2);
+      const Tensor<float> queries =
+          random_tensor<float>(rng, Shape{nq, d}, offset - 1.2, offset + 1.2);
       const KeyValueStore store = KeyValueStore::create(path("g" + std::to_string(made++)), keys,
                                                         values, dtype, rng.uniform_int(1, 250));
-      SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) + " h=" + std::to_string(h) +
-                   " offset=" + std::to_string(offset) + (dtype == StoreDtype::kBFloat16 ? " bf16" : ""));
+      SCOPED_TRACE("n=" + std::to_string(n) + " d=" + std::to_string(d) +
+                   " h=" + std::to_string(h) + " offset=" + std::to_string(offset) +
+                   (dtype == StoreDtype::kBFloat16 ? " bf16" : ""));
       Tensor<int64_t> lens(Shape{nq});
       for (int64_t i = 0; i < nq; ++i) lens(i) = rng.bernoulli(0.5) ? n : rng.uniform_int(0, n);
       StoreAttentionOptions options;
@@ -731,7 +310,8 @@ TEST_F(StoreTest, DistanceScoringIsNadarayaWatsonOverEveryRow) {
       }
       // Scores are differences of float-rounded centred coordinates: their
       // error grows with their size (up to ~d (2.2)^2 / (2 h^2)).
-      expect_close(got.output, out, Tol{.atol = 1e-5 * (1 + largest_score), .rtol = 1e-4}, "output");
+      expect_close(got.output, out, Tol{.atol = 1e-5 * (1 + largest_score), .rtol = 1e-4},
+                   "output");
       expect_close(got.lse, lse, Tol{.atol = 2e-6 * (1 + largest_score), .rtol = 2e-6}, "lse");
     }
   }
@@ -754,10 +334,12 @@ TEST_F(StoreTest, DistanceScoringIsNadarayaWatsonOverEveryRow) {
                   "attention over a store scores by dot or distance"});
   }
   const StoreAttentionResult forward = attend(q, store, {}, options);
-  expect_error([&] {
-    attend_backward(q, store, {}, options, {forward.output.view(), forward.lse.view()},
-                    Tensor<float>(Shape{2, 2}));
-  }, {"attend_backward", "distance scoring has none"});
+  expect_error(
+      [&] {
+        attend_backward(q, store, {}, options, {forward.output.view(), forward.lse.view()},
+                        Tensor<float>(Shape{2, 2}));
+      },
+      {"attend_backward", "distance scoring has none"});
 }
 
 TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {
@@ -766,7 +348,8 @@ TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {
   Rng rng(seed);
   const Tensor<float> keys = random_tensor<float>(rng, Shape{3000, 32});
   const Tensor<float> values = random_tensor<float>(rng, Shape{3000, 16});
-  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 700);
+  const KeyValueStore store =
+      KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 700);
   for (int64_t nq : {1, 5, 300}) {
     const Tensor<float> queries = random_tensor<float>(rng, Shape{nq, 32}, -3, 3);
     StoreAttentionOptions options;
@@ -785,7 +368,8 @@ TEST_F(StoreTest, AttentionIsTheSameBitsForAnyThreadCount) {
 
 TEST_F(StoreTest, ChunksNoQuerySeesAreNotRead) {
   const Tensor<float> keys(Shape{30, 4}, 0.5f), values(Shape{30, 2}, 1.0f);
-  const KeyValueStore store = KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 10);
+  const KeyValueStore store =
+      KeyValueStore::create(path("s"), keys, values, StoreDtype::kFloat32, 10);
   fs::resize_file(path("s/") + store.chunks()[2].keys_file, 100);  // damaged after open
   const Tensor<float> queries(Shape{3, 4}, 1.0f);
   const Tensor<int64_t> within({3}, {0, 20, 13});
@@ -794,7 +378,8 @@ TEST_F(StoreTest, ChunksNoQuerySeesAreNotRead) {
   EXPECT_EQ(got.output(0, 0), 0.0f);
   EXPECT_NEAR(got.lse(1), std::log(20.0) + 1.0, 1e-5);  // 20 equal scores of 4 * 0.5 / 2
   EXPECT_NEAR(got.output(2, 1), 1.0f, 1e-6);
-  expect_error([&] { attend(queries, store); }, {"read_chunk", store.chunks()[2].keys_file, "truncated"});
+  expect_error([&] { attend(queries, store); },
+               {"read_chunk", store.chunks()[2].keys_file, "truncated"});
 }
 
 TEST_F(StoreTest, AttentionOverAnEmptyStore) {
@@ -809,8 +394,11 @@ TEST_F(StoreTest, AttentionErrors) {
   const KeyValueStore store = KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
                                                     Tensor<float>(Shape{5, 2}, 1.0f));
   const Tensor<float> queries(Shape{2, 3}, 1.0f);
-  expect_error([&] { attend(Tensor<float>(Shape{2, 4}), store); },
-               {"attend", "queries has shape [2, 4]", "D = 3"});
+  expect_error(
+      [&] {
+        attend(Tensor<float>(Shape{2, 4}), store);
+      },
+      {"attend", "queries has shape [2, 4]", "D = 3"});
   expect_error([&] { attend(Tensor<float>(Shape{1, 2, 3}), store); }, {"attend", "(Nq, D)"});
   StoreAttentionOptions options;
   options.top_k = 6;
@@ -908,10 +496,9 @@ TEST_F(StoreTest, AnyChunkSourceIsAttendedAsAStoreIs) {
     const MemorySource source(keys, values, dtype, uneven);
     const StoreAttentionResult other = attend(queries, source, {}, options);
     const Tensor<float> ref_q = bf16 ? rounded_to_bf16(queries) : queries;
-    const PlainAttention ref =
-        plain_attention(ref_q, bf16 ? rounded_to_bf16(keys) : keys,
-                        bf16 ? rounded_to_bf16(values) : values, std::vector<int64_t>(nq, n),
-                        1.0 / std::sqrt(double(d)));
+    const PlainAttention ref = plain_attention(
+        ref_q, bf16 ? rounded_to_bf16(keys) : keys, bf16 ? rounded_to_bf16(values) : values,
+        std::vector<int64_t>(nq, n), 1.0 / std::sqrt(double(d)));
     expect_close(other.output, ref.output, bf16 ? Tol{.atol = 0x1p-8 + 1e-5, .rtol = 0} : kSdpa,
                  "output of uneven chunks");
     expect_close(other.lse, ref.lse, kSdpaLse, "lse of uneven chunks");
@@ -973,8 +560,8 @@ TEST_F(StoreTest, TopKOfFewQueriesSplitsOverRows) {
         }
         // The float64 scores of the rows as the store holds them (queries
         // rounded to bf16 for dot scoring over a bf16 source).
-        const Tensor<float> q = bf16 && scoring == Scoring::kDotProduct ? rounded_to_bf16(queries)
-                                                                         : queries;
+        const Tensor<float> q =
+            bf16 && scoring == Scoring::kDotProduct ? rounded_to_bf16(queries) : queries;
         const Tensor<float> kk = bf16 ? rounded_to_bf16(keys) : keys;
         const StoreAttentionResult& got = by_threads[0];
         for (int64_t i = 0; i < nq; ++i) {
@@ -1027,17 +614,18 @@ TEST_F(StoreTest, MergePartsIsAttentionOverTheUnion) {
     std::copy_n(values.data() + first * dv, rows * dv, part_values.data());
     StoreAttentionOptions options;
     options.top_k = std::min(k, rows);
-    parts.push_back(attend(queries, MemorySource(part_keys, part_values, StoreDtype::kFloat32,
-                                                 rows > 0 ? std::vector<int64_t>{rows}
-                                                          : std::vector<int64_t>{}),
-                           {}, options));
+    parts.push_back(
+        attend(queries,
+               MemorySource(part_keys, part_values, StoreDtype::kFloat32,
+                            rows > 0 ? std::vector<int64_t>{rows} : std::vector<int64_t>{}),
+               {}, options));
     first += rows;
   }
   const std::vector<int64_t> part_rows(std::begin(sizes), std::end(sizes));
   const int64_t top_k = std::min(k, n);
   const StoreAttentionResult merged = merge_parts(parts, part_rows, top_k);
-  const PlainAttention ref =
-      plain_attention(queries, keys, values, std::vector<int64_t>(nq, n), 1.0 / std::sqrt(double(d)));
+  const PlainAttention ref = plain_attention(queries, keys, values, std::vector<int64_t>(nq, n),
+                                             1.0 / std::sqrt(double(d)));
   expect_close(merged.output, ref.output, kSdpa, "output");
   expect_close(merged.lse, ref.lse, kSdpaLse, "lse");
   for (int64_t i = 0; i < nq; ++i) {
@@ -1052,8 +640,11 @@ TEST_F(StoreTest, MergePartsIsAttentionOverTheUnion) {
   expect_bitwise_equal(merge_parts(parts, part_rows, top_k).top_weights, merged.top_weights,
                        "again");
   expect_error([&] { merge_parts({}, {}, 0); }, {"merge_parts", "parts is empty"});
-  expect_error([&] { merge_parts(parts, {1, 2}, 0); },
-               {"merge_parts", "part_rows has 2 entries but parts has 3"});
+  expect_error(
+      [&] {
+        merge_parts(parts, {1, 2}, 0);
+      },
+      {"merge_parts", "part_rows has 2 entries but parts has 3"});
   std::vector<StoreAttentionResult> bad = parts;
   bad[0].top_ids = Tensor<int64_t>();  // a part asked for no top rows
   expect_error([&] { merge_parts(bad, part_rows, top_k); },
@@ -1095,15 +686,17 @@ TEST_F(StoreTest, TopKTiesDoNotDependOnChunking) {
 }
 
 TEST_F(StoreTest, ChunkIndicesOutOfRangeAreNamed) {
-  const KeyValueStore store = KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
-                                                    Tensor<float>(Shape{5, 2}, 1.0f),
-                                                    StoreDtype::kFloat32, 2);
+  const KeyValueStore store =
+      KeyValueStore::create(path("s"), Tensor<float>(Shape{5, 3}, 1.0f),
+                            Tensor<float>(Shape{5, 2}, 1.0f), StoreDtype::kFloat32, 2);
   ASSERT_EQ(store.num_chunks(), 3u);
   EXPECT_EQ(store.chunk_range(2).first_row, 4);
   EXPECT_EQ(store.chunk_range(2).rows, 1);
   EXPECT_EQ(store.name(), "store " + path("s"));
-  expect_error([&] { store.chunk_range(3); }, {"KeyValueStore::chunk_range", "index = 3", "3 chunks"});
-  expect_error([&] { store.read_chunk(7); }, {"KeyValueStore::read_chunk", "index = 7", "3 chunks"});
+  expect_error([&] { store.chunk_range(3); },
+               {"KeyValueStore::chunk_range", "index = 3", "3 chunks"});
+  expect_error([&] { store.read_chunk(7); },
+               {"KeyValueStore::read_chunk", "index = 7", "3 chunks"});
   store.read_ahead(3);  // a hint past the end reads nothing and is no error
 }
 

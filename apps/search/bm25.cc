@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "qkv/error.h"
+#include "search/postings.h"
 
 namespace qkv::search {
 namespace {
@@ -47,25 +48,6 @@ constexpr double kK1 = 1.2;
 constexpr double kB = 0.75;
 
 std::string errno_text(int error) { return std::strerror(error); }
-
-void put_varint(std::string& out, uint64_t value) {
-  while (value >= 0x80) {
-    out += static_cast<char>((value & 0x7F) | 0x80);
-    value >>= 7;
-  }
-  out += static_cast<char>(value);
-}
-
-// Reads a varint at `p`, advancing it; false if it runs past `end` or over 35 bits.
-bool get_varint(const unsigned char*& p, const unsigned char* end, uint64_t& value) {
-  value = 0;
-  for (int shift = 0; shift < 35 && p < end; shift += 7) {
-    const unsigned char byte = *p++;
-    value |= static_cast<uint64_t>(byte & 0x7F) << shift;
-    if ((byte & 0x80) == 0) return true;
-  }
-  return false;
-}
 
 // An sqlite3 handle closed on scope exit.
 struct Db {
@@ -432,26 +414,19 @@ std::vector<Hit> Bm25::search(std::string_view query, int64_t k) const {
     const auto* p = static_cast<const unsigned char*>(sqlite3_column_blob(stmt.stmt, 0));
     const unsigned char* end = p + sqlite3_column_bytes(stmt.stmt, 0);
     const int64_t hit_count = sqlite3_column_int64(stmt.stmt, 1);
-    if (hit_count < 1 || hit_count > documents)
-      fail(kFn, "the postings of \"" + term + "\" are damaged (" + std::to_string(hit_count) +
-                    " documents)");
     // As fts5Bm25GetData: log((nRow - nHit + 0.5) / (nHit + 0.5)), at least 1e-6.
     double idf = std::log((static_cast<double>(documents - hit_count) + 0.5) /
                           (static_cast<double>(hit_count) + 0.5));
     if (idf <= 0.0) idf = 1e-6;
-    uint64_t rowid = 0;
-    int64_t seen = 0;
-    while (p < end) {
-      uint64_t gap, count;
-      if (!get_varint(p, end, gap) || !get_varint(p, end, count) || gap == 0 || count == 0 ||
-          (rowid += gap) > static_cast<uint64_t>(documents))
-        fail(kFn, "the postings of \"" + term + "\" are damaged");
-      const size_t doc = static_cast<size_t>(rowid - 1);
-      const double freq = static_cast<double>(count);
-      scores[doc] += idf * ((freq * (kK1 + 1.0)) / (freq + length_norm_[doc]));
-      ++seen;
+    const bool whole =
+        for_each_posting(p, end, hit_count, documents, [&](size_t doc, uint64_t count) {
+          const double freq = static_cast<double>(count);
+          scores[doc] += idf * ((freq * (kK1 + 1.0)) / (freq + length_norm_[doc]));
+        });
+    if (!whole) {
+      fail(kFn, "the postings of \"" + term + "\" are damaged (" + std::to_string(hit_count) +
+                    " documents said; build the index again)");
     }
-    if (seen != hit_count) fail(kFn, "the postings of \"" + term + "\" are damaged");
   }
   // The k best by a bounded heap (worst on top): most matches of a common
   // word lose one comparison against the k-th best and are never stored.

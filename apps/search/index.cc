@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -25,11 +26,9 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
-constexpr std::string_view kFn = "qkv search";
-constexpr const char* kFormat = "qkv search index";
-constexpr int kVersion = 1;
-// The files the manifest keeps checksums of (the store keeps its own).
-constexpr const char* kChecked[] = {"packages.json", "query_map.npy", "doc_map.npy", "bm25.sqlite"};
+// Errors of build and open, and of their file helpers; the command adds
+// its own prefix ("qkv search: error: ").
+constexpr std::string_view kBuild = "SearchIndex::build", kFn = "SearchIndex::open";
 // Held-out queries on which evaluate() holds Bm25::search to FTS5's own
 // query (which takes 100-150 ms each on the full corpus).
 constexpr size_t kFts5Checks = 200;
@@ -67,7 +66,7 @@ uint64_t file_xxh3(const std::string& path) {
 }
 
 void write_text(const std::string& path, const std::string& text) {
-  StagedFile out(kFn, "", path);
+  StagedFile out(kBuild, "", path);
   out.write(text);
   out.commit();
 }
@@ -101,7 +100,6 @@ enum class Fusion {
   kNormalized,  // w bm25 / (the query's best bm25) + (logit - the query's best logit)
   kRanks,       // reciprocal rank fusion: w / (60 + BM25's rank) + 1 / (60 + the learned rank)
 };
-constexpr const char* kFusionNames[] = {"linear", "normalized", "ranks"};
 
 struct Hybrid {
   Fusion fusion = Fusion::kLinear;
@@ -189,17 +187,38 @@ struct LearnedScorer {
     }
     return hits;
   }
-  // scale q . k of one document, read through the store's chunk that holds it.
-  double logit(const std::vector<float>& q, int64_t doc) const {
-    size_t c = 0;
-    while (c + 1 < documents->num_chunks() && documents->chunk_range(c + 1).first_row <= doc) ++c;
-    const SourceChunk chunk = documents->read_chunk(c);
-    const ConstView<bfloat16> keys = chunk.keys<bfloat16>();
-    const int64_t row = doc - chunk.range().first_row;
-    float s = 0.0f;
-    for (int64_t j = 0; j < keys.size(1); ++j)
-      s += q[static_cast<size_t>(j)] * static_cast<float>(keys(row, j));
-    return scale * double{s};
+  // The chunk of the documents' store that holds `doc` (chunks are in row order).
+  size_t chunk_of(int64_t doc) const {
+    size_t low = 0, high = documents->num_chunks();
+    while (high - low > 1) {
+      const size_t mid = low + (high - low) / 2;
+      (documents->chunk_range(mid).first_row <= doc ? low : high) = mid;
+    }
+    return low;
+  }
+  // scale q . k of each document, read through the store's chunks that hold
+  // them: each chunk read once per run of documents it holds (the index's
+  // store is one chunk), and checked intact after its rows were used.
+  std::vector<double> logits(const std::vector<float>& q, const std::vector<int64_t>& docs) const {
+    std::vector<double> out;
+    std::optional<SourceChunk> chunk;
+    size_t read = 0;
+    for (const int64_t doc : docs) {
+      const size_t c = chunk_of(doc);
+      if (!chunk || c != read) {
+        if (chunk) chunk->check_intact();
+        chunk = documents->read_chunk(c);
+        read = c;
+      }
+      const ConstView<bfloat16> keys = chunk->keys<bfloat16>();
+      const int64_t row = doc - chunk->range().first_row;
+      float s = 0.0f;
+      for (int64_t j = 0; j < keys.size(1); ++j)
+        s += q[static_cast<size_t>(j)] * static_cast<float>(keys(row, j));
+      out.push_back(scale * double{s});
+    }
+    if (chunk) chunk->check_intact();
+    return out;
   }
   Candidates candidates(const std::vector<float>& q, const std::vector<Hit>& learned_hits,
                         const std::vector<Hit>& bm25_hits) const {
@@ -220,8 +239,8 @@ struct LearnedScorer {
       c.bm25.push_back(b == bm25.end() ? 0.0 : b->second.first);
       c.bm25_rank.push_back(b == bm25.end() ? 0 : b->second.second);
       c.learned_rank.push_back(l == learned.end() ? 0 : l->second);
-      c.logits.push_back(logit(q, doc));
     }
+    c.logits = logits(q, c.docs);
     return c;
   }
 };
@@ -256,8 +275,8 @@ Hybrid fit_hybrid(const LearnedScorer& scorer, const Bm25& bm25,
 
 void SearchIndex::build(const std::string& dir, const std::vector<Package>& packages,
                         const TrainOptions& options, const BuildProgress& progress) {
-  if (packages.empty()) fail(kFn, "no packages to index");
-  StagedDirectory staged(kFn, dir);
+  if (packages.empty()) fail(kBuild, "no packages to index");
+  StagedDirectory staged(kBuild, dir);
   const std::string temp = staged.temp();
   auto path = [&](const char* name) { return (fs::path(temp) / name).string(); };
 
@@ -329,8 +348,8 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
   if (progress) progress("fitting the hybrid", 0, 1);
   const Hybrid hybrid = fit_hybrid(scorer, bm25, fit);
 
-  Json manifest = {{"format", kFormat},
-                   {"version", kVersion},
+  Json manifest = {{"format", kIndexFormat},
+                   {"version", kIndexVersion},
                    {"packages", n},
                    {"training_queries", static_cast<int64_t>(train_ids.size())},
                    {"validation_queries", static_cast<int64_t>(validation_ids.size())},
@@ -350,9 +369,9 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
                    {"hybrid_weight", hybrid.weight},
                    {"sections", sections}};
   Json files = Json::object();
-  for (const char* name : kChecked) files[name] = hex64(file_xxh3(path(name)));
+  for (const char* name : kIndexChecked) files[name] = hex64(file_xxh3(path(name)));
   manifest["files"] = files;
-  write_text(path("manifest.json"), manifest.dump(2) + "\n");
+  write_text(path("manifest.json"), index_manifest_text(manifest));
   staged.commit();
 }
 
@@ -360,45 +379,29 @@ SearchIndex SearchIndex::open(const std::string& dir) {
   SearchIndex index;
   index.dir_ = dir;
   auto path = [&](const std::string& name) { return (fs::path(dir) / name).string(); };
-  if (!fs::is_directory(dir)) {
+  std::error_code error;
+  const fs::file_status status = fs::status(dir, error);
+  if (!fs::exists(status)) {
     fail(kFn, dir + ": no such index directory (make one with qkv search index --out " + dir + ")");
   }
-  index.manifest_text_ = read_file(path("manifest.json"));
-  Json m;
-  try {
-    m = Json::parse(index.manifest_text_);
-    if (m.at("format") != kFormat || m.at("version") != kVersion) {
-      fail(kFn, path("manifest.json") + ": not a qkv search index of version " +
-                    std::to_string(kVersion));
-    }
-    index.hashing_.buckets = m.at("buckets").get<int64_t>();
-    index.hashing_.seed = m.at("hash_seed").get<uint64_t>();
-    index.score_scale_ = m.at("score_scale").get<double>();
-    const std::string fusion = m.at("hybrid_fusion").get<std::string>();
-    const auto* name = std::find(std::begin(kFusionNames), std::end(kFusionNames), fusion);
-    if (name == std::end(kFusionNames)) {
-      fail(kFn, path("manifest.json") + ": unknown hybrid_fusion \"" + fusion + "\"");
-    }
-    index.hybrid_fusion_ = static_cast<int>(name - std::begin(kFusionNames));
-    index.hybrid_weight_ = m.at("hybrid_weight").get<double>();
-    index.sections_ = m.at("sections").get<std::vector<std::string>>();
-    for (const char* name : kChecked) {
-      const std::string want = m.at("files").at(name).get<std::string>();
-      const std::string got = hex64(file_xxh3(path(name)));
-      if (got != want) {
-        fail(kFn, path(name) + ": checksum " + got + " does not match the manifest's " + want +
-                      " (the file was altered; build the index again)");
-      }
-    }
-    const Json list = Json::parse(read_file(path("packages.json")));
-    for (const Json& p : list) {
-      index.packages_.push_back({p.at("name").get<std::string>(),
-                                 p.at("short_description").get<std::string>(),
-                                 p.at("section").get<std::string>(), p.at("held_out").get<bool>()});
-    }
-  } catch (const nlohmann::json::exception& e) {
-    fail(kFn, dir + ": malformed index metadata (" + std::string(e.what()) + ")");
+  if (!fs::is_directory(status)) {
+    fail(kFn, dir + ": not an index (an index is a directory, made by qkv search index --out)");
   }
+  index.manifest_text_ = read_file(path("manifest.json"));
+  const IndexManifest m = parse_index_manifest(index.manifest_text_, path("manifest.json"));
+  index.hashing_ = m.hashing;
+  index.score_scale_ = m.score_scale;
+  index.hybrid_fusion_ = m.hybrid_fusion;
+  index.hybrid_weight_ = m.hybrid_weight;
+  index.sections_ = m.sections;
+  for (const auto& [name, want] : m.files) {
+    const std::string got = hex64(file_xxh3(path(name)));
+    if (got != want) {
+      fail(kFn, path(name) + ": checksum " + got + " does not match the manifest's " + want +
+                    " (the file was altered; build the index again)");
+    }
+  }
+  index.packages_ = parse_packages(read_file(path("packages.json")), path("packages.json"));
   NpyArray q = read_npy(path("query_map.npy"));
   Tensor<float>* map = std::get_if<Tensor<float>>(&q);
   if (map == nullptr || map->rank() != 2 || map->size(0) != index.hashing_.buckets) {

@@ -25,15 +25,11 @@
 #include "qkv/tensor.h"
 #include "search/bm25.h"
 #include "search/corpus.h"
+#include "search/index_files.h"
 #include "search/metrics.h"
 #include "search/train.h"
 
 namespace qkv::search {
-
-struct IndexedPackage {
-  std::string name, short_description, section;
-  bool held_out = false;
-};
 
 // Progress of index building: what is being done ("training"), done, total.
 using BuildProgress = std::function<void(std::string_view, int64_t, int64_t)>;

@@ -46,20 +46,24 @@ struct ChunkRange {
 // dtype; they stay valid while this object (or a copy) lives.
 class SourceChunk {
  public:
+  // `check`, if given, is check_intact(): it throws if the rows may have
+  // changed while they were read.
   SourceChunk(ChunkRange range, ConstView<float> keys, ConstView<float> values,
-              std::shared_ptr<const void> keep_alive)
+              std::shared_ptr<const void> keep_alive, std::function<void()> check = {})
       : range_(range),
         dtype_(StoreDtype::kFloat32),
         keys_f32_(keys),
         values_f32_(values),
-        keep_alive_(std::move(keep_alive)) {}
+        keep_alive_(std::move(keep_alive)),
+        check_(std::move(check)) {}
   SourceChunk(ChunkRange range, ConstView<bfloat16> keys, ConstView<bfloat16> values,
-              std::shared_ptr<const void> keep_alive)
+              std::shared_ptr<const void> keep_alive, std::function<void()> check = {})
       : range_(range),
         dtype_(StoreDtype::kBFloat16),
         keys_bf16_(keys),
         values_bf16_(values),
-        keep_alive_(std::move(keep_alive)) {}
+        keep_alive_(std::move(keep_alive)),
+        check_(std::move(check)) {}
 
   const ChunkRange& range() const { return range_; }
   StoreDtype dtype() const { return dtype_; }
@@ -69,6 +73,14 @@ class SourceChunk {
     SourceChunk chunk = *this;
     chunk.range_.first_row = first_row;
     return chunk;
+  }
+  // Call after the views were used, before trusting what was computed from
+  // them: Error (naming what changed) if the backend finds the rows may
+  // have changed while they were read, e.g. a store's chunk file truncated
+  // meanwhile (qkv/store.h's MappedFile); nothing for a backend without
+  // such a check.
+  void check_intact() const {
+    if (check_) check_();
   }
   // The keys and values as T, which must be the chunk's dtype's type (float
   // for kFloat32, bfloat16 for kBFloat16); Error otherwise.
@@ -106,6 +118,7 @@ class SourceChunk {
   ConstView<float> keys_f32_, values_f32_;
   ConstView<bfloat16> keys_bf16_, values_bf16_;
   std::shared_ptr<const void> keep_alive_;
+  std::function<void()> check_;
 };
 
 class ChunkSource {

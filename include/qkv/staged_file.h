@@ -99,7 +99,8 @@ void write_files(std::string_view function, const std::vector<OutputBytes>& file
 // search index): its files are written into the hidden temporary directory
 // `.<name>.qkv-XXXXXX` beside `path`, then commit() syncs it and renames it
 // to `path` (RENAME_NOREPLACE: a directory made there meanwhile is never
-// replaced). Destroyed before commit(), it removes the temporary directory.
+// replaced). Destroyed before commit(), it removes the temporary directory;
+// while it lives, the directory is listed for remove_staged_files().
 // Error if `path` already exists or is empty.
 class StagedDirectory {
  public:
@@ -114,12 +115,15 @@ class StagedDirectory {
 
  private:
   std::string function_, path_, parent_, temp_;
+  int slot_ = -1;  // staged_file.cc's listing of temp_ for signal handlers
 };
 
-// Removes the temporary files of every StagedFile alive in the process, with
-// unlink(2) only: async-signal-safe, for a handler of SIGINT or SIGTERM that
-// then re-raises the signal (the qkv command installs one). A process killed
-// by a signal it cannot catch (SIGKILL) leaves the temporary file behind.
+// Removes the temporary file of every StagedFile and the temporary
+// directory (and all it holds) of every StagedDirectory alive in the
+// process, with system calls only (unlink, and openat/getdents64/unlinkat
+// for a directory): async-signal-safe, for a handler of SIGINT or SIGTERM
+// that then re-raises the signal (the qkv command installs one). A process
+// killed by a signal it cannot catch (SIGKILL) leaves them behind.
 void remove_staged_files() noexcept;
 
 }  // namespace qkv

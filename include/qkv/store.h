@@ -38,17 +38,33 @@ struct StoreChunk {
 };
 
 // How much open() checks. kStructure: the manifest, and each chunk file's
-// presence, size and .npy header against it (a truncated, missing or
-// replaced file); O(chunks). kChecksums: that too, and every file's checksum
-// (an altered byte anywhere), which reads the whole store.
+// presence and size against it (a missing, truncated or replaced file; its
+// .npy header is checked when the chunk is first read); O(chunks), about a
+// microsecond each. kChecksums: every file's header and checksum too (an
+// altered byte anywhere), which reads the whole store.
 enum class StoreCheck { kStructure, kChecksums };
 
 // A file mapped read-only into memory (MAP_SHARED: the page cache's pages,
-// no copy). Moves, unmaps when destroyed.
+// no copy), or, if it is at most kCopyBytes long, read into memory: for a
+// small file a mapping costs more than the copy (munmap flushes the TLB of
+// every core the process runs on: about 20 us, against 1 us to read 16 KiB)
+// and takes one of the process's vm.max_map_count mappings. Moves, unmaps
+// when destroyed.
+//
+// A file truncated while it is mapped would make a read past its new end
+// fault (SIGBUS, which kills the process) or, inside its last page, read
+// zeros. So while a MappedFile lives, a fault inside it is caught (a SIGBUS
+// handler, installed with the first mapping, that puts zero pages in place
+// of the missing ones and lets the read go on; any other SIGBUS goes to the
+// handler before it), and check_unchanged() then reports the change: read
+// the data, then call it before trusting what was computed from it.
 class MappedFile {
  public:
+  static constexpr size_t kCopyBytes = 64 * 1024;
+
   MappedFile() = default;
-  // Maps the whole of `path`; Error naming it if it cannot be opened or mapped.
+  // Maps (or reads) the whole of `path`; Error naming it if it cannot be opened or
+  // mapped, or is not a regular file.
   MappedFile(std::string_view function, const std::string& path);
   ~MappedFile();
   MappedFile(MappedFile&& other) noexcept;
@@ -58,13 +74,26 @@ class MappedFile {
 
   const unsigned char* data() const { return data_; }
   size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
   // Asks the kernel to start reading the file into the page cache now
   // (madvise WILLNEED), so a cold read overlaps the work before it.
   void prefetch() const;
+  // Whether the file is as it was mapped: no read has faulted past its end,
+  // and its path names the same file (device and inode) of the same size.
+  // Always for a file read into memory.
+  bool unchanged() const;
+  // Error "function: PATH: changed while it was read (...)" unless unchanged().
+  void check_unchanged(std::string_view function) const;
 
  private:
+  void unmap();
+
   const unsigned char* data_ = nullptr;
   size_t size_ = 0;
+  std::unique_ptr<unsigned char[]> copy_;  // a small file's bytes, which data_ points to
+  std::string path_;
+  uint64_t device_ = 0, inode_ = 0;
+  int guard_slot_ = -1;  // the fault guard's record of this mapping (store.cc), or -1
 };
 
 class KeyValueStore : public ChunkSource {
@@ -101,14 +130,19 @@ class KeyValueStore : public ChunkSource {
   void verify(const StoreProgress& progress = {}) const;
 
   // The chunk source (qkv/chunk_source.h). read_chunk maps chunk `index`'s
-  // files the first time they are asked for (their sizes and headers checked
-  // against the manifest then: a file truncated since open() would fault
-  // when read; Error "KeyValueStore::read_chunk: FILE: ...") and keeps them
-  // mapped while this store or a copy of it lives, so attention over a store
-  // in the page cache does not fault its pages in again on every call: 10^7
-  // rows of d = dv = 64 are 1.25 million 4 KiB pages. read_ahead maps the
-  // chunk and starts reading it into the page cache (madvise WILLNEED); it
-  // throws nothing (a damaged chunk is read_chunk's Error).
+  // files when they are asked for, checking their sizes and headers against
+  // the manifest then (Error "KeyValueStore::read_chunk: FILE: ..."), and
+  // keeps the last kMappedChunks chunks read mapped, shared by copies of
+  // this store: attention over a store in the page cache does not fault its
+  // pages in again on every call (10^7 rows of d = dv = 64 are 1.25 million
+  // 4 KiB pages), and a store of any number of chunks stays far below the
+  // system's limit of mappings (vm.max_map_count, 65,530 by default). A
+  // chunk kept mapped is checked again (its files' sizes) each time it is
+  // read, and the returned chunk's check_intact() reports a file truncated
+  // while it was being read (MappedFile). read_ahead maps the chunk and
+  // starts reading it into the page cache (madvise WILLNEED); it throws
+  // nothing (a damaged chunk is read_chunk's Error).
+  static constexpr size_t kMappedChunks = 512;
   std::string name() const override { return "store " + dir_; }
   StoreDtype dtype() const override { return dtype_; }
   int64_t rows() const override { return rows_; }
@@ -128,7 +162,8 @@ class KeyValueStore : public ChunkSource {
   // Parses a manifest's text (what open() reads from manifest.json);
   // Error naming `name` and what is wrong. For tests and the fuzzer.
   static KeyValueStore parse_manifest(std::string_view text, const std::string& name);
-  // The manifest's text for this store.
+  // The manifest's text for this store: manifest_body() and its XXH3-64 as
+  // the last member, "xxh3".
   std::string manifest_text() const;
 
  private:
@@ -136,10 +171,14 @@ class KeyValueStore : public ChunkSource {
   // as `function`'s.
   struct MappedChunk;
   std::shared_ptr<const MappedChunk> map_checked(std::string_view function, size_t index) const;
-  // The chunks mapped so far, shared by copies of this store.
+  // The chunks mapped last (at most kMappedChunks), shared by copies of this store.
   struct Mappings;
   static std::shared_ptr<Mappings> no_mappings();
   std::shared_ptr<Mappings> mappings_ = no_mappings();
+  // The manifest without its checksum: what the checksum is of.
+  std::string manifest_body() const;
+  // open()'s kStructure check, with errors told as `function`'s.
+  void check_sizes(std::string_view function) const;
   // verify, with errors told as `function`'s.
   void check_checksums(std::string_view function, const StoreProgress& progress) const;
 

@@ -22,6 +22,7 @@ attention). Tensors reach the kernels as views of their memory; results are
 new tensors. docs/python.md maps this module to the book's code.
 """
 
+import functools
 import math
 import warnings
 
@@ -31,6 +32,29 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import _qkv
+
+
+def _first_order_only(backward):
+    """once_differentiable, and a RuntimeError for a double backward.
+
+    With create_graph=True (a gradient penalty: grad of the loss, then
+    backward through it) torch runs backward in grad mode, and
+    once_differentiable hands back gradients without a graph: the penalty's
+    own term was dropped and q.grad came out 1.77 off, silently. qkv's
+    backward kernels have no backward of their own, so it is refused.
+    """
+    first_order = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "qkv.torch: a double backward (create_graph=True, e.g. a gradient penalty) "
+                "is not supported: qkv's backward has no backward of its own; compute such "
+                "terms with torch's own attention, or differentiate once")
+        return first_order(ctx, *grads)
+
+    return checked
 
 __all__ = [
     "AdditiveAttention",
@@ -140,7 +164,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         return weights
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, d_weights):
         (weights,) = ctx.saved_tensors
         d_scores = _qkv.masked_softmax_backward(_array(weights), _array(d_weights), ctx.lens)
@@ -229,7 +253,7 @@ class _Sdpa(torch.autograd.Function):
         return result, weights
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, d_output, _d_weights):
         query, key, value, output, lse, bias = ctx.saved_tensors
         lens, scale, dropout_p, seed, causal, mask = ctx.config
@@ -396,7 +420,7 @@ class _Scored(torch.autograd.Function):
         return output, weights
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, d_output, _d_weights):
         backward, lens, options = ctx.config
         grads = backward(*(_array(t) for t in ctx.saved_tensors), _array(d_output), lens,

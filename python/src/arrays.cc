@@ -3,6 +3,7 @@
 
 #include <Python.h>
 
+#include <limits>
 #include <string>
 
 #include "qkv/error.h"
@@ -55,8 +56,8 @@ py::array out_array(py::handle obj, std::string_view fn, std::string_view name, 
   }
   py::array array = py::reinterpret_borrow<py::array>(obj);
   const py::dtype dt = array.dtype();
-  const bool right_type = dt.kind() == 'f' && native_order(dt) &&
-                          dt.itemsize() == (dtype == Dtype::kFloat32 ? 4 : 8);
+  const bool right_type =
+      dt.kind() == 'f' && native_order(dt) && dt.itemsize() == (dtype == Dtype::kFloat32 ? 4 : 8);
   if (!right_type) {
     throw py::type_error(prefix(fn, name) + " has dtype " + dtype_str(dt) + "; expected " +
                          (dtype == Dtype::kFloat32 ? "float32" : "float64") +
@@ -64,12 +65,37 @@ py::array out_array(py::handle obj, std::string_view fn, std::string_view name, 
   }
   if (!array.writeable()) throw Error(prefix(fn, name) + " is read-only");
   bool placed = reinterpret_cast<uintptr_t>(array.data()) % dt.itemsize() == 0;
-  for (py::ssize_t a = 0; a < array.ndim(); ++a) placed = placed && array.strides(a) % dt.itemsize() == 0;
+  for (py::ssize_t a = 0; a < array.ndim(); ++a)
+    placed = placed && array.strides(a) % dt.itemsize() == 0;
   if (!placed) {
-    throw Error(prefix(fn, name) + " is not aligned to its elements; pass an array qkv can "
-                                   "write in place");
+    throw Error(prefix(fn, name) +
+                " is not aligned to its elements; pass an array qkv can "
+                "write in place");
   }
   return array;
+}
+
+namespace {
+// [lowest, highest) byte an array's elements span; empty for no elements.
+std::pair<uintptr_t, uintptr_t> byte_span(const py::array& a) {
+  auto low = reinterpret_cast<uintptr_t>(a.data());
+  uintptr_t high = low;
+  for (py::ssize_t axis = 0; axis < a.ndim(); ++axis) {
+    if (a.shape(axis) == 0) return {0, 0};
+    const py::ssize_t step = a.strides(axis) * (a.shape(axis) - 1);
+    if (step < 0)
+      low -= static_cast<uintptr_t>(-step);
+    else
+      high += static_cast<uintptr_t>(step);
+  }
+  return {low, high + static_cast<uintptr_t>(a.itemsize())};
+}
+}  // namespace
+
+bool may_share_memory(const py::array& a, const py::array& b) {
+  const auto [a_low, a_high] = byte_span(a);
+  const auto [b_low, b_high] = byte_span(b);
+  return a_low < a_high && b_low < b_high && a_low < b_high && b_low < a_high;
 }
 
 Dtype dtype_of(const py::array& array) {
@@ -108,6 +134,14 @@ py::array int_array(py::handle obj, std::string_view fn, std::string_view name,
   }
   const bool in_place = dt.kind() == 'i' && native_order(dt) &&
                         (dt.itemsize() == 8 || (int32_in_place && dt.itemsize() == 4));
+  if (dt.kind() == 'u' && dt.itemsize() == 8 && array.size() > 0) {
+    // astype("int64") would wrap 2^64 - 1 to -1, and the message name -1.
+    const auto largest = py::cast<unsigned long long>(array.attr("max")());
+    if (largest > static_cast<unsigned long long>(std::numeric_limits<int64_t>::max())) {
+      throw Error(prefix(fn, name) + " holds " + std::to_string(largest) + " (" + dtype_str(dt) +
+                  "), beyond any length (int64)");
+    }
+  }
   return in_place ? array : py::array(array.attr("astype")("int64"));
 }
 
@@ -172,7 +206,8 @@ uint64_t seed_of(py::handle obj, std::string_view fn) {
   const unsigned long long seed = PyLong_AsUnsignedLongLong(value.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    throw py::value_error(prefix(fn, "seed") + " = " + py::cast<std::string>(value.attr("__str__")()) +
+    throw py::value_error(prefix(fn, "seed") + " = " +
+                          py::cast<std::string>(value.attr("__str__")()) +
                           " is outside [0, 2**64)");
   }
   return seed;

@@ -35,6 +35,9 @@ py::array float_array(py::handle obj, std::string_view fn, std::string_view name
 // TypeError or qkv::Error naming fn and name); its shape and layout are the
 // library's to check. mutable_view_of gives the view qkv writes.
 py::array out_array(py::handle obj, std::string_view fn, std::string_view name, Dtype dtype);
+// Whether the bytes a and b span (from their lowest to their highest
+// element, whatever the strides) overlap: NumPy's may_share_memory.
+bool may_share_memory(const py::array& a, const py::array& b);
 template <class T>
 TensorView<T> mutable_view_of(py::array& array) {
   Shape shape, strides;
@@ -119,8 +122,7 @@ ValidLens valid_lens_of(py::handle obj, std::string_view fn, py::object& storage
 // "fn: name has shape [..]; expected rank 3 (axes3) or rank 2 (axes2), a
 // batch of one" otherwise.
 void check_rank_2_or_3(const py::array& array, std::string_view fn, std::string_view name,
-                       std::string_view axes3, std::string_view axes2,
-                       std::string_view axes4 = {});
+                       std::string_view axes3, std::string_view axes2, std::string_view axes4 = {});
 
 // Throws qkv::Error unless all the arrays have one rank, naming them:
 // "fn: queries, keys and values must be all 2-D or all 3-D; got ranks 2, 3, 3".

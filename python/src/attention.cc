@@ -127,9 +127,20 @@ void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::ha
     options.key_mask = with_batch_axis(keys, batch_of_one, 1);
   }
   if (!window.is_none()) {
-    const auto pair = py::cast<std::pair<int64_t, int64_t>>(window);
-    options.window_left = pair.first;
-    options.window_right = pair.second;
+    // Checked here: pybind11's cast of a bad one says only "Unable to cast
+    // Python instance to C++ type".
+    const auto is_int = [](py::handle x) {
+      return PyIndex_Check(x.ptr()) && !PyBool_Check(x.ptr());
+    };
+    const bool pair = (py::isinstance<py::tuple>(window) || py::isinstance<py::list>(window)) &&
+                      py::len(window) == 2 && is_int(window[py::int_(0)]) &&
+                      is_int(window[py::int_(1)]);
+    if (!pair) {
+      throw py::type_error(std::string(fn) + ": window is " + std::string(py::repr(window)) +
+                           "; expected (left, right), two integers (-1: no limit on that side)");
+    }
+    options.window_left = py::cast<int64_t>(window[py::int_(0)]);
+    options.window_right = py::cast<int64_t>(window[py::int_(1)]);
   }
 }
 
@@ -137,6 +148,7 @@ void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::ha
 // one rank (3, or 2 for a batch of one).
 struct Tensors {
   std::vector<py::array> arrays;
+  std::vector<std::string> names;  // each array's argument name, for messages
   Dtype dtype;
   bool batch_of_one;
 };
@@ -148,7 +160,10 @@ Tensors float_arrays(std::string_view fn, Scoring scoring,
   const ScoringRules& rules = rules_of(scoring);
   const bool own = rules.keys_own_dim;
   Tensors t;
-  for (const auto& [name, obj] : args) t.arrays.push_back(float_array(obj, fn, name));
+  for (const auto& [name, obj] : args) {
+    t.arrays.push_back(float_array(obj, fn, name));
+    t.names.emplace_back(name);
+  }
   t.dtype = dtype_of(t.arrays[0]);
   for (size_t i = 1; i < args.size(); ++i) {
     check_same_dtype(t.arrays[i], t.dtype, fn, args[i].first, args[0].first);
@@ -208,6 +223,14 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     output_view = view;
   } else {  // the caller's array (its shape and layout checked by the library)
     py::array array = out_array(out, fn, "out", dtype_of(t.arrays[0]));
+    // The kernels read the inputs while they write out: an out that shares
+    // memory with one (out=q) gave an output 0.73 off, silently.
+    for (size_t i = 0; i < t.arrays.size(); ++i) {
+      if (may_share_memory(array, t.arrays[i])) {
+        throw Error(std::string(fn) + ": out shares memory with " + t.names[i] +
+                    ", which is read while out is written; pass a separate array (or no out)");
+      }
+    }
     output_view = mutable_view_of<T>(array);
     output = array;
   }

@@ -47,8 +47,11 @@ py::array data_array(py::handle obj, std::string_view fn, std::string_view name)
         index.append(std::to_string(at[static_cast<size_t>(a)]));
       }
       throw Error(std::string(fn) + ": " + std::string(name) + "[" + index + "] is " +
-                  (std::isnan(x) ? "nan" : x > 0 ? "inf" : "-inf") + " (" + std::string(name) +
-                  " has shape " + v.shape().str() + "); every element must be finite");
+                  (std::isnan(x) ? "nan"
+                   : x > 0       ? "inf"
+                                 : "-inf") +
+                  " (" + std::string(name) + " has shape " + v.shape().str() +
+                  "); every element must be finite");
     }
     for (int a = rank - 1; a >= 0 && ++at[static_cast<size_t>(a)] == v.size(a); --a) {
       at[static_cast<size_t>(a)] = 0;
@@ -106,8 +109,9 @@ Bandwidth bandwidth_of(py::handle obj, std::string_view fn) {
   auto checked = [&](double h) {
     if (!(std::isfinite(h) && h >= std::numeric_limits<double>::min())) {
       std::ostringstream os;
-      os << fn << ": bandwidth = " << h << " is not a bandwidth; expected a finite value >= "
-         << std::numeric_limits<double>::min() << " (the smallest normal double)";
+      os << fn << ": bandwidth = " << h
+         << " is not a bandwidth; expected a finite value >= " << std::numeric_limits<double>::min()
+         << " (the smallest normal double)";
       throw Error(os.str());
     }
     return h;
@@ -208,6 +212,42 @@ class PyKernelRegression {
       fitted.emplace(calling(kFn, [&] { return fit_model(xv, yv, kernel_, bandwidth_spec_); }));
     }
     fitted_ = std::move(fitted);
+    // Copies (data_array may return the caller's own array), for pickling.
+    x_ = py::array(x.attr("copy")());
+    y_ = py::array(y.attr("copy")());
+  }
+
+  // pickle: (kernel, bandwidth as given, and if fitted: x, y, the fitted
+  // bandwidth, the cv search's (loo_error, iterations) or None). Unpickled,
+  // the model is fitted again at the fitted bandwidth (numbers: no search),
+  // so it predicts the same bits.
+  py::tuple state() const {
+    if (!fitted_) return py::make_tuple(kernel(), bandwidth());
+    const auto& cv = fitted_->cv;
+    return py::make_tuple(
+        kernel(), bandwidth(), x_, y_, vector_array(fitted_->model.bandwidth()),
+        cv ? py::object(py::make_tuple(cv->loo_error, cv->iterations)) : py::object(py::none()));
+  }
+  static PyKernelRegression from_state(const py::tuple& t) {
+    if (t.size() != 2 && t.size() != 6) {
+      throw Error("KernelRegression.__setstate__: a state of " + std::to_string(t.size()) +
+                  " items; expected 2 or 6 (as pickled by this qkv)");
+    }
+    PyKernelRegression r(t[0].cast<std::string>(), t[1]);
+    if (t.size() == 6) {
+      const PyKernelRegression at_fitted(t[0].cast<std::string>(), t[4]);
+      r.x_ = data_array(t[2], "KernelRegression.__setstate__", "x");
+      r.y_ = data_array(t[3], "KernelRegression.__setstate__", "y");
+      r.fitted_ = calling("KernelRegression.__setstate__", [&] {
+        return fit_model(view_of<double>(r.x_), view_of<double>(r.y_), r.kernel_,
+                         at_fitted.bandwidth_spec_);
+      });
+      if (!t[5].is_none()) {
+        const auto cv = t[5].cast<std::pair<double, int>>();
+        r.fitted_->cv = CvResult{r.fitted_->model.bandwidth(), cv.first, cv.second};
+      }
+    }
+    return r;
   }
 
   const Fitted& fitted(std::string_view method) const {
@@ -245,10 +285,10 @@ class PyKernelRegression {
     if (std::holds_alternative<Rule>(h)) {
       throw Error("KernelRegression.loo_error: bandwidth must be numbers, not a rule");
     }
-    const std::vector<double> hs = std::holds_alternative<double>(h)
-                                       ? std::vector<double>(model.bandwidth().size(),
-                                                             std::get<double>(h))
-                                       : std::get<std::vector<double>>(h);
+    const std::vector<double> hs =
+        std::holds_alternative<double>(h)
+            ? std::vector<double>(model.bandwidth().size(), std::get<double>(h))
+            : std::get<std::vector<double>>(h);
     py::gil_scoped_release release;
     return calling("KernelRegression.loo_error", [&] { return model.loo_error(hs); });
   }
@@ -267,6 +307,7 @@ class PyKernelRegression {
   Kernel kernel_;
   Bandwidth bandwidth_spec_;
   std::optional<Fitted> fitted_;
+  py::array x_, y_;  // what fit() got, as float64 copies
 };
 
 }  // namespace
@@ -307,7 +348,9 @@ Raises:
 array([3.223])
 )");
 
-  py::class_<PyKernelRegression>(m, "KernelRegression", R"(Nadaraya-Watson kernel regression as an estimator: fit, then predict.
+  py::class_<PyKernelRegression>(
+      m, "KernelRegression",
+      R"(Nadaraya-Watson kernel regression as an estimator: fit, then predict.
 
 Mirrors the C++ qkv::KernelRegression; see nadaraya_watson for the formula,
 the kernels and the bandwidth rules.
@@ -359,6 +402,8 @@ queries with no point in reach).
            R"(The leave-one-out squared error, mean over i of ||f_{-i}(x_i) - y_i||^2,
 at the fitted bandwidth or the one given (numbers, not a rule).
 )")
+      .def(py::pickle([](const PyKernelRegression& r) { return r.state(); },
+                      [](const py::tuple& t) { return PyKernelRegression::from_state(t); }))
       .def_property_readonly("kernel", &PyKernelRegression::kernel, "The kernel's name.")
       .def_property_readonly("bandwidth", &PyKernelRegression::bandwidth,
                              "The bandwidth as given: a number, numbers, or a rule's name.")
@@ -384,7 +429,9 @@ at the fitted bandwidth or the one given (numbers, not a rule).
           "The cross-validation search's iterations (bandwidth='cv'), else None.")
       .def_property_readonly(
           "n_features_in_",
-          [](const PyKernelRegression& r) { return r.fitted("n_features_in_").model.num_features(); },
+          [](const PyKernelRegression& r) {
+            return r.fitted("n_features_in_").model.num_features();
+          },
           "The number of features p of the training points.");
 
   m.def(
@@ -414,8 +461,8 @@ array([2.023])
 
   m.def(
       "train_parametric",
-      [](py::handle x_obj, py::handle y_obj, int epochs, double lr,
-         std::optional<double> initial_w, py::handle seed) {
+      [](py::handle x_obj, py::handle y_obj, int epochs, double lr, std::optional<double> initial_w,
+         py::handle seed) {
         constexpr std::string_view kFn = "train_parametric";
         py::array x = data_array(x_obj, kFn, "x");
         py::array y = data_array(y_obj, kFn, "y");

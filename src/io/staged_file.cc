@@ -1,9 +1,10 @@
 // Output files (qkv/staged_file.h): a temporary file beside the destination,
 // flushed and renamed over it; symlinks followed to their target; devices and
-// FIFOs written through; and the table of live temporary files that
-// remove_staged_files() unlinks from a signal handler.
+// FIFOs written through; and the table of live temporary files and
+// directories that remove_staged_files() removes from a signal handler.
 #include "qkv/staged_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <sys/stat.h>
@@ -37,25 +38,56 @@ namespace fs = std::filesystem;
 // 64 slots: the qkv command stages at most 3 files at once and a figure 1;
 // a file staged when every slot is taken is still removed on failure, only
 // not by remove_staged_files().
+// A slot lists a file (kListed) or a StagedDirectory's temporary directory
+// (kListedDirectory), which the handler removes with all it holds.
 constexpr int kSlots = 64;
-enum SlotState : int { kFree = 0, kClaimed = 1, kListed = 2 };
+enum SlotState : int { kFree = 0, kClaimed = 1, kListed = 2, kListedDirectory = 3 };
 std::atomic<int> slot_state[kSlots];
 char slot_path[kSlots][PATH_MAX];
 static_assert(std::atomic<int>::is_always_lock_free, "signal handlers need lock-free atomics");
 
 // Claims a slot and copies `pattern` into it; -1 if none is free or the
-// pattern is too long. The path at slot_path[slot] is then listed.
-int list_temp(const std::string& pattern) {
+// pattern is too long. The path at slot_path[slot] is then listed, as a
+// file or as a directory.
+int list_temp(const std::string& pattern, SlotState as = kListed) {
   if (pattern.size() >= PATH_MAX) return -1;
   for (int slot = 0; slot < kSlots; ++slot) {
     int expected = kFree;
     if (slot_state[slot].compare_exchange_strong(expected, kClaimed)) {
       std::memcpy(slot_path[slot], pattern.c_str(), pattern.size() + 1);
-      slot_state[slot].store(kListed);
+      slot_state[slot].store(as);
       return slot;
     }
   }
   return -1;
+}
+
+// Removes the directory `name` (relative to the open directory `parent`)
+// and all it holds, with system calls only (openat, getdents64, unlinkat,
+// close): async-signal-safe, which opendir/readdir (malloc) and
+// std::filesystem are not. A staged store inside a staged search index is
+// two levels; links are removed, never followed.
+void remove_tree_at(int parent, const char* name, int depth) noexcept {
+  const int fd = ::openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return;
+  // Entries removed while a directory is read may move the ones after them:
+  // read it again until a pass removes nothing.
+  for (bool removed = true; removed;) {
+    removed = false;
+    ::lseek(fd, 0, SEEK_SET);
+    alignas(8) char buffer[4096];
+    for (ssize_t n; (n = ::getdents64(fd, buffer, sizeof buffer)) > 0;) {
+      for (ssize_t at = 0; at < n;) {
+        const auto* entry = reinterpret_cast<const struct dirent64*>(buffer + at);
+        at += entry->d_reclen;
+        const char* entry_name = entry->d_name;
+        if (std::strcmp(entry_name, ".") == 0 || std::strcmp(entry_name, "..") == 0) continue;
+        if (entry->d_type == DT_DIR && depth < 8) remove_tree_at(fd, entry_name, depth + 1);
+        removed |= ::unlinkat(fd, entry_name, entry->d_type == DT_DIR ? AT_REMOVEDIR : 0) == 0;
+      }
+    }
+  }
+  ::close(fd);
 }
 
 void unlist_temp(int slot) {
@@ -399,18 +431,27 @@ StagedDirectory::StagedDirectory(std::string_view function, std::string path)
   hidden += target.filename().string();
   hidden += ".qkv-XXXXXX";
   temp_ = (fs::path(parent_) / hidden).string();
-  if (::mkdtemp(temp_.data()) == nullptr) {
+  // Listed before it is made (mkdtemp fills in the slot's own name), as a
+  // StagedFile's temporary file is.
+  slot_ = list_temp(temp_, kListedDirectory);
+  char* name_buffer = slot_ >= 0 ? slot_path[slot_] : temp_.data();
+  if (::mkdtemp(name_buffer) == nullptr) {
     const int error = errno;
+    unlist_temp(slot_);
+    slot_ = -1;
     temp_.clear();
-    fail(function_, path_ + ": cannot create a directory in " + parent_ + ": " +
-                        std::strerror(error));
+    fail(function_,
+         path_ + ": cannot create a directory in " + parent_ + ": " + std::strerror(error));
   }
+  temp_ = name_buffer;
 }
 
 StagedDirectory::~StagedDirectory() {
-  if (temp_.empty()) return;
-  std::error_code ignored;
-  fs::remove_all(temp_, ignored);
+  if (!temp_.empty()) {
+    std::error_code ignored;
+    fs::remove_all(temp_, ignored);
+  }
+  unlist_temp(slot_);
 }
 
 void StagedDirectory::commit() {
@@ -420,10 +461,12 @@ void StagedDirectory::commit() {
   if (::renameat2(AT_FDCWD, temp_.c_str(), AT_FDCWD, path_.c_str(), RENAME_NOREPLACE) != 0) {
     const int error = errno;
     if (error == EEXIST) fail(function_, path_ + ": already exists; give a new path");
-    fail_io(function_, path_ + ": cannot rename the finished directory into place: " +
-                           std::strerror(error));
+    fail_io(function_,
+            path_ + ": cannot rename the finished directory into place: " + std::strerror(error));
   }
   temp_.clear();
+  unlist_temp(slot_);
+  slot_ = -1;
   sync_directory(parent_);
 }
 
@@ -431,7 +474,12 @@ unsigned mode_after_umask(unsigned mode) { return mode & ~static_cast<unsigned>(
 
 void remove_staged_files() noexcept {
   for (int slot = 0; slot < kSlots; ++slot) {
-    if (slot_state[slot].load() == kListed) ::unlink(slot_path[slot]);
+    const int state = slot_state[slot].load();
+    if (state == kListed) ::unlink(slot_path[slot]);
+    if (state == kListedDirectory) {
+      remove_tree_at(AT_FDCWD, slot_path[slot], 0);
+      ::rmdir(slot_path[slot]);
+    }
   }
 }
 

@@ -195,6 +195,9 @@ void agree(const char* function, MPI_Comm comm, const std::string& what, bool io
   std::string message = what;
   message.resize(static_cast<size_t>(header[0]));
   MPI_Bcast(message.data(), static_cast<int>(header[0]), MPI_CHAR, first, comm);
+  // A rank's own error of this function is named once, by this message.
+  const std::string own = std::string(function) + ": ";
+  if (message.rfind(own, 0) == 0) message.erase(0, own.size());
   const std::string text =
       "rank " + std::to_string(first) + " of " + std::to_string(ranks) + ": " + message;
   if (header[1] != 0) fail_io(function, text);

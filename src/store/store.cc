@@ -17,9 +17,12 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <list>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "io/directories.h"
 #include "io/npy_header.h"
@@ -27,6 +30,7 @@
 #include "qkv/error.h"
 #include "qkv/npy.h"
 #include "qkv/staged_file.h"
+#include "store/regular_file.h"
 
 // The checksum functions compiled into this file: no library to link, for
 // qkv or for programs that link the installed static libqkv.
@@ -232,37 +236,6 @@ class StoreLock {
   int fd_ = -1;
 };
 
-// What a file that is not a regular one is, for messages.
-std::string kind_of(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
-// Opens `path` for reading if it is a regular file, else Error naming it and
-// what it is. O_NONBLOCK, so a FIFO without a writer does not block the
-// open itself (for a regular file it changes nothing); a device such as
-// /dev/zero is refused before a byte is read.
-int open_regular_file(std::string_view function, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) fail(function, path + ": cannot open: " + errno_text(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail(function, path + ": cannot stat: " + errno_text(error));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(function, path + ": not a regular file (" + kind_of(st.st_mode) +
-                       "); a store's manifest and chunks are regular files");
-  }
-  return fd;
-}
-
 std::string read_text_file(std::string_view function, const std::string& path) {
   const int fd = open_regular_file(function, path);
   std::string text;
@@ -293,68 +266,6 @@ std::string_view store_dtype_name(StoreDtype dtype) {
   return dtype == StoreDtype::kFloat32 ? "float32" : "bfloat16";
 }
 
-// ---- MappedFile
-
-MappedFile::MappedFile(std::string_view function, const std::string& path) {
-  const int fd = open_regular_file(function, path);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail(function, path + ": cannot stat: " + errno_text(error));
-  }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ > 0) {
-    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      const int error = errno;
-      ::close(fd);
-      fail(function,
-           path + ": cannot map " + std::to_string(size_) + " bytes: " + errno_text(error));
-    }
-    data_ = static_cast<const unsigned char*>(p);
-  }
-  ::close(fd);  // the mapping keeps the file
-}
-
-MappedFile::~MappedFile() {
-  if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-}
-
-MappedFile::MappedFile(MappedFile&& other) noexcept : data_(other.data_), size_(other.size_) {
-  other.data_ = nullptr;
-  other.size_ = 0;
-}
-
-MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-    data_ = other.data_;
-    size_ = other.size_;
-    other.data_ = nullptr;
-    other.size_ = 0;
-  }
-  return *this;
-}
-
-void MappedFile::prefetch() const {
-  if (data_ == nullptr) return;
-  // A file already in the page cache needs no read-ahead, and asking for it
-  // costs: WILLNEED walks every page of the range (about 1 ms per 128 MiB
-  // chunk pair, 18 % of a warm Q = 1 pass over 10^7 rows). So 16 pages spread
-  // over the file are probed first (mincore), and a file they all find
-  // cached is left alone.
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t pages = (size_ + page - 1) / page;
-  bool cached = true;
-  for (size_t probe = 0; probe < 16 && cached; ++probe) {
-    unsigned char in = 0;
-    const size_t at = pages * probe / 16 * page;
-    cached = ::mincore(const_cast<unsigned char*>(data_) + at, 1, &in) == 0 && (in & 1) != 0;
-  }
-  if (!cached) ::madvise(const_cast<unsigned char*>(data_), size_, MADV_WILLNEED);
-}
-
 // ---- the manifest
 
 KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::string& name) {
@@ -368,7 +279,8 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
   if (!json.is_object())
     in.fail(std::string("is a JSON ") + json.type_name() + "; expected an object");
   in.only(json,
-          {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows", "rows", "chunks"},
+          {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows", "rows", "chunks",
+           "xxh3"},
           "");
   if (in.text(json, "format", "") != kFormat) {
     in.fail("\"format\" is " + shown(json["format"]) + "; expected \"" + kFormat + "\"");
@@ -398,7 +310,7 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
   if (!chunks.is_array())
     in.fail(std::string("\"chunks\" is ") + chunks.type_name() + "; expected an array");
   int64_t first_row = 0;
-  std::vector<std::string> names;
+  std::unordered_set<std::string> names;  // a set: 10^6 chunks name 2 x 10^6 files
   for (size_t c = 0; c < chunks.size(); ++c) {
     const std::string where = "chunks[" + std::to_string(c) + "] ";
     const Json& entry = chunks[c];
@@ -412,11 +324,9 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
     chunk.values_file = in.file_name(entry, "values", where);
     chunk.values_xxh3 = in.checksum(entry, "values_xxh3", where);
     for (const std::string* file : {&chunk.keys_file, &chunk.values_file}) {
-      if (*file == kManifest || *file == kLock ||
-          std::find(names.begin(), names.end(), *file) != names.end()) {
+      if (*file == kManifest || *file == kLock || !names.insert(*file).second) {
         in.fail(where + "names the file \"" + *file + "\", which the store uses already");
       }
-      names.push_back(*file);
     }
     first_row += chunk.rows;
     if (first_row > kMaxRows)
@@ -427,10 +337,30 @@ KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::st
     in.fail("\"rows\" is " + std::to_string(store.rows_) + " but the chunks hold " +
             std::to_string(first_row));
   }
+  // The manifest's own checksum, last so every other mistake is named as
+  // itself: over the text qkv writes for what was read, so an edit that
+  // still parses (two chunk entries swapped, a size changed with the
+  // rows) is found. Manifests written before qkv wrote it have none.
+  if (json.contains("xxh3")) {
+    const uint64_t want = in.checksum(json, "xxh3", "");
+    const uint64_t got = XXH3_64bits(store.manifest_body().data(), store.manifest_body().size());
+    if (got != want) {
+      in.fail("its checksum \"xxh3\" " + hex64(want) + " does not match its contents' " +
+              hex64(got) + " (the manifest was edited or damaged)");
+    }
+  }
   return store;
 }
 
 std::string KeyValueStore::manifest_text() const {
+  // The body with one more member before its closing "\n}\n" (as dump(1)
+  // writes an object): a manifest of 10^6 chunks is 200 MB, not built twice.
+  const std::string body = manifest_body();
+  return body.substr(0, body.size() - 3) + ",\n \"xxh3\": \"" +
+         hex64(XXH3_64bits(body.data(), body.size())) + "\"\n}\n";
+}
+
+std::string KeyValueStore::manifest_body() const {
   Json chunks = Json::array();
   for (const StoreChunk& chunk : chunks_) {
     chunks.push_back(Json{{"rows", chunk.rows},
@@ -579,9 +509,31 @@ KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,
   if (check == StoreCheck::kChecksums) {
     store.check_checksums(kFn, progress);
   } else {
-    for (size_t c = 0; c < store.chunks_.size(); ++c) store.map_checked(kFn, c);
+    store.check_sizes(kFn);
   }
   return store;
+}
+
+void KeyValueStore::check_sizes(std::string_view kFn) const {
+  const size_t item = item_size(dtype_);
+  for (const StoreChunk& chunk : chunks_) {
+    for (const auto& [file, dim] :
+         {std::pair{&chunk.keys_file, key_dim_}, std::pair{&chunk.values_file, value_dim_}}) {
+      const std::string path = (fs::path(dir_) / *file).string();
+      const Shape shape{chunk.rows, dim};
+      // The size qkv writes; a chunk of another size (or no regular file)
+      // is mapped and checked whole, for the message that says what is
+      // wrong with it (or for a valid header of another length).
+      const size_t want = npy_header_bytes(npy_descr(dtype_), shape).size() +
+                          static_cast<size_t>(chunk.rows * dim) * item;
+      struct stat st;
+      if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+          static_cast<size_t>(st.st_size) == want)
+        continue;
+      const MappedFile mapped(kFn, path);
+      check_chunk_file(kFn, path, mapped, dtype_, chunk.rows, dim, 0, false);
+    }
+  }
 }
 
 // One chunk's keys (rows, D) and values (rows, Dv), mapped; its views stay
@@ -591,15 +543,19 @@ struct KeyValueStore::MappedChunk {
   size_t keys_offset = 0, values_offset = 0;  // where the .npy data starts
 };
 
+// The chunks read last, most recent first: a list for the order and a map
+// from the chunk's keys file (which names the chunk however a copy of the
+// store numbers it) into it.
 struct KeyValueStore::Mappings {
   std::mutex mutex;
-  std::map<std::string, std::shared_ptr<const MappedChunk>> by_keys_file;
+  using Entry = std::pair<std::string, std::shared_ptr<const MappedChunk>>;
+  std::list<Entry> recent;
+  std::unordered_map<std::string, std::list<Entry>::iterator> by_keys_file;
 };
 
 std::shared_ptr<KeyValueStore::Mappings> KeyValueStore::no_mappings() {
   return std::make_shared<Mappings>();
 }
-
 ChunkRange KeyValueStore::chunk_range(size_t index) const {
   if (index >= chunks_.size()) {
     fail("KeyValueStore::chunk_range", "index = " + std::to_string(index) + "; store " + dir_ +
@@ -619,16 +575,22 @@ SourceChunk KeyValueStore::read_chunk(size_t index) const {
   const unsigned char* keys = mapped->keys_file.data() + mapped->keys_offset;
   const unsigned char* values = mapped->values_file.data() + mapped->values_offset;
   const ChunkRange range{chunks_[index].first_row, rows};
+  // After the views are used: a file truncated meanwhile is an Error (the
+  // guard kept its missing pages readable as zeros).
+  std::function<void()> check = [mapped, kFn] {
+    mapped->keys_file.check_unchanged(kFn);
+    mapped->values_file.check_unchanged(kFn);
+  };
   if (dtype_ == StoreDtype::kFloat32) {
     return SourceChunk(
         range, ConstView<float>(reinterpret_cast<const float*>(keys), Shape{rows, key_dim_}),
-        ConstView<float>(reinterpret_cast<const float*>(values), Shape{rows, value_dim_}),
-        std::move(mapped));
+        ConstView<float>(reinterpret_cast<const float*>(values), Shape{rows, value_dim_}), mapped,
+        std::move(check));
   }
   return SourceChunk(
       range, ConstView<bfloat16>(reinterpret_cast<const bfloat16*>(keys), Shape{rows, key_dim_}),
       ConstView<bfloat16>(reinterpret_cast<const bfloat16*>(values), Shape{rows, value_dim_}),
-      std::move(mapped));
+      mapped, std::move(check));
 }
 
 void KeyValueStore::read_ahead(size_t index) const {
@@ -648,9 +610,20 @@ void KeyValueStore::read_ahead(size_t index) const {
 std::shared_ptr<const KeyValueStore::MappedChunk> KeyValueStore::map_checked(std::string_view kFn,
                                                                              size_t index) const {
   const StoreChunk& chunk = chunks_.at(index);
-  const std::lock_guard<std::mutex> lock(mappings_->mutex);
-  std::shared_ptr<const MappedChunk>& cached = mappings_->by_keys_file[chunk.keys_file];
-  if (cached) return cached;
+  Mappings& cache = *mappings_;
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  const auto found = cache.by_keys_file.find(chunk.keys_file);
+  if (found != cache.by_keys_file.end()) {
+    const std::shared_ptr<const MappedChunk> kept = found->second->second;
+    // Two stats: a file changed since it was mapped is mapped and checked
+    // again below (and so named), not read.
+    if (kept->keys_file.unchanged() && kept->values_file.unchanged()) {
+      cache.recent.splice(cache.recent.begin(), cache.recent, found->second);
+      return kept;
+    }
+    cache.recent.erase(found->second);
+    cache.by_keys_file.erase(found);
+  }
   auto made = std::make_shared<MappedChunk>();
   MappedChunk& mapped = *made;
   NpyHeader keys_header, values_header;
@@ -664,8 +637,14 @@ std::shared_ptr<const KeyValueStore::MappedChunk> KeyValueStore::map_checked(std
                    &values_header);
   mapped.keys_offset = static_cast<size_t>(keys_header.data_offset);
   mapped.values_offset = static_cast<size_t>(values_header.data_offset);
-  cached = std::move(made);
-  return cached;
+  cache.recent.emplace_front(chunk.keys_file, made);
+  cache.by_keys_file[chunk.keys_file] = cache.recent.begin();
+  // The least recent leaves the cache; whoever still reads it keeps it mapped.
+  if (cache.recent.size() > kMappedChunks) {
+    cache.by_keys_file.erase(cache.recent.back().first);
+    cache.recent.pop_back();
+  }
+  return made;
 }
 
 void KeyValueStore::verify(const StoreProgress& progress) const {
@@ -707,27 +686,27 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
   // What a killed append left behind (files no manifest names, temporary
   // files) goes first: no other writer runs while the lock is held, and
   // readers read only files the manifest names.
+  std::unordered_set<std::string> in_manifest{kManifest, kLock};
+  for (const StoreChunk& c : now.chunks_) {
+    in_manifest.insert(c.keys_file);
+    in_manifest.insert(c.values_file);
+  }
+  const auto in_use = [&](const std::string& name) { return in_manifest.count(name) != 0; };
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool named =
-        name == kManifest || name == kLock ||
-        std::any_of(now.chunks_.begin(), now.chunks_.end(), [&](const StoreChunk& c) {
-          return c.keys_file == name || c.values_file == name;
-        });
-    const bool ours = (is_chunk_file_name(name, "keys") || is_chunk_file_name(name, "values") ||
-                       (name[0] == '.' && name.find(".qkv-") != std::string::npos)) &&
-                      entry.is_regular_file(ec);
-    if (!named && ours) fs::remove(entry.path(), ec);
+    const bool named = in_use(name);
+    const bool chunk_file =
+        (is_chunk_file_name(name, "keys") || is_chunk_file_name(name, "values")) &&
+        entry.is_regular_file(ec);
+    const bool staged = name[0] == '.' && name.find(".qkv-") != std::string::npos &&
+                        !entry.is_symlink(ec) &&
+                        (entry.is_regular_file(ec) || entry.is_directory(ec));
+    if (!named && (chunk_file || staged)) fs::remove_all(entry.path(), ec);
   }
   if (keys.size(0) > 0) {
     // New chunk files take numbers whose names no chunk of the manifest
     // uses, so a new file never replaces one the store holds.
-    const auto in_use = [&](const std::string& name) {
-      return std::any_of(now.chunks_.begin(), now.chunks_.end(), [&](const StoreChunk& c) {
-        return c.keys_file == name || c.values_file == name;
-      });
-    };
     const auto new_chunks =
         static_cast<size_t>((keys.size(0) + now.chunk_rows_ - 1) / now.chunk_rows_);
     size_t next = now.chunks_.size();
@@ -738,12 +717,46 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
         i = static_cast<size_t>(-1);  // start the range again after the name in use
       }
     }
-    std::vector<StoreChunk> added = write_chunks(kFn, dir_, keys, values, now.dtype_,
+    // The new chunks are written into a hidden directory in the store, never
+    // committed: a failure (a full disk) or a signal while they are written
+    // removes it and all it holds (StagedDirectory's destructor, the qkv
+    // command's signal handler). Only when every file is written are they
+    // renamed into place, which takes microseconds a file.
+    StagedDirectory staging(kFn, (fs::path(dir_) / "append").string());
+    std::vector<StoreChunk> added = write_chunks(kFn, staging.temp(), keys, values, now.dtype_,
                                                  now.chunk_rows_, next, now.rows_, progress);
-    sync_directory(dir_);
-    for (StoreChunk& chunk : added) now.chunks_.push_back(std::move(chunk));
-    now.rows_ += keys.size(0);
-    write_manifest(kFn, dir_, now.manifest_text());
+    // The files renamed into place so far, removed again if the append fails.
+    std::vector<std::string> placed;
+    try {
+      for (const StoreChunk& chunk : added) {
+        for (const std::string* file : {&chunk.keys_file, &chunk.values_file}) {
+          const std::string from = (fs::path(staging.temp()) / *file).string();
+          const std::string to = (fs::path(dir_) / *file).string();
+          // NOREPLACE: whatever is already there (a symbolic link to outside
+          // the store, say) is never written through nor replaced.
+          if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0) {
+            const int error = errno;
+            if (error == EEXIST) {
+              struct stat st;
+              const bool link = ::lstat(to.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+              fail(kFn, to + ": " + (link ? "a symbolic link" : "a file no manifest names") +
+                            " is where the new chunk goes (a store's files are its own: "
+                            "remove it); nothing was appended");
+            }
+            fail_io(kFn, to + ": cannot move the new chunk into place: " + errno_text(error));
+          }
+          placed.push_back(to);
+        }
+      }
+      sync_directory(dir_);
+      for (StoreChunk& chunk : added) now.chunks_.push_back(std::move(chunk));
+      now.rows_ += keys.size(0);
+      write_manifest(kFn, dir_, now.manifest_text());
+    } catch (...) {
+      for (const std::string& file : placed) ::unlink(file.c_str());
+      sync_directory(dir_);
+      throw;
+    }
   }
   *this = std::move(now);
 }

@@ -189,6 +189,7 @@ void for_each_chunk(const ChunkSource& source, const std::vector<int64_t>& query
           std::clamp<int64_t>(query_rows[i] - range.first_row, 0, range.rows);
     }
     work(chunk, ValidLens(lens.view()));
+    chunk.check_intact();
     done += range.rows * row_bytes(source);
     if (progress) progress(done, total);
   }

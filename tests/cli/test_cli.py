@@ -283,6 +283,37 @@ class BasicsTest(CliTest):
         self.expect_error("softmax", ["softmax", "--scores", x, "--out", self.path("w.npy"),
                                       "--frobnicate"], [self.path("w.npy")], ["--frobnicate"])
 
+    def test_a_typo_is_named_first_with_the_nearest_word(self):
+        """A typo hid itself: --querys gave "--queries is required",
+        --valid-len listed the unknown words in reverse, `qkv atend` a
+        garbled line. The unknown word comes first, with the nearest known
+        one of the (sub)command it follows."""
+        x = self.save("x.npy", np.ones((2, 3), np.float32))
+        out = self.path("o.npy")
+        attend = ["attend", "--keys", x, "--values", x, "--out", out]
+        for args, command, said in (
+                (attend + ["--querys", x], "attend",
+                 "unknown option --querys; did you mean --queries?"),
+                (attend + ["--queries", x, "--valid-len", x], "attend",
+                 "unknown option --valid-len; did you mean --valid-lens?"),
+                (attend + ["--queries=" + x, "--scoring", "dot", "--scael", "2"], "attend",
+                 "unknown option --scael; did you mean --scale?"),
+                (["atend"] + attend[1:], "", "unknown command atend; did you mean attend?"),
+                (["store", "craete", self.path("s")], "store",
+                 "unknown command craete; did you mean create?"),
+                (["softmax", "--scores", x, "--out", out, "--frobnicate"], "softmax",
+                 "unknown option --frobnicate\n")):
+            r = run(*args)
+            prefix = f"qkv {command}: error: " if command else "qkv: error: "
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertTrue(r.stderr.startswith(prefix + said), r.stderr)
+            self.assertFalse(os.path.exists(out))
+        # A value that looks like a command is a value, not a typo.
+        r = run("attend", "--queries", x, "--keys", x, "--values", x, "--out", out,
+                "--scoring", "dto")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertNotIn("unknown", r.stderr)
+
 
 # ---- qkv softmax -------------------------------------------------------------------
 
@@ -639,6 +670,38 @@ class AttendTest(CliTest):
                     self.path("l2.npy"))
             for a, b in zip(by_h, (np.load(self.path("o.npy")), np.load(self.path("l2.npy")))):
                 np.testing.assert_array_equal(a, b)
+
+    def test_tiny_bandwidths_are_the_limit_or_refused_in_the_users_terms(self):
+        """Distance scoring with a tiny bandwidth: while 1/H^2 |q - k|^2 fits
+        the float type, the output is each query's nearest key's value (the
+        limit); where it overflows (1e-25 in float32 gave every output NaN,
+        exit 0) the bandwidth is refused as the user typed it (1e-200 was
+        named as options.scale = inf, and as 9.9999999999999998e-201)."""
+        for dtype in (np.float32, np.float64):
+            q, k, v = self.attention_inputs(dtype)
+            base = ["attend", "--queries", self.save("q.npy", q), "--keys",
+                    self.save("k.npy", k), "--values", self.save("v.npy", v), "--out",
+                    self.path("o.npy"), "--scoring", "distance"]
+            q64, k64 = q.astype(np.float64), k.astype(np.float64)
+            d2 = ((q64[:, :, None, :] - k64[:, None, :, :]) ** 2).sum(-1)
+            nearest = np.take_along_axis(v, d2.argmin(-1)[:, :, None], 1)
+            self.ok(*base, "--bandwidth", "1e-6")
+            np.testing.assert_array_equal(np.load(self.path("o.npy")), nearest)
+            # Scores of every key past the float type's range: keys far
+            # from the queries (float64 holds 1/H^2 |q - k|^2 / 2 up to 1.8e308).
+            tiny = "1e-25" if dtype == np.float32 else "1e-153"
+            base[4] = self.save("k.npy", k + dtype(1000))
+            self.expect_error("attend", base + ["--bandwidth", tiny], [self.path("o.npy")],
+                              [f"--bandwidth {tiny} is too small for these inputs",
+                               "float32" if dtype == np.float32 else "float64", "NaN",
+                               "give a larger bandwidth"])
+            self.expect_error("attend", base + ["--scale", "1e305"], [self.path("o.npy")],
+                              ["--scale 1e+305 is too small", "overflow"])
+            self.expect_error("attend", base + ["--bandwidth", "1e-200"], [self.path("o.npy")],
+                              ["--bandwidth 1e-200: 1/H^2 = inf is beyond float64's range",
+                               "between 1e-154 and 1e154"])
+            self.expect_error("attend", base + ["--bandwidth", "-1e-9"], [self.path("o.npy")],
+                              ["--bandwidth -1e-09: expected a finite number > 0"])
 
     def chapter_inputs(self):
         # d2l 11.3: keys all ones, values arange(40) as (10, 4) in both batch

@@ -11,16 +11,29 @@ The harness is test_cli.py's.
 Usage: test_search.py --qkv PATH [unittest arguments, e.g. a TestCase name]
 """
 
+import ctypes
 import json
 import os
 import re
 import shutil
 import sqlite3
+import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+
+# XXH3-64 from Debian's libxxhash (libxxhash-dev, which qkv builds with):
+# the peer that forms a manifest's checksum as a hand edit would.
+_XXHASH = ctypes.CDLL("libxxhash.so.0")
+_XXHASH.XXH3_64bits.restype = ctypes.c_uint64
+_XXHASH.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+
+def xxh3_64_hex(data):
+    return f"{_XXHASH.XXH3_64bits(data, len(data)):016x}"
+
 
 LISTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "search", "lists")
 # Small encoders, so an index of the fixture builds in about a second.
@@ -188,6 +201,69 @@ class SearchQueryTest(SearchCase):
         os.remove(os.path.join(damaged, "manifest.json"))
         self.expect_error("search", ["search", "eval", "--index", damaged],
                           fragments=["manifest.json"])
+
+    def test_the_manifest_is_checked_and_checksummed(self):
+        """Every number of the manifest that open() uses is checked, and the
+        manifest has its own checksum: 1e308 gave NaN scores and invalid
+        JSON, -16 reversed the ranking, -1 wrapped to 2^64 - 1; all exit 0."""
+        def edited(change, recompute):
+            damaged = self.path("edited")
+            shutil.rmtree(damaged, ignore_errors=True)
+            shutil.copytree(self.index, damaged)
+            path = os.path.join(damaged, "manifest.json")
+            with open(path) as f:
+                manifest = json.load(f)
+            change(manifest)
+            if recompute:  # a hand edit that fixes the checksum up, as qkv forms it
+                body = dict(manifest)
+                body.pop("xxh3", None)
+                text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+                manifest["xxh3"] = xxh3_64_hex(text.encode())
+            with open(path, "w") as f:
+                json.dump(manifest, f, indent=1)
+            return damaged, path
+
+        # The checksum is formed as this test forms it: a reformatted
+        # manifest with its checksum recomputed opens, and ranks the same.
+        damaged, _ = edited(lambda m: None, recompute=True)
+        self.assertEqual(
+            self.ok("search", "query", "--index", damaged, "gnuplot", "--json").stdout,
+            self.ok("search", "query", "--index", self.index, "gnuplot", "--json").stdout)
+        for member, value, expected in (
+                ("score_scale", 1e308, "(0, 1e+06]"),
+                ("score_scale", -16.0, "(0, 1e+06]"),
+                ("score_scale", "16", "(0, 1e+06]"),
+                ("hybrid_weight", float("nan"), "[0, 1e+06]"),
+                ("hash_seed", -1, "[0, 2^64)"),
+                ("buckets", 0, "[1, 67108864]"),
+                ("hybrid_fusion", "max", '"linear", "normalized" or "ranks"')):
+            def change(m, member=member, value=value):
+                m[member] = value
+            damaged, path = edited(change, recompute=True)
+            shown = "NaN" if value != value else json.dumps(value)
+            if member == "hybrid_weight":
+                shown = "null"  # json.dump writes NaN; qkv's parser refuses it first
+            r = test_cli.run("search", "query", "--index", damaged, "gnuplot", "--json")
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(path, r.stderr)
+            if member != "hybrid_weight":
+                self.assertIn(f'"{member}" is {shown}', r.stderr)
+                self.assertIn(expected, r.stderr)
+        # An edit that keeps every number in range is found by the checksum.
+        def scale(m):
+            m["score_scale"] = m["score_scale"] * 2
+        damaged, path = edited(scale, recompute=False)
+        self.expect_error("search", ["search", "query", "--index", damaged, "gnuplot"],
+                          fragments=[path, '"xxh3"', "does not match", "edited or damaged"])
+        # Non-UTF-8 bytes of a damaged manifest reach the message escaped.
+        with open(path, "wb") as f:
+            f.write(b'{"format": "qkv search index\x93\xff')
+        r = subprocess.run([test_cli.QKV, "search", "query", "--index", damaged, "gnuplot"],
+                           capture_output=True, timeout=120)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn(b"not valid JSON", r.stderr)
+        self.assertIn(b"last read: '\"qkv search index\\x93'", r.stderr)
+        self.assertTrue(all(32 <= b < 127 for b in r.stderr.rstrip(b"\n")), r.stderr)
 
     def test_special_files_are_refused_at_once(self):
         """A FIFO in place of an index's file would block its open, and

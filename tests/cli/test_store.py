@@ -3,7 +3,9 @@
 through the command line: the rows read back with NumPy (chunks are .npy
 files), appends killed at random moments (the store opens and verifies, and
 holds the rows before or after the append, never between), two appenders at
-once (one wins, the other is told, nothing is lost), damage named with exit 2,
+once (one wins, the other is told, nothing is lost), signals and failed
+writes during create, append and search index leaving nothing behind, a
+link where a chunk goes never written through, damage named with exit 2,
 progress on a terminal, and attention over a store against a float64 NumPy
 reference. The harness (running qkv, temporary directories, expect_error) is
 test_cli.py's.
@@ -15,6 +17,7 @@ NumPy is required: if it cannot be imported this script fails.
 import json
 import os
 import pty
+import resource
 import signal
 import subprocess
 import sys
@@ -219,9 +222,10 @@ class AppendTest(StoreCase):
         first = subprocess.Popen([test_cli.QKV, "store", "append", store, "--quiet",
                                   "--keys", self.save("big.npy", big), "--values", self.path("big.npy")],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        # Wait until the first writes its chunks (it holds the lock from before that).
+        # Wait until the first writes its chunks, into its hidden staging
+        # directory (it holds the lock from before that).
         deadline = time.monotonic() + 60
-        while not any(f.startswith(".keys-") for f in os.listdir(store)):
+        while not any(f.startswith(".append.qkv-") for f in os.listdir(store)):
             self.assertIsNone(first.poll(), "the first append ended before it was caught writing")
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.002)
@@ -289,6 +293,136 @@ class KillTest(StoreCase):
         self.ok("store", "verify", store)
         print(f"\n  16 appends of {took:.2f} s killed at random: {outcomes}", file=sys.stderr)
         self.assertGreater(outcomes["before"], 0, outcomes)  # the kills did land mid-append
+
+
+class InterruptTest(StoreCase):
+    """Signals a program can catch (SIGINT, SIGTERM, SIGHUP) and failed
+    writes leave nothing behind: the docs promise only SIGKILL may."""
+
+    def hidden(self, directory):
+        return sorted(f for f in os.listdir(directory) if f.startswith("."))
+
+    def interrupted(self, args, took):
+        """Runs qkv with args and sends it a catchable signal at a random
+        moment of the `took` seconds it takes; its exit status."""
+        p = subprocess.Popen([test_cli.QKV, *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        time.sleep(self.rng.uniform(0.0, took * 0.9))
+        p.send_signal(self.rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGHUP]))
+        return p.wait(timeout=300)
+
+    def test_signals_during_create_and_append_leave_nothing(self):
+        """store create left its hidden staging directory (.S.qkv-XXXXXX) and
+        an interrupted append up to 138 chunk files."""
+        n = 120000
+        k = self.rng.normal(size=(n, 32)).astype(np.float32)
+        v = self.rng.normal(size=(n, 16)).astype(np.float32)
+        keys, values = self.save("k.npy", k), self.save("v.npy", v)
+        parent = self.path("stores")
+        os.mkdir(parent)
+        store = os.path.join(parent, "s")
+        create = ["store", "create", store, "--keys", keys, "--values", values,
+                  "--chunk-rows", "1000", "--quiet"]
+        start = time.monotonic()
+        self.ok(*create)
+        took = time.monotonic() - start
+        stopped = 0
+        for _ in range(6):
+            subprocess.run(["rm", "-rf", store], check=True)
+            status = self.interrupted(create, took)
+            left = sorted(os.listdir(parent))
+            self.assertEqual(self.hidden(parent), [], f"exit {status}")
+            self.assertIn(left, ([], ["s"]), f"exit {status}")
+            if left:  # finished before the signal: whole
+                self.ok("store", "verify", store)
+            stopped += status < 0
+        self.assertGreater(stopped, 0)  # the signals did land mid-create
+        subprocess.run(["rm", "-rf", store], check=True)
+        small = self.create("stores/s", k[:10], v[:10], "--chunk-rows", "1000")
+        before = sorted(os.listdir(small))
+        append = ["store", "append", small, "--keys", keys, "--values", values, "--quiet"]
+        stopped = 0
+        for _ in range(6):
+            status = self.interrupted(append, took)
+            stopped += status < 0
+            rows = self.info(small)["rows"]
+            if rows == 10:
+                self.assertEqual(sorted(os.listdir(small)), before, f"exit {status}")
+            else:  # finished before the signal
+                self.assertEqual(rows, 10 + n)
+                subprocess.run(["rm", "-rf", small], check=True)
+                self.create("stores/s", k[:10], v[:10], "--chunk-rows", "1000")
+            self.assertEqual(self.hidden(small), [], f"exit {status}")
+        self.assertGreater(stopped, 0)
+
+    def test_signals_during_search_index_leave_nothing(self):
+        lists = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "search", "lists")
+        parent = self.path("indexes")
+        os.mkdir(parent)
+        index = os.path.join(parent, "i")
+        build = ["search", "index", "--out", index, "--lists", lists, "--dim", "32",
+                 "--buckets", "4096", "--batch", "64", "--epochs", "6", "--quiet"]
+        start = time.monotonic()
+        self.ok(*build)
+        took = time.monotonic() - start
+        stopped = 0
+        for _ in range(6):
+            subprocess.run(["rm", "-rf", index], check=True)
+            status = self.interrupted(build, took)
+            self.assertEqual(self.hidden(parent), [], f"exit {status}")
+            self.assertIn(sorted(os.listdir(parent)), ([], ["i"]), f"exit {status}")
+            stopped += status < 0
+        self.assertGreater(stopped, 0)
+
+    def test_a_failed_append_removes_what_it_wrote(self):
+        """A write that fails (the file-size limit, EFBIG: the path a full
+        disk's ENOSPC takes) while the chunks are written, or while the
+        manifest is, after the chunks were renamed into place (12 files were
+        left, the disk 99 % full until the next append): exit 1, and the
+        store is as it was."""
+        def limited(limit):
+            def set_limit():
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not death
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+            return set_limit
+
+        k = self.rng.normal(size=(60, 1)).astype(np.float32)
+        v = self.rng.normal(size=(60, 1)).astype(np.float32)
+        keys, values = self.save("k.npy", k[10:]), self.save("v.npy", v[10:])
+        # Chunks of one row: 132-byte chunk files; 50 new chunks make a
+        # manifest of about 9 KB.
+        for limit, stage in ((100, "chunks"), (4096, "manifest")):
+            store = self.create(f"s-{stage}", k[:10], v[:10], "--chunk-rows", "1")
+            before = sorted(os.listdir(store))
+            r = subprocess.run([test_cli.QKV, "store", "append", store, "--keys", keys,
+                                "--values", values], capture_output=True, text=True,
+                               timeout=120, preexec_fn=limited(limit))
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("qkv store: error:", r.stderr)
+            self.assertIn("File too large", r.stderr)
+            self.assertEqual(sorted(os.listdir(store)), before, stage)
+            self.ok("store", "verify", store)
+            self.assertEqual(self.info(store)["rows"], 10)
+
+    def test_a_link_where_a_chunk_goes_is_not_written_through(self):
+        """A dangling symbolic link named as the next chunk: append wrote the
+        chunk through it, outside the store, and the manifest then named it."""
+        k = self.rng.normal(size=(8, 2)).astype(np.float32)
+        v = self.rng.normal(size=(8, 1)).astype(np.float32)
+        store = self.create("s", k[:4], v[:4], "--chunk-rows", "4")
+        outside = self.path("outside")
+        os.mkdir(outside)
+        link = os.path.join(store, "keys-000001.npy")
+        os.symlink(os.path.join(outside, "chunk.npy"), link)
+        before = sorted(os.listdir(store))
+        self.expect_error("store", ["store", "append", store, "--keys",
+                                           self.save("k.npy", k[4:]), "--values",
+                                           self.save("v.npy", v[4:])],
+                          fragments=[link, "a symbolic link", "nothing was appended"])
+        self.assertEqual(os.listdir(outside), [])
+        self.assertEqual(sorted(os.listdir(store)), before)
+        self.assertTrue(os.path.islink(link))
+        self.assertEqual(self.info(store)["rows"], 4)
 
 
 class DamageTest(StoreCase):
@@ -460,9 +594,20 @@ class AttendStoreTest(StoreCase):
                               [f"--scoring {scoring} does not take --store", "dot or distance"])
         self.expect_error("attend", base + ["--scoring", "distance", "--scale", 2, "--bandwidth", 1],
                           [out], ["--bandwidth H and --scale S are one setting"])
-        for h in (0, -1, "inf", "1e-300"):
+        for h in (0, -1, "inf"):
             self.expect_error("attend", base + ["--scoring", "distance", "--bandwidth", h], [out],
                               ["--bandwidth", "expected a finite number > 0"])
+        # The same store twice, however spelled, would count its rows twice.
+        again = os.path.join(store, "..", os.path.basename(store))
+        self.expect_error("attend", base + ["--store", again], [out],
+                          [f"--store {again} is --store {store} again",
+                           "each store's rows count once"])
+        self.expect_error("attend", base + ["--scoring", "distance", "--bandwidth", "1e-300"],
+                          [out], ["--bandwidth 1e-300: 1/H^2 = inf is beyond float64's range"])
+        # A bandwidth whose scores overflow float32 for every row: refused in
+        # the user's terms, not written as NaN.
+        self.expect_error("attend", base + ["--scoring", "distance", "--bandwidth", "1e-25"],
+                          [out], ["--bandwidth 1e-25 is too small for these inputs", "float32"])
         self.expect_error("attend", base + ["--scoring", "distance", "--scale", 0], [out],
                           ["attend", "scale = 0", "> 0 for distance scoring"])
         self.expect_error("attend", base + ["--bandwidth", 1], [out],

@@ -259,8 +259,12 @@ TEST_F(MpiStoreTest, AFailingRankMakesEveryRankThrow) {
   StoreAttentionOptions options;
   options.top_k = 40 * ranks() + 1;
   const KeyValueStore good = KeyValueStore::create(path("good" + std::to_string(rank_of())), keys, values);
-  expect_error([&] { mpi::attend(queries, mpi::whole(good), MPI_COMM_WORLD, {}, options); },
-               {"qkv::mpi::attend", "top_k = " + std::to_string(40 * ranks() + 1)});
+  const std::string message =
+      expect_error([&] { mpi::attend(queries, mpi::whole(good), MPI_COMM_WORLD, {}, options); },
+                   {"qkv::mpi::attend", "top_k = " + std::to_string(40 * ranks() + 1)});
+  // The function is named once ("qkv::mpi::attend: rank 0 of 2: qkv::mpi::attend:
+  // top_k = ..." named it twice).
+  EXPECT_EQ(message.find("qkv::mpi::attend"), message.rfind("qkv::mpi::attend")) << message;
   expect_error([&] { mpi::share_of_chunks(good, ranks(), ranks()); }, {"share_of_chunks"});
   // And the communicator still works afterwards.
   const StoreAttentionResult fine = mpi::attend(queries, mpi::whole(good), MPI_COMM_WORLD);

@@ -651,3 +651,25 @@ def test_sdpa_writes_into_out(dtype, rng):
         with pytest.raises(error, match=re.escape(message)):
             qkv.scaled_dot_product_attention(q, k, v, out=array)
         assert np.array_equal(np.asarray(array), before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_out_sharing_an_inputs_memory_is_refused(dtype, rng):
+    """out=q (0.73 off), out=v, out=k, or a view into one of them: the
+    kernels read the inputs while they write out, so the result was wrong
+    and nothing said so. Refused (by the span of the bytes, as NumPy's
+    may_share_memory), the arrays as they were."""
+    B, Nq, Nk, D = 2, 5, 5, 4
+    memory = rng.standard_normal((3, B, Nq, 2 * D)).astype(dtype)
+    q, k, v = memory[0, :, :, :D], memory[1, :, :, :D], memory[2, :, :, :D]
+    want = qkv.scaled_dot_product_attention(q, k, v)
+    for name, out in (("queries", q), ("keys", k), ("values", v),
+                      ("values", memory[2, :, :, 2:2 + D]), ("queries", memory[0, :, ::-1, :D])):
+        before = memory.copy()
+        with pytest.raises(qkv.Error, match=re.escape(
+                f"scaled_dot_product_attention: out shares memory with {name}")):
+            qkv.scaled_dot_product_attention(q, k, v, out=out)
+        assert np.array_equal(memory, before, equal_nan=True)
+    # An array of its own is written, with the bits of the call without out.
+    got = qkv.scaled_dot_product_attention(q, k, v, out=np.empty((B, Nq, D), dtype))
+    assert np.array_equal(got, want)

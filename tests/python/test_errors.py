@@ -186,6 +186,23 @@ def test_non_integer_valid_lens_are_type_errors(a, fn, lens):
                  [f"valid_lens has dtype {dtype}", "expected integers"])
 
 
+@pytest.mark.parametrize("fn", list(LENS_FUNCTIONS))
+def test_uint64_valid_lens_past_int64_are_named_as_given(a, fn):
+    """2^64 - 1 as uint64 was converted to int64 and named as -1."""
+    lens = np.array([2, 2**64 - 1], np.uint64)
+    check_raises(lambda: LENS_FUNCTIONS[fn](a, lens), "qkv.Error", fn,
+                 ["valid_lens holds 18446744073709551615 (uint64)", "beyond any length"])
+
+
+@pytest.mark.parametrize("window", [(1,), (1, 2, 3), "ab", (1.5, 2), (True, 1), 3, [None, 1]],
+                         ids=["one", "three", "string", "float", "bool", "int", "none"])
+def test_a_window_that_is_not_two_integers_is_a_type_error(a, window):
+    """window=(1,) gave pybind11's "Unable to cast Python instance to C++ type"."""
+    check_raises(lambda: qkv.scaled_dot_product_attention(a.q, a.k, a.v, window=window),
+                 "TypeError", "scaled_dot_product_attention",
+                 [f"window is {window!r}", "expected (left, right), two integers"])
+
+
 @pytest.mark.parametrize("index", [[[0.0, 1.0, 2.0]] * 2, np.ones((2, 3), bool), [["a"] * 3] * 2],
                          ids=["floats", "bools", "strings"])
 def test_non_integer_indices_are_type_errors(a, index):

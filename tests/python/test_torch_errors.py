@@ -214,3 +214,22 @@ def test_not_a_tensor_is_a_type_error():
         sdpa(q.numpy(), k, v)
     with pytest.raises(TypeError, match="X"):
         qkv.torch.masked_softmax([[1.0, 2.0]])
+
+
+@pytest.mark.parametrize("op", ["masked_softmax", "sdpa", "additive"])
+def test_a_double_backward_is_refused_not_wrong(op):
+    """A gradient penalty (grad with create_graph=True, then backward through
+    it) dropped the penalty's term: q.grad 1.77 off, no error. It is a
+    RuntimeError now; a first-order backward still works."""
+    torch.manual_seed(0)
+    args = [(name, torch.randn(t.shape, dtype=torch.float64, requires_grad=True))
+            for name, t in good_args(op)]
+    tensors = [t for _, t in args]
+    out = CALLS[op](*tensors)
+    loss = (out * out).sum()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "qkv.torch: a double backward (create_graph=True, e.g. a gradient penalty) "
+            "is not supported")):
+        torch.autograd.grad(loss, tensors[0], create_graph=True)
+    (grad,) = torch.autograd.grad(CALLS[op](*tensors).square().sum(), tensors[0])
+    assert grad.shape == tensors[0].shape and torch.isfinite(grad).all()
