@@ -2,6 +2,7 @@
 // the same inputs and seed give bitwise-identical results with 1 or N threads,
 // on shapes large enough to be split into many blocks; the thread count
 // itself; and the dropout mask of the attention forwards being dropout_keep's.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -82,6 +83,53 @@ TEST(Threads, SetAndQuery) {
     EXPECT_EQ(num_threads(), 7);
   }
   EXPECT_GE(num_threads(), 1);
+}
+
+// ---- stopping a call (InterruptPoll) ---------------------------------------------
+
+std::atomic<int> polls{0};
+std::atomic<int> stop_after{0};
+bool stop_when_told() { return ++polls > stop_after; }
+
+// An InterruptPoll that says stop makes a long call throw Interrupted
+// between its tasks, at 1 and 2 threads; one that never says stop changes
+// no bit; a short call never asks (the first poll waits kInterruptPollMs).
+TEST(Threads, AnInterruptPollStopsALongCallAndChangesNothingElse) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = kSanitized ? 800 : 2000;
+  const Tensor<double> q = random_tensor<double>(rng, Shape{1, n, 64});
+  const Tensor<double> k = random_tensor<double>(rng, Shape{1, n, 64});
+  const Tensor<double> v = random_tensor<double>(rng, Shape{1, n, 64});
+  const AttentionResult<double> want = scaled_dot_product_attention(q, k, v);
+  for (const int threads : {1, 2}) {
+    ThreadCount count(threads);
+    {
+      polls = 0;
+      stop_after = 1 << 30;
+      const InterruptPoll poll(stop_when_told);
+      // Long enough to poll: 10 calls of about 10 ms (Release), a poll every 20 ms.
+      for (int i = 0; i < 10; ++i) {
+        expect_bitwise_equal(scaled_dot_product_attention(q, k, v).output, want.output, "output");
+      }
+      EXPECT_GT(polls.load(), 0);
+    }
+    {
+      polls = 0;
+      stop_after = 0;
+      const InterruptPoll poll(stop_when_told);
+      const auto call = [&] {
+        for (int i = 0; i < 200; ++i) scaled_dot_product_attention(q, k, v);
+      };
+      EXPECT_THROW(call(), Interrupted);
+      EXPECT_EQ(polls.load(), 1);
+    }
+    // Without a poll nothing asks.
+    polls = 0;
+    scaled_dot_product_attention(q, k, v);
+    EXPECT_EQ(polls.load(), 0);
+  }
 }
 
 TEST(Threads, NegativeCountIsAnError) {

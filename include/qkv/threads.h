@@ -3,6 +3,10 @@
 // threads ever add into the same element.
 #pragma once
 
+#include <memory>
+#include <stdexcept>
+#include <string>
+
 namespace qkv {
 
 // The most threads qkv runs, for set_num_threads, QKV_NUM_THREADS and the qkv
@@ -23,6 +27,37 @@ void set_num_threads(int n);
 
 // The thread count in effect.
 int num_threads();
+
+// Stopping a long call from outside (Ctrl-C in Python). While an
+// InterruptPoll lives on a thread, the parallel work of the calls that thread
+// makes asks `stop()` between tasks, on that thread only and at most every
+// kInterruptPollMs (the first time kInterruptPollMs after the poll began,
+// so a short call never asks): once it says true, the tasks not yet started are skipped
+// and the call throws qkv::Interrupted (below). A task is at most a
+// few milliseconds of work, so a call stops within about that much after
+// stop() first says true. Polls nest: the innermost one is asked.
+inline constexpr int kInterruptPollMs = 20;
+// Thrown by a call an InterruptPoll stopped: what it was computing is
+// incomplete and must not be used. The Python bindings turn it into
+// KeyboardInterrupt.
+class Interrupted : public std::runtime_error {
+ public:
+  explicit Interrupted(const std::string& message) : std::runtime_error(message) {}
+};
+namespace kernels {
+struct PollState;
+}
+class InterruptPoll {
+ public:
+  explicit InterruptPoll(bool (*stop)());
+  ~InterruptPoll();
+  InterruptPoll(const InterruptPoll&) = delete;
+  InterruptPoll& operator=(const InterruptPoll&) = delete;
+
+ private:
+  std::unique_ptr<kernels::PollState> state_;
+  kernels::PollState* previous_;
+};
 
 // qkv calls the BLAS single-threaded inside its own threads, so the pool of
 // threads Debian's OpenBLAS (the pthread build) starts when it is loaded is

@@ -32,12 +32,20 @@ constexpr std::string_view kDistanceBackward = "distance_attention_backward";
 // The gradient tuples (namedtuples made at import, attributes of the module).
 py::handle sdpa_grads_type, sdpa_bias_grads_type, additive_grads_type, bilinear_grads_type;
 
-// causal: None, "top-left" (torch's is_causal) or "bottom-right".
-Causal causal_of(std::string_view fn, const std::optional<std::string>& causal) {
-  if (!causal) return Causal::kNone;
-  if (*causal == "top-left") return Causal::kTopLeft;
-  if (*causal == "bottom-right") return Causal::kBottomRight;
-  throw Error(std::string(fn) + ": causal = '" + *causal +
+// causal: None, "top-left" (torch's is_causal) or "bottom-right". Taken as
+// any object and checked here: True, torch's spelling, got pybind11's
+// "incompatible function arguments" and the whole signature.
+Causal causal_of(std::string_view fn, py::handle causal) {
+  if (causal.is_none()) return Causal::kNone;
+  if (!py::isinstance<py::str>(causal)) {
+    throw py::type_error(std::string(fn) + ": causal is " + std::string(py::repr(causal)) +
+                         "; expected None, 'top-left' (torch's is_causal=True: the mask's "
+                         "corner at the first query and key) or 'bottom-right' (at the last)");
+  }
+  const std::string name = causal.cast<std::string>();
+  if (name == "top-left") return Causal::kTopLeft;
+  if (name == "bottom-right") return Causal::kBottomRight;
+  throw Error(std::string(fn) + ": causal = '" + name +
               "' is not one of None, 'top-left', 'bottom-right'");
 }
 
@@ -246,18 +254,30 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     lse = array;
     outputs.lse = with_batch_axis(view, one, 1);
   }
-  {
-    py::gil_scoped_release release;
+  // The caller's out as it was, put back if Ctrl-C stops the call: a
+  // stopped call leaves no partial output (a copy of the output, small
+  // next to the attention that fills it).
+  std::optional<py::object> out_before;
+  if (!out.is_none()) out_before = output.attr("copy")();
+  try {
+    const ReleasedGil release;
     attend(q, k, v, lens, outputs);
+  } catch (const Interrupted&) {
+    if (out_before) {
+      // The KeyboardInterrupt waits while the copy back runs Python.
+      py::error_scope pending;
+      py::module_::import("numpy").attr("copyto")(output, *out_before);
+    }
+    throw;
   }
   return forward_result(output, weights, lse);
 }
 
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
-                   bool return_weights, bool return_lse, const std::optional<std::string>& causal,
-                   py::handle out, py::handle mask, py::handle key_mask, py::handle window,
-                   py::handle bias, py::handle dropout_old) {
+                   bool return_weights, bool return_lse, py::handle causal, py::handle out,
+                   py::handle mask, py::handle key_mask, py::handle window, py::handle bias,
+                   py::handle dropout_old) {
   Tensors t =
       float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old),
@@ -281,8 +301,8 @@ AdditiveWeights<T> additive_weights(Tensors& t) {
 
 py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q, py::handle w_k,
                        py::handle w_v, py::handle valid_lens, std::optional<double> dropout_p,
-                       py::handle seed, bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal, py::handle dropout_old) {
+                       py::handle seed, bool return_weights, bool return_lse, py::handle causal,
+                       py::handle dropout_old) {
   Tensors t = float_arrays(
       kAdditive, Scoring::kAdditive,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3);
@@ -330,7 +350,7 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
   const ValidLens lens = lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
   DotProductGrads<T> g;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output);
   }
   py::object dq = to_numpy(std::move(g.d_queries), without_batch_axis(q.shape(), one));
@@ -345,9 +365,9 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
 py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                             py::handle lse, py::handle d_output, py::handle valid_lens,
                             std::optional<double> scale, std::optional<double> dropout_p,
-                            py::handle seed, const std::optional<std::string>& causal,
-                            py::handle mask, py::handle key_mask, py::handle window,
-                            py::handle bias, bool bias_grad, py::handle dropout_old) {
+                            py::handle seed, py::handle causal, py::handle mask,
+                            py::handle key_mask, py::handle window, py::handle bias, bool bias_grad,
+                            py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -380,7 +400,7 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
       lens_of(lens_obj, kAdditiveBackward, one, shape_of(t.arrays[0]), lens_storage);
   AdditiveGrads<T> g;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     g = additive_attention_backward(q, k, v, w, lens, options, s.saved, s.d_output);
   }
   return additive_grads_type(to_numpy(std::move(g.d_queries), without_batch_axis(q.shape(), one)),
@@ -393,8 +413,8 @@ py::object additive_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
                                 py::handle w_k, py::handle w_v, py::handle output, py::handle lse,
                                 py::handle d_output, py::handle valid_lens,
-                                std::optional<double> dropout_p, py::handle seed,
-                                const std::optional<std::string>& causal, py::handle dropout_old) {
+                                std::optional<double> dropout_p, py::handle seed, py::handle causal,
+                                py::handle dropout_old) {
   Tensors t = float_arrays(kAdditiveBackward, Scoring::kAdditive,
                            {{"queries", q},
                             {"keys", k},
@@ -418,8 +438,8 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
 // Bilinear attention: W (Dq, Dk) is array 3 (not batched with the inputs).
 py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
                        py::handle valid_lens, std::optional<double> dropout_p, py::handle seed,
-                       bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal, py::handle dropout_old) {
+                       bool return_weights, bool return_lse, py::handle causal,
+                       py::handle dropout_old) {
   Tensors t = float_arrays(kBilinear, Scoring::kBilinear,
                            {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
   const AttentionOptions options =
@@ -438,8 +458,8 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
 
 py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                        std::optional<double> scale, std::optional<double> dropout_p,
-                       py::handle seed, bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal, py::handle dropout_old) {
+                       py::handle seed, bool return_weights, bool return_lse, py::handle causal,
+                       py::handle dropout_old) {
   Tensors t =
       float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
@@ -475,7 +495,7 @@ py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
   const Saved<T> s = saved_of<T>(t, 4);
   BilinearGrads<T> g;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     g = bilinear_attention_backward(in.q, in.k, in.v, w, in.lens, options, s.saved, s.d_output);
   }
   return bilinear_grads_type(
@@ -488,8 +508,7 @@ py::object bilinear_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::handle w,
                                 py::handle output, py::handle lse, py::handle d_output,
                                 py::handle valid_lens, std::optional<double> dropout_p,
-                                py::handle seed, const std::optional<std::string>& causal,
-                                py::handle dropout_old) {
+                                py::handle seed, py::handle causal, py::handle dropout_old) {
   Tensors t = float_arrays(kBilinearBackward, Scoring::kBilinear,
                            {{"queries", q},
                             {"keys", k},
@@ -513,7 +532,7 @@ py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
   const Saved<T> s = saved_of<T>(t, 3);
   DotProductGrads<T> g;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     g = distance_attention_backward(in.q, in.k, in.v, in.lens, options, s.saved, s.d_output);
   }
   return sdpa_grads_type(to_numpy(std::move(g.d_queries), without_batch_axis(in.q.shape(), one)),
@@ -524,8 +543,7 @@ py::object distance_backward(Tensors& t, py::handle lens_obj, const AttentionOpt
 py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, std::optional<double> dropout_p,
-                                py::handle seed, const std::optional<std::string>& causal,
-                                py::handle dropout_old) {
+                                py::handle seed, py::handle causal, py::handle dropout_old) {
   Tensors t = float_arrays(kDistanceBackward, Scoring::kDistance,
                            {{"queries", q},
                             {"keys", k},
@@ -568,8 +586,7 @@ Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, 
 
 py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                        std::optional<double> scale, double dropout, py::handle seed,
-                       bool return_weights, bool return_lse,
-                       const std::optional<std::string>& causal, py::handle mask,
+                       bool return_weights, bool return_lse, py::handle causal, py::handle mask,
                        py::handle key_mask, py::handle window, py::handle bias) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
@@ -581,7 +598,7 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
   options.return_lse = return_lse;
   AttentionResult<float> r;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     r = scaled_dot_product_attention(in.q, in.k, in.v, in.lens, options);
   }
   const bool one = in.batch_of_one;
@@ -596,9 +613,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
 py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, double dropout, py::handle seed,
-                                const std::optional<std::string>& causal, py::handle mask,
-                                py::handle key_mask, py::handle window, py::handle bias,
-                                bool bias_grad) {
+                                py::handle causal, py::handle mask, py::handle key_mask,
+                                py::handle window, py::handle bias, bool bias_grad) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -618,7 +634,7 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   const ConstView<float> g = with_batch_axis(view_of<float>(saved[2]), one, 2);
   DotProductGrads<float> grads;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g);
   }
   return py::make_tuple(

@@ -47,7 +47,7 @@ py::object merge_attention_py(py::handle outputs_obj, py::handle lses_obj) {
     for (py::array& a : lses) lse_views.push_back(view_of<T>(a));
     MergedAttention<T> merged;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       merged = merge_attention(output_views, lse_views);
     }
     return merged_type(to_numpy(std::move(merged.output)), to_numpy(std::move(merged.lse)));

@@ -1,9 +1,10 @@
 // Attention pooling with given weights and its special cases (average
 // pooling, one-hot lookup), for NumPy arrays. 2-D arguments are a batch of
 // one, as everywhere in the bindings.
+#include "qkv/pooling.h"
+
 #include "arrays.h"
 #include "bindings.h"
-#include "qkv/pooling.h"
 
 namespace qkv::python {
 namespace {
@@ -28,7 +29,7 @@ py::array attention_pooling_py(py::handle weights_obj, py::handle values_obj) {
                        vv = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       out = attention_pooling(wv, vv);
     }
     return unbatched(std::move(out), one);
@@ -43,13 +44,14 @@ py::array average_pooling_py(py::handle values_obj, int64_t num_queries, py::han
   const bool one = v.ndim() == 2;
   py::object storage;
   ValidLens lens = valid_lens_of(lens_obj, kFn, storage);
-  if (one) lens = lens.for_batch_of_one(kFn, "valid_lens", "weights", Shape{num_queries, v.shape(0)});
+  if (one)
+    lens = lens.for_batch_of_one(kFn, "valid_lens", "weights", Shape{num_queries, v.shape(0)});
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const ConstView<T> values = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       out = average_pooling(values, num_queries, lens);
     }
     return unbatched(std::move(out), one);
@@ -69,7 +71,7 @@ py::array one_hot_lookup_py(py::handle index_obj, py::handle values_obj) {
     const ConstView<T> values = with_batch_axis(view_of<T>(v), one, 2);
     Tensor<T> out;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       out = one_hot_lookup(iv, values);
     }
     return unbatched(std::move(out), one);

@@ -166,7 +166,7 @@ py::array predictions(const KernelRegression& model, py::handle queries_obj, boo
   const ConstView<double> q = view_of<double>(queries);
   KernelPrediction p;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     p = calling(fn, [&] { return model.predict(q, exact); });
   }
   return to_numpy(std::move(p.values));
@@ -182,7 +182,7 @@ py::array nadaraya_watson_py(py::handle x_obj, py::handle y_obj, py::handle quer
   const ConstView<double> xv = view_of<double>(x), yv = view_of<double>(y);
   std::optional<Fitted> fitted;
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     fitted.emplace(calling(kFn, [&] { return fit_model(xv, yv, k, bandwidth); }));
   }
   return predictions(fitted->model, queries_obj, exact, kFn);
@@ -208,7 +208,7 @@ class PyKernelRegression {
     const ConstView<double> xv = view_of<double>(x), yv = view_of<double>(y);
     std::optional<Fitted> fitted;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       fitted.emplace(calling(kFn, [&] { return fit_model(xv, yv, kernel_, bandwidth_spec_); }));
     }
     fitted_ = std::move(fitted);
@@ -269,7 +269,7 @@ class PyKernelRegression {
     const ConstView<double> q = view_of<double>(queries);
     Tensor<double> w;
     {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       w = calling(kFn, [&] { return model.weights(q); });
     }
     return to_numpy(std::move(w));
@@ -278,7 +278,7 @@ class PyKernelRegression {
   double loo_error(py::handle bandwidth_obj) const {
     const KernelRegression& model = fitted("loo_error").model;
     if (bandwidth_obj.is_none()) {
-      py::gil_scoped_release release;
+      const ReleasedGil release;
       return model.loo_error();
     }
     const Bandwidth h = bandwidth_of(bandwidth_obj, "KernelRegression.loo_error");
@@ -289,7 +289,7 @@ class PyKernelRegression {
         std::holds_alternative<double>(h)
             ? std::vector<double>(model.bandwidth().size(), std::get<double>(h))
             : std::get<std::vector<double>>(h);
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     return calling("KernelRegression.loo_error", [&] { return model.loo_error(hs); });
   }
 
@@ -474,7 +474,7 @@ array([2.023])
         const ConstView<double> xv = view_of<double>(x), yv = view_of<double>(y);
         ParametricResult r;
         {
-          py::gil_scoped_release release;
+          const ReleasedGil release;
           r = train_parametric(xv, yv, options);
         }
         return py::make_tuple(r.w, vector_array(r.losses), vector_array(r.ws));

@@ -11,6 +11,11 @@ namespace qkv::python {
 
 namespace py = pybind11;
 
+bool python_signal_raised() {
+  const py::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;
+}
+
 void register_runtime(py::module_& m) {
   m.attr("__version__") = kVersion;
 
@@ -24,6 +29,15 @@ void register_runtime(py::module_& m) {
       "The system failed a call whose arguments were fine (qkv::IoError, an OSError).";
   m.attr("Error").attr("__module__") = "qkv";
   m.attr("IoError").attr("__module__") = "qkv";
+  // A call stopped by Ctrl-C (ReleasedGil): the KeyboardInterrupt the signal
+  // handler raised, still set; or one made here if a handler left none.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Interrupted&) {
+      if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    }
+  });
 
   m.def("set_num_threads", &set_num_threads, py::arg("n"),
         R"(Sets the number of threads qkv's ops use from now on.

@@ -32,7 +32,7 @@ py::array forward(py::array& x, py::handle lens_obj) {
       lens_for(valid_lens_of(lens_obj, kSoftmax, lens_storage), scores.shape(), kSoftmax, "X");
   auto [weights, out] = new_array<T>(scores.shape());
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     masked_softmax(batched(scores), lens, batched(out));
   }
   return weights;
@@ -46,7 +46,7 @@ py::array backward(py::array& w, py::array& g, py::handle lens_obj) {
                                   weights.shape(), kSoftmaxBackward, "weights");
   auto [d_scores, out] = new_array<T>(weights.shape());
   {
-    py::gil_scoped_release release;
+    const ReleasedGil release;
     masked_softmax_backward(batched(weights), batched(d_weights), lens, batched(out));
   }
   return d_scores;

@@ -194,6 +194,25 @@ def test_uint64_valid_lens_past_int64_are_named_as_given(a, fn):
                  ["valid_lens holds 18446744073709551615 (uint64)", "beyond any length"])
 
 
+@pytest.mark.parametrize("fn", ["scaled_dot_product_attention", "additive_attention",
+                                "bilinear_attention", "distance_attention"])
+@pytest.mark.parametrize("causal", [True, 1, b"top-left"], ids=["True", "one", "bytes"])
+def test_causal_that_is_not_a_name_is_a_type_error_naming_it(a, fn, causal):
+    """causal=True (torch's is_causal spelling) got pybind11's "incompatible
+    function arguments" and the whole signature."""
+    call = {
+        "scaled_dot_product_attention": lambda: qkv.scaled_dot_product_attention(
+            a.q, a.k, a.v, causal=causal),
+        "additive_attention": lambda: qkv.additive_attention(a.q, a.k, a.v, a.Wq, a.Wk, a.wv,
+                                                             causal=causal),
+        "bilinear_attention": lambda: qkv.bilinear_attention(
+            a.q, a.k, a.v, np.ones((a.q.shape[-1], a.k.shape[-1]), a.q.dtype), causal=causal),
+        "distance_attention": lambda: qkv.distance_attention(a.q, a.k, a.v, causal=causal),
+    }[fn]
+    check_raises(call, "TypeError", fn,
+                 [f"causal is {causal!r}", "expected None, 'top-left'", "'bottom-right'"])
+
+
 @pytest.mark.parametrize("window", [(1,), (1, 2, 3), "ab", (1.5, 2), (True, 1), 3, [None, 1]],
                          ids=["one", "three", "string", "float", "bool", "int", "none"])
 def test_a_window_that_is_not_two_integers_is_a_type_error(a, window):

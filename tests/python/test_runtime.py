@@ -9,14 +9,19 @@
   best first and ending in scalar; each target can be selected, reported,
   and gives results within tolerance of float64 NumPy references; "" lifts
   the cap; each test restores what it found;
-- qkv.Error is a ValueError and qkv.IoError an OSError, both named qkv.*.
+- qkv.Error is a ValueError and qkv.IoError an OSError, both named qkv.*;
+- Ctrl-C (SIGINT) stops a long call between its tasks with KeyboardInterrupt
+  and leaves out= as it was; a SIGINT handler that does not raise does not
+  stop it.
 """
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -278,3 +283,60 @@ def test_public_names():
         assert hasattr(qkv, name), name
     public = {n for n in dir(qkv._qkv) if not n.startswith("_")}
     assert public <= set(qkv.__all__) | {"__version__"}, public - set(qkv.__all__)
+
+
+# A long call in a child process: SDPA in float64 over 40,000 queries and keys
+# of d = 64 (4e11 flops: about 14 s on 2 cores), out= holding 7.0.
+LONG_CALL = """
+import signal, sys, time
+import numpy as np
+import qkv
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGINT, lambda *_: None)
+n = int(sys.argv[2])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, n, 64)) for _ in range(3))
+out = np.full((1, n, 64), 7.0)
+print("ready", flush=True)
+start = time.monotonic()
+try:
+    qkv.scaled_dot_product_attention(q, k, v, out=out)
+    print("finished", time.monotonic() - start, flush=True)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic() - start, bool((out == 7.0).all()), flush=True)
+"""
+
+
+def run_interrupted(handler, n, after):
+    """Starts LONG_CALL, sends SIGINT `after` seconds into the call; its line
+    and the seconds from the signal to that line."""
+    proc = subprocess.Popen([sys.executable, "-c", LONG_CALL, handler, str(n)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(after)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().split()
+        return line, time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_stops_a_long_call_and_leaves_out_as_it_was():
+    """Ctrl-C in a long call arrived only when the call ended (22 s later in
+    the test that found it). Now the call stops between its tasks with
+    KeyboardInterrupt (0.1-0.2 s after the signal on an idle machine; the
+    bound, 3 s, is far from the call's ~14 s, so a loaded machine does not
+    fail it), and out= holds what it held before (no partial output)."""
+    line, latency = run_interrupted("default", 40000, 0.5)
+    assert line[0] == "interrupted", line
+    assert float(line[1]) < 0.5 + 3.0, line
+    assert line[2] == "True", "out= was left partly written"
+    assert latency < 3.0, f"stopped {latency:.2f} s after the signal"
+
+
+def test_a_sigint_handler_that_does_not_raise_lets_the_call_finish():
+    line, _ = run_interrupted("ignore", 6000, 0.05)
+    assert line[0] == "finished", line

@@ -4,6 +4,8 @@
 
 #include <cblas.h>
 
+#include <chrono>
+#include <memory>
 #include <mutex>
 
 #include "qkv/threads.h"
@@ -43,4 +45,25 @@ SerialScope::~SerialScope() { --serial_scopes; }
 
 int current_num_threads() { return serial_scopes > 0 ? 1 : qkv::num_threads(); }
 
+namespace {
+thread_local PollState* live_poll = nullptr;  // the innermost live InterruptPoll's
+}  // namespace
+
+PollState* current_poll() { return live_poll; }
+
+HiddenPoll::HiddenPoll() : hidden_(live_poll) { live_poll = nullptr; }
+HiddenPoll::~HiddenPoll() { live_poll = hidden_; }
+
 }  // namespace qkv::kernels
+
+namespace qkv {
+
+InterruptPoll::InterruptPoll(bool (*stop)())
+    : state_(std::make_unique<kernels::PollState>()), previous_(kernels::live_poll) {
+  state_->stop = stop;
+  state_->next = std::chrono::steady_clock::now() + std::chrono::milliseconds(kInterruptPollMs);
+  kernels::live_poll = state_.get();
+}
+InterruptPoll::~InterruptPoll() { kernels::live_poll = previous_; }
+
+}  // namespace qkv

@@ -79,13 +79,7 @@ size_t counted_words(Layout&& layout) {
 template <class Body>
 void parallel_for_slots(int64_t num_tasks, int num_slots, Body&& body) {
   const BlasSingleThreaded blas;
-  const int threads = std::min(current_num_threads(), std::max(num_slots, 1));
-  if (threads <= 1 || num_tasks <= 1) {
-    for (int64_t t = 0; t < num_tasks; ++t) body(t, 0);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t t = 0; t < num_tasks; ++t) body(t, omp_get_thread_num());
+  run_tasks(num_tasks, std::min(current_num_threads(), std::max(num_slots, 1)), body);
 }
 
 }  // namespace qkv::kernels
