@@ -70,6 +70,27 @@ __all__ = [
 _FLOATS = (torch.float32, torch.float64)
 
 
+def _not_traced(name):
+    """torch.jit.trace records only torch's own operators: qkv's kernels run
+    outside them, so a trace held the example's result as a constant (new
+    inputs gave the example's output, or uninitialised memory) with only
+    torch's generic TracerWarning. Refused instead."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"qkv.torch.{name}: torch.jit.trace is not supported: qkv's kernels run outside "
+            "torch's operators, so a trace would replay this call's result for any input; "
+            "run it eagerly")
+
+
+def _not_scripted(module):
+    """nn.Module.__prepare_scriptable__ for qkv's modules: torch.jit.script
+    of one (or of a model holding one) is refused by name, not with the
+    TorchScript compiler's message about qkv's internals."""
+    raise RuntimeError(
+        f"qkv.torch.{type(module).__name__}: torch.jit.script is not supported for qkv's "
+        "modules (their kernels run outside TorchScript); run the module eagerly")
+
+
 def _check(fn, name, tensor, dtypes=_FLOATS):
     """A CPU tensor of one of `dtypes`, or a clear error naming it."""
     if not isinstance(tensor, torch.Tensor):
@@ -158,6 +179,7 @@ def _needs_grad(*tensors):
 class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, lens):
+        _not_traced("masked_softmax")
         weights = torch.from_numpy(_qkv.masked_softmax(_array(X), lens))
         ctx.lens = _kept(lens)
         ctx.save_for_backward(weights)
@@ -204,6 +226,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
     has query's dtype."""
+    _not_traced("scaled_dot_product_attention")
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
@@ -394,6 +417,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def _scored_forward(forward, tensors, lens, options, want_weights, need_lse):
     """One forward of a NumPy-level scoring function (forward(*arrays, lens,
     **options)): (output, weights or None, lse or None)."""
+    _not_traced(forward.__name__)
     parts = forward(*(_array(t) for t in tensors), lens, return_weights=want_weights,
                     return_lse=need_lse, **options)
     if not (want_weights or need_lse):
@@ -569,6 +593,8 @@ class DotProductAttention(nn.Module):
         self.keep_attention_weights = keep_attention_weights
         self.attention_weights = None
 
+    __prepare_scriptable__ = _not_scripted
+
     def forward(self, queries, keys, values, valid_lens=None):
         """queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv), valid_lens None,
         (B) or (B, Nq) -> (B, Nq, Dv); sets attention_weights (B, Nq, Nk)."""
@@ -599,6 +625,8 @@ class AdditiveAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.keep_attention_weights = keep_attention_weights
         self.attention_weights = None
+
+    __prepare_scriptable__ = _not_scripted
 
     def forward(self, queries, keys, values, valid_lens=None):
         """queries (B, Nq, query_size), keys (B, Nk, key_size), values (B, Nk, Dv),
@@ -654,6 +682,8 @@ class MultiHeadAttention(nn.Module):
             self.W_k = nn.LazyLinear(kv_hiddens, bias=bias)
             self.W_v = nn.LazyLinear(kv_hiddens, bias=bias)
             self.W_o = nn.LazyLinear(num_hiddens, bias=bias)
+
+    __prepare_scriptable__ = _not_scripted
 
     def forward(self, queries, keys, values, valid_lens=None, is_causal=False):
         """queries (B, Nq, query_size), keys (B, Nk, key_size), values (B, Nk,

@@ -233,3 +233,37 @@ def test_a_double_backward_is_refused_not_wrong(op):
         torch.autograd.grad(loss, tensors[0], create_graph=True)
     (grad,) = torch.autograd.grad(CALLS[op](*tensors).square().sum(), tensors[0])
     assert grad.shape == tensors[0].shape and torch.isfinite(grad).all()
+
+
+def test_torch_jit_trace_and_script_of_the_modules_are_refused_by_name():
+    """torch.jit.trace recorded qkv's result as a constant: a traced
+    scaled_dot_product_attention returned uninitialised memory for new inputs
+    (errors near 3e32), a traced DotProductAttention the example's output,
+    with only torch's generic TracerWarning; torch.jit.script of the modules
+    failed with the compiler's message about qkv's internals. Both are
+    refused by name, also for a model that holds qkv's module."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 6)
+    W_q, W_k, w_v = torch.randn(7, 4), torch.randn(7, 4), torch.randn(1, 7)
+    for name, f, args in (
+            ("scaled_dot_product_attention", qkv.torch.scaled_dot_product_attention, (q, k, v)),
+            ("masked_softmax", qkv.torch.masked_softmax, (q,)),
+            ("additive_attention", lambda *a: qkv.torch.additive_attention(*a, W_q, W_k, w_v),
+             (q, k, v)),
+            ("scaled_dot_product_attention", qkv.torch.DotProductAttention(0.0).eval(),
+             (q, k, v))):
+        for requires_grad in (False, True):
+            inputs = tuple(t.clone().requires_grad_(requires_grad) for t in args)
+            with pytest.raises(RuntimeError, match=re.escape(
+                    f"qkv.torch.{name}: torch.jit.trace is not supported")):
+                torch.jit.trace(f, inputs, check_trace=False)
+    for module in (qkv.torch.DotProductAttention(0.1),
+                   qkv.torch.AdditiveAttention(4, 4, 7, 0.1),
+                   qkv.torch.MultiHeadAttention(8, 2, 0.1),
+                   torch.nn.Sequential(torch.nn.Identity(), qkv.torch.DotProductAttention(0.1))):
+        inner = module[1] if isinstance(module, torch.nn.Sequential) else module
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"qkv.torch.{type(inner).__name__}: torch.jit.script is not supported")):
+            torch.jit.script(module)
+    # Eager calls are untouched.
+    assert qkv.torch.DotProductAttention(0.0).eval()(q, k, v).shape == (2, 3, 6)
