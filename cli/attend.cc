@@ -293,6 +293,7 @@ std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules
                                   options);
       break;
     case Scoring::kDistance:
+      if (options.scale) check_distance_scale(*options.scale, sizeof(T) == 4, scale_option(args));
       result = distance_attention(as_batch(0), as_batch(1), as_batch(2), valid_lens, options);
       check_distance_overflow(result.output.data(), result.output.numel(),
                               result.output.size(result.output.rank() - 1), scale_option(args));

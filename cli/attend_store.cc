@@ -266,6 +266,10 @@ bool started_by_mpirun() {
 
 void run_store_attend(const StoreAttendArgs& args) {
   check_stores_distinct(args);
+  // Stores hold float32 or bfloat16, computed in float32.
+  if (args.scoring == Scoring::kDistance && args.scale) {
+    check_distance_scale(*args.scale, true, args.scale_option);
+  }
 #ifdef QKV_WITH_MPI
   if (started_by_mpirun()) return run_mpi(args);
 #endif

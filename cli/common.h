@@ -61,13 +61,33 @@ std::string shortest_number(double x);
 // read), so a NaN in `output` (rows of `row_size`) is that overflow: a
 // UsageError naming the option as the user gave it (`scale_option`, e.g.
 // "--bandwidth 1e-25") and the first query it reached.
+// " is too small" for a bandwidth, " is too large" for a scale.
+inline std::string too_small_or_large(const std::string& scale_option) {
+  return scale_option.rfind("--scale", 0) == 0 ? " is too large" : " is too small";
+}
+
+// Before computing: a scale beyond the compute type's range (float32 for
+// float32 and bfloat16 inputs) makes every score of every query overflow, so
+// it is refused at once, naming the smallest bandwidth that fits.
+inline void check_distance_scale(double scale, bool float32, const std::string& scale_option) {
+  const double largest = float32 ? 3.4028234663852886e38 : 1.7976931348623157e308;
+  if (scale <= largest) return;
+  throw UsageError(scale_option + too_small_or_large(scale_option) + " for " +
+                   (float32 ? "float32" : "float64") +
+                   " inputs: the scale 1/H^2 = " + format_number(scale, "%.3g") + " is beyond " +
+                   (float32 ? "float32" : "float64") + "'s range (" +
+                   format_number(largest, "%.3g") + "); give a bandwidth of at least " +
+                   format_number(1.0 / std::sqrt(largest) * (1 + 1e-3), "%.3g"));
+}
+
 template <class T>
 void check_distance_overflow(const T* output, int64_t count, int64_t row_size,
                              const std::string& scale_option) {
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isnan(output[i])) continue;
     throw UsageError(
-        scale_option + " is too small for these inputs: the scores |q - k|^2 / (2 H^2) overflow " +
+        scale_option + too_small_or_large(scale_option) +
+        " for these inputs: the scores |q - k|^2 / (2 H^2) overflow " +
         (sizeof(T) == 4 ? "float32 (largest 3.4e+38)" : "float64 (largest 1.8e+308)") +
         ", so the weights of query " + std::to_string(i / row_size) +
         " (counted over the batch) are NaN; give a larger bandwidth (as it shrinks, each "

@@ -607,7 +607,8 @@ class AttendStoreTest(StoreCase):
         # A bandwidth whose scores overflow float32 for every row: refused in
         # the user's terms, not written as NaN.
         self.expect_error("attend", base + ["--scoring", "distance", "--bandwidth", "1e-25"],
-                          [out], ["--bandwidth 1e-25 is too small for these inputs", "float32"])
+                          [out], ["--bandwidth 1e-25 is too small for float32 inputs",
+                                  "1/H^2 = 1e+50 is beyond float32's range"])
         self.expect_error("attend", base + ["--scoring", "distance", "--scale", 0], [out],
                           ["attend", "scale = 0", "> 0 for distance scoring"])
         self.expect_error("attend", base + ["--bandwidth", 1], [out],
