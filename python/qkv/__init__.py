@@ -16,12 +16,15 @@ are read in place, never copied) and return new arrays:
 Shapes are d2l's: queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv),
 valid_lens None, (B) or (B, Nq); 2-D inputs are a batch of one. Bad
 arguments raise qkv.Error (a ValueError) with the C++ library's message, or
-a TypeError for a wrong dtype. The computing calls release the GIL.
+a TypeError for a wrong dtype, an unknown keyword or a value of the wrong
+kind (named, with the nearest keyword for a typo). The computing calls
+release the GIL.
 
 `import qkv.torch` for autograd functions and d2l's modules on the same
 kernels. docs/python.md has the whole story.
 """
 
+from . import _arguments
 from ._qkv import (  # noqa: F401  (the public API, re-exported)
     AdditiveAttentionGrads,
     BilinearAttentionGrads,
@@ -97,3 +100,14 @@ __all__ = [
     "train_parametric",
     "uniform_weights",
 ]
+
+# Arguments that do not fit a signature are named, not answered with
+# pybind11's listing of it (python/qkv/_arguments.py).
+for _name in __all__:
+    if type(globals()[_name]).__name__ == "builtin_function_or_method":
+        globals()[_name] = _arguments.named_errors(globals()[_name], f"qkv.{_name}")
+for _name in ("__init__", "fit", "predict", "weights", "loo_error"):
+    setattr(KernelRegression, _name,
+            _arguments.named_errors(getattr(KernelRegression, _name), f"qkv.KernelRegression.{_name}"
+                                    if _name != "__init__" else "qkv.KernelRegression"))
+del _name

@@ -91,6 +91,27 @@ def _not_scripted(module):
         "modules (their kernels run outside TorchScript); run the module eagerly")
 
 
+def _not_scripted_function(function):
+    """Marks one of qkv.torch's functions so that torch.jit.script of a
+    function or model that calls it is refused by name: TorchScript compiles
+    the Python it calls, and stopped at qkv's own code with its compiler's
+    message (for scaled_dot_product_attention: "Compiled functions can't take
+    variable number of arguments or use keyword-only arguments with
+    defaults"). torch.jit.script raises "TorchScript error: " and this
+    text for a function carrying `__script_unsupported` (torch marks its
+    autocast decorator so).
+
+    Registering the functions as torch operators (torch.library) instead
+    made script and trace work, with eager's numbers and gradients, but
+    Debian's torch 1.13 drops the message of any Python exception raised in
+    an operator run from TorchScript: bad input gave "RuntimeError: " and no
+    more. A clear refusal beats an unreadable error."""
+    setattr(function, "__script_unsupported",
+            f"qkv.torch.{function.__name__}: torch.jit.script is not supported: qkv's kernels "
+            "run outside TorchScript; call it eagerly")
+    return function
+
+
 def _check(fn, name, tensor, dtypes=_FLOATS):
     """A CPU tensor of one of `dtypes`, or a clear error naming it."""
     if not isinstance(tensor, torch.Tensor):
@@ -193,6 +214,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         return torch.from_numpy(d_scores), None
 
 
+@_not_scripted_function
 def masked_softmax(X, valid_lens=None):
     """Softmax over the last axis with the keys past each row's valid length masked
     exactly (d2l's masked_softmax, without its -1e6 sentinel: a row with length 0
@@ -353,6 +375,7 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
     return output, weights if want_weights else None
 
 
+@_not_scripted_function
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  valid_lens=None, seed=None):
@@ -478,6 +501,7 @@ def _additive(fn, queries, keys, values, W_q, W_k, w_v, valid_lens, dropout_p, s
                    want_weights)
 
 
+@_not_scripted_function
 def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *, dropout_p=0.0,
                        seed=None, causal=None, return_weights=False):
     """Additive attention, score = w_v^T tanh(W_q q + W_k k), on qkv's fused kernels;
@@ -506,6 +530,7 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
     return (output, weights) if return_weights else output
 
 
+@_not_scripted_function
 def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0.0, seed=None,
                        causal=None, return_weights=False):
     """Bilinear attention, score = q^T W k, on qkv's kernels (q W, then the fused
@@ -536,6 +561,7 @@ def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0
     return (output, weights) if return_weights else output
 
 
+@_not_scripted_function
 def distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dropout_p=0.0,
                        seed=None, causal=None, return_weights=False):
     """Distance attention, score = -scale/2 |q - k|^2 (the Gaussian kernel), on

@@ -4,7 +4,9 @@
   object, string and float16 arrays where floats are expected, mixed
   float32/float64, valid lengths or indices that are not integers (floats,
   bools), a seed that is not a whole number; the message names the function
-  and the argument.
+  and the argument. So do arguments that do not fit a signature (an unknown
+  keyword, with the nearest known one; a missing argument; one positional
+  argument too many; a value of the wrong kind), not pybind11's listing.
 - qkv.Error (a ValueError, the C++ library's qkv::Error) for values and shapes
   the library refuses, with its message: the function, the argument and the
   shapes (e.g. 'scaled_dot_product_attention: keys has D = 3 but queries has
@@ -220,6 +222,58 @@ def test_a_window_that_is_not_two_integers_is_a_type_error(a, window):
     check_raises(lambda: qkv.scaled_dot_product_attention(a.q, a.k, a.v, window=window),
                  "TypeError", "scaled_dot_product_attention",
                  [f"window is {window!r}", "expected (left, right), two integers"])
+
+
+# ---- arguments that do not fit a signature: named, not pybind11's listing ----------------
+
+PUBLIC_FUNCTIONS = [n for n in qkv.__all__
+                    if callable(getattr(qkv, n)) and not isinstance(getattr(qkv, n), type)]
+
+
+@pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
+def test_an_unknown_keyword_is_named_by_every_function(name):
+    """qkv.masked_softmax(x, dropout_p=0.1) got pybind11's "incompatible
+    function arguments" wall: the signature and every array printed."""
+    check_raises(lambda: getattr(qkv, name)(no_such_argument=[1, 2]), "TypeError", f"qkv.{name}",
+                 ["unknown argument no_such_argument=[1, 2]", "(it takes "])
+
+
+def test_arguments_that_do_not_fit_are_named_with_the_nearest_keyword(a):
+    x, kr = a.q, qkv.KernelRegression
+    cases = [
+        (lambda: qkv.masked_softmax(x, dropout_p=0.1), "qkv.masked_softmax",
+         ["unknown argument dropout_p=0.1", "(it takes X, valid_lens)"]),
+        (lambda: qkv.scaled_dot_product_attention(x, x, x, scael=2.0),
+         "qkv.scaled_dot_product_attention", ["unknown argument scael=2.0; did you mean scale?"]),
+        (lambda: kr(bandwith=1), "qkv.KernelRegression",
+         ["unknown argument bandwith=1; did you mean bandwidth? (it takes kernel, bandwidth)"]),
+        (lambda: kr(bandwidth=1.0).fit(x[0, :, 0], x[0, :, 1]).predict(x[0, :, 0], exakt=True),
+         "qkv.KernelRegression.predict", ["unknown argument exakt=True; did you mean exact?"]),
+        (lambda: qkv.scaled_dot_product_attention(x, x), "qkv.scaled_dot_product_attention",
+         ["missing argument values (required: queries, keys, values)"]),
+        (lambda: kr().fit(x), "qkv.KernelRegression.fit", ["missing argument y (required: x, y)"]),
+        (lambda: qkv.masked_softmax(x, None, 3), "qkv.masked_softmax",
+         ["takes 2 positional arguments (X, valid_lens) but was given 3"]),
+        (lambda: qkv.scaled_dot_product_attention(x, x, x, None, 0.5),
+         "qkv.scaled_dot_product_attention",
+         ["takes 4 positional arguments (queries, keys, values, valid_lens) but was given 5; "
+          "scale, dropout_p, ", " are keyword-only (name=value)"]),
+        (lambda: kr("gaussian", 1.0, 3), "qkv.KernelRegression",
+         ["takes 2 positional arguments (kernel, bandwidth) but was given 3"]),
+        (lambda: qkv.masked_softmax(x, X=x), "qkv.masked_softmax",
+         [f"X given twice, by position and as X=an array of shape {x.shape} and dtype {x.dtype}"]),
+        (lambda: qkv.scaled_dot_product_attention(x, x, x, scale="a"),
+         "qkv.scaled_dot_product_attention", ["scale takes a number or None, not a str: scale='a'"]),
+        (lambda: qkv.scaled_dot_product_attention(x, x, x, return_weights="yes"),
+         "qkv.scaled_dot_product_attention",
+         ["return_weights takes True or False, not a str: return_weights='yes'"]),
+        (lambda: qkv.nadaraya_watson(x[0, :, 0], x[0, :, 1], x[0, :, 0], kernel=3),
+         "qkv.nadaraya_watson", ["kernel takes a string, not an int: kernel=3"]),
+        (lambda: qkv.set_num_threads(2.5), "qkv.set_num_threads",
+         ["n takes an integer, not a float: n=2.5"]),
+    ]
+    for call, fn, parts in cases:
+        check_raises(call, "TypeError", fn, parts)
 
 
 @pytest.mark.parametrize("index", [[[0.0, 1.0, 2.0]] * 2, np.ones((2, 3), bool), [["a"] * 3] * 2],

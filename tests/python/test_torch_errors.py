@@ -267,3 +267,45 @@ def test_torch_jit_trace_and_script_of_the_modules_are_refused_by_name():
             torch.jit.script(module)
     # Eager calls are untouched.
     assert qkv.torch.DotProductAttention(0.0).eval()(q, k, v).shape == (2, 3, 6)
+
+
+def test_torch_jit_script_of_code_calling_the_functions_is_refused_by_name():
+    """torch.jit.script of a user's function or module that calls one of
+    qkv.torch's functions failed with TorchScript's compiler message about
+    qkv's own code ("Compiled functions can't take variable number of
+    arguments or use keyword-only arguments with defaults", pointing into
+    qkv/torch.py). Refused by name instead; eager calls still work."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 6)
+    W_q, W_k, w_v, W = torch.randn(7, 4), torch.randn(7, 4), torch.randn(1, 7), torch.randn(4, 4)
+
+    def softmax_user(x):
+        return qkv.torch.masked_softmax(x) * 2
+
+    def sdpa_user(a, b, c):
+        return qkv.torch.scaled_dot_product_attention(a, b, c) + 1
+
+    def additive_user(a, b, c):
+        return qkv.torch.additive_attention(a, b, c, W_q, W_k, w_v)
+
+    def bilinear_user(a, b, c):
+        return qkv.torch.bilinear_attention(a, b, c, W)
+
+    def distance_user(a, b, c):
+        return qkv.torch.distance_attention(a, b, c)
+
+    class Model(torch.nn.Module):
+        def forward(self, a, b, c):
+            return qkv.torch.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    for name, user, args in (("masked_softmax", softmax_user, (q,)),
+                             ("scaled_dot_product_attention", sdpa_user, (q, k, v)),
+                             ("additive_attention", additive_user, (q, k, v)),
+                             ("bilinear_attention", bilinear_user, (q, k, v)),
+                             ("distance_attention", distance_user, (q, k, v)),
+                             ("scaled_dot_product_attention", Model(), (q, k, v))):
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"qkv.torch.{name}: torch.jit.script is not supported: qkv's kernels run "
+                "outside TorchScript; call it eagerly")):
+            torch.jit.script(user)
+        assert torch.isfinite(user(*args)).all()
