@@ -4,6 +4,7 @@
 //   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
 //   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
 //   --store STORE (keys and values from a key-value store): queries (Nq, D) -> out (Nq, Dv)
+//   --store STORE --index INDEX (through an index of it): also certificate (Nq)
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "attend_store.h"
 #include "common.h"
 #include "qkv/attention.h"
+#include "qkv/kernel_regression.h"
 #include "qkv/npy.h"
 #include "qkv/scoring.h"
 #include "qkv/valid_lens.h"
@@ -43,6 +45,13 @@ struct AttendArgs {
   int64_t top_k = 0;
   std::string top_ids, top_weights;
   bool quiet = false;
+  // --index: through an index of the one --store (qkv/index.h).
+  std::string index;
+  std::optional<double> epsilon;
+  std::optional<int64_t> probe;
+  std::string certificate;
+  // --kernel NAME with --index: a compact kernel of width --bandwidth H.
+  std::string kernel;
 };
 
 // --window L,R: two integers >= -1 (-1 leaves a side open), below 2^40;
@@ -78,9 +87,40 @@ const ScoringRules& scoring_of(const AttendArgs& args) {
   return *find_scoring(args.scoring);  // checked by the option
 }
 
+// --kernel NAME (with --index): a compact kernel, --bandwidth H its width;
+// softmax's own options do not go with it.
+void check_kernel(const AttendArgs& args) {
+  if (args.kernel.empty()) return;
+  if (args.index.empty()) {
+    throw UsageError("--kernel " + args.kernel +
+                     " is for attention through --index INDEX (exact range queries)");
+  }
+  if (args.kernel == "gaussian") {
+    throw UsageError(
+        "--kernel gaussian is softmax attention: use --scoring distance --bandwidth H "
+        "(certified by --epsilon); --kernel takes boxcar, epanechnikov or triangular");
+  }
+  for (const auto& [flag, given] : {std::pair{"--scoring", !args.scoring.empty()},
+                                    {"--scale", args.scale.has_value()},
+                                    {"--epsilon", args.epsilon.has_value()},
+                                    {"--probe", args.probe.has_value()}}) {
+    if (given) {
+      throw UsageError(std::string(flag) + " does not go with --kernel " + args.kernel +
+                       ": its weights are K((q - k) / H), exact, with --bandwidth H");
+    }
+  }
+  if (!args.bandwidth) {
+    throw UsageError("--kernel " + args.kernel + " needs --bandwidth H, its width");
+  }
+  const double h = *args.bandwidth;
+  if (!(std::isfinite(h) && h > 0)) {
+    throw UsageError("--bandwidth " + shortest_number(h) + ": expected a finite number > 0");
+  }
+}
+
 // --bandwidth H: distance scoring's scale 1/H^2, the Gaussian kernel's width.
 void check_bandwidth(const AttendArgs& args, const ScoringRules& rules) {
-  if (!args.bandwidth) return;
+  if (!args.bandwidth || !args.kernel.empty()) return;
   if (rules.scoring != Scoring::kDistance) {
     throw UsageError("--bandwidth is for --scoring distance (its scale is 1/H^2); --scoring " +
                      std::string(rules.name) + " takes " +
@@ -102,6 +142,7 @@ void check_bandwidth(const AttendArgs& args, const ScoringRules& rules) {
 
 // The scale the library gets: --scale, or 1/H^2 for --bandwidth H.
 std::optional<double> scale_of(const AttendArgs& args) {
+  if (!args.kernel.empty()) return std::nullopt;  // --bandwidth is the kernel's width
   if (args.bandwidth) return 1.0 / (*args.bandwidth * *args.bandwidth);
   return args.scale;
 }
@@ -112,6 +153,55 @@ std::string scale_option(const AttendArgs& args) {
   if (args.bandwidth) return "--bandwidth " + shortest_number(*args.bandwidth);
   if (args.scale) return "--scale " + shortest_number(*args.scale);
   return "the default scale";
+}
+
+// --index's option combinations, found before any file is read: its own
+// options without it, and what attention through an index cannot do (one
+// store's rows by lists, in one process: no shards, no valid rows, no MPI).
+void check_index_options(const AttendArgs& args) {
+  if (args.index.empty()) {
+    for (const auto& [flag, given] : {std::pair{"--epsilon", args.epsilon.has_value()},
+                                      {"--probe", args.probe.has_value()},
+                                      {"--certificate", !args.certificate.empty()}}) {
+      if (given) {
+        throw UsageError(std::string(flag) +
+                         " is for attention through --index INDEX (an index of the store, qkv "
+                         "index build)");
+      }
+    }
+    return;
+  }
+  if (args.stores.empty()) {
+    throw UsageError("--index " + args.index + " needs --store STORE, the store it was built over");
+  }
+  if (args.stores.size() > 1) {
+    throw UsageError("--index " + args.index + " goes with one --store (the store it was built " +
+                     "over), not " + std::to_string(args.stores.size()) + " shard stores");
+  }
+  if (!args.valid_lens.empty()) {
+    throw UsageError(
+        "--valid-lens does not go with --index: an index's lists hold rows from "
+        "anywhere in the store, not its first rows (attend without --index)");
+  }
+  if (started_by_mpirun()) {
+    throw UsageError(
+        "--index runs in one process: attention through an index has no MPI mode "
+        "(run qkv attend --index without mpirun)");
+  }
+  if (args.epsilon && args.probe) {
+    throw UsageError("--epsilon " + shortest_number(*args.epsilon) + " and --probe " +
+                     std::to_string(*args.probe) +
+                     " are two ways to stop; give one (--epsilon E: visit lists until the "
+                     "certificate is at most E; --probe P: visit P lists)");
+  }
+  if (args.epsilon && !(std::isfinite(*args.epsilon) && *args.epsilon >= 0)) {
+    throw UsageError("--epsilon " + shortest_number(*args.epsilon) +
+                     ": expected a finite number >= 0 (0 visits every list: exact attention)");
+  }
+  if (args.probe && *args.probe < 1) {
+    throw UsageError("--probe " + std::to_string(*args.probe) +
+                     ": expected a whole number >= 1, the lists to visit per query");
+  }
 }
 
 // --store's option combinations, found before any file is read.
@@ -311,13 +401,18 @@ std::vector<OutputFile> attend(const AttendArgs& args, const ScoringRules& rules
 }
 
 void run_attend(const AttendArgs& args) {
+  check_index_options(args);
+  check_kernel(args);
   const ScoringRules& rules = scoring_of(args);
   check_store_options(args, rules);
   check_bandwidth(args, rules);
   if (!args.stores.empty()) {
-    return run_store_attend({args.stores, args.queries, args.valid_lens, rules.scoring,
-                             scale_of(args), scale_option(args), args.top_k, args.out, args.lse,
-                             args.top_ids, args.top_weights, args.quiet, args.threads});
+    return run_store_attend(
+        {args.stores, args.queries, args.valid_lens, rules.scoring, scale_of(args),
+         scale_option(args), args.top_k, args.out, args.lse, args.top_ids, args.top_weights,
+         args.quiet, args.threads, args.index, args.epsilon, args.probe, args.certificate,
+         args.kernel.empty() ? std::optional<Kernel>() : kernel_from_name(args.kernel),
+         args.bandwidth});
   }
   check_options(args, rules);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
@@ -433,6 +528,32 @@ Command add_attend_command(CLI::App& parent) {
                                "mpirun, one store (each rank reads a share of its chunks) or "
                                "one shard per rank"))
       ->type_name("STORE");
+  require_path(app->add_option("--index", args->index,
+                               "With one --store: attend through an index of it (qkv index "
+                               "build), visiting its lists by their score bounds; certified "
+                               "(--epsilon, the default) or a fixed budget (--probe); a summary "
+                               "of the certificates on stderr"))
+      ->type_name("INDEX");
+  require_number(
+      app->add_option("--epsilon", args->epsilon,
+                      "With --index: visit lists until the weight the unvisited rows could "
+                      "hold is at most E of the weight visited; the output is then within "
+                      "2 E max|v| of attention over every row; 0 is exact (default 1e-3)"))
+      ->type_name("E");
+  require_integer(app->add_option("--probe", args->probe,
+                                  "With --index, instead of --epsilon: visit the P lists of "
+                                  "largest bound, whatever they leave out"))
+      ->type_name("P");
+  app->add_option("--kernel", args->kernel,
+                  "With --index: weigh rows by a compact kernel of width --bandwidth H "
+                  "(Nadaraya-Watson's product kernel, 0 where some |q_c - k_c| > H) instead of "
+                  "softmax: exact, reading only the lists in reach")
+      ->type_name("boxcar|epanechnikov|triangular")
+      ->check(CLI::IsMember({"boxcar", "uniform", "epanechnikov", "triangular", "gaussian"}));
+  require_path(app->add_option("--certificate", args->certificate,
+                               "With --index: write each query's certificate (Nq) float64, a "
+                               "bound on the weight left out over the weight visited"))
+      ->type_name("C.npy");
   require_integer(app->add_option("--top-k", args->top_k,
                                   "With --store: also find each query's K rows of largest weight"))
       ->type_name("K")
@@ -444,7 +565,8 @@ Command add_attend_command(CLI::App& parent) {
   require_path(app->add_option("--top-weights", args->top_weights,
                                "With --top-k: their weights (Nq, K) float32; 0 where the id is -1"))
       ->type_name("W.npy");
-  app->add_flag("--quiet", args->quiet, "With --store: no progress on stderr");
+  app->add_flag("--quiet", args->quiet,
+                "With --store: no progress on stderr (with --index: no summary)");
   require_path(
       app->add_option(
           "--valid-lens", args->valid_lens,

@@ -1,18 +1,23 @@
 // `qkv attend --store` (cli/attend_store.h): queries (Nq, D) over one store
 // or shard stores; under mpirun, each rank attends over its part and rank 0
-// merges and writes (qkv/mpi.h).
+// merges and writes (qkv/mpi.h). With --index, through an index of the one
+// store (qkv/index.h), and a summary of the certificates on stderr.
 #include "attend_store.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <type_traits>
 
 #include "common.h"
 #include "progress.h"
+#include "qkv/index.h"
+#include "qkv/kernel_regression.h"
 #include "qkv/npy.h"
 #include "qkv/store.h"
 #include "qkv/store_attention.h"
@@ -28,27 +33,32 @@ std::vector<std::pair<std::string, std::string>> output_paths(const StoreAttendA
   if (!args.lse.empty()) outputs.emplace_back("--lse", args.lse);
   if (!args.top_ids.empty()) outputs.emplace_back("--top-ids", args.top_ids);
   if (!args.top_weights.empty()) outputs.emplace_back("--top-weights", args.top_weights);
+  if (!args.certificate.empty()) outputs.emplace_back("--certificate", args.certificate);
   return outputs;
 }
 
 // Checks that no output is one of an input store's files (the manifest, a
-// chunk, the lock), however its path is spelled: both are compared with
-// `..`, `.` and symbolic links resolved. Writing an output over a store's
-// manifest would leave a store that no longer opens.
+// chunk, the lock), or of the index's, however its path is spelled: both are
+// compared with `..`, `.` and symbolic links resolved. Writing an output over
+// a store's manifest would leave a store that no longer opens.
 void check_outputs_outside_stores(const StoreAttendArgs& args) {
   namespace fs = std::filesystem;
+  std::vector<std::pair<std::string, std::string>> inputs;  // (option, directory)
+  for (const std::string& dir : args.stores) inputs.emplace_back("--store", dir);
+  if (!args.index.empty()) inputs.emplace_back("--index", args.index);
   for (const auto& [option, path] : output_paths(args)) {
     std::error_code error;
     const fs::path out = fs::weakly_canonical(path, error);
     if (error) continue;  // the output's own checks name what is wrong with it
-    for (const std::string& dir : args.stores) {
-      const fs::path store = fs::weakly_canonical(dir, error);
+    for (const auto& [input_option, dir] : inputs) {
+      const fs::path input = fs::weakly_canonical(dir, error);
       if (error) continue;
-      const auto [store_end, out_at] =
-          std::mismatch(store.begin(), store.end(), out.begin(), out.end());
-      if (store_end == store.end()) {
-        throw UsageError(option + " " + path + " is inside --store " + dir +
-                         "; an output must not be one of an input store's files");
+      const auto [input_end, out_at] =
+          std::mismatch(input.begin(), input.end(), out.begin(), out.end());
+      if (input_end == input.end()) {
+        throw UsageError(option + " " + path + " is inside " + input_option + " " + dir +
+                         "; an output must not be one of an input " +
+                         (input_option == "--store" ? "store" : "index") + "'s files");
       }
     }
   }
@@ -73,7 +83,10 @@ void check_stores_distinct(const StoreAttendArgs& args) {
   }
 }
 
-std::vector<OutputFile> output_files(const StoreAttendArgs& args, const StoreAttentionResult& r) {
+// The outputs of attention over a store or through an index (whose result
+// has the same members, and a certificate).
+template <class Result>
+std::vector<OutputFile> output_files(const StoreAttendArgs& args, const Result& r) {
   if (args.scoring == Scoring::kDistance) {
     check_distance_overflow(r.output.data(), r.output.numel(), r.output.size(1), args.scale_option);
   }
@@ -84,6 +97,11 @@ std::vector<OutputFile> output_files(const StoreAttendArgs& args, const StoreAtt
     files.push_back({"--top-ids", args.top_ids, npy_bytes(r.top_ids.view())});
   if (!args.top_weights.empty()) {
     files.push_back({"--top-weights", args.top_weights, npy_bytes(r.top_weights.view())});
+  }
+  if constexpr (std::is_same_v<Result, IndexAttentionResult>) {
+    if (!args.certificate.empty()) {
+      files.push_back({"--certificate", args.certificate, npy_bytes(r.certificate.view())});
+    }
   }
   return files;
 }
@@ -135,10 +153,6 @@ StoreAttentionOptions options_of(const StoreAttendArgs& args) {
   return options;
 }
 
-StoreProgress report(Progress& progress) {
-  return [&progress](int64_t done, int64_t total) { progress.update(done, total); };
-}
-
 void run_single(const StoreAttendArgs& args) {
   check_output_paths(output_paths(args));
   check_outputs_outside_stores(args);
@@ -160,6 +174,88 @@ void run_single(const StoreAttendArgs& args) {
                            : attend(in.queries.view(), pointers, valid_rows_of(in), options);
   progress.finish();
   write_outputs(output_files(args, result));
+}
+
+// x with a comma between each three digits of its whole part, and
+// `decimals` after the point: 12649 -> "12,649", 41.25 -> "41.2" (1).
+std::string grouped(double x, int decimals) {
+  const std::string text = format_number(x, ("%." + std::to_string(decimals) + "f").c_str());
+  const size_t start = text[0] == '-' ? 1 : 0;
+  size_t end = text.find('.');
+  if (end == std::string::npos) end = text.size();
+  std::string out = text.substr(0, start);
+  for (size_t i = start; i < end; ++i) {
+    if (i > start && (end - i) % 3 == 0) out += ',';
+    out += text[i];
+  }
+  return out + text.substr(end);
+}
+
+// A mean count per query: one decimal below 100, whole above ("41.2",
+// "31,208").
+std::string mean_count(double x) { return grouped(x, x < 100 ? 1 : 0); }
+
+// The line on stderr after attention through an index: the largest
+// certificate, the mode, and the lists and rows visited per query.
+std::string index_summary(const StoreIndex& index, const IndexAttentionOptions& options,
+                          const IndexAttentionResult& r) {
+  const int64_t nq = r.certificate.numel();
+  double largest = 0, lists = 0, rows = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    largest = std::max(largest, r.certificate.data()[i]);
+    lists += static_cast<double>(r.lists_visited.data()[i]);
+    rows += static_cast<double>(r.rows_visited.data()[i]);
+  }
+  const std::string mode = options.probe > 0 ? "probe " + std::to_string(options.probe)
+                                             : "epsilon " + format_number(options.epsilon, "%.1e");
+  std::string line = options.kernel != Kernel::kGaussian
+                         ? "qkv attend --index: " + std::string(kernel_name(options.kernel)) +
+                               " kernel of width " + shortest_number(*options.bandwidth) +
+                               ", exact; "
+                         : "qkv attend --index: certificate: max " +
+                               format_number(largest, "%.1e") + " (" + mode + "); ";
+  if (nq == 0) return line + "no queries\n";
+  const double n = static_cast<double>(nq);
+  line += "visited " + mean_count(lists / n) + " of " +
+          grouped(static_cast<double>(index.lists().size()), 0) + " lists, " +
+          mean_count(rows / n) + " of " + grouped(static_cast<double>(index.rows()), 0) +
+          " rows per query on average";
+  if (options.top_k > 0) {
+    int64_t certain = 0;
+    for (const bool c : r.top_certified) certain += c;
+    line += "; top " + std::to_string(options.top_k) + " certain for " + std::to_string(certain) +
+            " of " + std::to_string(nq) + " queries";
+  }
+  return line + "\n";
+}
+
+// Attention through an index built over the one store (attend.cc has
+// refused --index with several stores, valid rows or mpirun).
+void run_index(const StoreAttendArgs& args) {
+  check_output_paths(output_paths(args));
+  check_outputs_outside_stores(args);
+  apply_threads(args.threads);
+  const KeyValueStore store = KeyValueStore::open(args.stores.at(0), StoreCheck::kStructure);
+  const StoreIndex index = StoreIndex::open(args.index, StoreCheck::kStructure);
+  index.check_built_over(store);
+  const Inputs in = read_inputs(args);
+  IndexAttentionOptions options;
+  options.scoring = args.scoring;
+  options.scale = args.scale;
+  options.top_k = args.top_k;
+  if (args.epsilon) options.epsilon = *args.epsilon;
+  if (args.probe) options.probe = *args.probe;
+  if (args.kernel) {
+    options.kernel = *args.kernel;
+    options.bandwidth = args.bandwidth;
+  }
+  const IndexAttentionResult result = attend(in.queries.view(), index, options);
+  write_outputs(output_files(args, result));
+  if (!args.quiet) {
+    const std::string line = index_summary(index, options, result);
+    std::fputs(line.c_str(), stderr);
+    std::fflush(stderr);
+  }
 }
 
 #ifdef QKV_WITH_MPI
@@ -270,6 +366,7 @@ void run_store_attend(const StoreAttendArgs& args) {
   if (args.scoring == Scoring::kDistance && args.scale) {
     check_distance_scale(*args.scale, true, args.scale_option);
   }
+  if (!args.index.empty()) return run_index(args);
 #ifdef QKV_WITH_MPI
   if (started_by_mpirun()) return run_mpi(args);
 #endif

@@ -1,6 +1,7 @@
 // `qkv attend --store`: attention over key-value stores (docs/scale.md), in
 // one process, or sharded across MPI ranks when started by mpirun (and
-// built with MPI).
+// built with MPI); with --index, through an index of the store (qkv/index.h),
+// certified or with a fixed budget, in one process.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "qkv/kernel_regression_types.h"
 #include "qkv/scoring.h"
 
 namespace qkv::cli {
@@ -22,6 +24,15 @@ struct StoreAttendArgs {
   std::string out, lse, top_ids, top_weights;
   bool quiet = false;
   std::optional<int> threads;
+  // --index: attention through an index built over the one store. Its
+  // checks against the other options are attend.cc's.
+  std::string index;
+  std::optional<double> epsilon;  // certified: absent is the library's default
+  std::optional<int64_t> probe;   // or a fixed budget of lists
+  std::string certificate;        // --certificate C.npy: float64 (Nq)
+  // --kernel: a compact kernel of width --bandwidth instead of softmax.
+  std::optional<Kernel> kernel;
+  std::optional<double> bandwidth;
 };
 
 void run_store_attend(const StoreAttendArgs& args);

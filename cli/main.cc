@@ -1,7 +1,7 @@
 // The qkv command: parses the command line with CLI11 and runs one
-// subcommand (softmax, attend, demo, regress, lookup, heatmap, info, store, search); each lives in
-// its own file. Errors and exit statuses follow DESIGN.md §4 (common.cc maps
-// exceptions to them).
+// subcommand (softmax, attend, demo, regress, lookup, heatmap, info, store,
+// index, search); each lives in its own file. Errors and exit statuses
+// follow DESIGN.md §4 (common.cc maps exceptions to them).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +20,7 @@ Command add_lookup_command(CLI::App& parent);   // lookup.cc
 Command add_heatmap_command(CLI::App& parent);  // heatmap.cc
 Command add_info_command(CLI::App& parent);     // info.cc
 Command add_store_command(CLI::App& parent);    // store.cc
+Command add_index_command(CLI::App& parent);    // index.cc
 Command add_search_command(CLI::App& parent);   // search.cc
 }  // namespace qkv::cli
 
@@ -58,7 +59,7 @@ int main(int argc, char** argv) {
       qkv::cli::add_demo_command(app),    qkv::cli::add_regress_command(app),
       qkv::cli::add_lookup_command(app),  qkv::cli::add_heatmap_command(app),
       qkv::cli::add_info_command(app),    qkv::cli::add_store_command(app),
-      qkv::cli::add_search_command(app)};
+      qkv::cli::add_index_command(app),   qkv::cli::add_search_command(app)};
   const auto selected = [&]() -> const Command* {
     for (const Command& command : commands) {
       if (command.app->parsed()) return &command;

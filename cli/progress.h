@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "qkv/chunk_source.h"
+
 namespace qkv::cli {
 
 class Progress {
@@ -29,5 +31,11 @@ class Progress {
   int64_t done_ = 0, total_ = 0;
   bool printed_ = false;
 };
+
+// The library's progress callback (qkv::StoreProgress) drawing `progress`,
+// which must outlive the work.
+inline StoreProgress report(Progress& progress) {
+  return [&progress](int64_t done, int64_t total) { progress.update(done, total); };
+}
 
 }  // namespace qkv::cli

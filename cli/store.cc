@@ -84,10 +84,6 @@ std::string summary(const KeyValueStore& store, bool json) {
          " bytes\n";
 }
 
-StoreProgress report(Progress& progress) {
-  return [&progress](int64_t done, int64_t total) { progress.update(done, total); };
-}
-
 void add_rows_options(CLI::App* app, StoreArgs& args) {
   require_path(app->add_option("--keys", args.keys, "Keys K.npy: (N, D), float32 or float64"))
       ->type_name("K.npy")

@@ -3,8 +3,8 @@
 # files and with a dictionary of the format's tokens:
 #   npy       the .npy reader (fuzz/npy_fuzz.cc), from arrays of every dtype,
 #             format version and rank written by NumPy
-#   manifest  the key-value store's manifest reader (fuzz/manifest_fuzz.cc),
-#             from manifests as qkv writes them
+#   manifest  the manifest readers of the key-value store and its index
+#             (fuzz/manifest_fuzz.cc), from manifests as qkv writes them
 #   index     the search index's readers (fuzz/index_fuzz.cc): its manifest,
 #             packages.json and BM25 postings, from files as qkv writes them
 # Usage: fuzz/run_fuzz.sh npy|manifest|index FUZZER_BINARY SECONDS
@@ -86,7 +86,46 @@ cat >"$work/corpus/two.json" <<'JSON'
 }
 JSON
 
+# An index's manifest body, as StoreIndex::build writes it but for "xxh3",
+# which the harness adds.
+cat >"$work/corpus/index.json" <<'JSON'
+{
+ "format": "qkv store index",
+ "version": 1,
+ "dtype": "float32",
+ "key_dim": 4,
+ "value_dim": 2,
+ "rows": 10,
+ "lists": 3,
+ "store": {
+  "chunks": 2,
+  "fingerprint": "0123456789abcdef"
+ },
+ "build": {
+  "iterations": 10,
+  "sample_per_list": 64,
+  "seed": "0000000000000000"
+ },
+ "files": {
+  "centroids.npy": "0000000000000001",
+  "list_rows.npy": "0000000000000002",
+  "radii.npy": "0000000000000003",
+  "norms.npy": "0000000000000004",
+  "ids.npy": "0000000000000005",
+  "keys.npy": "0000000000000006",
+  "values.npy": "0000000000000007"
+ }
+}
+JSON
+
 cat >"$work/fuzz.dict" <<'DICT'
+"\"qkv store index\""
+"\"lists\""
+"\"fingerprint\""
+"\"iterations\""
+"\"sample_per_list\""
+"\"seed\""
+"\"files\""
 "\"format\""
 "\"qkv key-value store\""
 "\"version\""

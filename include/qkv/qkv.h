@@ -6,6 +6,7 @@
 #include "qkv/attention.h"
 #include "qkv/dropout.h"
 #include "qkv/error.h"
+#include "qkv/index.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/merge.h"
 #include "qkv/modules.h"

@@ -44,9 +44,54 @@ int open_regular_file(std::string_view function, const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
     fail(function, path + ": not a regular file (" + kind_of(st.st_mode) +
-                       "); a store's manifest and chunks are regular files");
+                       "); a store's and an index's files are regular files");
   }
   return fd;
+}
+
+std::string read_text_file(std::string_view function, const std::string& path, size_t max_bytes,
+                           std::string_view what) {
+  const int fd = open_regular_file(function, path);
+  std::string text;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      ::close(fd);
+      fail(function, path + ": cannot read: " + errno_text(error));
+    }
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    if (text.size() > max_bytes) {
+      ::close(fd);
+      fail(function, path + ": larger than " + std::to_string(max_bytes >> 20) + " MiB; not " +
+                         std::string(what));
+    }
+  }
+  ::close(fd);
+  return text;
+}
+
+NpyHeader checked_npy_header(std::string_view function, const MappedFile& file,
+                             std::string_view descr, const Shape& shape, std::string_view what) {
+  NpyHeader header;
+  try {
+    header = parse_npy_header(file.data(), file.size(), file.path());
+  } catch (const Error& e) {
+    // "parse_npy_header: <path>: <what>" told as the caller's own error.
+    std::string message = e.what();
+    const std::string prefix = "parse_npy_header: ";
+    if (message.rfind(prefix, 0) == 0) message.erase(0, prefix.size());
+    fail(function, message + " (the " + std::string(what) + " file is damaged or truncated)");
+  }
+  if (header.descr != descr || !(header.shape == shape)) {
+    fail(function, file.path() + ": holds " + header.descr + " " + header.shape.str() +
+                       " but the manifest says " + std::string(descr) + " " + shape.str() +
+                       " (the " + std::string(what) + " file was replaced)");
+  }
+  return header;
 }
 
 // ---- MappedFile, and the guard against reads past a truncated file's end

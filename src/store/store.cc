@@ -30,6 +30,7 @@
 #include "qkv/error.h"
 #include "qkv/npy.h"
 #include "qkv/staged_file.h"
+#include "store/manifest_json.h"
 #include "store/regular_file.h"
 
 // The checksum functions compiled into this file: no library to link, for
@@ -41,12 +42,13 @@ namespace qkv {
 namespace {
 
 namespace fs = std::filesystem;
-using Json = nlohmann::ordered_json;
 
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kLock = "lock";
 constexpr const char* kFormat = "qkv key-value store";
 constexpr int kVersion = 1;
+// A manifest of 10^6 chunks is about 200 MB; past 1 GiB it is not one of ours.
+constexpr size_t kMaxManifestBytes = size_t{1} << 30;
 // Rows converted and written at a time: 4096 rows of D = 64 floats is 1 MiB,
 // small next to a chunk and large enough that each write(2) is efficient.
 constexpr int64_t kWriteRows = 4096;
@@ -55,12 +57,6 @@ std::string errno_text(int error) { return std::strerror(error); }
 
 size_t item_size(StoreDtype dtype) { return dtype == StoreDtype::kFloat32 ? 4 : 2; }
 const char* npy_descr(StoreDtype dtype) { return dtype == StoreDtype::kFloat32 ? "<f4" : "<u2"; }
-
-std::string hex64(uint64_t x) {
-  char text[17];
-  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(x));
-  return text;
-}
 
 std::string chunk_file_name(const char* what, size_t index) {
   char text[40];
@@ -83,76 +79,6 @@ bool is_chunk_file_name(const std::string& name, std::string_view what) {
 }
 
 // ---- the manifest
-
-// A value as JSON text for a message; the parser took only valid UTF-8, but
-// replace rather than throw all the same.
-std::string shown(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
-
-struct ManifestReader {
-  std::string_view function;
-  const std::string& name;
-
-  [[noreturn]] void fail(const std::string& what) const { qkv::fail(function, name + ": " + what); }
-  const Json& member(const Json& object, const char* key, const std::string& where) const {
-    const auto it = object.find(key);
-    if (it == object.end()) fail(where + " has no \"" + key + "\"");
-    return *it;
-  }
-  int64_t integer(const Json& object, const char* key, const std::string& where, int64_t lo,
-                  int64_t hi) const {
-    const Json& v = member(object, key, where);
-    if (!v.is_number_integer()) {
-      fail(where + "\"" + key + "\" is " + v.type_name() + " " + shown(v) +
-           "; expected an integer");
-    }
-    const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
-                                                 : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
-    if (!in_range || (v.is_number_unsigned() && lo > 0 && v.get<uint64_t>() < uint64_t(lo))) {
-      fail(where + "\"" + key + "\" is " + shown(v) + "; expected " + std::to_string(lo) + " to " +
-           std::to_string(hi));
-    }
-    return v.get<int64_t>();
-  }
-  std::string text(const Json& object, const char* key, const std::string& where) const {
-    const Json& v = member(object, key, where);
-    if (!v.is_string()) {
-      fail(where + "\"" + key + "\" is " + v.type_name() + "; expected a string");
-    }
-    return v.get<std::string>();
-  }
-  // A chunk file's name: kept inside the store's directory, never hidden.
-  std::string file_name(const Json& object, const char* key, const std::string& where) const {
-    const std::string file = text(object, key, where);
-    const bool plain = !file.empty() && file.size() <= 200 && file[0] != '.' &&
-                       file.find('/') == std::string::npos && file.find('\0') == std::string::npos;
-    if (!plain) {
-      fail(where + "\"" + key + "\" is " + shown(Json(file)) +
-           "; expected the name of a file in the store's directory");
-    }
-    return file;
-  }
-  uint64_t checksum(const Json& object, const char* key, const std::string& where) const {
-    const std::string hex = text(object, key, where);
-    uint64_t x = 0;
-    bool ok = hex.size() == 16;
-    for (char c : hex) {
-      const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-      ok = ok && digit >= 0;
-      x = x << 4 | static_cast<uint64_t>(digit & 15);
-    }
-    if (!ok) fail(where + "\"" + key + "\" is \"" + hex + "\"; expected 16 hex digits");
-    return x;
-  }
-  void only(const Json& object, std::initializer_list<const char*> keys,
-            const std::string& where) const {
-    for (const auto& item : object.items()) {
-      if (std::find_if(keys.begin(), keys.end(), [&](const char* k) { return item.key() == k; }) ==
-          keys.end()) {
-        fail(where + "has an unknown member \"" + item.key() + "\"");
-      }
-    }
-  }
-};
 
 // ---- chunk files
 
@@ -236,30 +162,6 @@ class StoreLock {
   int fd_ = -1;
 };
 
-std::string read_text_file(std::string_view function, const std::string& path) {
-  const int fd = open_regular_file(function, path);
-  std::string text;
-  char buffer[65536];
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      ::close(fd);
-      fail(function, path + ": cannot read: " + errno_text(error));
-    }
-    if (n == 0) break;
-    text.append(buffer, static_cast<size_t>(n));
-    // A manifest of 10^6 chunks is about 200 MB; past 1 GiB it is not one of ours.
-    if (text.size() > (size_t{1} << 30)) {
-      ::close(fd);
-      fail(function, path + ": larger than 1 GiB; not a store's manifest");
-    }
-  }
-  ::close(fd);
-  return text;
-}
-
 }  // namespace
 
 std::string_view store_dtype_name(StoreDtype dtype) {
@@ -270,35 +172,12 @@ std::string_view store_dtype_name(StoreDtype dtype) {
 
 KeyValueStore KeyValueStore::parse_manifest(std::string_view text, const std::string& name) {
   const ManifestReader in{"KeyValueStore::open", name};
-  Json json;
-  try {
-    json = Json::parse(text.begin(), text.end());
-  } catch (const Json::exception& e) {  // a parse error, or a number out of range (1e400)
-    in.fail(std::string("not valid JSON: ") + e.what());
-  }
-  if (!json.is_object())
-    in.fail(std::string("is a JSON ") + json.type_name() + "; expected an object");
-  in.only(json,
-          {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows", "rows", "chunks",
-           "xxh3"},
-          "");
-  if (in.text(json, "format", "") != kFormat) {
-    in.fail("\"format\" is " + shown(json["format"]) + "; expected \"" + kFormat + "\"");
-  }
-  const int64_t version = in.integer(json, "version", "", 0, std::numeric_limits<int>::max());
-  if (version != kVersion) {
-    in.fail("\"version\" is " + std::to_string(version) + "; this qkv reads version " +
-            std::to_string(kVersion));
-  }
+  const Json json = in.parse(text,
+                             {"format", "version", "dtype", "key_dim", "value_dim", "chunk_rows",
+                              "rows", "chunks", "xxh3"},
+                             kFormat, kVersion);
   KeyValueStore store;
-  const std::string dtype = in.text(json, "dtype", "");
-  if (dtype == "float32") {
-    store.dtype_ = StoreDtype::kFloat32;
-  } else if (dtype == "bfloat16") {
-    store.dtype_ = StoreDtype::kBFloat16;
-  } else {
-    in.fail("\"dtype\" is \"" + dtype + "\"; expected \"float32\" or \"bfloat16\"");
-  }
+  store.dtype_ = in.dtype(json);
   // Sizes far past any machine, but small enough that every byte count
   // below (rows x dim x 4) fits in 64 bits.
   constexpr int64_t kMaxDim = int64_t{1} << 24, kMaxRows = int64_t{1} << 36;
@@ -436,22 +315,8 @@ void write_manifest(std::string_view function, const std::string& dir, const std
 void check_chunk_file(std::string_view function, const std::string& path, const MappedFile& file,
                       StoreDtype dtype, int64_t rows, int64_t dim, uint64_t xxh3, bool hash,
                       NpyHeader* header_out = nullptr) {
-  NpyHeader header;
-  try {
-    header = parse_npy_header(file.data(), file.size(), path);
-  } catch (const Error& e) {
-    // "parse_npy_header: <path>: <what>" told as the caller's own error.
-    std::string what = e.what();
-    const std::string prefix = "parse_npy_header: ";
-    if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
-    fail(function, what + " (the chunk file is damaged or truncated)");
-  }
-  const Shape expected{rows, dim};
-  if (header.descr != npy_descr(dtype) || !(header.shape == expected)) {
-    fail(function, path + ": holds " + header.descr + " " + header.shape.str() +
-                       " but the manifest says " + npy_descr(dtype) + " " + expected.str() +
-                       " (the chunk file was replaced)");
-  }
+  const NpyHeader header =
+      checked_npy_header(function, file, npy_descr(dtype), Shape{rows, dim}, "chunk");
   if (hash) {
     const uint64_t got = XXH3_64bits(file.data(), file.size());
     if (got != xxh3) {
@@ -504,7 +369,8 @@ KeyValueStore KeyValueStore::open(const std::string& dir, StoreCheck check,
   if (::stat(manifest.c_str(), &st) != 0) {
     fail(kFn, dir + ": not a store: no " + kManifest + " (" + errno_text(errno) + ")");
   }
-  KeyValueStore store = parse_manifest(read_text_file(kFn, manifest), manifest);
+  KeyValueStore store = parse_manifest(
+      read_text_file(kFn, manifest, kMaxManifestBytes, "a store's manifest"), manifest);
   store.dir_ = dir;
   if (check == StoreCheck::kChecksums) {
     store.check_checksums(kFn, progress);
@@ -676,7 +542,8 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
   // The store as it is now, under the lock: other appenders may have
   // changed it since this object was opened.
   const std::string manifest = (fs::path(dir_) / kManifest).string();
-  KeyValueStore now = parse_manifest(read_text_file(kFn, manifest), manifest);
+  KeyValueStore now = parse_manifest(
+      read_text_file(kFn, manifest, kMaxManifestBytes, "a store's manifest"), manifest);
   now.dir_ = dir_;
   if (keys.size(1) != now.key_dim_ || values.size(1) != now.value_dim_) {
     fail(kFn, "keys has shape " + keys.shape().str() + " and values has shape " +

@@ -24,26 +24,12 @@
 #include "qkv/merge.h"
 #include "qkv/scoring.h"
 #include "qkv/threads.h"
+#include "store/scored_rows.h"
 
 namespace qkv {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// A row offered for a query's top k: (score, row id), the score being the
-// logarithm of the row's weight up to the lse over every row: its weight is
-// exp(score - lse).
-using ScoredRow = std::pair<double, int64_t>;
-// Larger score first; ties: the smaller row id first.
-bool better_row(const ScoredRow& a, const ScoredRow& b) {
-  return a.first > b.first || (a.first == b.first && a.second < b.second);
-}
-// Puts `row` into `best` (sorted by better_row) if it beats the k-th.
-void keep_best(std::vector<ScoredRow>& best, const ScoredRow& row, int64_t k) {
-  if (static_cast<int64_t>(best.size()) == k && (k == 0 || !better_row(row, best.back()))) return;
-  best.insert(std::upper_bound(best.begin(), best.end(), row, better_row), row);
-  if (static_cast<int64_t>(best.size()) > k) best.pop_back();
-}
 
 // Attention over some rows, kept in double for merging.
 struct Partial {
@@ -207,29 +193,6 @@ Tensor<float> widened(ConstView<bfloat16> x) {
   Tensor<float> out(Shape{1, x.size(0), x.size(1)});
   kernels::fast::to_float(x.data(), out.data(), x.numel());
   return out;
-}
-
-float widen(float x) { return x; }
-float widen(bfloat16 x) { return std::bit_cast<float>(uint32_t{x.bits} << 16); }
-
-// A query's score of one row in float: q . k (dot), or -|q - k|^2 / 2
-// (distance), before the scale. Products of float32 (a bf16 row widened
-// by a shift, which vectorizes).
-template <bool kDistance, class T>
-float raw_score(const float* q, const T* k, int64_t d) {
-  float s = 0.0f;
-  if constexpr (kDistance) {
-#pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < d; ++c) {
-      const float diff = q[c] - widen(k[c]);
-      s += diff * diff;
-    }
-    return -0.5f * s;
-  } else {
-#pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < d; ++c) s += q[c] * widen(k[c]);
-    return s;
-  }
 }
 
 // Rows a piece of the top-k pass scores at least: below this, a thread's

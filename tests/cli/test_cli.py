@@ -8,6 +8,7 @@ NumPy is required: if it cannot be imported this script fails.
 """
 
 import os
+import pty
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,28 @@ TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol
 def run(*args, env=None):
     return subprocess.run([QKV] + [str(a) for a in args], capture_output=True, text=True,
                           timeout=120, env=env)
+
+
+def run_on_a_terminal(*args):
+    """Runs qkv with its stderr on a pseudo-terminal (where progress is a
+    bar): (exit status, stdout bytes, what the terminal showed)."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([QKV] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the terminal's other end closed: qkv exited
+            break
+        if not data:
+            break
+        shown += data
+    os.close(leader)
+    status = p.wait(timeout=120)
+    out = p.stdout.read()
+    p.stdout.close()
+    return status, out, shown.decode()
 
 
 # ---- NumPy references (float64) ----------------------------------------------

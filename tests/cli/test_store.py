@@ -16,7 +16,6 @@ NumPy is required: if it cannot be imported this script fails.
 
 import json
 import os
-import pty
 import resource
 import signal
 import subprocess
@@ -100,23 +99,9 @@ class CreateTest(StoreCase):
         args = ["store", "create", "--keys", self.save("k.npy", k), "--values", self.save("v.npy", k)]
         for quiet in (False, True):
             store = self.path(f"s{quiet}")
-            leader, follower = pty.openpty()
-            p = subprocess.Popen([test_cli.QKV] + args + [store] + (["--quiet"] if quiet else []),
-                                 stdout=subprocess.PIPE, stderr=follower)
-            os.close(follower)
-            shown = b""
-            while True:
-                try:
-                    data = os.read(leader, 4096)
-                except OSError:  # the terminal's other end closed: qkv exited
-                    break
-                if not data:
-                    break
-                shown += data
-            os.close(leader)
-            self.assertEqual(p.wait(timeout=120), 0, shown)
-            p.stdout.close()
-            text = shown.decode()
+            status, _, text = test_cli.run_on_a_terminal(
+                *args, store, *(["--quiet"] if quiet else []))
+            self.assertEqual(status, 0, text)
             if quiet:
                 self.assertEqual(text, "")
             else:

@@ -1,0 +1,168 @@
+// An index over a key-value store (qkv/store.h) that makes attention read a
+// fraction of the rows, with a certificate of what it left out: an inverted
+// file. The keys are clustered by k-means into L lists; the index holds the
+// store's rows again, grouped by list (keys and values in list order, each
+// row's id in the store), and for each list its centroid c, its radius r
+// (the largest |k - c| of its keys) and its largest key norm. No key of a
+// list scores more than a bound computed from those three numbers, so
+// attention visits the lists in the order of their bounds and stops when
+// the weight all unvisited rows could hold together is at most epsilon
+// (docs/index.md has the rule and its proof).
+//
+// On disk a directory: manifest.json (the sizes, the store it was built
+// over, each file's XXH3-64 and its own), centroids.npy (L, D) float32,
+// list_rows.npy (L) int64, radii.npy and norms.npy (L) float64, ids.npy
+// (N) int64, keys.npy (N, D) and values.npy (N, Dv) in the store's dtype.
+// Built in a hidden directory beside its destination and renamed into place
+// when complete, so a failed or killed build leaves nothing.
+//   queries: (Nq, D)   output: (Nq, Dv)   lse, certificate: (Nq)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qkv/chunk_source.h"
+#include "qkv/kernel_regression_types.h"
+#include "qkv/scoring.h"
+#include "qkv/store.h"
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+struct IndexBuildOptions {
+  // The number of lists L, 1 <= L <= the store's rows; 0 picks
+  // default_index_lists(rows).
+  int64_t lists = 0;
+  // k-means rounds on the training sample (each: assign every sample key to
+  // its nearest centroid, move each centroid to its keys' mean); 0 to 1000.
+  int iterations = 10;
+  // Training keys per list: the sample is min(rows, lists * sample_per_list)
+  // rows drawn at random (every store row equally likely); 1 to 2^20.
+  int64_t sample_per_list = 64;
+  // The seed of the sample (the same seed, store and options give the same index).
+  uint64_t seed = 0;
+  // Called with the bytes done and in all, over the build's passes.
+  StoreProgress progress;
+};
+
+// 4 sqrt(N) lists (at least 1, at most N; 0 for an empty store): lists of
+// about sqrt(N) / 4 rows, so that the bounds (L x D per query) cost less
+// than a scan of a few lists.
+int64_t default_index_lists(int64_t rows);
+
+// One list: rows [first_row, first_row + rows) of the index's row order.
+struct IndexList {
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  double radius = 0.0;    // the largest |k - c| of its keys (0 if empty), rounded up
+  double max_norm = 0.0;  // the largest |k| of its keys (0 if empty), rounded up
+};
+
+class StoreIndex {
+ public:
+  // Builds the index of `store` at `dir` (which must not exist; its parent
+  // must): a sample of the keys is clustered by k-means, every key is
+  // assigned to its nearest centroid (ties: the smaller list), and the rows
+  // are written in list order (rows of one list in store order). Error for
+  // bad options or an existing `dir`, IoError when the system fails; a
+  // failed or killed build leaves nothing at `dir`.
+  static StoreIndex build(const KeyValueStore& store, const std::string& dir,
+                          const IndexBuildOptions& options = {});
+  // Opens an index: the manifest, and each file's header and size
+  // (kStructure) or also its checksum (kChecksums). Error naming the file
+  // and what is wrong.
+  static StoreIndex open(const std::string& dir, StoreCheck check = StoreCheck::kStructure,
+                         const StoreProgress& progress = {});
+  // Reads every file and checks it against the manifest; Error naming the
+  // first that disagrees. progress: the bytes read and in all.
+  void verify(const StoreProgress& progress = {}) const;
+  // Error unless the index was built over `store` as it is now: the same
+  // dtype, D, Dv and chunks (a store with rows appended since says so: the
+  // index is stale and must be built again).
+  void check_built_over(const KeyValueStore& store) const;
+
+  const std::string& dir() const { return dir_; }
+  StoreDtype dtype() const { return dtype_; }
+  int64_t rows() const { return rows_; }
+  int64_t key_dim() const { return key_dim_; }
+  int64_t value_dim() const { return value_dim_; }
+  const std::vector<IndexList>& lists() const { return lists_; }
+  // (L, D): list j's centroid.
+  ConstView<float> centroids() const { return centroids_.view(); }
+  // The store row of index row r (list order).
+  int64_t store_row(int64_t r) const;
+  // The keys and values of list j, as views of the index's dtype, valid
+  // while the returned chunk lives; its range() is the list's rows in the
+  // index's row order.
+  SourceChunk read_list(size_t j) const;
+
+ private:
+  struct Files;
+  std::shared_ptr<const Files> files_;
+  std::string dir_;
+  StoreDtype dtype_ = StoreDtype::kFloat32;
+  int64_t rows_ = 0, key_dim_ = 0, value_dim_ = 0;
+  std::vector<IndexList> lists_;
+  Tensor<float> centroids_;
+  uint64_t store_fingerprint_ = 0;
+  int64_t store_chunks_ = 0;
+};
+
+struct IndexAttentionOptions {
+  // Scoring::kDotProduct (scale q . k) or Scoring::kDistance (-scale/2 |q - k|^2),
+  // with scale as for attention over a store (qkv/store_attention.h).
+  Scoring scoring = Scoring::kDotProduct;
+  std::optional<double> scale;
+  // Kernel::kGaussian: softmax of the scores above, certified by epsilon
+  // (or probe). A compact kernel (kBoxcar, kEpanechnikov, kTriangular)
+  // instead: row j weighs K((q - k_j) / bandwidth), Nadaraya-Watson's
+  // product kernel (qkv/kernel_regression_types.h), 0 outside the box
+  // |q_c - k_c| <= bandwidth; the weights are normalised to sum to 1. Only
+  // the lists whose ball (centroid, radius) meets that box are read, and
+  // the result is exact: the same as weighing every row (certificate 0,
+  // top_k certain). A query with no row in reach gets output 0 and lse
+  // -inf. scoring, scale, epsilon and probe do not apply.
+  Kernel kernel = Kernel::kGaussian;
+  // The compact kernel's width h > 0 (finite); required with one.
+  std::optional<double> bandwidth;
+  // Certified mode: visit lists, by bound, until the weight the unvisited
+  // rows could hold is at most epsilon of the weight visited (per query).
+  // 0 visits every list: exact attention (to float rounding). >= 0.
+  double epsilon = 1e-3;
+  // Fixed-budget mode instead (probe > 0): visit the `probe` lists of
+  // largest bound, whatever they leave out; the certificate still bounds
+  // what was left out.
+  int64_t probe = 0;
+  // Also each query's top_k rows (store row ids, weights over the visited
+  // rows, largest first, ties to the smaller id). In certified mode the
+  // visit goes on until they are certain: the k-th score at least every
+  // unvisited list's bound.
+  int64_t top_k = 0;
+};
+
+struct IndexAttentionResult {
+  Tensor<float> output;  // (Nq, Dv): attention over the visited rows
+  Tensor<float> lse;     // (Nq): log sum exp(score) over the visited rows
+  // (Nq): a bound on (weight of the rows not visited) / (weight of the rows
+  // visited). The output differs from attention over every row by at most
+  // certificate * 2 max |v| (in norm), and the true lse is at most
+  // lse + log(1 + certificate). 0 when every list was visited.
+  Tensor<double> certificate;
+  Tensor<int64_t> lists_visited;  // (Nq)
+  Tensor<int64_t> rows_visited;   // (Nq)
+  Tensor<int64_t> top_ids;        // (Nq, top_k): store row ids, -1 past the rows
+  Tensor<float> top_weights;      // (Nq, top_k)
+  // (Nq): whether no unvisited row can be among the query's top_k.
+  std::vector<bool> top_certified;
+};
+
+// Attention of `queries` (Nq, D) over the index's rows through its lists:
+// certified (options.epsilon) or with a fixed budget (options.probe). A
+// bfloat16 index takes the queries rounded to bfloat16 for dot scoring, as
+// attention over a store does. Error for bad shapes or options.
+IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
+                            const IndexAttentionOptions& options = {});
+
+}  // namespace qkv

@@ -1,0 +1,389 @@
+// Attention through a store's index (qkv/index.h): per query, a bound on
+// every list's scores from its centroid, radius and largest key norm; the
+// lists visited in the order of their bounds with an online softmax in
+// double; stopped when the weight the unvisited rows could hold is at most
+// epsilon of the visited weight (or after `probe` lists). docs/index.md has
+// the bounds and the proof of the certificate.
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/runtime/parallel.h"
+#include "qkv/bfloat16.h"
+#include "qkv/error.h"
+#include "qkv/index.h"
+#include "qkv/kernel_regression.h"
+#include "qkv/scoring.h"
+#include "store/scored_rows.h"
+
+namespace qkv {
+namespace {
+
+constexpr std::string_view kFn = "attend";
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// log(exp(a) + exp(b)), -inf allowed.
+double log_add(double a, double b) {
+  if (a < b) std::swap(a, b);
+  if (b == -kInf) return a;
+  return a + std::log1p(std::exp(b - a));
+}
+
+// What one query's visit gives.
+struct QueryResult {
+  std::vector<double> output;  // (Dv)
+  double lse = -kInf;
+  double certificate = 0.0;
+  int64_t lists = 0, rows = 0;
+  std::vector<ScoredRow> top;  // best first
+  bool top_certified = true;
+};
+
+// The most a key of a list can score, for one query, from the list's
+// centroid c, radius r and largest norm m. Dot: s q.k = s q.c + s q.(k - c)
+// <= s q.c + |s| |q| r, and s q.k <= |s| |q| |k| <= |s| |q| m. Distance:
+// |q - k| >= |q - c| - r, so -s/2 |q - k|^2 <= -s/2 max(0, |q - c| - r)^2.
+// Each is widened by what the scores' float arithmetic can add: a float
+// dot product of D terms is within gamma_D sum |q_i k_i| <= gamma_D |q| |k|
+// of the exact one (Higham, Accuracy and Stability of Numerical
+// Algorithms, 3.1), gamma_D = D u / (1 - D u), u = 2^-24; gamma is taken
+// as (D + 2) 2^-23, which covers it and the differences' rounding.
+struct Bounds {
+  bool distance;
+  double scale, gamma;
+
+  double of(const float* q, double q_norm, const float* c, double c_norm, const IndexList& list,
+            int64_t d) const {
+    if (distance) {
+      double squared = 0.0;
+      for (int64_t k = 0; k < d; ++k) {
+        const double diff = double{q[k]} - double{c[k]};
+        squared += diff * diff;
+      }
+      const double gap = std::max(0.0, std::sqrt(squared) - list.radius);
+      return -0.5 * scale * gap * gap * (1.0 - gamma);
+    }
+    double dot = 0.0;
+    for (int64_t k = 0; k < d; ++k) dot += double{q[k]} * double{c[k]};
+    const double s = std::abs(scale);
+    const double key_norm = std::min(list.max_norm, c_norm + list.radius);
+    return std::min(scale * dot + s * q_norm * list.radius, s * q_norm * list.max_norm) +
+           s * gamma * q_norm * key_norm;
+  }
+};
+
+template <bool kDistance, class T>
+void visit_rows(const float* q, ConstView<T> keys, ConstView<T> values, double scale,
+                int64_t first_row, const StoreIndex& index, int64_t k, double& max_score,
+                double& sum, std::vector<double>& acc, std::vector<ScoredRow>& top) {
+  const int64_t rows = keys.size(0), d = keys.size(1), dv = values.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double score = scale * double{raw_score<kDistance>(q, &keys(r, 0), d)};
+    if (score > max_score) {
+      const double shrink = std::exp(max_score - score);  // 0 for the first row
+      sum *= shrink;
+      for (double& a : acc) a *= shrink;
+      max_score = score;
+    }
+    const double w = std::exp(score - max_score);
+    sum += w;
+    const T* v = &values(r, 0);
+    for (int64_t c = 0; c < dv; ++c) acc[static_cast<size_t>(c)] += w * double{widen(v[c])};
+    if (k > 0 && (static_cast<int64_t>(top.size()) < k || score >= top.back().first)) {
+      keep_best(top, {score, index.store_row(first_row + r)}, k);
+    }
+  }
+}
+
+// A compact kernel's profile at |u| <= 1 (qkv/kernel_regression_types.h).
+double profile(Kernel kernel, double u) {
+  switch (kernel) {
+    case Kernel::kEpanechnikov:
+      return 1.0 - u * u;
+    case Kernel::kTriangular:
+      return 1.0 - std::abs(u);
+    default:
+      return 1.0;  // boxcar
+  }
+}
+
+// Rows of one list weighed by a compact kernel of width h, summed into
+// `sum` and `acc` (weights at most 1: no rescaling). A row is in reach when
+// |q_c - k_c| <= h for every c, tested on the exact difference (two floats'
+// difference is exact in double), so the support is exact; a row of
+// weight 0 (Epanechnikov's edge) is not in reach.
+template <class T>
+void weigh_rows(const float* q, ConstView<T> keys, ConstView<T> values, Kernel kernel, double h,
+                int64_t first_row, const StoreIndex& index, int64_t k, double& sum,
+                std::vector<double>& acc, std::vector<ScoredRow>& top) {
+  const int64_t rows = keys.size(0), d = keys.size(1), dv = values.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* key = &keys(r, 0);
+    double w = 1.0;
+    for (int64_t c = 0; c < d && w > 0; ++c) {
+      const double diff = double{q[c]} - double{widen(key[c])};
+      w = std::abs(diff) <= h ? w * profile(kernel, diff / h) : 0.0;
+    }
+    if (!(w > 0)) continue;
+    sum += w;
+    const T* v = &values(r, 0);
+    for (int64_t c = 0; c < dv; ++c) acc[static_cast<size_t>(c)] += w * double{widen(v[c])};
+    if (k > 0) keep_best(top, {std::log(w), index.store_row(first_row + r)}, k);
+  }
+}
+
+// Attention with a compact kernel: every list whose ball (c, r) meets the
+// box |q - x|_inf <= h, i.e. whose centroid is within r of the box (the
+// distance from c to the box is |max(0, |c - q| - h)|); no other list holds
+// a row in reach. The test is widened by a relative 1e-9 (r is already
+// rounded up): the distance's own rounding is far below that.
+QueryResult kernel_one(const float* q, const StoreIndex& index,
+                       const IndexAttentionOptions& options) {
+  const int64_t d = index.key_dim(), dv = index.value_dim(), k = options.top_k;
+  const double h = *options.bandwidth;
+  QueryResult result;
+  result.output.assign(static_cast<size_t>(dv), 0.0);
+  std::vector<double> acc(static_cast<size_t>(dv));
+  double sum = 0.0;
+  for (size_t j = 0; j < index.lists().size(); ++j) {
+    const IndexList& list = index.lists()[j];
+    if (list.rows == 0) continue;
+    const float* c = &index.centroids()(static_cast<int64_t>(j), 0);
+    double squared = 0.0;
+    for (int64_t i = 0; i < d; ++i) {
+      const double gap = std::max(0.0, std::abs(double{c[i]} - double{q[i]}) - h);
+      squared += gap * gap;
+    }
+    if (std::sqrt(squared) > list.radius * (1 + 1e-9) + 1e-9 * h) continue;
+    const SourceChunk chunk = index.read_list(j);
+    const int64_t first_row = chunk.range().first_row;
+    if (index.dtype() == StoreDtype::kFloat32) {
+      weigh_rows(q, chunk.keys<float>(), chunk.values<float>(), options.kernel, h, first_row, index,
+                 k, sum, acc, result.top);
+    } else {
+      weigh_rows(q, chunk.keys<bfloat16>(), chunk.values<bfloat16>(), options.kernel, h, first_row,
+                 index, k, sum, acc, result.top);
+    }
+    chunk.check_intact();
+    ++result.lists;
+    result.rows += list.rows;
+  }
+  if (sum > 0) {
+    result.lse = std::log(sum);
+    for (int64_t c = 0; c < dv; ++c) {
+      result.output[static_cast<size_t>(c)] = acc[static_cast<size_t>(c)] / sum;
+    }
+  }
+  return result;
+}
+
+QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bounds,
+                       const std::vector<double>& centroid_norms,
+                       const IndexAttentionOptions& options) {
+  const int64_t d = index.key_dim(), dv = index.value_dim(), k = options.top_k;
+  const std::vector<IndexList>& lists = index.lists();
+  double q_norm = 0.0;
+  for (int64_t c = 0; c < d; ++c) q_norm += double{q[c]} * double{q[c]};
+  q_norm = std::sqrt(q_norm);
+
+  // The nonempty lists by bound, largest first (ties: the smaller list).
+  std::vector<std::pair<double, size_t>> order;
+  for (size_t j = 0; j < lists.size(); ++j) {
+    if (lists[j].rows == 0) continue;
+    order.emplace_back(bounds.of(q, q_norm, &index.centroids()(static_cast<int64_t>(j), 0),
+                                 centroid_norms[j], lists[j], d),
+                       j);
+  }
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  // tail[p]: log of the most weight lists p, p + 1, ... could hold (rows x exp(bound)).
+  std::vector<double> tail(order.size() + 1, -kInf);
+  for (size_t p = order.size(); p-- > 0;) {
+    tail[p] = log_add(tail[p + 1],
+                      order[p].first + std::log(static_cast<double>(lists[order[p].second].rows)));
+  }
+
+  QueryResult result;
+  result.output.assign(static_cast<size_t>(dv), 0.0);
+  std::vector<double> acc(static_cast<size_t>(dv));
+  double max_score = -kInf, sum = 0.0;
+  const bool distance = bounds.distance;
+  for (size_t p = 0; p < order.size(); ++p) {
+    const size_t j = order[p].second;
+    const SourceChunk chunk = index.read_list(j);
+    const int64_t first_row = chunk.range().first_row;
+    if (index.dtype() == StoreDtype::kFloat32) {
+      const ConstView<float> keys = chunk.keys<float>(), values = chunk.values<float>();
+      distance ? visit_rows<true>(q, keys, values, bounds.scale, first_row, index, k, max_score,
+                                  sum, acc, result.top)
+               : visit_rows<false>(q, keys, values, bounds.scale, first_row, index, k, max_score,
+                                   sum, acc, result.top);
+    } else {
+      const ConstView<bfloat16> keys = chunk.keys<bfloat16>(), values = chunk.values<bfloat16>();
+      distance ? visit_rows<true>(q, keys, values, bounds.scale, first_row, index, k, max_score,
+                                  sum, acc, result.top)
+               : visit_rows<false>(q, keys, values, bounds.scale, first_row, index, k, max_score,
+                                   sum, acc, result.top);
+    }
+    chunk.check_intact();
+    ++result.lists;
+    result.rows += chunk.range().rows;
+    result.lse = max_score + std::log(sum);
+    result.certificate = tail[p + 1] == -kInf ? 0.0 : std::exp(tail[p + 1] - result.lse);
+    // The top k are certain once the k-th visited score is at least every
+    // unvisited bound (the next list's is the largest of them).
+    const bool last = p + 1 == order.size();
+    result.top_certified = last || k == 0 ||
+                           (static_cast<int64_t>(result.top.size()) == k &&
+                            result.top.back().first >= order[p + 1].first);
+    if (last) break;
+    if (options.probe > 0 ? result.lists == options.probe
+                          : result.certificate <= options.epsilon && result.top_certified) {
+      break;
+    }
+  }
+  if (sum > 0) {
+    for (int64_t c = 0; c < dv; ++c)
+      result.output[static_cast<size_t>(c)] = acc[static_cast<size_t>(c)] / sum;
+  }
+  return result;
+}
+
+}  // namespace
+
+IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
+                            const IndexAttentionOptions& options) {
+  detail::check_rank(kFn, "queries", queries, 2, "(Nq, D)");
+  if (queries.size(1) != index.key_dim()) {
+    fail(kFn, "queries has shape " + queries.shape().str() + " but index " + index.dir() +
+                  " has keys of D = " + std::to_string(index.key_dim()));
+  }
+  const ScoringRules& rules = rules_of(options.scoring);
+  if (!rules.over_store) {
+    fail(kFn, "options.scoring is " + std::string(rules.name) +
+                  "; attention through an index scores by " + scoring_names(true));
+  }
+  const bool distance = options.scoring == Scoring::kDistance;
+  if (options.scale && !(std::isfinite(*options.scale) && (!distance || *options.scale > 0))) {
+    fail(kFn, "options.scale = " + std::to_string(*options.scale) + "; expected a finite number" +
+                  (distance ? " > 0 for distance scoring" : ""));
+  }
+  if (!(options.epsilon >= 0 && std::isfinite(options.epsilon))) {
+    fail(kFn, "options.epsilon = " + std::to_string(options.epsilon) +
+                  "; expected a finite number >= 0");
+  }
+  if (options.probe < 0) {
+    fail(kFn, "options.probe = " + std::to_string(options.probe) +
+                  "; expected 0 (certified) or a number of lists >= 1");
+  }
+  if (options.kernel != Kernel::kGaussian) {
+    const std::string named = "options.kernel is " + std::string(kernel_name(options.kernel));
+    if (!options.bandwidth || !(std::isfinite(*options.bandwidth) && *options.bandwidth > 0)) {
+      fail(kFn, named + " and options.bandwidth = " +
+                    (options.bandwidth ? std::to_string(*options.bandwidth) : "none") +
+                    "; a compact kernel needs a finite width > 0");
+    }
+    if (options.scale || options.probe > 0 || options.scoring != Scoring::kDotProduct) {
+      fail(kFn, named +
+                    ": its weights are K((q - k) / bandwidth), exact; options.scoring, "
+                    "options.scale and options.probe are for softmax attention (kGaussian)");
+    }
+  } else if (options.bandwidth) {
+    fail(kFn, "options.bandwidth = " + std::to_string(*options.bandwidth) +
+                  " is for a compact kernel (options.kernel); distance scores take "
+                  "options.scale = 1 / h^2");
+  }
+  if (options.top_k < 0 || options.top_k > index.rows()) {
+    fail(kFn, "options.top_k = " + std::to_string(options.top_k) + "; expected 0 to the index's " +
+                  std::to_string(index.rows()) + " rows");
+  }
+  for (int64_t i = 0; i < queries.size(0); ++i) {
+    for (int64_t c = 0; c < queries.size(1); ++c) {
+      if (!std::isfinite(queries(i, c))) {
+        fail(kFn, "queries[" + std::to_string(i) + ", " + std::to_string(c) + "] is " +
+                      std::to_string(queries(i, c)) + "; expected finite numbers");
+      }
+    }
+  }
+  const int64_t nq = queries.size(0), d = index.key_dim(), dv = index.value_dim();
+  const double scale = options.scale ? *options.scale
+                       : rules.scale == ScaleRule::kInverseSqrtDim
+                           ? 1.0 / std::sqrt(static_cast<double>(d))
+                           : 1.0;
+  // The queries as the scores take them: rounded to bf16 for dot scoring
+  // over a bf16 index (as attention over a store does), else as given
+  // (distances and compact kernels take differences in float).
+  Tensor<float> q(Shape{nq, d});
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t c = 0; c < d; ++c) {
+      const float x = queries(i, c);
+      q(i, c) =
+          !distance && options.kernel == Kernel::kGaussian && index.dtype() == StoreDtype::kBFloat16
+              ? static_cast<float>(bfloat16(x))
+              : x;
+    }
+  }
+  std::vector<double> centroid_norms(index.lists().size());
+  for (size_t j = 0; j < centroid_norms.size(); ++j) {
+    double s = 0.0;
+    for (int64_t c = 0; c < d; ++c) {
+      const double x = index.centroids()(static_cast<int64_t>(j), c);
+      s += x * x;
+    }
+    centroid_norms[j] = std::sqrt(s);
+  }
+  const Bounds bounds{distance, scale, static_cast<double>(d + 2) * 0x1.0p-23};
+
+  std::vector<QueryResult> results(static_cast<size_t>(nq));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(nq));
+  kernels::parallel_for(nq, [&](int64_t i) {
+    try {
+      results[static_cast<size_t>(i)] =
+          options.kernel != Kernel::kGaussian
+              ? kernel_one(&q(i, 0), index, options)
+              : attend_one(&q(i, 0), index, bounds, centroid_norms, options);
+    } catch (...) {
+      errors[static_cast<size_t>(i)] = std::current_exception();
+    }
+  });
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+
+  IndexAttentionResult out;
+  const int64_t k = options.top_k;
+  out.output = Tensor<float>(Shape{nq, dv});
+  out.lse = Tensor<float>(Shape{nq});
+  out.certificate = Tensor<double>(Shape{nq});
+  out.lists_visited = Tensor<int64_t>(Shape{nq});
+  out.rows_visited = Tensor<int64_t>(Shape{nq});
+  if (k > 0) {
+    out.top_ids = Tensor<int64_t>(Shape{nq, k}, -1);
+    out.top_weights = Tensor<float>(Shape{nq, k});
+  }
+  out.top_certified.assign(static_cast<size_t>(nq), true);
+  for (int64_t i = 0; i < nq; ++i) {
+    const QueryResult& r = results[static_cast<size_t>(i)];
+    for (int64_t c = 0; c < dv; ++c)
+      out.output(i, c) = static_cast<float>(r.output[static_cast<size_t>(c)]);
+    out.lse(i) = static_cast<float>(r.lse);
+    out.certificate(i) = r.certificate;
+    out.lists_visited(i) = r.lists;
+    out.rows_visited(i) = r.rows;
+    out.top_certified[static_cast<size_t>(i)] = r.top_certified;
+    for (size_t t = 0; t < r.top.size(); ++t) {
+      out.top_ids(i, static_cast<int64_t>(t)) = r.top[t].second;
+      out.top_weights(i, static_cast<int64_t>(t)) =
+          static_cast<float>(std::min(1.0, std::exp(r.top[t].first - r.lse)));
+    }
+  }
+  return out;
+}
+
+}  // namespace qkv

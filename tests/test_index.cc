@@ -1,0 +1,579 @@
+// The index over a store (qkv/index.h): attention through it against a
+// float64 loop over every row. Epsilon 0 is exact attention; for epsilon > 0
+// the certificate bounds what was left out (checked directly: the weight
+// missed over the weight visited, from the exact lse), and the output is
+// within 2 certificate max|v| of exact; certified top-k rows are the exact
+// ones. On clustered, isotropic and adversarial keys (one list, equal keys,
+// empty lists, queries far from every key, sharp and negative scales), both
+// dtypes and both scorings; then the index's files, damage and staleness.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "attention_testing.h"
+#include "qkv/index.h"
+#include "qkv/kernel_regression.h"
+#include "qkv/store.h"
+#include "store_testing.h"
+#include "test_util.h"
+
+namespace qkv::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Keys from `clusters` Gaussian blobs (spread 0.1 around centres in [-2, 2)),
+// or isotropic when clusters = 0.
+Tensor<float> clustered_keys(Rng& rng, int64_t n, int64_t d, int64_t clusters) {
+  if (clusters == 0) return random_tensor<float>(rng, Shape{n, d}, -1.0, 1.0);
+  const Tensor<float> centres = random_tensor<float>(rng, Shape{clusters, d}, -2.0, 2.0);
+  std::normal_distribution<double> noise(0.0, 0.1);
+  Tensor<float> keys(Shape{n, d});
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = rng.uniform_int(0, clusters - 1);
+    for (int64_t j = 0; j < d; ++j) {
+      keys(i, j) = static_cast<float>(centres(c, j) + noise(rng.engine()));
+    }
+  }
+  return keys;
+}
+
+// Exact attention in double over every row (as the index stores them), and
+// per query how far float scores and a float lse may be from it: a float
+// score of D terms is within (D + 2) 2^-23 sum |terms| of the exact one,
+// and the lse rounds to float (an error in the lse of t changes a weight
+// by a factor exp(t)).
+struct Exact {
+  Tensor<double> output, lse, rounding;
+  std::vector<std::vector<double>> scores;  // per query, per store row
+};
+Exact exact_attention(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+                      bool distance, double scale) {
+  const int64_t nq = q.size(0), n = k.size(0), d = k.size(1), dv = v.size(1);
+  Exact e{Tensor<double>(Shape{nq, dv}),
+          Tensor<double>(Shape{nq}, -INFINITY),
+          Tensor<double>(Shape{nq}),
+          {}};
+  for (int64_t i = 0; i < nq; ++i) {
+    std::vector<double> s(static_cast<size_t>(n));
+    double m = -INFINITY, magnitude = 0.0;
+    for (int64_t r = 0; r < n; ++r) {
+      double acc = 0.0, terms = 0.0;
+      for (int64_t c = 0; c < d; ++c) {
+        const double term = distance ? (double{q(i, c)} - k(r, c)) * (double{q(i, c)} - k(r, c))
+                                     : double{q(i, c)} * k(r, c);
+        acc += term;
+        terms += std::abs(term);
+      }
+      s[static_cast<size_t>(r)] = distance ? -0.5 * scale * acc : scale * acc;
+      magnitude = std::max(magnitude, std::abs(scale) * terms * (distance ? 0.5 : 1.0));
+      m = std::max(m, s[static_cast<size_t>(r)]);
+    }
+    double sum = 0.0;
+    for (int64_t r = 0; r < n; ++r) {
+      const double w = std::exp(s[static_cast<size_t>(r)] - m);
+      sum += w;
+      for (int64_t c = 0; c < dv; ++c) e.output(i, c) += w * v(r, c);
+    }
+    if (n > 0) {
+      for (int64_t c = 0; c < dv; ++c) e.output(i, c) /= sum;
+      e.lse(i) = m + std::log(sum);
+    }
+    e.rounding(i) =
+        2 * (static_cast<double>(d + 2) * 0x1.0p-23 * magnitude + 0x1.0p-24 * std::abs(e.lse(i))) +
+        1e-6;
+    e.scores.push_back(std::move(s));
+  }
+  return e;
+}
+
+class IndexTest : public StoreTest {
+ protected:
+  struct Data {
+    Tensor<float> keys, values;  // as stored (rounded to bf16 for a bf16 store)
+    KeyValueStore store;
+  };
+  Data make_store(const std::string& name, const Tensor<float>& keys, const Tensor<float>& values,
+                  StoreDtype dtype, int64_t chunk_rows) {
+    KeyValueStore store =
+        KeyValueStore::create(path(name), keys.view(), values.view(), dtype, chunk_rows);
+    const ReadBack rows = read_back(store);
+    return {rows.keys, rows.values, std::move(store)};
+  }
+};
+
+// Checks one attention through the index against exact attention: the
+// certificate (as the missed weight over the visited), the output, the lse
+// and the top-k.
+void check_against_exact(const IndexAttentionResult& got, const Exact& exact,
+                         const Tensor<float>& values, const IndexAttentionOptions& options,
+                         const std::string& what) {
+  SCOPED_TRACE(what);
+  const int64_t nq = exact.lse.numel(), dv = values.size(1);
+  double max_v = 0.0;
+  for (int64_t r = 0; r < values.size(0); ++r) {
+    double s = 0.0;
+    for (int64_t c = 0; c < dv; ++c) s += double{values(r, c)} * values(r, c);
+    max_v = std::max(max_v, std::sqrt(s));
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const double cert = got.certificate(i);
+    if (options.probe == 0) {
+      ASSERT_LE(cert, options.epsilon) << "query " << i;
+    }
+    if (options.epsilon == 0 && options.probe == 0) {
+      ASSERT_EQ(cert, 0.0) << "query " << i;
+    }
+    // The weight missed over the weight visited, exactly: exp(lse - lse_visited) - 1,
+    // give or take the float scores' rounding.
+    const double rounding = exact.rounding(i);
+    const double missed = std::expm1(exact.lse(i) - double{got.lse(i)});
+    ASSERT_LE(missed, cert + (1 + cert) * std::expm1(rounding))
+        << "query " << i << ": the certificate failed";
+    double error = 0.0;
+    for (int64_t c = 0; c < dv; ++c) {
+      const double diff = got.output(i, c) - exact.output(i, c);
+      error += diff * diff;
+    }
+    ASSERT_LE(std::sqrt(error), 2 * (cert + std::expm1(rounding)) * max_v + 1e-5 * (1 + max_v))
+        << "query " << i;
+    if (options.top_k > 0 && got.top_certified[static_cast<size_t>(i)]) {
+      // The exact top k by score, ties to the smaller row.
+      const std::vector<double>& s = exact.scores[static_cast<size_t>(i)];
+      std::vector<int64_t> rows(s.size());
+      std::iota(rows.begin(), rows.end(), 0);
+      std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
+        return s[static_cast<size_t>(a)] > s[static_cast<size_t>(b)];
+      });
+      for (int64_t t = 0; t < options.top_k && t < static_cast<int64_t>(rows.size()); ++t) {
+        const int64_t id = got.top_ids(i, t);
+        // Equal up to float scores: the row given scores as the exact t-th.
+        ASSERT_GE(id, 0);
+        ASSERT_NEAR(s[static_cast<size_t>(id)],
+                    s[static_cast<size_t>(rows[static_cast<size_t>(t)])], rounding)
+            << "query " << i << " rank " << t;
+        const double weight = std::exp(s[static_cast<size_t>(id)] - exact.lse(i));
+        ASSERT_NEAR(got.top_weights(i, t), weight,
+                    (cert + 2 * std::expm1(rounding)) * weight + 1e-6);
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, CertifiedAttentionHoldsItsCertificate) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int case_number = 0;
+  for (const StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (const int64_t clusters : {int64_t{12}, int64_t{0}}) {
+      const int64_t n = rng.uniform_int(1500, 3000), d = rng.uniform_int(3, 16),
+                    dv = rng.uniform_int(1, 6);
+      const Tensor<float> keys = clustered_keys(rng, n, d, clusters);
+      const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+      const std::string name = "s" + std::to_string(case_number++);
+      const Data data = make_store(name, keys, values, dtype, rng.uniform_int(300, 1000));
+      IndexBuildOptions build;
+      build.seed = rng.next();
+      build.lists = rng.bernoulli(0.5) ? 0 : rng.uniform_int(1, 80);
+      const StoreIndex index = StoreIndex::build(data.store, path(name + ".index"), build);
+      index.check_built_over(data.store);
+      // Queries near the keys, and far from every one.
+      Tensor<float> q = clustered_keys(rng, 24, d, clusters == 0 ? 0 : 6);
+      for (int64_t c = 0; c < d; ++c) q(23, c) *= 50.0f;
+      for (const bool distance : {false, true}) {
+        for (const double scale : {1.0, 8.0, -3.0}) {
+          if (distance && scale < 0) continue;
+          for (const double epsilon : {0.0, 1e-3, 0.1}) {
+            IndexAttentionOptions options;
+            options.scoring = distance ? Scoring::kDistance : Scoring::kDotProduct;
+            options.scale = scale;
+            options.epsilon = epsilon;
+            options.top_k = 3;
+            const Tensor<float> q_scored =
+                !distance && dtype == StoreDtype::kBFloat16 ? rounded_to_bf16(q) : q;
+            const IndexAttentionResult got = attend(q.view(), index, options);
+            check_against_exact(
+                got, exact_attention(q_scored, data.keys, data.values, distance, scale),
+                data.values, options,
+                std::string(store_dtype_name(dtype)) + " clusters " + std::to_string(clusters) +
+                    (distance ? " distance" : " dot") + " scale " + std::to_string(scale) +
+                    " epsilon " + std::to_string(epsilon));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, EpsilonZeroIsExactAndVisitsEveryList) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 2000, d = 6, dv = 3;
+  const Data data = make_store("s", clustered_keys(rng, n, d, 10),
+                               random_tensor<float>(rng, Shape{n, dv}), StoreDtype::kFloat32, 700);
+  IndexBuildOptions build;
+  build.lists = 30;
+  const StoreIndex index = StoreIndex::build(data.store, path("i"), build);
+  int64_t nonempty = 0;
+  for (const IndexList& list : index.lists()) nonempty += list.rows > 0;
+  const Tensor<float> q = random_tensor<float>(rng, Shape{5, d}, -2, 2);
+  IndexAttentionOptions options;
+  options.epsilon = 0;
+  const IndexAttentionResult got = attend(q.view(), index, options);
+  const Exact exact = exact_attention(q, data.keys, data.values, false, 1 / std::sqrt(6.0));
+  for (int64_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(got.lists_visited(i), nonempty);
+    EXPECT_EQ(got.rows_visited(i), n);
+    EXPECT_EQ(got.certificate(i), 0.0);
+    EXPECT_NEAR(got.lse(i), exact.lse(i), 1e-5 * (1 + std::abs(exact.lse(i))));
+    for (int64_t c = 0; c < dv; ++c) EXPECT_NEAR(got.output(i, c), exact.output(i, c), 2e-6);
+  }
+  // And the same as attention over the store (the streaming path).
+  StoreAttentionOptions streaming;
+  const StoreAttentionResult stream = attend(q.view(), data.store, {}, streaming);
+  for (int64_t i = 0; i < 5; ++i) {
+    for (int64_t c = 0; c < dv; ++c) EXPECT_NEAR(got.output(i, c), stream.output(i, c), 2e-6);
+  }
+}
+
+TEST_F(IndexTest, AdversarialKeysAndQueries) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t d = 4, dv = 2;
+  struct Case {
+    std::string name;
+    Tensor<float> keys;
+    int64_t lists;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"one list", clustered_keys(rng, 500, d, 5), 1});
+  // Every key the same: radius 0, and all but one list empty.
+  Tensor<float> equal(Shape{400, d});
+  for (int64_t i = 0; i < 400; ++i) {
+    for (int64_t c = 0; c < d; ++c) equal(i, c) = 0.25f * static_cast<float>(c + 1);
+  }
+  cases.push_back({"equal keys", equal, 20});
+  // Three distinct keys and 40 lists: most lists empty.
+  Tensor<float> three(Shape{300, d});
+  for (int64_t i = 0; i < 300; ++i) {
+    for (int64_t c = 0; c < d; ++c) three(i, c) = static_cast<float>((i % 3) * 2 - 2 + c);
+  }
+  cases.push_back({"three keys", three, 40});
+  // One row per list.
+  cases.push_back({"a list per row", clustered_keys(rng, 64, d, 0), 64});
+  int number = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t n = c.keys.size(0);
+    const Data data =
+        make_store("s" + std::to_string(number), c.keys, random_tensor<float>(rng, Shape{n, dv}),
+                   StoreDtype::kFloat32, 128);
+    IndexBuildOptions build;
+    build.lists = c.lists;
+    build.seed = rng.next();
+    const StoreIndex index =
+        StoreIndex::build(data.store, path("i" + std::to_string(number++)), build);
+    EXPECT_EQ(static_cast<int64_t>(index.lists().size()), c.lists);
+    Tensor<float> q = random_tensor<float>(rng, Shape{6, d}, -1, 1);
+    for (int64_t k = 0; k < d; ++k) {
+      q(4, k) = 1000.0f * (k % 2 ? 1.0f : -1.0f);  // far from every key
+      q(5, k) = 0.0f;                              // the zero query: every score 0 (dot)
+    }
+    for (const bool distance : {false, true}) {
+      for (const double epsilon : {0.0, 1e-3}) {
+        IndexAttentionOptions options;
+        options.scoring = distance ? Scoring::kDistance : Scoring::kDotProduct;
+        options.scale = distance ? 0.5 : 1.0;
+        options.epsilon = epsilon;
+        options.top_k = 2;
+        check_against_exact(
+            attend(q.view(), index, options),
+            exact_attention(q, data.keys, data.values, distance, *options.scale), data.values,
+            options,
+            std::string(distance ? "distance" : "dot") + " epsilon " + std::to_string(epsilon));
+      }
+    }
+  }
+}
+
+// Nadaraya-Watson's product kernel with a compact profile, in double, over
+// every row: the reference of attention through the index with one.
+struct KernelExact {
+  Tensor<double> output, lse;
+  std::vector<int64_t> in_reach;
+};
+KernelExact kernel_exact(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+                         Kernel kernel, double h) {
+  const int64_t nq = q.size(0), n = k.size(0), d = k.size(1), dv = v.size(1);
+  KernelExact e{Tensor<double>(Shape{nq, dv}), Tensor<double>(Shape{nq}, -INFINITY),
+                std::vector<int64_t>(static_cast<size_t>(nq))};
+  for (int64_t i = 0; i < nq; ++i) {
+    double sum = 0.0;
+    for (int64_t r = 0; r < n; ++r) {
+      double w = 1.0;
+      for (int64_t c = 0; c < d; ++c) {
+        const double u = (double{q(i, c)} - k(r, c)) / h;
+        if (std::abs(u) > 1) w = 0;
+        w *= kernel == Kernel::kBoxcar         ? 1.0
+             : kernel == Kernel::kEpanechnikov ? 1 - u * u
+                                               : 1 - std::abs(u);
+      }
+      if (!(w > 0)) continue;
+      ++e.in_reach[static_cast<size_t>(i)];
+      sum += w;
+      for (int64_t c = 0; c < dv; ++c) e.output(i, c) += w * v(r, c);
+    }
+    if (sum > 0) {
+      for (int64_t c = 0; c < dv; ++c) e.output(i, c) /= sum;
+      e.lse(i) = std::log(sum);
+    }
+  }
+  return e;
+}
+
+TEST_F(IndexTest, CompactKernelsAreExactAndReadOnlyTheListsInReach) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int number = 0;
+  for (const StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    const int64_t n = rng.uniform_int(2000, 4000), d = rng.uniform_int(2, 6), dv = 3;
+    const Data data = make_store("s" + std::to_string(number), clustered_keys(rng, n, d, 16),
+                                 random_tensor<float>(rng, Shape{n, dv}), dtype, 900);
+    const StoreIndex index = StoreIndex::build(data.store, path("i" + std::to_string(number++)));
+    Tensor<float> q = clustered_keys(rng, 16, d, 8);
+    for (int64_t c = 0; c < d; ++c) q(15, c) = 100.0f;  // no key in reach
+    for (const Kernel kernel : {Kernel::kBoxcar, Kernel::kEpanechnikov, Kernel::kTriangular}) {
+      for (const double h : {0.05, 0.2, 1.0}) {
+        SCOPED_TRACE(std::string(kernel_name(kernel)) + " h " + std::to_string(h));
+        IndexAttentionOptions options;
+        options.kernel = kernel;
+        options.bandwidth = h;
+        options.top_k = 2;
+        const IndexAttentionResult got = attend(q.view(), index, options);
+        const KernelExact exact = kernel_exact(q, data.keys, data.values, kernel, h);
+        int64_t read = 0;
+        for (int64_t i = 0; i < q.size(0); ++i) {
+          EXPECT_EQ(got.certificate(i), 0.0);
+          EXPECT_TRUE(got.top_certified[static_cast<size_t>(i)]);
+          read += got.rows_visited(i);
+          if (exact.in_reach[static_cast<size_t>(i)] == 0) {
+            EXPECT_EQ(got.lse(i), -INFINITY) << "query " << i;
+            for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(got.output(i, c), 0.0f);
+            EXPECT_EQ(got.top_ids(i, 0), -1);
+            continue;
+          }
+          EXPECT_NEAR(got.lse(i), exact.lse(i), 1e-5 * (1 + std::abs(exact.lse(i))));
+          for (int64_t c = 0; c < dv; ++c) {
+            EXPECT_NEAR(got.output(i, c), exact.output(i, c),
+                        1e-6 * (1 + std::abs(exact.output(i, c))))
+                << "query " << i;
+          }
+          EXPECT_EQ(got.top_ids(i, 1) >= 0, exact.in_reach[static_cast<size_t>(i)] >= 2);
+        }
+        // The far query reads nothing; with the smallest width, the others a
+        // few of the 16 blobs' lists.
+        EXPECT_EQ(got.rows_visited(15), 0);
+        if (h == 0.05) EXPECT_LT(read, 15 * n / 2) << "rows read over 15 queries";
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, ProbeVisitsThatManyListsAndStillBoundsWhatItMissed) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 1500, d = 5, dv = 2;
+  const Data data = make_store("s", clustered_keys(rng, n, d, 8),
+                               random_tensor<float>(rng, Shape{n, dv}), StoreDtype::kFloat32, 500);
+  IndexBuildOptions build;
+  build.lists = 16;
+  const StoreIndex index = StoreIndex::build(data.store, path("i"), build);
+  const Tensor<float> q = clustered_keys(rng, 8, d, 8);
+  for (const int64_t probe : {int64_t{1}, int64_t{3}, int64_t{100}}) {
+    IndexAttentionOptions options;
+    options.probe = probe;
+    const IndexAttentionResult got = attend(q.view(), index, options);
+    int64_t nonempty = 0;
+    for (const IndexList& list : index.lists()) nonempty += list.rows > 0;
+    for (int64_t i = 0; i < q.size(0); ++i) {
+      EXPECT_EQ(got.lists_visited(i), std::min(probe, nonempty));
+    }
+    check_against_exact(got, exact_attention(q, data.keys, data.values, false, 1 / std::sqrt(5.0)),
+                        data.values, options, "probe " + std::to_string(probe));
+  }
+}
+
+TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 1200, d = 3;
+  const Data data = make_store("s", clustered_keys(rng, n, d, 6),
+                               random_tensor<float>(rng, Shape{n, 2}), StoreDtype::kBFloat16, 250);
+  IndexBuildOptions build;
+  build.seed = rng.next();
+  const StoreIndex a = StoreIndex::build(data.store, path("a"), build);
+  const StoreIndex b = StoreIndex::build(data.store, path("b"), build);
+  EXPECT_EQ(static_cast<int64_t>(a.lists().size()), default_index_lists(n));
+  ASSERT_EQ(a.centroids().numel(), b.centroids().numel());
+  for (int64_t i = 0; i < a.centroids().numel(); ++i) {
+    ASSERT_EQ(a.centroids().data()[i], b.centroids().data()[i]);
+  }
+  // Every store row once; each list's rows in store order, within its radius.
+  std::vector<int> seen(static_cast<size_t>(n));
+  for (size_t j = 0; j < a.lists().size(); ++j) {
+    const IndexList& list = a.lists()[j];
+    const SourceChunk chunk = a.read_list(j);
+    ASSERT_EQ(chunk.range().rows, list.rows);
+    int64_t previous = -1;
+    for (int64_t r = 0; r < list.rows; ++r) {
+      const int64_t id = a.store_row(list.first_row + r);
+      ASSERT_GT(id, previous);
+      previous = id;
+      ++seen[static_cast<size_t>(id)];
+      double distance = 0.0;
+      for (int64_t c = 0; c < d; ++c) {
+        const float k = static_cast<float>(chunk.keys<bfloat16>()(r, c));
+        ASSERT_EQ(k, data.keys(id, c));
+        const double diff = double{k} - a.centroids()(static_cast<int64_t>(j), c);
+        distance += diff * diff;
+      }
+      ASSERT_LE(std::sqrt(distance), list.radius);
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) ASSERT_EQ(seen[static_cast<size_t>(r)], 1) << "row " << r;
+}
+
+TEST_F(IndexTest, AnEmptyStoreHasAnEmptyIndex) {
+  const Data data = make_store("s", Tensor<float>(Shape{0, 3}), Tensor<float>(Shape{0, 2}),
+                               StoreDtype::kFloat32, 10);
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  EXPECT_EQ(index.lists().size(), 0u);
+  const Tensor<float> q(Shape{2, 3}, 1.0f);
+  const IndexAttentionResult got = attend(q.view(), index);
+  for (int64_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got.lse(i), -INFINITY);
+    EXPECT_EQ(got.certificate(i), 0.0);
+    EXPECT_EQ(got.output(i, 0), 0.0f);
+  }
+}
+
+TEST_F(IndexTest, BadArgumentsAreNamed) {
+  Rng rng(test_seed());
+  const Data data = make_store("s", clustered_keys(rng, 100, 3, 3),
+                               random_tensor<float>(rng, Shape{100, 2}), StoreDtype::kFloat32, 40);
+  IndexBuildOptions build;
+  build.lists = 101;
+  expect_error([&] { StoreIndex::build(data.store, path("i"), build); },
+               {"StoreIndex::build", "lists = 101", "100 rows"});
+  build.lists = -1;
+  expect_error([&] { StoreIndex::build(data.store, path("i"), build); }, {"lists = -1"});
+  build.lists = 0;
+  build.iterations = -1;
+  expect_error([&] { StoreIndex::build(data.store, path("i"), build); }, {"iterations = -1"});
+  build.iterations = 2;
+  build.sample_per_list = 0;
+  expect_error([&] { StoreIndex::build(data.store, path("i"), build); }, {"sample_per_list = 0"});
+  EXPECT_FALSE(fs::exists(path("i")));
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  expect_error([&] { StoreIndex::build(data.store, path("i")); }, {"StoreIndex::build", "exists"});
+
+  const Tensor<float> q(Shape{2, 3}, 0.5f);
+  IndexAttentionOptions options;
+  expect_error(
+      [&] {
+        attend(Tensor<float>(Shape{2, 4}).view(), index, options);
+      },
+      {"attend", "queries has shape [2, 4]", "D = 3"});
+  options.epsilon = -1;
+  expect_error([&] { attend(q.view(), index, options); }, {"attend", "options.epsilon = -1"});
+  options.epsilon = NAN;
+  expect_error([&] { attend(q.view(), index, options); }, {"options.epsilon = nan"});
+  options.epsilon = 0;
+  options.probe = -2;
+  expect_error([&] { attend(q.view(), index, options); }, {"options.probe = -2"});
+  options.probe = 0;
+  options.top_k = 101;
+  expect_error([&] { attend(q.view(), index, options); }, {"options.top_k = 101", "100 rows"});
+  options.top_k = 0;
+  options.scoring = Scoring::kAdditive;
+  expect_error([&] { attend(q.view(), index, options); }, {"attend", "options.scoring"});
+  options.scoring = Scoring::kDistance;
+  options.scale = -1.0;
+  expect_error([&] { attend(q.view(), index, options); }, {"options.scale = -1", "> 0"});
+  options.scale.reset();
+  Tensor<float> nan_q = q;
+  nan_q(1, 2) = NAN;
+  expect_error([&] { attend(nan_q.view(), index, options); }, {"queries[1, 2] is nan"});
+  IndexAttentionOptions kernel;
+  kernel.kernel = Kernel::kBoxcar;
+  expect_error([&] { attend(q.view(), index, kernel); },
+               {"options.kernel is boxcar", "options.bandwidth = none", "width > 0"});
+  kernel.bandwidth = 0.0;
+  expect_error([&] { attend(q.view(), index, kernel); }, {"options.bandwidth = 0"});
+  kernel.bandwidth = 0.5;
+  kernel.scale = 2.0;
+  expect_error([&] { attend(q.view(), index, kernel); },
+               {"options.kernel is boxcar", "options.scale", "softmax attention"});
+  IndexAttentionOptions softmax;
+  softmax.bandwidth = 0.5;
+  expect_error([&] { attend(q.view(), index, softmax); },
+               {"options.bandwidth = 0.5", "compact kernel"});
+}
+
+TEST_F(IndexTest, DamageAndStalenessAreNamed) {
+  Rng rng(test_seed());
+  Data data = make_store("s", clustered_keys(rng, 300, 3, 3),
+                         random_tensor<float>(rng, Shape{300, 2}), StoreDtype::kFloat32, 100);
+  const Data other =
+      make_store("o", clustered_keys(rng, 300, 3, 3), random_tensor<float>(rng, Shape{300, 2}),
+                 StoreDtype::kFloat32, 100);
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  index.verify();
+  expect_error([&] { index.check_built_over(other.store); },
+               {"StoreIndex::check_built_over", "another store than store " + path("o")});
+  data.store.append(Tensor<float>(Shape{5, 3}, 0.1f).view(), Tensor<float>(Shape{5, 2}).view());
+  expect_error([&] { index.check_built_over(data.store); }, {"300 rows", "now has 305", "stale"});
+  expect_error([&] { StoreIndex::open(path("nothing")); }, {"StoreIndex::open", "no index at"});
+  expect_error([&] { StoreIndex::open(path("s") + "/manifest.json"); }, {"not an index"});
+
+  // One byte of keys.npy flipped: verify names the file; open (structure) does not read it.
+  const std::string keys = path("i") + "/keys.npy";
+  {
+    std::fstream f(keys, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  StoreIndex::open(path("i"));
+  expect_error([&] { index.verify(); }, {"StoreIndex::verify", "keys.npy", "checksum"});
+  // Truncated: open names it.
+  fs::resize_file(keys, fs::file_size(keys) - 4);
+  expect_error([&] { StoreIndex::open(path("i")); }, {"StoreIndex::open", "keys.npy"});
+  // The manifest edited: its checksum says so.
+  const std::string manifest = path("i") + "/manifest.json";
+  std::string text;
+  {
+    std::ifstream f(manifest);
+    text.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  const size_t at = text.find("\"rows\": 300");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 11, "\"rows\": 299");
+  {
+    std::ofstream f(manifest);
+    f << text;
+  }
+  expect_error([&] { StoreIndex::open(path("i")); }, {"StoreIndex::open", "checksum", "edited"});
+}
+
+}  // namespace
+}  // namespace qkv::test
