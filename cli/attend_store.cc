@@ -249,7 +249,10 @@ void run_index(const StoreAttendArgs& args) {
     options.kernel = *args.kernel;
     options.bandwidth = args.bandwidth;
   }
+  Progress progress("qkv attend --index", args.quiet, "queries");
+  options.progress = report(progress);
   const IndexAttentionResult result = attend(in.queries.view(), index, options);
+  progress.finish();
   write_outputs(output_files(args, result));
   if (!args.quiet) {
     const std::string line = index_summary(index, options, result);

@@ -453,6 +453,22 @@ TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
   for (int64_t r = 0; r < n; ++r) ASSERT_EQ(seen[static_cast<size_t>(r)], 1) << "row " << r;
 }
 
+TEST_F(IndexTest, ProgressCountsTheQueriesInBlocks) {
+  Rng rng(test_seed());
+  const Data data = make_store("s", clustered_keys(rng, 500, 3, 4),
+                               random_tensor<float>(rng, Shape{500, 2}), StoreDtype::kFloat32, 200);
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  const int64_t nq = 2 * kIndexProgressQueries + 5;
+  const Tensor<float> q = random_tensor<float>(rng, Shape{nq, 3});
+  std::vector<std::pair<int64_t, int64_t>> reports;
+  IndexAttentionOptions options;
+  options.progress = [&](int64_t done, int64_t total) { reports.emplace_back(done, total); };
+  attend(q.view(), index, options);
+  const std::vector<std::pair<int64_t, int64_t>> want{
+      {kIndexProgressQueries, nq}, {2 * kIndexProgressQueries, nq}, {nq, nq}};
+  EXPECT_EQ(reports, want);
+}
+
 TEST_F(IndexTest, AnEmptyStoreHasAnEmptyIndex) {
   const Data data = make_store("s", Tensor<float>(Shape{0, 3}), Tensor<float>(Shape{0, 2}),
                                StoreDtype::kFloat32, 10);

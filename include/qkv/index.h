@@ -140,7 +140,15 @@ struct IndexAttentionOptions {
   // visit goes on until they are certain: the k-th score at least every
   // unvisited list's bound.
   int64_t top_k = 0;
+  // Called on the calling thread with the queries done and in all, after
+  // each block of kIndexProgressQueries queries.
+  StoreProgress progress;
 };
+
+// Queries attended between progress reports: enough to share among the
+// threads, few enough that a report comes every few hundred milliseconds
+// when each query reads many lists.
+inline constexpr int64_t kIndexProgressQueries = 64;
 
 struct IndexAttentionResult {
   Tensor<float> output;  // (Nq, Dv): attention over the visited rows

@@ -342,16 +342,25 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
 
   std::vector<QueryResult> results(static_cast<size_t>(nq));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(nq));
-  kernels::parallel_for(nq, [&](int64_t i) {
-    try {
-      results[static_cast<size_t>(i)] =
-          options.kernel != Kernel::kGaussian
-              ? kernel_one(&q(i, 0), index, options)
-              : attend_one(&q(i, 0), index, bounds, centroid_norms, options);
-    } catch (...) {
-      errors[static_cast<size_t>(i)] = std::current_exception();
+  for (int64_t first = 0; first < nq; first += kIndexProgressQueries) {
+    const int64_t block = std::min(kIndexProgressQueries, nq - first);
+    kernels::parallel_for(block, [&, first](int64_t t) {
+      const int64_t i = first + t;
+      try {
+        results[static_cast<size_t>(i)] =
+            options.kernel != Kernel::kGaussian
+                ? kernel_one(&q(i, 0), index, options)
+                : attend_one(&q(i, 0), index, bounds, centroid_norms, options);
+      } catch (...) {
+        errors[static_cast<size_t>(i)] = std::current_exception();
+      }
+    });
+    if (std::any_of(errors.begin() + first, errors.begin() + first + block,
+                    [](const std::exception_ptr& e) { return e != nullptr; })) {
+      break;
     }
-  });
+    if (options.progress) options.progress(first + block, nq);
+  }
   for (const std::exception_ptr& error : errors) {
     if (error) std::rethrow_exception(error);
   }

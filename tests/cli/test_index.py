@@ -325,6 +325,20 @@ class AttendIndexTest(IndexCase):
         self.assertEqual(stderr, "")
         self.assertEqual(got["c"].shape, (12,))
 
+    def test_progress_on_a_terminal(self):
+        q = self.save("q200.npy", np.repeat(self.queries, 20, axis=0))
+        for quiet in (False, True):
+            status, _, text = test_cli.run_on_a_terminal(
+                "attend", "--store", self.store, "--index", self.index, "--queries", q, "--out",
+                self.path("o.npy"), *(["--quiet"] if quiet else []))
+            self.assertEqual(status, 0, text)
+            if quiet:
+                self.assertEqual(text, "")
+            else:
+                for fragment in ("qkv attend --index: [", "100%", "240 queries", "/s", "done",
+                                 "certificate: max"):
+                    self.assertIn(fragment, text)
+
     def test_bfloat16(self):
         store = self.create("b", self.k, self.v, "--dtype", "bfloat16", "--chunk-rows", 1000)
         index, summary = self.build(store, "bi")
