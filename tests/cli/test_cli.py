@@ -9,9 +9,11 @@ NumPy is required: if it cannot be imported this script fails.
 
 import os
 import pty
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -163,6 +165,39 @@ class CliTest(unittest.TestCase):
                     self.assertFalse(os.path.exists(p), f"{p} was written\n{context}")
             self.assertEqual(self.listing(directories), before, f"files left behind\n{context}")
         return r
+
+    def interrupted(self, args, took):
+        """Runs qkv with args and sends it a catchable signal at a random
+        moment of the `took` seconds it takes; its exit status and how long
+        it ran."""
+        start = time.monotonic()
+        p = subprocess.Popen([QKV, *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        time.sleep(self.rng.uniform(0.0, took * 0.9))
+        p.send_signal(self.rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGHUP]))
+        status = p.wait(timeout=300)
+        return status, time.monotonic() - start
+
+    def signal_at_random_moments(self, args, took, prepare, check):
+        """Interrupts `args` at random moments, at least 6 times and until a
+        signal has landed mid-run, calling prepare() before and check(status)
+        after each run; how many runs it stopped. A run that finished before
+        its signal sets the next runs' window to its own length: on a loaded
+        machine the timed run may take several times longer than the later
+        ones (CI once saw 6 of 6 finish first), so a fixed window can miss."""
+        stopped = 0
+        for attempt in range(40):
+            if attempt >= 6 and stopped > 0:
+                break
+            prepare()
+            status, ran = self.interrupted(args, took)
+            check(status)
+            if status < 0:
+                stopped += 1
+            else:
+                took = ran
+        self.assertGreater(stopped, 0)  # the signals did land mid-run
+        return stopped
 
     # Inputs shared by many tests.
     def attention_inputs(self, dtype, batch=2, num_queries=3, num_keys=5, head_dim=4,

@@ -433,24 +433,29 @@ class DegenerateDataTest(RegressTest):
 
     def test_cv_with_huge_y_works_for_every_kernel(self):
         # Squared errors of y ~ 1e160 overflow float64; the search runs on y
-        # scaled by a power of two and finds what it finds for y ~ 1.
+        # scaled by a power of two and finds what it finds for y ~ 1. The
+        # factor is chosen from y's own LOO error (1e-12 to 1e-2 over 50
+        # random x), so the scaled one is beyond float64 on every draw: a
+        # fixed 1e160 once gave 7.8e307.
         y = np.sin(self.x) + 1.5
-        huge = self.write_csv("bigy.csv", ["x", "y"], [self.x, y * 1e160])
         unit = self.write_csv("y.csv", ["x", "y"], [self.x, y])
         for kernel in ("gaussian", "boxcar", "epanechnikov", "triangular"):
             args = ["--grid", "0:5:1", "--kernel", kernel, "--bandwidth", "cv", "--out", self.out]
             _, small = self.regress("--train", unit, *args, "--json")
+            self.assertGreater(small["loo_error"], 0, small)
+            factor = 10.0 ** np.ceil((311 - np.log10(small["loo_error"])) / 2)
+            huge = self.write_csv("bigy.csv", ["x", "y"], [self.x, y * factor])
             _, big = self.regress("--train", huge, *args, "--json")
             h = big["bandwidth"][0]
             self.assertTrue(np.isfinite(h) and h > 0, big)
-            self.assertIsNone(big["loo_error"], "about 1e317: beyond float64, null in JSON")
+            self.assertIsNone(big["loo_error"], "about 1e311: beyond float64, null in JSON")
             if kernel == "gaussian":
                 self.assertAlmostEqual(h, small["bandwidth"][0], delta=1e-6 * h)
-                # No worse than Scott's rule, in NumPy on y / 1e160.
+                # No worse than Scott's rule, in NumPy on y / factor.
                 scott = 1.059 * self.x.std(ddof=1) * 50 ** -0.2
                 self.assertLessEqual(np_loo(self.x, y, h), np_loo(self.x, y, scott) * (1 + 1e-9))
                 _, got = self.read_predictions(self.out)
-                np.testing.assert_allclose(got[:, 1], np_predict(self.x, y * 1e160,
+                np.testing.assert_allclose(got[:, 1], np_predict(self.x, y * factor,
                                                                  np.arange(0, 5, 1.0), h), **EXACT)
             r, _ = self.regress("--train", huge, *args)
             self.assertRegex(r.stderr, r"LOO error: \d\.\d+e\+31\d \(beyond the largest double",
