@@ -1,5 +1,5 @@
 // `qkv index`: an inverted-file index over a key-value store (qkv/index.h)
-// from the command line: build, info, verify. Attention through an index is
+// from the command line: build, update, info, verify. Attention through an index is
 // `qkv attend --store S --index I` (cli/attend_store.cc).
 //   store: keys (N, D), values (N, Dv)   index: the same rows in L lists (k-means)
 #include "qkv/index.h"
@@ -23,8 +23,8 @@ namespace qkv::cli {
 namespace {
 
 struct IndexArgs {
-  std::string store;  // build: the positional STORE
-  std::string index;  // build: --out; info, verify: the positional INDEX
+  std::string store;  // build: the positional STORE; update: --store
+  std::string index;  // build: --out; update, info, verify: the positional INDEX
   std::optional<int64_t> lists;
   int iterations = IndexBuildOptions{}.iterations;
   uint64_t seed = IndexBuildOptions{}.seed;
@@ -178,6 +178,32 @@ void run_verify(const IndexArgs& args) {
   }
 }
 
+void run_update(const IndexArgs& args) {
+  apply_threads(args.threads);
+  const KeyValueStore store = KeyValueStore::open(args.store, StoreCheck::kStructure);
+  const int64_t before = StoreIndex::open(args.index, StoreCheck::kStructure).rows();
+  Progress progress("qkv index update", args.quiet);
+  const auto start = std::chrono::steady_clock::now();
+  const StoreIndex index = StoreIndex::update(args.index, store, report(progress));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  progress.finish();
+  // Rows added by this update (another process may have updated it meanwhile).
+  const int64_t added = std::max<int64_t>(0, index.rows() - before);
+  if (args.json) {
+    std::string text = summary(index, true);
+    text.insert(text.rfind('}'), ", \"added_rows\": " + std::to_string(added) +
+                                     ", \"seconds\": " + json_number(seconds));
+    std::cout << text;
+  } else {
+    std::string text = summary(index, false);
+    text.insert(text.size() - 1, added == 0 ? std::string("; already current with the store")
+                                            : "; " + std::to_string(added) + " rows added in " +
+                                                  format_number(seconds, "%.2f") + " s");
+    std::cout << text;
+  }
+}
+
 void add_index_positional(CLI::App* app, IndexArgs& args) {
   require_path(app->add_option("index", args.index, "The index's directory"))
       ->type_name("INDEX")
@@ -190,7 +216,7 @@ Command add_index_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "index",
       "An inverted-file index over a key-value store (k-means lists with centroids, radii and "
-      "norms) for certified attention through fewer rows: build, info, verify");
+      "norms) for certified attention through fewer rows: build, update, info, verify");
   app->require_subcommand(1);
   struct Sub {
     CLI::App* app;
@@ -227,6 +253,19 @@ Command add_index_command(CLI::App& parent) {
   build.app->add_flag("--json", build.args->json, "Print the summary as JSON");
   build.app->add_flag("--quiet", build.args->quiet, "No progress on stderr");
 
+  const Sub update = sub("update",
+                         "Add the rows appended to the store since the index was built to their "
+                         "nearest lists (no k-means; the index is written again)");
+  add_index_positional(update.app, *update.args);
+  require_path(update.app->add_option("--store", update.args->store,
+                                      "The store the index was built over, with rows appended "
+                                      "since"))
+      ->type_name("STORE")
+      ->required();
+  add_threads_option(*update.app, update.args->threads);
+  update.app->add_flag("--json", update.args->json, "Print the summary as JSON");
+  update.app->add_flag("--quiet", update.args->quiet, "No progress on stderr");
+
   const Sub info = sub("info",
                        "Print an index's sizes, its lists' sizes and radii (checks its manifest "
                        "and files' sizes)");
@@ -238,9 +277,11 @@ Command add_index_command(CLI::App& parent) {
   verify.app->add_flag("--json", verify.args->json, "Print the result as JSON");
   verify.app->add_flag("--quiet", verify.args->quiet, "No progress on stderr");
 
-  const auto run = [build, info, verify] {
+  const auto run = [build, update, info, verify] {
     if (build.app->parsed()) {
       run_build(*build.args);
+    } else if (update.app->parsed()) {
+      run_update(*update.args);
     } else if (info.app->parsed()) {
       std::cout << summary(StoreIndex::open(info.args->index, StoreCheck::kStructure),
                            info.args->json);

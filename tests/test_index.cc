@@ -5,8 +5,13 @@
 // within 2 certificate max|v| of exact; certified top-k rows are the exact
 // ones. On clustered, isotropic and adversarial keys (one list, equal keys,
 // empty lists, queries far from every key, sharp and negative scales), both
-// dtypes and both scorings; then the index's files, damage and staleness.
+// dtypes and both scorings; then the index's files, damage and staleness,
+// and updates with appended rows.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -589,6 +594,148 @@ TEST_F(IndexTest, DamageAndStalenessAreNamed) {
     f << text;
   }
   expect_error([&] { StoreIndex::open(path("i")); }, {"StoreIndex::open", "checksum", "edited"});
+}
+
+TEST_F(IndexTest, UpdateAddsAppendedRowsToTheirNearestLists) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    const std::string tag = dtype == StoreDtype::kFloat32 ? "f32" : "bf16";
+    SCOPED_TRACE(tag);
+    const int64_t n0 = 900, n1 = 700, n2 = 3, d = 4, dv = 3;
+    const Tensor<float> keys = clustered_keys(rng, n0 + n1 + n2, d, 5);
+    const Tensor<float> values = random_tensor<float>(rng, Shape{n0 + n1 + n2, dv});
+    const auto rows_of = [](const Tensor<float>& t, int64_t first, int64_t count) {
+      Tensor<float> part(Shape{count, t.size(1)});
+      std::copy_n(t.data() + first * t.size(1), count * t.size(1), part.data());
+      return part;
+    };
+    KeyValueStore store = KeyValueStore::create(path("s" + tag), rows_of(keys, 0, n0).view(),
+                                                rows_of(values, 0, n0).view(), dtype, 256);
+    const StoreIndex built = StoreIndex::build(store, path("i" + tag));
+    // Current already: returned as it is, nothing written.
+    struct stat before {};
+    ASSERT_EQ(::stat(path("i" + tag).c_str(), &before), 0);
+    StoreIndex::update(path("i" + tag), store);
+    struct stat after {};
+    ASSERT_EQ(::stat(path("i" + tag).c_str(), &after), 0);
+    EXPECT_EQ(before.st_ino, after.st_ino) << "an index current with its store was written again";
+
+    // Two appends (the second of a few rows far from every key), one update.
+    store.append(rows_of(keys, n0, n1).view(), rows_of(values, n0, n1).view());
+    Tensor<float> far = rows_of(keys, n0 + n1, n2);
+    for (int64_t i = 0; i < far.numel(); ++i) far.data()[i] += 40.0f;
+    store.append(far.view(), rows_of(values, n0 + n1, n2).view());
+    expect_error([&] { built.check_built_over(store); }, {"stale", "qkv index update"});
+    const StoreIndex index = StoreIndex::update(path("i" + tag), store);
+    index.check_built_over(store);
+    index.verify();
+    ASSERT_EQ(index.rows(), n0 + n1 + n2);
+    ASSERT_EQ(index.lists().size(), built.lists().size());
+    // The centroids as built; every row once, in store order within its
+    // list, within its list's radius and norm; the old rows in their lists.
+    const ReadBack stored = read_back(store);
+    std::vector<int> seen(static_cast<size_t>(index.rows()));
+    for (size_t j = 0; j < index.lists().size(); ++j) {
+      for (int64_t c = 0; c < d; ++c) {
+        ASSERT_EQ(index.centroids()(static_cast<int64_t>(j), c),
+                  built.centroids()(static_cast<int64_t>(j), c));
+      }
+      const IndexList& list = index.lists()[j];
+      const IndexList& old = built.lists()[j];
+      ASSERT_GE(list.rows, old.rows);
+      ASSERT_GE(list.radius, old.radius);
+      int64_t previous = -1;
+      for (int64_t r = 0; r < list.rows; ++r) {
+        const int64_t id = index.store_row(list.first_row + r);
+        ASSERT_GT(id, previous);
+        previous = id;
+        ++seen[static_cast<size_t>(id)];
+        if (r < old.rows) ASSERT_EQ(id, built.store_row(old.first_row + r)) << "list " << j;
+        double distance = 0.0, norm = 0.0, nearest = INFINITY, own = 0.0;
+        for (int64_t c = 0; c < d; ++c) {
+          const double diff = double{stored.keys(id, c)} - index.centroids()(int64_t(j), c);
+          distance += diff * diff;
+          norm += double{stored.keys(id, c)} * stored.keys(id, c);
+        }
+        ASSERT_LE(std::sqrt(distance), list.radius);
+        ASSERT_LE(std::sqrt(norm), list.max_norm);
+        if (id >= n0) {  // a new row: in its nearest list, up to float rounding
+          own = distance;
+          for (size_t m = 0; m < index.lists().size(); ++m) {
+            double dm = 0.0;
+            for (int64_t c = 0; c < d; ++c) {
+              const double diff = double{stored.keys(id, c)} - index.centroids()(int64_t(m), c);
+              dm += diff * diff;
+            }
+            nearest = std::min(nearest, dm);
+          }
+          ASSERT_LE(own, nearest * (1 + 1e-4) + 1e-5) << "row " << id;
+        }
+      }
+    }
+    for (int64_t r = 0; r < index.rows(); ++r) ASSERT_EQ(seen[static_cast<size_t>(r)], 1);
+
+    // Attention through it against exact attention over every row.
+    const Tensor<float> q = random_tensor<float>(rng, Shape{12, d}, -2.0, 2.0);
+    Tensor<float> queries = q;
+    if (dtype == StoreDtype::kBFloat16) {
+      for (int64_t i = 0; i < queries.numel(); ++i)
+        queries.data()[i] = static_cast<float>(bfloat16(queries.data()[i]));
+    }
+    const Exact exact = exact_attention(queries, stored.keys, stored.values, false, 1.0);
+    for (const double epsilon : {0.0, 1e-3}) {
+      IndexAttentionOptions options;
+      options.scale = 1.0;
+      options.epsilon = epsilon;
+      options.top_k = 3;
+      check_against_exact(attend(q.view(), index, options), exact, stored.values, options,
+                          "epsilon " + std::to_string(epsilon));
+    }
+  }
+}
+
+TEST_F(IndexTest, UpdateRefusesAnotherStoreAnIndexWithoutListsAndASecondUpdater) {
+  Rng rng(test_seed());
+  Data data = make_store("s", clustered_keys(rng, 300, 3, 3),
+                         random_tensor<float>(rng, Shape{300, 2}), StoreDtype::kFloat32, 100);
+  const Data other =
+      make_store("o", clustered_keys(rng, 300, 3, 3), random_tensor<float>(rng, Shape{300, 2}),
+                 StoreDtype::kFloat32, 100);
+  const Data wide = make_store("w", Tensor<float>(Shape{10, 4}), Tensor<float>(Shape{10, 2}),
+                               StoreDtype::kFloat32, 100);
+  StoreIndex::build(data.store, path("i"));
+  expect_error([&] { StoreIndex::update(path("i"), other.store); },
+               {"StoreIndex::update", "another store than store " + path("o")});
+  expect_error([&] { StoreIndex::update(path("i"), wide.store); },
+               {"StoreIndex::update", "D = 3", "D = 4"});
+  expect_error([&] { StoreIndex::update(path("nothing"), data.store); },
+               {"StoreIndex::update", "nothing"});
+  // An index of an empty store has no lists for new rows to join.
+  Data empty = make_store("e", Tensor<float>(Shape{0, 3}), Tensor<float>(Shape{0, 2}),
+                          StoreDtype::kFloat32, 10);
+  StoreIndex::build(empty.store, path("ei"));
+  StoreIndex::update(path("ei"), empty.store);  // current: fine
+  empty.store.append(Tensor<float>(Shape{2, 3}).view(), Tensor<float>(Shape{2, 2}).view());
+  expect_error([&] { StoreIndex::update(path("ei"), empty.store); },
+               {"StoreIndex::update", "no lists", "build it again"});
+  // A second updater while one holds the lock: an Error at once, the index untouched.
+  data.store.append(Tensor<float>(Shape{5, 3}, 0.5f).view(), Tensor<float>(Shape{5, 2}).view());
+  {
+    const int fd = ::open(path("i").c_str(), O_RDONLY | O_DIRECTORY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+    expect_io_error([&] { StoreIndex::update(path("i"), data.store); },
+                    {"StoreIndex::update", "being updated by another process"});
+    ::close(fd);
+  }
+  EXPECT_EQ(StoreIndex::open(path("i")).rows(), 300);
+  EXPECT_EQ(StoreIndex::update(path("i"), data.store).rows(), 305);
+  // Nothing left beside it.
+  for (const auto& entry : fs::directory_iterator(root_)) {
+    EXPECT_NE(entry.path().filename().string()[0], '.') << entry.path();
+  }
 }
 
 }  // namespace

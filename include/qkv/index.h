@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "qkv/chunk_source.h"
@@ -80,8 +81,21 @@ class StoreIndex {
   void verify(const StoreProgress& progress = {}) const;
   // Error unless the index was built over `store` as it is now: the same
   // dtype, D, Dv and chunks (a store with rows appended since says so: the
-  // index is stale and must be built again).
+  // index is stale; update() or build it again).
   void check_built_over(const KeyValueStore& store) const;
+  // Brings the index at `dir` up to date with `store`, the store it was
+  // built over with rows appended since: each new row joins its nearest
+  // list (the centroids stay as built; the lists' radii and norms widen to
+  // hold it), and the files are written again with every row in list
+  // order, in a new directory swapped in for the old one (a reader finds
+  // the old index or the new one, whole; a failed or killed update leaves
+  // the old one). Costs a copy of the index, not a build: no k-means. An
+  // index current with `store` is returned as it is. Holds a lock on `dir`
+  // meanwhile: a second update at once gets an IoError. Error if `store` is
+  // not the one it was built over, or the index has no lists (built over an
+  // empty store). progress: the bytes of rows assigned and written.
+  static StoreIndex update(const std::string& dir, const KeyValueStore& store,
+                           const StoreProgress& progress = {});
 
   const std::string& dir() const { return dir_; }
   StoreDtype dtype() const { return dtype_; }
@@ -99,6 +113,10 @@ class StoreIndex {
   SourceChunk read_list(size_t j) const;
 
  private:
+  // Error (from `function`) unless `store` has this index's dtype, D, Dv
+  // and, first, the chunks it was built over.
+  void check_same_store(std::string_view function, const KeyValueStore& store) const;
+
   struct Files;
   std::shared_ptr<const Files> files_;
   std::string dir_;

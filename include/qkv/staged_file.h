@@ -102,9 +102,16 @@ void write_files(std::string_view function, const std::vector<OutputBytes>& file
 // replaced). Destroyed before commit(), it removes the temporary directory;
 // while it lives, the directory is listed for remove_staged_files().
 // Error if `path` already exists or is empty.
+//
+// Replacing (kReplace): `path` must be a directory already, and commit()
+// swaps the new one in (RENAME_EXCHANGE: whoever opens `path` finds the old
+// directory or the new one, whole), then removes the old one, which stays
+// listed for remove_staged_files() until it is gone. Readers that opened
+// the old one's files keep reading them.
 class StagedDirectory {
  public:
-  StagedDirectory(std::string_view function, std::string path);
+  enum class Mode { kNew, kReplace };
+  StagedDirectory(std::string_view function, std::string path, Mode mode = Mode::kNew);
   ~StagedDirectory();
   StagedDirectory(const StagedDirectory&) = delete;
   StagedDirectory& operator=(const StagedDirectory&) = delete;
@@ -115,6 +122,7 @@ class StagedDirectory {
 
  private:
   std::string function_, path_, parent_, temp_;
+  Mode mode_;
   int slot_ = -1;  // staged_file.cc's listing of temp_ for signal handlers
 };
 

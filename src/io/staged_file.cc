@@ -415,12 +415,16 @@ void sync_directory(const std::string& dir) {
   }
 }
 
-StagedDirectory::StagedDirectory(std::string_view function, std::string path)
-    : function_(function), path_(std::move(path)) {
+StagedDirectory::StagedDirectory(std::string_view function, std::string path, Mode mode)
+    : function_(function), path_(std::move(path)), mode_(mode) {
   if (path_.empty()) fail(function_, "the output directory's path is empty");
   struct stat st;
-  if (::lstat(path_.c_str(), &st) == 0) {
+  const bool exists = ::lstat(path_.c_str(), &st) == 0;
+  if (mode_ == Mode::kNew && exists) {
     fail(function_, path_ + ": already exists; give a new path");
+  }
+  if (mode_ == Mode::kReplace && !(exists && S_ISDIR(st.st_mode))) {
+    fail(function_, path_ + ": not a directory to replace");
   }
   fs::path target(path_);
   if (!target.has_filename()) target = target.parent_path();
@@ -458,11 +462,18 @@ void StagedDirectory::commit() {
   // mkdtemp's 0700, opened up to what mkdir(2) would have given.
   ::chmod(temp_.c_str(), mode_after_umask(0777));
   sync_directory(temp_);
-  if (::renameat2(AT_FDCWD, temp_.c_str(), AT_FDCWD, path_.c_str(), RENAME_NOREPLACE) != 0) {
+  const unsigned flags = mode_ == Mode::kNew ? RENAME_NOREPLACE : RENAME_EXCHANGE;
+  if (::renameat2(AT_FDCWD, temp_.c_str(), AT_FDCWD, path_.c_str(), flags) != 0) {
     const int error = errno;
     if (error == EEXIST) fail(function_, path_ + ": already exists; give a new path");
     fail_io(function_,
             path_ + ": cannot rename the finished directory into place: " + std::strerror(error));
+  }
+  if (mode_ == Mode::kReplace) {
+    // temp_ now names the old directory; a signal meanwhile removes it too.
+    sync_directory(parent_);
+    std::error_code ignored;
+    fs::remove_all(temp_, ignored);
   }
   temp_.clear();
   unlist_temp(slot_);

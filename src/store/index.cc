@@ -4,6 +4,8 @@
 // index_attention.cc.
 #include "qkv/index.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -46,6 +48,7 @@ namespace fs = std::filesystem;
 constexpr std::string_view kBuildFn = "StoreIndex::build";
 constexpr std::string_view kOpenFn = "StoreIndex::open";
 constexpr std::string_view kVerifyFn = "StoreIndex::verify";
+constexpr std::string_view kUpdateFn = "StoreIndex::update";
 constexpr const char* kManifest = "manifest.json";
 // The index's files, as kIndexFiles (store/index_manifest.h) lists them.
 constexpr const char* kCentroids = kIndexFiles[0];
@@ -234,8 +237,8 @@ Tensor<float> train_centroids(const Tensor<float>& sample, int64_t lists, int it
 // A file written through a StagedFile with its XXH3-64 formed on the way.
 class HashedFile {
  public:
-  HashedFile(const std::string& dir, const char* name)
-      : file_(kBuildFn, "index file", (fs::path(dir) / name).string()) {
+  HashedFile(std::string_view function, const std::string& dir, const char* name)
+      : file_(function, "index file", (fs::path(dir) / name).string()) {
     XXH3_64bits_reset(&state_);
   }
   void write(const void* bytes, size_t size) {
@@ -254,8 +257,9 @@ class HashedFile {
 };
 
 template <class T>
-uint64_t write_array(const std::string& dir, const char* name, ConstView<T> array) {
-  HashedFile file(dir, name);
+uint64_t write_array(std::string_view function, const std::string& dir, const char* name,
+                     ConstView<T> array) {
+  HashedFile file(function, dir, name);
   file.write(npy_bytes(array));
   return file.commit();
 }
@@ -272,6 +276,164 @@ MappedFile map_index_file(std::string_view function, const std::string& dir, con
 template <class T>
 const T* data_of(const MappedFile& file, size_t offset) {
   return reinterpret_cast<const T*>(file.data() + offset);
+}
+
+// Which list each store row is in, and each list's rows, radius and largest norm.
+struct ListAssignment {
+  ListAssignment(int64_t rows, int64_t lists)
+      : list_of(static_cast<size_t>(rows)),
+        list_rows(static_cast<size_t>(lists)),
+        radii(static_cast<size_t>(lists)),
+        norms(static_cast<size_t>(lists)) {}
+  std::vector<int32_t> list_of;
+  std::vector<int64_t> list_rows;
+  std::vector<double> radii, norms;
+};
+
+// Assigns the rows of `store`'s chunks from `first_chunk` on to their nearest
+// centroids (centred at `centre` for the products, as the k-means was), and
+// widens their lists' radii and norms, computed in double from the rows as
+// stored and the centroids as stored. `report` gets the bytes of rows done.
+void assign_rows(const KeyValueStore& store, size_t first_chunk, const Tensor<float>& centroids,
+                 const std::vector<double>& centre, ListAssignment& out,
+                 const std::function<void(int64_t)>& report) {
+  const int64_t lists = centroids.size(0), d = store.key_dim();
+  const int64_t row_bytes =
+      (d + store.value_dim()) * static_cast<int64_t>(item_size(store.dtype()));
+  Tensor<float> centred(Shape{lists, d});
+  for (int64_t j = 0; j < lists; ++j) {
+    for (int64_t c = 0; c < d; ++c) {
+      centred(j, c) = static_cast<float>(double{centroids(j, c)} - centre[static_cast<size_t>(c)]);
+    }
+  }
+  const std::vector<float> half = lists > 0 ? half_norms_of(centred) : std::vector<float>();
+  for (size_t c = first_chunk; c < store.num_chunks(); ++c) {
+    const SourceChunk chunk = store.read_chunk(c);
+    if (c + 1 < store.num_chunks()) store.read_ahead(c + 1);
+    const ChunkRange range = chunk.range();
+    Tensor<float> rows(Shape{range.rows, d});
+    for (int64_t r = 0; r < range.rows; ++r) row_as_float(chunk, true, r, &rows(r, 0));
+    Tensor<float> rows_centred = rows;
+    for (int64_t r = 0; r < range.rows; ++r) {
+      float* row = rows_centred.data() + r * d;
+      for (int64_t k = 0; k < d; ++k) row[k] -= static_cast<float>(centre[static_cast<size_t>(k)]);
+    }
+    int32_t* assigned = out.list_of.data() + range.first_row;
+    assign_nearest(rows_centred.data(), range.rows, centred, half, assigned);
+    chunk.check_intact();
+    for (int64_t r = 0; r < range.rows; ++r) {
+      const int32_t j = assigned[r];
+      const float* row = rows.data() + r * d;
+      const float* centroid = centroids.data() + int64_t{j} * d;
+      double distance = 0.0, norm = 0.0;
+      for (int64_t k = 0; k < d; ++k) {
+        const double x = row[k], diff = x - double{centroid[k]};
+        distance += diff * diff;
+        norm += x * x;
+      }
+      const auto list = static_cast<size_t>(j);
+      out.radii[list] = std::max(out.radii[list], std::sqrt(distance) * kRoundUp);
+      out.norms[list] = std::max(out.norms[list], std::sqrt(norm) * kRoundUp);
+      ++out.list_rows[list];
+    }
+    report(range.rows * row_bytes);
+  }
+}
+
+// Writes an index of every row of `store` into the directory `temp`: its
+// files, rows in list order (each list's rows in store order, keys and
+// values copied as stored: a bfloat16 store's bits stay as they are), and
+// the manifest, `manifest`'s build options with the sizes and checksums
+// filled in. `report` gets the bytes of rows written.
+void write_index(std::string_view function, const std::string& temp, const KeyValueStore& store,
+                 const Tensor<float>& centroids, ListAssignment assignment, IndexManifest manifest,
+                 const std::function<void(int64_t)>& report) {
+  const int64_t n = store.rows(), d = store.key_dim(), dv = store.value_dim();
+  const int64_t lists = centroids.size(0);
+  const int64_t row_bytes = (d + dv) * static_cast<int64_t>(item_size(store.dtype()));
+  const std::vector<int64_t>& list_rows = assignment.list_rows;
+
+  // The rows in list order (a counting sort: each list's rows in store order).
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  {
+    std::vector<int64_t> next(static_cast<size_t>(lists));
+    for (int64_t j = 1; j < lists; ++j) {
+      next[static_cast<size_t>(j)] =
+          next[static_cast<size_t>(j - 1)] + list_rows[static_cast<size_t>(j - 1)];
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const auto list = static_cast<size_t>(assignment.list_of[static_cast<size_t>(r)]);
+      ids[static_cast<size_t>(next[list]++)] = r;
+    }
+  }
+  assignment.list_of = std::vector<int32_t>();
+
+  std::vector<uint64_t> sums(kIndexFileCount);
+  sums[0] = write_array<float>(function, temp, kCentroids, centroids.view());
+  sums[1] = write_array<int64_t>(function, temp, kListRows,
+                                 ConstView<int64_t>(list_rows.data(), Shape{lists}));
+  sums[2] = write_array<double>(function, temp, kRadii,
+                                ConstView<double>(assignment.radii.data(), Shape{lists}));
+  sums[3] = write_array<double>(function, temp, kNorms,
+                                ConstView<double>(assignment.norms.data(), Shape{lists}));
+  sums[4] = write_array<int64_t>(function, temp, kIds, ConstView<int64_t>(ids.data(), Shape{n}));
+  {
+    HashedFile keys_out(function, temp, kKeys), values_out(function, temp, kValues);
+    keys_out.write(npy_header_bytes(npy_descr(store.dtype()), Shape{n, d}));
+    values_out.write(npy_header_bytes(npy_descr(store.dtype()), Shape{n, dv}));
+    const size_t item = item_size(store.dtype());
+    const size_t key_bytes = static_cast<size_t>(d) * item,
+                 value_bytes = static_cast<size_t>(dv) * item;
+    std::vector<unsigned char> keys_buffer, values_buffer;
+    // A store of at most this many chunks has each read once and kept; a
+    // larger one is read chunk by chunk as the rows ask (each read checks
+    // the chunk's files again, about a microsecond).
+    constexpr size_t kKeptChunks = 256;
+    const bool keep_all = store.num_chunks() <= kKeptChunks;
+    std::vector<std::optional<SourceChunk>> kept(keep_all ? store.num_chunks() : 1);
+    size_t last = std::numeric_limits<size_t>::max();
+    for (int64_t r0 = 0; r0 < n; r0 += kWriteRows) {
+      const int64_t rows = std::min(kWriteRows, n - r0);
+      keys_buffer.resize(static_cast<size_t>(rows) * key_bytes);
+      values_buffer.resize(static_cast<size_t>(rows) * value_bytes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t id = ids[static_cast<size_t>(r0 + r)];
+        const size_t c = chunk_of(store, id);
+        std::optional<SourceChunk>& slot = kept[keep_all ? c : 0];
+        if (!slot || (!keep_all && last != c)) slot = store.read_chunk(c);
+        last = c;
+        const int64_t at = id - slot->range().first_row;
+        const void* k = store.dtype() == StoreDtype::kFloat32
+                            ? static_cast<const void*>(&slot->keys<float>()(at, 0))
+                            : static_cast<const void*>(&slot->keys<bfloat16>()(at, 0));
+        const void* v = store.dtype() == StoreDtype::kFloat32
+                            ? static_cast<const void*>(&slot->values<float>()(at, 0))
+                            : static_cast<const void*>(&slot->values<bfloat16>()(at, 0));
+        std::memcpy(keys_buffer.data() + static_cast<size_t>(r) * key_bytes, k, key_bytes);
+        std::memcpy(values_buffer.data() + static_cast<size_t>(r) * value_bytes, v, value_bytes);
+      }
+      keys_out.write(keys_buffer.data(), keys_buffer.size());
+      values_out.write(values_buffer.data(), values_buffer.size());
+      report(rows * row_bytes);
+    }
+    for (const std::optional<SourceChunk>& chunk : kept) {
+      if (chunk) chunk->check_intact();
+    }
+    sums[5] = keys_out.commit();
+    sums[6] = values_out.commit();
+  }
+
+  manifest.dtype = store.dtype();
+  manifest.key_dim = d;
+  manifest.value_dim = dv;
+  manifest.rows = n;
+  manifest.lists = lists;
+  manifest.store_chunks = static_cast<int64_t>(store.num_chunks());
+  manifest.store_fingerprint = fingerprint(store.chunks(), store.num_chunks());
+  manifest.file_xxh3 = sums;
+  StagedFile out(function, "manifest", (fs::path(temp) / kManifest).string());
+  out.write(index_manifest_text(manifest));
+  out.commit();
 }
 
 }  // namespace
@@ -385,138 +547,19 @@ StoreIndex StoreIndex::build(const KeyValueStore& store, const std::string& dir,
   for (int64_t j = 0; j < lists; ++j) {
     for (int64_t c = 0; c < d; ++c) {
       centroids(j, c) = static_cast<float>(double{centred(j, c)} + mean[static_cast<size_t>(c)]);
-      // Centred again from the stored centroid, so the assignment and the
-      // radii describe the same point.
-      centred(j, c) = static_cast<float>(double{centroids(j, c)} - mean[static_cast<size_t>(c)]);
     }
   }
 
-  // 3. Every row to its nearest list; each list's radius and largest norm,
-  // in double from the rows as stored and the centroids as stored.
-  std::vector<int32_t> assigned(static_cast<size_t>(n));
-  std::vector<double> radii(static_cast<size_t>(lists)), norms(static_cast<size_t>(lists));
-  std::vector<int64_t> list_rows(static_cast<size_t>(lists));
-  {
-    const std::vector<float> half = lists > 0 ? half_norms_of(centred) : std::vector<float>();
-    for (size_t c = 0; c < store.num_chunks(); ++c) {
-      const SourceChunk chunk = store.read_chunk(c);
-      if (c + 1 < store.num_chunks()) store.read_ahead(c + 1);
-      const ChunkRange range = chunk.range();
-      Tensor<float> rows(Shape{range.rows, d});
-      for (int64_t r = 0; r < range.rows; ++r) row_as_float(chunk, true, r, &rows(r, 0));
-      Tensor<float> rows_centred = rows;
-      for (int64_t r = 0; r < range.rows; ++r) {
-        float* row = rows_centred.data() + r * d;
-        for (int64_t k = 0; k < d; ++k) row[k] -= static_cast<float>(mean[static_cast<size_t>(k)]);
-      }
-      int32_t* out = assigned.data() + range.first_row;
-      assign_nearest(rows_centred.data(), range.rows, centred, half, out);
-      chunk.check_intact();
-      for (int64_t r = 0; r < range.rows; ++r) {
-        const int32_t j = out[r];
-        const float* row = rows.data() + r * d;
-        const float* centroid = centroids.data() + int64_t{j} * d;
-        double distance = 0.0, norm = 0.0;
-        for (int64_t k = 0; k < d; ++k) {
-          const double x = row[k], diff = x - double{centroid[k]};
-          distance += diff * diff;
-          norm += x * x;
-        }
-        const auto list = static_cast<size_t>(j);
-        radii[list] = std::max(radii[list], std::sqrt(distance) * kRoundUp);
-        norms[list] = std::max(norms[list], std::sqrt(norm) * kRoundUp);
-        ++list_rows[list];
-      }
-      report(range.rows * row_bytes);
-    }
-  }
+  // 3. Every row to its nearest list; each list's radius and largest norm.
+  ListAssignment assignment(n, lists);
+  assign_rows(store, 0, centroids, mean, assignment, report);
 
-  // 4. The rows in list order (a counting sort: each list's rows in store order).
-  std::vector<int64_t> ids(static_cast<size_t>(n));
-  {
-    std::vector<int64_t> next(static_cast<size_t>(lists));
-    for (int64_t j = 1; j < lists; ++j) {
-      next[static_cast<size_t>(j)] =
-          next[static_cast<size_t>(j - 1)] + list_rows[static_cast<size_t>(j - 1)];
-    }
-    for (int64_t r = 0; r < n; ++r)
-      ids[static_cast<size_t>(next[static_cast<size_t>(assigned[static_cast<size_t>(r)])]++)] = r;
-  }
-  assigned = std::vector<int32_t>();
-
-  // 5. The files: the small ones whole, keys and values row by row in list
-  // order, copied as stored (a bfloat16 store's bits stay as they are).
-  const std::string& temp = staged.temp();
-  std::vector<uint64_t> sums(kIndexFileCount);
-  sums[0] = write_array<float>(temp, kCentroids, centroids.view());
-  sums[1] =
-      write_array<int64_t>(temp, kListRows, ConstView<int64_t>(list_rows.data(), Shape{lists}));
-  sums[2] = write_array<double>(temp, kRadii, ConstView<double>(radii.data(), Shape{lists}));
-  sums[3] = write_array<double>(temp, kNorms, ConstView<double>(norms.data(), Shape{lists}));
-  sums[4] = write_array<int64_t>(temp, kIds, ConstView<int64_t>(ids.data(), Shape{n}));
-  {
-    HashedFile keys_out(temp, kKeys), values_out(temp, kValues);
-    keys_out.write(npy_header_bytes(npy_descr(store.dtype()), Shape{n, d}));
-    values_out.write(npy_header_bytes(npy_descr(store.dtype()), Shape{n, dv}));
-    const size_t item = item_size(store.dtype());
-    const size_t key_bytes = static_cast<size_t>(d) * item,
-                 value_bytes = static_cast<size_t>(dv) * item;
-    std::vector<unsigned char> keys_buffer, values_buffer;
-    // A store of at most this many chunks has each read once and kept; a
-    // larger one is read chunk by chunk as the rows ask (each read checks
-    // the chunk's files again, about a microsecond).
-    constexpr size_t kKeptChunks = 256;
-    const bool keep_all = store.num_chunks() <= kKeptChunks;
-    std::vector<std::optional<SourceChunk>> kept(keep_all ? store.num_chunks() : 1);
-    size_t last = std::numeric_limits<size_t>::max();
-    for (int64_t r0 = 0; r0 < n; r0 += kWriteRows) {
-      const int64_t rows = std::min(kWriteRows, n - r0);
-      keys_buffer.resize(static_cast<size_t>(rows) * key_bytes);
-      values_buffer.resize(static_cast<size_t>(rows) * value_bytes);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t id = ids[static_cast<size_t>(r0 + r)];
-        const size_t c = chunk_of(store, id);
-        std::optional<SourceChunk>& slot = kept[keep_all ? c : 0];
-        if (!slot || (!keep_all && last != c)) slot = store.read_chunk(c);
-        last = c;
-        const int64_t at = id - slot->range().first_row;
-        const void* k = store.dtype() == StoreDtype::kFloat32
-                            ? static_cast<const void*>(&slot->keys<float>()(at, 0))
-                            : static_cast<const void*>(&slot->keys<bfloat16>()(at, 0));
-        const void* v = store.dtype() == StoreDtype::kFloat32
-                            ? static_cast<const void*>(&slot->values<float>()(at, 0))
-                            : static_cast<const void*>(&slot->values<bfloat16>()(at, 0));
-        std::memcpy(keys_buffer.data() + static_cast<size_t>(r) * key_bytes, k, key_bytes);
-        std::memcpy(values_buffer.data() + static_cast<size_t>(r) * value_bytes, v, value_bytes);
-      }
-      keys_out.write(keys_buffer.data(), keys_buffer.size());
-      values_out.write(values_buffer.data(), values_buffer.size());
-      report(rows * row_bytes);
-    }
-    for (const std::optional<SourceChunk>& chunk : kept) {
-      if (chunk) chunk->check_intact();
-    }
-    sums[5] = keys_out.commit();
-    sums[6] = values_out.commit();
-  }
-
+  // 4. The files, rows in list order.
   IndexManifest manifest;
-  manifest.dtype = store.dtype();
-  manifest.key_dim = d;
-  manifest.value_dim = dv;
-  manifest.rows = n;
-  manifest.lists = lists;
-  manifest.store_chunks = static_cast<int64_t>(store.num_chunks());
-  manifest.store_fingerprint = fingerprint(store.chunks(), store.num_chunks());
   manifest.iterations = options.iterations;
   manifest.sample_per_list = options.sample_per_list;
   manifest.seed = options.seed;
-  manifest.file_xxh3 = sums;
-  {
-    StagedFile out(kBuildFn, "manifest", (fs::path(temp) / kManifest).string());
-    out.write(index_manifest_text(manifest));
-    out.commit();
-  }
+  write_index(kBuildFn, staged.temp(), store, centroids, std::move(assignment), manifest, report);
   staged.commit();
   return open(dir, StoreCheck::kStructure);
 }
@@ -619,6 +662,17 @@ void StoreIndex::verify(const StoreProgress& progress) const {
 
 void StoreIndex::check_built_over(const KeyValueStore& store) const {
   constexpr std::string_view kFn = "StoreIndex::check_built_over";
+  check_same_store(kFn, store);
+  if (store.rows() != rows_) {
+    fail(kFn, "index " + dir_ + " was built over " + std::to_string(rows_) + " rows of " +
+                  store.name() + ", which now has " + std::to_string(store.rows()) +
+                  " (rows were appended since): the index is stale; update it (qkv index update) "
+                  "or build it again");
+  }
+}
+
+void StoreIndex::check_same_store(std::string_view function, const KeyValueStore& store) const {
+  const std::string_view kFn = function;
   const std::string what = "index " + dir_ + " was built over ";
   if (store.dtype() != dtype_ || store.key_dim() != key_dim_ || store.value_dim() != value_dim_) {
     fail(kFn, what + std::string(store_dtype_name(dtype_)) + " rows of D = " +
@@ -632,11 +686,107 @@ void StoreIndex::check_built_over(const KeyValueStore& store) const {
     fail(kFn, what + "another store than " + store.name() +
                   " (its chunks' checksums differ): build it again over this one");
   }
-  if (store.rows() != rows_) {
-    fail(kFn, what + std::to_string(rows_) + " rows of " + store.name() + ", which now has " +
-                  std::to_string(store.rows()) +
-                  " (rows were appended since): the index is stale; build it again");
+}
+
+namespace {
+
+// An exclusive lock on a directory (flock on it), held while it lives; Error
+// at once if another process holds it, or if `dir` was replaced by another
+// directory between its opening and the lock.
+class DirectoryLock {
+ public:
+  DirectoryLock(std::string_view function, const std::string& dir) {
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd_ < 0) fail(function, "cannot open " + dir + ": " + std::strerror(errno));
+    struct stat locked {
+    }, now{};
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      ::close(fd_);
+      if (error == EWOULDBLOCK) {
+        fail_io(function, dir +
+                              " is being updated by another process; nothing was written, try "
+                              "again when it is done");
+      }
+      fail_io(function, "cannot lock " + dir + ": " + std::strerror(error));
+    }
+    if (::fstat(fd_, &locked) != 0 || ::stat(dir.c_str(), &now) != 0 ||
+        locked.st_ino != now.st_ino || locked.st_dev != now.st_dev) {
+      ::close(fd_);
+      fail(function, dir + " was replaced while this update started; run it again");
+    }
   }
+  ~DirectoryLock() { ::close(fd_); }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace
+
+StoreIndex StoreIndex::update(const std::string& dir, const KeyValueStore& store,
+                              const StoreProgress& progress) {
+  const DirectoryLock lock(kUpdateFn, dir);
+  const StoreIndex current = open(dir, StoreCheck::kStructure);
+  current.check_same_store(kUpdateFn, store);
+  if (store.rows() == current.rows_) return current;
+  const int64_t lists = static_cast<int64_t>(current.lists_.size());
+  if (lists == 0) {
+    fail(kUpdateFn, "index " + dir +
+                        " has no lists (it was built over an empty store), so the new rows "
+                        "have none to join: build it again");
+  }
+  const std::string manifest_path = (fs::path(dir) / kManifest).string();
+  const IndexManifest manifest = parse_index_manifest(
+      kUpdateFn, read_text_file(kUpdateFn, manifest_path, size_t{1} << 20, "an index's manifest"),
+      manifest_path);
+
+  const int64_t n = store.rows(), old_rows = current.rows_;
+  const int64_t row_bytes =
+      (current.key_dim_ + current.value_dim_) * static_cast<int64_t>(item_size(current.dtype_));
+  const int64_t total = (n - old_rows) * row_bytes + n * row_bytes;
+  int64_t done = 0;
+  const auto report = [&](int64_t bytes) {
+    done += bytes;
+    if (progress) progress(std::min(done, total), total);
+  };
+
+  // The rows indexed so far stay in their lists, with their radii and norms.
+  ListAssignment assignment(n, lists);
+  std::fill(assignment.list_of.begin(), assignment.list_of.begin() + old_rows, -1);
+  for (int64_t j = 0; j < lists; ++j) {
+    const IndexList& list = current.lists_[static_cast<size_t>(j)];
+    assignment.list_rows[static_cast<size_t>(j)] = list.rows;
+    assignment.radii[static_cast<size_t>(j)] = list.radius;
+    assignment.norms[static_cast<size_t>(j)] = list.max_norm;
+    for (int64_t r = list.first_row; r < list.first_row + list.rows; ++r) {
+      int32_t& slot = assignment.list_of[static_cast<size_t>(current.store_row(r))];
+      if (slot >= 0) {
+        fail(kUpdateFn, dir + ": store row " + std::to_string(current.store_row(r)) +
+                            " is in the index twice (ids.npy is damaged)");
+      }
+      slot = static_cast<int32_t>(j);
+    }
+  }
+  // The new rows to their nearest centroids, the products centred at the
+  // centroids' mean (the build's sample mean is not kept; any centre near
+  // the keys serves).
+  std::vector<double> centre(static_cast<size_t>(current.key_dim_));
+  for (int64_t j = 0; j < lists; ++j) {
+    for (int64_t c = 0; c < current.key_dim_; ++c) {
+      centre[static_cast<size_t>(c)] += current.centroids_(j, c) / static_cast<double>(lists);
+    }
+  }
+  assign_rows(store, static_cast<size_t>(manifest.store_chunks), current.centroids_, centre,
+              assignment, report);
+
+  StagedDirectory staged(kUpdateFn, dir, StagedDirectory::Mode::kReplace);
+  write_index(kUpdateFn, staged.temp(), store, current.centroids_, std::move(assignment), manifest,
+              report);
+  staged.commit();
+  return open(dir, StoreCheck::kStructure);
 }
 
 }  // namespace qkv

@@ -1,11 +1,13 @@
 #!/usr/bin/python3
-"""Tests of `qkv index` (build, info, verify) and `qkv attend --store S
+"""Tests of `qkv index` (build, update, info, verify) and `qkv attend --store S
 --index I` through the command line: the index's files read back with NumPy
 (its rows are the store's, grouped by list), attention through it against
 attention over the whole store (--epsilon 0 equal to it, --epsilon E within
 the certificate's bound, --probe P with its summary line), bad options named
 with exit 2, an index over another store or a stale one refused, damage
-named by verify, and signals during a build leaving nothing behind. The
+named by verify, updates with appended rows (each in its nearest list), and
+signals during a build or an update leaving nothing behind but the old index
+or the new one. The
 harness (running qkv, temporary directories, expect_error) is test_cli.py's.
 
 Usage: test_index.py --qkv PATH [unittest arguments, e.g. a TestCase name]
@@ -466,7 +468,7 @@ class AttendIndexTest(IndexCase):
         self.ok("store", "append", self.store, "--keys", self.save("ak.npy", k2[:10]),
                 "--values", self.save("av.npy", v2[:10]), "--quiet")
         refused(self.store, ["index " + self.index, "3000 rows", "3010", "stale",
-                             "build it again"])
+                             "qkv index update", "build it again"])
         # Built again, it is accepted.
         fresh, summary = self.build(self.store, "fresh")
         self.assertEqual(summary["rows"], 3010)
@@ -474,9 +476,108 @@ class AttendIndexTest(IndexCase):
         self.assertEqual(got["o"].shape, (12, 4))
 
 
+class UpdateTest(IndexCase):
+    def test_appended_rows_join_their_nearest_lists(self):
+        k, v, q = self.clustered(4000, 6, 3)
+        store = self.create("s", k[:3000], v[:3000], "--chunk-rows", 700)
+        index, built = self.build(store, "i")
+        queries = self.save("q.npy", q)
+        before = {name: np.load(os.path.join(index, name))
+                  for name in ("centroids.npy", "list_rows.npy", "radii.npy", "ids.npy")}
+        # Current: nothing to add, nothing written.
+        inode = os.stat(index).st_ino
+        r = self.ok("index", "update", index, "--store", store)
+        self.assertRegex(r.stdout, r"^" + re.escape(index) + r": 3000 rows, .*; already current "
+                         r"with the store\n$")
+        self.assertEqual(os.stat(index).st_ino, inode)
+        self.ok("store", "append", store, "--keys", self.save("ak.npy", k[3000:]),
+                "--values", self.save("av.npy", v[3000:]), "--quiet")
+        r = self.ok("index", "update", index, "--store", store, "--json", "--quiet")
+        self.assertEqual(r.stderr, "")
+        summary = json.loads(r.stdout)
+        self.assertEqual((summary["rows"], summary["added_rows"], summary["lists"]),
+                         (4000, 1000, built["lists"]))
+        self.ok("index", "verify", index)
+        self.assertEqual([f for f in os.listdir(self.dir) if f.startswith(".")], [])
+        # The centroids as built; each list its old rows first, then its new
+        # ones, which are nearest to it (NumPy, float64).
+        centroids = np.load(os.path.join(index, "centroids.npy"))
+        np.testing.assert_array_equal(centroids, before["centroids.npy"])
+        rows = np.load(os.path.join(index, "list_rows.npy"))
+        ids = np.load(os.path.join(index, "ids.npy"))
+        keys = np.load(os.path.join(index, "keys.npy"))
+        radii = np.load(os.path.join(index, "radii.npy"))
+        np.testing.assert_array_equal(np.sort(ids), np.arange(4000))
+        np.testing.assert_array_equal(keys, k[ids])
+        self.assertTrue(np.all(rows >= before["list_rows.npy"]))
+        self.assertTrue(np.all(radii >= before["radii.npy"]))
+        old_starts = np.concatenate([[0], np.cumsum(before["list_rows.npy"])])
+        starts = np.concatenate([[0], np.cumsum(rows)])
+        c64 = centroids.astype(np.float64)
+        for j in range(len(rows)):
+            mine = ids[starts[j]:starts[j + 1]]
+            old = before["ids.npy"][old_starts[j]:old_starts[j + 1]]
+            np.testing.assert_array_equal(mine[:len(old)], old)
+            new = mine[len(old):]
+            self.assertTrue(np.all(new >= 3000))
+            self.assertTrue(np.all(np.diff(mine) > 0))
+            distances = np.linalg.norm(k[mine].astype(np.float64) - c64[j], axis=1)
+            self.assertTrue(np.all(distances <= radii[j]))
+            if len(new):
+                all_distances = ((k[new].astype(np.float64)[:, None, :] - c64[None]) ** 2).sum(-1)
+                own = all_distances[:, j]
+                self.assertTrue(np.all(own <= all_distances.min(axis=1) * (1 + 1e-4) + 1e-5))
+        # Attention through it: --epsilon 0 equals attention over the store.
+        exact, _ = self.attend(store, queries, "--quiet", name="e")
+        got, _ = self.attend(store, queries, "--epsilon", 0, "--quiet", index=index)
+        np.testing.assert_allclose(got["o"], exact["o"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got["c"], 0.0)
+
+    def test_progress_on_a_terminal(self):
+        k, v, _ = self.clustered(3000, 6, 3)
+        store = self.create("s", k[:2000], v[:2000])
+        index, _ = self.build(store, "i")
+        self.ok("store", "append", store, "--keys", self.save("ak.npy", k[2000:]),
+                "--values", self.save("av.npy", v[2000:]), "--quiet")
+        status, out, err = test_cli.run_on_a_terminal("index", "update", index, "--store", store)
+        self.assertEqual(status, 0, err)
+        self.assertIn("1000 rows added", out.decode())
+        self.assertRegex(err, r"\rqkv index update: \[#+\] 100% of [\d.]+ KiB")
+        self.assertIn("qkv index update: done", err)
+
+    def test_errors(self):
+        k, v, _ = self.clustered(300, 4, 2)
+        store = self.create("s", k, v)
+        other = self.create("o", k[::-1].copy(), v)
+        index, _ = self.build(store, "i")
+        self.ok("store", "append", store, "--keys", self.save("ak.npy", k[:5]),
+                "--values", self.save("av.npy", v[:5]), "--quiet")
+        manifest = os.path.join(index, "manifest.json")
+        with open(manifest, "rb") as f:
+            text = f.read()
+
+        def refused(args, fragments):
+            self.expect_error("index", args, [], fragments)
+            with open(manifest, "rb") as f:
+                self.assertEqual(f.read(), text)
+            self.assertEqual([f for f in os.listdir(self.dir) if f.startswith(".")], [])
+
+        refused(["index", "update", index, "--store", other],
+                ["StoreIndex::update", "another store than store " + other])
+        refused(["index", "update", index], ["--store"])
+        refused(["index", "update", self.path("nothing"), "--store", store], ["nothing"])
+        refused(["index", "update", store, "--store", store], ["manifest.json"])
+        refused(["index", "update", index, "--store", self.path("nothing")], ["nothing"])
+        refused(["index", "update", index, "--store", store, "--threads", 0], ["--threads"])
+        self.assertEqual(self.info(index)["rows"], 300)
+        self.ok("index", "update", index, "--store", store, "--quiet")
+        self.assertEqual(self.info(index)["rows"], 305)
+
+
 class InterruptTest(IndexCase):
     """Signals a program can catch (SIGINT, SIGTERM, SIGHUP) during a build
-    leave nothing behind: no index, no hidden .INDEX.qkv-XXXXXX directory."""
+    leave nothing behind: no index, no hidden .INDEX.qkv-XXXXXX directory;
+    during an update, the old index or the new one, whole, and nothing else."""
 
     def test_signals_during_build_leave_nothing(self):
         n = 150000
@@ -502,6 +603,38 @@ class InterruptTest(IndexCase):
             build, took, lambda: subprocess.run(["rm", "-rf", index], check=True), check)
         self.assertEqual([f for f in os.listdir(store) if f.startswith(".")], [])
         self.ok("store", "verify", store)
+
+    def test_signals_during_update_leave_the_old_index_or_the_new_one(self):
+        n = 150000
+        k = self.rng.normal(size=(n, 32)).astype(np.float32)
+        v = self.rng.normal(size=(n, 16)).astype(np.float32)
+        store = self.create("s", k[:n // 2], v[:n // 2], "--chunk-rows", 10000)
+        parent = self.path("indexes")
+        os.mkdir(parent)
+        index = os.path.join(parent, "i")
+        self.ok("index", "build", store, "--out", index, "--lists", "300", "--quiet")
+        original = self.path("original")
+        subprocess.run(["cp", "-a", index, original], check=True)
+        self.ok("store", "append", store, "--keys", self.save("ak.npy", k[n // 2:]),
+                "--values", self.save("av.npy", v[n // 2:]), "--quiet")
+        update = ["index", "update", index, "--store", store, "--quiet"]
+        start = time.monotonic()
+        self.ok(*update)
+        took = time.monotonic() - start
+
+        def fresh():
+            subprocess.run(["rm", "-rf", index], check=True)
+            subprocess.run(["cp", "-a", original, index], check=True)
+
+        def check(status):
+            left = sorted(os.listdir(parent))
+            self.assertEqual(left, ["i"], f"exit {status}")
+            self.ok("index", "verify", index)
+            self.assertIn(self.info(index)["rows"], (n // 2, n), f"exit {status}")
+
+        stopped = self.signal_at_random_moments(update, took, fresh, check)
+        print(f"\n  updates of {took:.2f} s signalled at random: {stopped} stopped",
+              file=sys.stderr)
         print(f"\n  builds of {took:.2f} s signalled at random: {stopped} stopped",
               file=sys.stderr)
 
