@@ -42,26 +42,10 @@ std::vector<std::pair<std::string, std::string>> output_paths(const StoreAttendA
 // compared with `..`, `.` and symbolic links resolved. Writing an output over
 // a store's manifest would leave a store that no longer opens.
 void check_outputs_outside_stores(const StoreAttendArgs& args) {
-  namespace fs = std::filesystem;
-  std::vector<std::pair<std::string, std::string>> inputs;  // (option, directory)
-  for (const std::string& dir : args.stores) inputs.emplace_back("--store", dir);
-  if (!args.index.empty()) inputs.emplace_back("--index", args.index);
-  for (const auto& [option, path] : output_paths(args)) {
-    std::error_code error;
-    const fs::path out = fs::weakly_canonical(path, error);
-    if (error) continue;  // the output's own checks name what is wrong with it
-    for (const auto& [input_option, dir] : inputs) {
-      const fs::path input = fs::weakly_canonical(dir, error);
-      if (error) continue;
-      const auto [input_end, out_at] =
-          std::mismatch(input.begin(), input.end(), out.begin(), out.end());
-      if (input_end == input.end()) {
-        throw UsageError(option + " " + path + " is inside " + input_option + " " + dir +
-                         "; an output must not be one of an input " +
-                         (input_option == "--store" ? "store" : "index") + "'s files");
-      }
-    }
-  }
+  std::vector<InputDirectory> inputs;
+  for (const std::string& dir : args.stores) inputs.push_back({"--store", dir, "store"});
+  if (!args.index.empty()) inputs.push_back({"--index", args.index, "index"});
+  check_outputs_outside(output_paths(args), inputs);
 }
 
 // A store given twice (however spelled: "..", a link) would count its rows

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <new>
 #include <string>
@@ -489,6 +490,25 @@ ValidLens read_valid_lens(const std::string& path, const Input& against, const S
 
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs) {
   qkv::check_output_paths("", outputs);
+}
+
+void check_outputs_outside(const std::vector<std::pair<std::string, std::string>>& outputs,
+                           const std::vector<InputDirectory>& inputs) {
+  namespace fs = std::filesystem;
+  for (const auto& [option, path] : outputs) {
+    std::error_code error;
+    const fs::path out = fs::weakly_canonical(path, error);
+    if (error) continue;  // the output's own checks name what is wrong with it
+    for (const InputDirectory& input : inputs) {
+      const fs::path dir = fs::weakly_canonical(input.dir, error);
+      if (error) continue;
+      const auto [dir_end, out_at] = std::mismatch(dir.begin(), dir.end(), out.begin(), out.end());
+      if (dir_end == dir.end()) {
+        throw UsageError(option + " " + path + " is inside " + input.option + " " + input.dir +
+                         "; an output must not be one of an input " + input.kind + "'s files");
+      }
+    }
+  }
 }
 
 void write_outputs(const std::vector<OutputFile>& files) {

@@ -272,6 +272,18 @@ struct OutputFile {
 // computing; write_outputs again.
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs);
 
+// An input that is a directory (a store, an index): the option that named
+// it, its path, and what it is ("store").
+struct InputDirectory {
+  std::string option, dir, kind;
+};
+
+// UsageError if an output (option, path) is inside one of the input
+// directories, however spelled ("..", symlinks): a command never writes into
+// what it reads (DESIGN.md §9), e.g. --out over a store's manifest.
+void check_outputs_outside(const std::vector<std::pair<std::string, std::string>>& outputs,
+                           const std::vector<InputDirectory>& inputs);
+
 // Writes all the files or none (qkv::write_files): each is staged to a
 // temporary file beside its destination and flushed, and only when every one
 // is are they renamed into place; devices and FIFOs are written through,

@@ -6,10 +6,14 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 #include "progress.h"
 #include "qkv/error.h"
+#include "qkv/npy.h"
 #include "search/corpus.h"
 #include "search/index.h"
 
@@ -18,6 +22,9 @@ namespace {
 
 struct SearchArgs {
   std::string index, lists, query, engine = "learned";
+  std::vector<std::string> texts;  // encode: the texts to encode
+  std::string out, ids;            // encode: --out, --ids
+  bool held_out = false;           // encode: the held-out queries
   int epochs = search::TrainOptions{}.epochs;
   int64_t dim = search::TrainOptions{}.dim, batch = search::TrainOptions{}.batch;
   int64_t buckets = search::FeatureHashing{}.buckets;
@@ -29,8 +36,8 @@ struct SearchArgs {
 
 std::string fixed(double x, const char* format = "%.4f") { return format_number(x, format); }
 
-void print_ranking(const search::SearchIndex& index, const search::Ranking& r, const std::string& query,
-                   const std::string& engine, bool json) {
+void print_ranking(const search::SearchIndex& index, const search::Ranking& r,
+                   const std::string& query, const std::string& engine, bool json) {
   const auto& packages = index.packages();
   if (json) {
     std::cout << "{\"query\": " << json_string(query) << ", \"engine\": \"" << engine
@@ -79,8 +86,8 @@ void print_evaluation(const search::Evaluation& e, bool json) {
   if (json) {
     std::cout << "{\"queries\": " << e.bm25.queries;
     for (int i = 0; i < 3; ++i) {
-      std::cout << ", \"" << rows[i].first << "\": {\"mrr_at_10\": "
-                << json_number(rows[i].second->mrr_at_10)
+      std::cout << ", \"" << rows[i].first
+                << "\": {\"mrr_at_10\": " << json_number(rows[i].second->mrr_at_10)
                 << ", \"recall_at_1\": " << json_number(rows[i].second->recall_at_1)
                 << ", \"recall_at_10\": " << json_number(rows[i].second->recall_at_10)
                 << ", \"ms_per_query\": " << json_number(ms[i]) << "}";
@@ -92,19 +99,53 @@ void print_evaluation(const search::Evaluation& e, bool json) {
   }
   std::printf("%lld held-out queries (short descriptions of packages never trained on)\n",
               static_cast<long long>(e.bm25.queries));
-  std::printf("%-22s %8s %9s %10s %12s\n", "engine", "MRR@10", "recall@1", "recall@10",
-              "ms/query");
+  std::printf("%-22s %8s %9s %10s %12s\n", "engine", "MRR@10", "recall@1", "recall@10", "ms/query");
   const char* names[] = {"BM25 (SQLite FTS5)", "learned (attention)", "hybrid"};
   for (int i = 0; i < 3; ++i) {
     std::printf("%-22s %8.4f %9.4f %10.4f %12.2f\n", names[i], rows[i].second->mrr_at_10,
                 rows[i].second->recall_at_1, rows[i].second->recall_at_10, ms[i]);
   }
-  std::printf("BM25 is FTS5's bm25() over FTS5's own index: the same top 10 as FTS5's query "
-              "for %lld of %lld queries checked (FTS5's query: %.1f ms)\n",
-              static_cast<long long>(e.fts5_same), static_cast<long long>(e.fts5_compared),
-              e.fts5_ms);
+  std::printf(
+      "BM25 is FTS5's bm25() over FTS5's own index: the same top 10 as FTS5's query "
+      "for %lld of %lld queries checked (FTS5's query: %.1f ms)\n",
+      static_cast<long long>(e.fts5_same), static_cast<long long>(e.fts5_compared), e.fts5_ms);
   std::printf("hybrid vs BM25 MRR@10: %+.1f %%\n",
               e.bm25.mrr_at_10 > 0 ? 100.0 * (e.hybrid.mrr_at_10 / e.bm25.mrr_at_10 - 1.0) : 0.0);
+}
+
+void run_encode(const SearchArgs& args) {
+  if (args.held_out == !args.texts.empty()) {
+    throw UsageError(args.held_out ? "give --held-out or texts to encode, not both"
+                                   : "give texts to encode, or --held-out");
+  }
+  if (!args.ids.empty() && !args.held_out) {
+    throw UsageError("--ids " + args.ids +
+                     " goes with --held-out (the held-out queries' packages)");
+  }
+  std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
+  if (!args.ids.empty()) outputs.emplace_back("--ids", args.ids);
+  check_output_paths(outputs);
+  check_outputs_outside(outputs, {{"--index", args.index, "search index"}});
+  const search::SearchIndex idx = search::SearchIndex::open(args.index);
+  std::vector<std::string> texts = args.texts;
+  std::vector<int64_t> ids;
+  if (args.held_out) {
+    const auto& packages = idx.packages();
+    for (size_t i = 0; i < packages.size(); ++i) {
+      if (!packages[i].held_out) continue;
+      texts.push_back(packages[i].short_description);
+      ids.push_back(static_cast<int64_t>(i));
+    }
+    if (texts.empty()) throw UsageError("index " + args.index + " holds no held-out queries");
+  }
+  const Tensor<float> encodings = idx.encode_queries(texts);
+  std::vector<OutputFile> files{{"--out", args.out, npy_bytes(encodings.view())}};
+  if (!args.ids.empty()) {
+    files.push_back(
+        {"--ids", args.ids,
+         npy_bytes(ConstView<int64_t>(ids.data(), Shape{static_cast<int64_t>(ids.size())}))});
+  }
+  write_outputs(files);
 }
 
 }  // namespace
@@ -113,17 +154,19 @@ Command add_search_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "search",
       "A differentiable search engine over Debian's package index: index (train through "
-      "attention over every package), query, eval (against SQLite FTS5's BM25)");
+      "attention over every package), query, eval (against SQLite FTS5's BM25), encode");
   app->require_subcommand(1);
   auto args = std::make_shared<SearchArgs>();
 
   CLI::App* index = app->add_subcommand(
       "index", "Read apt's package lists, train the query and document encoders, write an index");
-  require_path(index->add_option("--out", args->index, "The new index's directory (must not exist)"))
+  require_path(
+      index->add_option("--out", args->index, "The new index's directory (must not exist)"))
       ->type_name("INDEX")
       ->required();
-  index->add_option("--lists", args->lists,
-                    "apt's lists directory (default: apt's Dir::State::lists, /var/lib/apt/lists)")
+  index
+      ->add_option("--lists", args->lists,
+                   "apt's lists directory (default: apt's Dir::State::lists, /var/lib/apt/lists)")
       ->type_name("DIR");
   require_integer(index->add_option("--epochs", args->epochs, "Passes over the training queries"))
       ->capture_default_str()
@@ -162,8 +205,9 @@ Command add_search_command(CLI::App& parent) {
   add_threads_option(*query, args->threads);
 
   CLI::App* eval = app->add_subcommand(
-      "eval", "MRR@10, recall@1 and recall@10 of BM25, the learned engine and the hybrid on the "
-              "held-out queries");
+      "eval",
+      "MRR@10, recall@1 and recall@10 of BM25, the learned engine and the hybrid on the "
+      "held-out queries");
   require_path(eval->add_option("--index", args->index, "The index directory"))
       ->type_name("INDEX")
       ->required();
@@ -171,7 +215,27 @@ Command add_search_command(CLI::App& parent) {
   eval->add_flag("--quiet", args->quiet, "No progress on stderr");
   add_threads_option(*eval, args->threads);
 
-  const auto run = [index, query, eval, args] {
+  CLI::App* encode = app->add_subcommand(
+      "encode",
+      "Write the query encoder's encodings of texts, or of the held-out queries, as a .npy "
+      "(N, d) float32: the queries the learned engine attends with");
+  require_path(encode->add_option("--index", args->index, "The index directory"))
+      ->type_name("INDEX")
+      ->required();
+  encode->add_option("text", args->texts, "Texts to encode, one row each");
+  encode->add_flag("--held-out", args->held_out,
+                   "Encode the held-out queries (their packages' short descriptions, in the "
+                   "index's order) instead of texts");
+  require_path(encode->add_option("--out", args->out, "The encodings (N, d) float32"))
+      ->type_name("Q.npy")
+      ->required();
+  require_path(encode->add_option("--ids", args->ids,
+                                  "With --held-out: each query's package, its document id "
+                                  "(N) int64"))
+      ->type_name("IDS.npy");
+  add_threads_option(*encode, args->threads);
+
+  const auto run = [index, query, eval, encode, args] {
     apply_threads(args->threads);
     if (index->parsed()) {
       // The index's directory is staged (and an existing one refused) by
@@ -186,17 +250,16 @@ Command add_search_command(CLI::App& parent) {
       options.hashing.buckets = args->buckets;
       std::unique_ptr<Progress> progress;
       std::string stage;
-      search::SearchIndex::build(args->index, packages, options,
-                                 [&](std::string_view what, int64_t done, int64_t total) {
-                                   if (what != stage) {
-                                     if (progress) progress->finish();
-                                     stage = what;
-                                     progress = std::make_unique<Progress>(
-                                         "qkv search index: " + stage, args->quiet,
-                                         what == "training" ? "steps" : "");
-                                   }
-                                   if (what == "training") progress->update(done, total);
-                                 });
+      search::SearchIndex::build(
+          args->index, packages, options, [&](std::string_view what, int64_t done, int64_t total) {
+            if (what != stage) {
+              if (progress) progress->finish();
+              stage = what;
+              progress = std::make_unique<Progress>("qkv search index: " + stage, args->quiet,
+                                                    what == "training" ? "steps" : "");
+            }
+            if (what == "training") progress->update(done, total);
+          });
       if (progress) progress->finish();
       const search::SearchIndex built = search::SearchIndex::open(args->index);
       std::cout << args->index << ": " << packages.size() << " packages from " << lists << "\n"
@@ -211,6 +274,8 @@ Command add_search_command(CLI::App& parent) {
                                 : args->engine == "bm25"  ? idx.bm25(args->query, args->top)
                                                           : idx.hybrid(args->query, args->top);
       print_ranking(idx, r, args->query, args->engine, args->json);
+    } else if (encode->parsed()) {
+      run_encode(*args);
     } else {
       const search::SearchIndex idx = search::SearchIndex::open(args->index);
       Progress progress("qkv search eval", args->quiet, "queries");

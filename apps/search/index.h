@@ -70,12 +70,15 @@ class SearchIndex {
   // The three engines on the held-out queries (`progress`: queries done).
   Evaluation evaluate(const BuildProgress& progress = {}) const;
 
+  // The query encoder's encodings of `queries` (Nq, d): what the learned
+  // engine attends with (before its score scale).
+  Tensor<float> encode_queries(const std::vector<std::string>& queries) const;
+
   const std::vector<IndexedPackage>& packages() const { return packages_; }
   const std::string& manifest_text() const { return manifest_text_; }
 
  private:
   SearchIndex() = default;
-  Tensor<float> encode_queries(const std::vector<std::string>& queries) const;
 
   std::string dir_, manifest_text_;
   std::vector<IndexedPackage> packages_;

@@ -24,8 +24,20 @@ release the GIL.
 kernels. docs/python.md has the whole story.
 """
 
-from . import _arguments
-from ._qkv import (  # noqa: F401  (the public API, re-exported)
+import numpy as _numpy
+
+# The bindings are compiled against Debian 12's pybind11 2.10, which reads a
+# dtype's item size where NumPy 1.x keeps it; NumPy 2 moved it, so every
+# array would be refused ("float32; expected float32") or made with wrong
+# strides. Said here, once, instead.
+if int(_numpy.__version__.split(".")[0]) >= 2:
+    raise ImportError(
+        f"qkv: this build's NumPy bindings (pybind11 2.10) read NumPy 1.x arrays only, and this "
+        f"Python has NumPy {_numpy.__version__} ({_numpy.__file__}); install NumPy 1.x beside "
+        f"it (pip install 'numpy<2'), or use Debian's /usr/bin/python3 with python3-numpy")
+
+from . import _arguments  # noqa: E402
+from ._qkv import (  # noqa: F401, E402  (the public API, re-exported)
     AdditiveAttentionGrads,
     BilinearAttentionGrads,
     Error,

@@ -1,10 +1,11 @@
 #!/usr/bin/python3
-"""Tests of `qkv search` (index, query, eval) through the command line, on
+"""Tests of `qkv search` (index, query, eval, encode) through the command line, on
 the small apt lists directory tests/search/lists (274 real bookworm
 packages): an index built, its files, the same bits for a seed, rankings
 by the three engines, BM25's against SQLite FTS5's own ranking of the
 index's table (Python's sqlite3, the peer), the pooled sections, the
-metrics table, and bad input (no lists, an existing output, a missing or
+metrics table, the encodings `encode` writes as the learned engine's
+queries (attention over the document store with them gives its weights), and bad input (no lists, an existing output, a missing or
 damaged index, a query without words) exiting 2 and leaving nothing.
 The harness is test_cli.py's.
 
@@ -20,6 +21,8 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_cli  # noqa: E402  (the harness; its QKV is set in main())
@@ -306,6 +309,66 @@ class SearchEvalTest(SearchCase):
         self.assertEqual(j["fts5_check"]["same_top_10"], held)
         # BM25 finds most held-out packages of this small corpus by their words.
         self.assertGreater(j["bm25"]["recall_at_10"], 0.5)
+
+
+class SearchEncodeTest(SearchCase):
+    def test_encodings_are_the_queries_the_learned_engine_attends_with(self):
+        """Attention over the index's document store with the encodings, at
+        the manifest's score scale, gives the learned engine's weights."""
+        texts = ["interactive plotting program", "compress files"]
+        out = self.path("q.npy")
+        self.ok("search", "encode", "--index", self.index, *texts, "--out", out)
+        q = np.load(out)
+        self.assertEqual((q.shape, q.dtype), ((2, 32), np.float32))
+        with open(os.path.join(self.index, "manifest.json")) as f:
+            scale = json.load(f)["score_scale"]
+        with open(os.path.join(self.index, "packages.json")) as f:
+            names = [p["name"] for p in json.load(f)]
+        ids, weights = self.path("ids.npy"), self.path("w.npy")
+        self.ok("attend", "--store", os.path.join(self.index, "documents"), "--queries", out,
+                "--scale", repr(scale), "--out", self.path("o.npy"), "--top-k", len(names),
+                "--top-ids", ids, "--top-weights", weights, "--quiet")
+        ids, weights = np.load(ids), np.load(weights)
+        for i, text in enumerate(texts):
+            got = {names[j]: w for j, w in zip(ids[i], weights[i])}
+            for hit in self.query(text, "--top-k", len(names))["results"]:
+                self.assertAlmostEqual(got[hit["package"]], hit["score"], places=5,
+                                       msg=f"{text}: {hit['package']}")
+
+    def test_held_out_queries_in_the_indexs_order(self):
+        out, ids = self.path("h.npy"), self.path("hid.npy")
+        self.ok("search", "encode", "--index", self.index, "--held-out", "--out", out,
+                "--ids", ids)
+        with open(os.path.join(self.index, "packages.json")) as f:
+            packages = json.load(f)
+        want = [i for i, p in enumerate(packages) if p["held_out"]]
+        q, got_ids = np.load(out), np.load(ids)
+        self.assertEqual(got_ids.dtype, np.int64)
+        self.assertEqual(got_ids.tolist(), want)
+        # Row i is the encoding of package ids[i]'s short description.
+        texts = [packages[i]["short_description"] for i in want[:3]]
+        self.ok("search", "encode", "--index", self.index, *texts, "--out", self.path("t.npy"))
+        np.testing.assert_array_equal(np.load(self.path("t.npy")), q[:3])
+
+    def test_errors(self):
+        out = self.path("q.npy")
+        encode = ["search", "encode", "--index", self.index]
+        self.expect_error("search", encode + ["--out", out], [out], ["texts to encode",
+                                                                     "--held-out"])
+        self.expect_error("search", encode + ["--held-out", "x", "--out", out], [out],
+                          ["not both"])
+        self.expect_error("search", encode + ["x", "--out", out, "--ids", self.path("i.npy")],
+                          [out, self.path("i.npy")], ["--ids", "goes with --held-out"])
+        inside = os.path.join(self.index, "documents", "manifest.json")
+        with open(inside, "rb") as f:
+            manifest = f.read()
+        self.expect_error("search", encode + ["x", "--out", inside], [],
+                          ["--out " + inside, "is inside --index", "search index's files"])
+        with open(inside, "rb") as f:
+            self.assertEqual(f.read(), manifest)
+        self.expect_error("search", ["search", "encode", "--index", self.path("none"), "x",
+                                     "--out", out], [out], ["none"])
+        self.expect_error("search", encode + ["x"], [], ["--out"])
 
 
 if __name__ == "__main__":

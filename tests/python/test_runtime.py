@@ -340,3 +340,26 @@ def test_ctrl_c_stops_a_long_call_and_leaves_out_as_it_was():
 def test_a_sigint_handler_that_does_not_raise_lets_the_call_finish():
     line, _ = run_interrupted("ignore", 6000, 0.05)
     assert line[0] == "finished", line
+
+
+def test_numpy_2_is_refused_at_import_by_name(tmp_path):
+    """pybind11 2.10 reads NumPy 1.x's dtype layout: under NumPy 2.4 every
+    array was refused with "has dtype float32; expected float32 or float64".
+    A NumPy that says it is 2.x (a stand-in module first on the path) makes
+    the import fail, naming the version and what to do."""
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "2.4.6"\n')
+    package_root = os.path.dirname(os.path.dirname(qkv.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_root]))
+    r = subprocess.run([sys.executable, "-c", "import qkv"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert "ImportError: qkv: this build's NumPy bindings (pybind11 2.10) read NumPy 1.x arrays " \
+           "only, and this Python has NumPy 2.4.6" in r.stderr, r.stderr
+    assert "pip install 'numpy<2'" in r.stderr
+    # The real NumPy (1.x) imports it.
+    r = subprocess.run([sys.executable, "-c", "import qkv, numpy; print(numpy.__version__)"],
+                       env=dict(os.environ, PYTHONPATH=package_root), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("1."), r.stderr
