@@ -6,7 +6,7 @@
 // ones. On clustered, isotropic and adversarial keys (one list, equal keys,
 // empty lists, queries far from every key, sharp and negative scales), both
 // dtypes and both scorings; then the index's files, damage and staleness,
-// and updates with appended rows.
+// updates with appended rows, and the backward of certified attention.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/file.h>
@@ -23,6 +23,7 @@
 #include "qkv/index.h"
 #include "qkv/kernel_regression.h"
 #include "qkv/store.h"
+#include "qkv/store_attention.h"
 #include "store_testing.h"
 #include "test_util.h"
 
@@ -736,6 +737,174 @@ TEST_F(IndexTest, UpdateRefusesAnotherStoreAnIndexWithoutListsAndASecondUpdater)
   for (const auto& entry : fs::directory_iterator(root_)) {
     EXPECT_NE(entry.path().filename().string()[0], '.') << entry.path();
   }
+}
+
+// The backward of certified attention against central differences of the
+// index's own forward (the lists visited kept fixed: a direction that moves
+// a query across a change of its lists is drawn again), and, for epsilon 0,
+// against the gradient of attention over every row in double (and the
+// store's backward for dot scores).
+TEST_F(IndexTest, BackwardIsTheGradientOfTheVisitedRows) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t n = 1500, d = 5, dv = 3, nq = 6;
+  for (const StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    for (const bool distance : {false, true}) {
+      const std::string tag = std::string(dtype == StoreDtype::kFloat32 ? "f32" : "bf16") +
+                              (distance ? "-distance" : "-dot");
+      SCOPED_TRACE(tag);
+      const Data data = make_store("s" + tag, clustered_keys(rng, n, d, 8),
+                                   random_tensor<float>(rng, Shape{n, dv}), dtype, 400);
+      const StoreIndex index = StoreIndex::build(data.store, path("i" + tag));
+      // Queries near keys, so a few lists hold most of the weight.
+      Tensor<float> q(Shape{nq, d});
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t r = rng.uniform_int(0, n - 1);
+        for (int64_t c = 0; c < d; ++c)
+          q(i, c) = data.keys(r, c) + static_cast<float>(rng.uniform(-0.05, 0.05));
+      }
+      const Tensor<float> d_o = random_tensor<float>(rng, Shape{nq, dv});
+      IndexAttentionOptions options;
+      options.scoring = distance ? Scoring::kDistance : Scoring::kDotProduct;
+      options.scale = distance ? 4.0 : 2.0;
+
+      // epsilon 0: attention over every row, its gradient in double (and,
+      // for dot scores, the store's backward).
+      options.epsilon = 0;
+      const IndexAttentionResult all = attend(q.view(), index, options);
+      const Tensor<float> dq_all = attend_backward(q.view(), index, options, all, d_o.view());
+      Tensor<float> qs = q;  // as the scores take them
+      if (dtype == StoreDtype::kBFloat16 && !distance) {
+        for (int64_t i = 0; i < qs.numel(); ++i)
+          qs.data()[i] = static_cast<float>(bfloat16(qs.data()[i]));
+      }
+      const Exact exact = exact_attention(qs, data.keys, data.values, distance, *options.scale);
+      for (int64_t i = 0; i < nq; ++i) {
+        // dq = sum_j p_j (dO . v_j - dO . o) ds_j/dq.
+        double d_o_dot_o = 0.0;
+        for (int64_t c = 0; c < dv; ++c) d_o_dot_o += double{d_o(i, c)} * exact.output(i, c);
+        std::vector<double> want(static_cast<size_t>(d));
+        for (int64_t r = 0; r < n; ++r) {
+          const double p =
+              std::exp(exact.scores[static_cast<size_t>(i)][static_cast<size_t>(r)] - exact.lse(i));
+          double g = 0.0;
+          for (int64_t c = 0; c < dv; ++c) g += double{d_o(i, c)} * data.values(r, c);
+          for (int64_t c = 0; c < d; ++c) {
+            const double ds = distance ? double{data.keys(r, c)} - qs(i, c) : data.keys(r, c);
+            want[static_cast<size_t>(c)] += p * (g - d_o_dot_o) * *options.scale * ds;
+          }
+        }
+        for (int64_t c = 0; c < d; ++c) {
+          ASSERT_NEAR(dq_all(i, c), want[static_cast<size_t>(c)],
+                      1e-4 * (1 + std::abs(want[static_cast<size_t>(c)])))
+              << "query " << i;
+        }
+      }
+      if (!distance) {
+        StoreAttentionOptions store_options;
+        store_options.scale = options.scale;
+        const StoreAttentionResult over_store = attend(q.view(), data.store, {}, store_options);
+        const StoreAttentionGrads grads =
+            attend_backward(q.view(), data.store, {}, store_options,
+                            {over_store.output.view(), over_store.lse.view()}, d_o.view());
+        for (int64_t i = 0; i < nq; ++i) {
+          for (int64_t c = 0; c < d; ++c) {
+            // The store's bfloat16 backward works in bfloat16 steps (2^-8);
+            // this one is within 1e-4 of the double reference above.
+            ASSERT_NEAR(dq_all(i, c), grads.d_queries(i, c),
+                        (dtype == StoreDtype::kBFloat16 ? 4e-3 : 1e-4) *
+                            (1 + std::abs(grads.d_queries(i, c))))
+                << "query " << i;
+          }
+        }
+      }
+      // The queries a bfloat16 index rounds (dot scores) have steps, not
+      // differences to take.
+      if (dtype == StoreDtype::kBFloat16 && !distance) continue;
+      for (const int64_t probe : {int64_t{0}, int64_t{2}}) {
+        SCOPED_TRACE("probe " + std::to_string(probe));
+        options.epsilon = 1e-3;
+        options.probe = probe;
+        const IndexAttentionResult forward = attend(q.view(), index, options);
+        const Tensor<float> dq = attend_backward(q.view(), index, options, forward, d_o.view());
+        int64_t checked_queries = 0;
+        for (int64_t i = 0; i < nq; ++i) {
+          const double h = 1e-3;
+          bool checked = false;
+          for (int attempt = 0; attempt < 20 && !checked; ++attempt) {
+            Tensor<float> plus(Shape{1, d}), minus(Shape{1, d});
+            std::vector<double> u(static_cast<size_t>(d));
+            for (int64_t c = 0; c < d; ++c) {
+              u[static_cast<size_t>(c)] = rng.uniform(-1.0, 1.0);
+              plus(0, c) = static_cast<float>(q(i, c) + h * u[static_cast<size_t>(c)]);
+              minus(0, c) = static_cast<float>(q(i, c) - h * u[static_cast<size_t>(c)]);
+            }
+            const IndexAttentionResult a = attend(plus.view(), index, options);
+            const IndexAttentionResult b = attend(minus.view(), index, options);
+            // The same lists visited, as far as their count and rows tell
+            // (with a probe the count stays; which lists may not).
+            if (a.lists_visited(0) != forward.lists_visited(i) ||
+                b.lists_visited(0) != forward.lists_visited(i) ||
+                a.rows_visited(0) != forward.rows_visited(i) ||
+                b.rows_visited(0) != forward.rows_visited(i)) {
+              continue;  // the step crossed a change of the lists visited
+            }
+            double numeric = 0.0, analytic = 0.0, scale = 0.0;
+            for (int64_t c = 0; c < dv; ++c) {
+              numeric += double{d_o(i, c)} * (double{a.output(0, c)} - b.output(0, c));
+            }
+            // The steps as the floats took them.
+            for (int64_t c = 0; c < d; ++c) {
+              const double step = double{plus(0, c)} - double{minus(0, c)};
+              analytic += double{dq(i, c)} * step;
+              scale += std::abs(double{dq(i, c)} * step);
+            }
+            ASSERT_NEAR(numeric, analytic, 2e-3 * scale + 1e-5) << "query " << i;
+            checked = true;
+          }
+          // A query whose visit stops right at epsilon changes its lists
+          // whichever way it moves: it has no derivative to check.
+          checked_queries += checked;
+        }
+        ASSERT_GE(checked_queries, nq / 2) << "most steps changed the lists visited";
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, BackwardRefusesACompactKernelAndForeignShapes) {
+  Rng rng(test_seed());
+  const Data data = make_store("s", clustered_keys(rng, 300, 3, 3),
+                               random_tensor<float>(rng, Shape{300, 2}), StoreDtype::kFloat32, 100);
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  const Tensor<float> q = random_tensor<float>(rng, Shape{4, 3});
+  const IndexAttentionResult forward = attend(q.view(), index);
+  const Tensor<float> d_o(Shape{4, 2}, 1.0f);
+  IndexAttentionOptions boxcar;
+  boxcar.kernel = Kernel::kBoxcar;
+  boxcar.bandwidth = 0.5;
+  expect_error([&] { attend_backward(q.view(), index, boxcar, forward, d_o.view()); },
+               {"attend_backward", "boxcar", "softmax"});
+  expect_error(
+      [&] {
+        attend_backward(q.view(), index, {}, forward, Tensor<float>(Shape{4, 3}).view());
+      },
+      {"attend_backward", "d_output", "[4, 3]", "[4, 2]"});
+  const Tensor<float> q3 = random_tensor<float>(rng, Shape{3, 3});
+  expect_error(
+      [&] {
+        attend_backward(q3.view(), index, {}, forward, Tensor<float>(Shape{3, 2}).view());
+      },
+      {"attend_backward", "forward.lists_visited", "[4]", "[3]"});
+  IndexAttentionResult tampered = attend(q.view(), index);
+  tampered.lists_visited(1) = static_cast<int64_t>(index.lists().size()) + 1;
+  expect_error([&] { attend_backward(q.view(), index, {}, tampered, d_o.view()); },
+               {"attend_backward", "forward.lists_visited[1]"});
+  IndexAttentionOptions negative;
+  negative.epsilon = -1;
+  expect_error([&] { attend_backward(q.view(), index, negative, forward, d_o.view()); },
+               {"attend_backward", "options.epsilon"});
 }
 
 }  // namespace

@@ -191,4 +191,19 @@ struct IndexAttentionResult {
 IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
                             const IndexAttentionOptions& options = {});
 
+// The gradient with respect to the queries (Nq, D) of attend()'s softmax
+// output, given d_output (Nq, Dv) = dLoss/d(output): the gradient of what
+// attend() computed, attention over the rows each query visited (the first
+// forward.lists_visited[i] lists in the order of their bounds, as attend()
+// took them), not of attention over every row. The lists visited stay the
+// same under a small enough change of a query (they change only where two
+// bounds, or the certificate and epsilon, cross), so this is the derivative
+// of the output attend() returns wherever it has one. Same queries, index
+// and options as the forward (top_k does not matter); a bfloat16 index's
+// rounding of the queries (dot scores) counts as the identity. Error for a
+// compact kernel, bad shapes, or lists_visited not of those queries' forward.
+Tensor<float> attend_backward(ConstView<float> queries, const StoreIndex& index,
+                              const IndexAttentionOptions& options,
+                              const IndexAttentionResult& forward, ConstView<float> d_output);
+
 }  // namespace qkv

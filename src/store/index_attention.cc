@@ -182,26 +182,39 @@ QueryResult kernel_one(const float* q, const StoreIndex& index,
   return result;
 }
 
-QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bounds,
-                       const std::vector<double>& centroid_norms,
-                       const IndexAttentionOptions& options) {
-  const int64_t d = index.key_dim(), dv = index.value_dim(), k = options.top_k;
+// The nonempty lists by bound, largest first (ties: the smaller list): the
+// order attend() visits them in, and attend_backward() again.
+std::vector<std::pair<double, size_t>> visit_order(const float* q, double q_norm,
+                                                   const StoreIndex& index, const Bounds& bounds,
+                                                   const std::vector<double>& centroid_norms) {
   const std::vector<IndexList>& lists = index.lists();
-  double q_norm = 0.0;
-  for (int64_t c = 0; c < d; ++c) q_norm += double{q[c]} * double{q[c]};
-  q_norm = std::sqrt(q_norm);
-
-  // The nonempty lists by bound, largest first (ties: the smaller list).
   std::vector<std::pair<double, size_t>> order;
   for (size_t j = 0; j < lists.size(); ++j) {
     if (lists[j].rows == 0) continue;
     order.emplace_back(bounds.of(q, q_norm, &index.centroids()(static_cast<int64_t>(j), 0),
-                                 centroid_norms[j], lists[j], d),
+                                 centroid_norms[j], lists[j], index.key_dim()),
                        j);
   }
   std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   });
+  return order;
+}
+
+double norm_of(const float* x, int64_t d) {
+  double s = 0.0;
+  for (int64_t c = 0; c < d; ++c) s += double{x[c]} * double{x[c]};
+  return std::sqrt(s);
+}
+
+QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bounds,
+                       const std::vector<double>& centroid_norms,
+                       const IndexAttentionOptions& options) {
+  const int64_t d = index.key_dim(), dv = index.value_dim(), k = options.top_k;
+  const std::vector<IndexList>& lists = index.lists();
+  const double q_norm = norm_of(q, d);
+  const std::vector<std::pair<double, size_t>> order =
+      visit_order(q, q_norm, index, bounds, centroid_norms);
   // tail[p]: log of the most weight lists p, p + 1, ... could hold (rows x exp(bound)).
   std::vector<double> tail(order.size() + 1, -kInf);
   for (size_t p = order.size(); p-- > 0;) {
@@ -255,63 +268,72 @@ QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bo
   return result;
 }
 
-}  // namespace
+// What attend() and attend_backward() check and compute before any list is
+// read: the queries as the scores take them, the scale, the bounds and the
+// centroids' norms.
+struct Prepared {
+  Tensor<float> q;
+  double scale = 1.0;
+  Bounds bounds;
+  std::vector<double> centroid_norms;
+};
 
-IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
-                            const IndexAttentionOptions& options) {
-  detail::check_rank(kFn, "queries", queries, 2, "(Nq, D)");
+Prepared prepare(std::string_view function, ConstView<float> queries, const StoreIndex& index,
+                 const IndexAttentionOptions& options) {
+  detail::check_rank(function, "queries", queries, 2, "(Nq, D)");
   if (queries.size(1) != index.key_dim()) {
-    fail(kFn, "queries has shape " + queries.shape().str() + " but index " + index.dir() +
-                  " has keys of D = " + std::to_string(index.key_dim()));
+    fail(function, "queries has shape " + queries.shape().str() + " but index " + index.dir() +
+                       " has keys of D = " + std::to_string(index.key_dim()));
   }
   const ScoringRules& rules = rules_of(options.scoring);
   if (!rules.over_store) {
-    fail(kFn, "options.scoring is " + std::string(rules.name) +
-                  "; attention through an index scores by " + scoring_names(true));
+    fail(function, "options.scoring is " + std::string(rules.name) +
+                       "; attention through an index scores by " + scoring_names(true));
   }
   const bool distance = options.scoring == Scoring::kDistance;
   if (options.scale && !(std::isfinite(*options.scale) && (!distance || *options.scale > 0))) {
-    fail(kFn, "options.scale = " + std::to_string(*options.scale) + "; expected a finite number" +
-                  (distance ? " > 0 for distance scoring" : ""));
+    fail(function, "options.scale = " + std::to_string(*options.scale) +
+                       "; expected a finite number" +
+                       (distance ? " > 0 for distance scoring" : ""));
   }
   if (!(options.epsilon >= 0 && std::isfinite(options.epsilon))) {
-    fail(kFn, "options.epsilon = " + std::to_string(options.epsilon) +
-                  "; expected a finite number >= 0");
+    fail(function, "options.epsilon = " + std::to_string(options.epsilon) +
+                       "; expected a finite number >= 0");
   }
   if (options.probe < 0) {
-    fail(kFn, "options.probe = " + std::to_string(options.probe) +
-                  "; expected 0 (certified) or a number of lists >= 1");
+    fail(function, "options.probe = " + std::to_string(options.probe) +
+                       "; expected 0 (certified) or a number of lists >= 1");
   }
   if (options.kernel != Kernel::kGaussian) {
     const std::string named = "options.kernel is " + std::string(kernel_name(options.kernel));
     if (!options.bandwidth || !(std::isfinite(*options.bandwidth) && *options.bandwidth > 0)) {
-      fail(kFn, named + " and options.bandwidth = " +
-                    (options.bandwidth ? std::to_string(*options.bandwidth) : "none") +
-                    "; a compact kernel needs a finite width > 0");
+      fail(function, named + " and options.bandwidth = " +
+                         (options.bandwidth ? std::to_string(*options.bandwidth) : "none") +
+                         "; a compact kernel needs a finite width > 0");
     }
     if (options.scale || options.probe > 0 || options.scoring != Scoring::kDotProduct) {
-      fail(kFn, named +
-                    ": its weights are K((q - k) / bandwidth), exact; options.scoring, "
-                    "options.scale and options.probe are for softmax attention (kGaussian)");
+      fail(function, named +
+                         ": its weights are K((q - k) / bandwidth), exact; options.scoring, "
+                         "options.scale and options.probe are for softmax attention (kGaussian)");
     }
   } else if (options.bandwidth) {
-    fail(kFn, "options.bandwidth = " + std::to_string(*options.bandwidth) +
-                  " is for a compact kernel (options.kernel); distance scores take "
-                  "options.scale = 1 / h^2");
+    fail(function, "options.bandwidth = " + std::to_string(*options.bandwidth) +
+                       " is for a compact kernel (options.kernel); distance scores take "
+                       "options.scale = 1 / h^2");
   }
   if (options.top_k < 0 || options.top_k > index.rows()) {
-    fail(kFn, "options.top_k = " + std::to_string(options.top_k) + "; expected 0 to the index's " +
-                  std::to_string(index.rows()) + " rows");
+    fail(function, "options.top_k = " + std::to_string(options.top_k) +
+                       "; expected 0 to the index's " + std::to_string(index.rows()) + " rows");
   }
   for (int64_t i = 0; i < queries.size(0); ++i) {
     for (int64_t c = 0; c < queries.size(1); ++c) {
       if (!std::isfinite(queries(i, c))) {
-        fail(kFn, "queries[" + std::to_string(i) + ", " + std::to_string(c) + "] is " +
-                      std::to_string(queries(i, c)) + "; expected finite numbers");
+        fail(function, "queries[" + std::to_string(i) + ", " + std::to_string(c) + "] is " +
+                           std::to_string(queries(i, c)) + "; expected finite numbers");
       }
     }
   }
-  const int64_t nq = queries.size(0), d = index.key_dim(), dv = index.value_dim();
+  const int64_t nq = queries.size(0), d = index.key_dim();
   const double scale = options.scale ? *options.scale
                        : rules.scale == ScaleRule::kInverseSqrtDim
                            ? 1.0 / std::sqrt(static_cast<double>(d))
@@ -339,7 +361,89 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
     centroid_norms[j] = std::sqrt(s);
   }
   const Bounds bounds{distance, scale, static_cast<double>(d + 2) * 0x1.0p-23};
+  return {std::move(q), scale, bounds, std::move(centroid_norms)};
+}
 
+// One query's gradient: attention over the first `visited` lists of its
+// visit order, recomputed in double (its lse and output), then
+// dQ = sum_j p_j (dO . v_j - dO . o) ds_j/dq, with ds_j/dq = scale k_j (dot)
+// or scale (k_j - q) (distance).
+template <bool kDistance, class T>
+void backward_rows(const float* q, ConstView<T> keys, ConstView<T> values, double scale, double lse,
+                   double d_o_dot_o, const float* d_o, std::vector<double>& dq) {
+  const int64_t rows = keys.size(0), d = keys.size(1), dv = values.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* key = &keys(r, 0);
+    const double p = std::exp(scale * double{raw_score<kDistance>(q, key, d)} - lse);
+    const T* v = &values(r, 0);
+    double g = 0.0;
+    for (int64_t c = 0; c < dv; ++c) g += double{d_o[c]} * double{widen(v[c])};
+    const double ds = p * (g - d_o_dot_o) * scale;
+    for (int64_t c = 0; c < d; ++c) {
+      dq[static_cast<size_t>(c)] +=
+          ds * (kDistance ? double{widen(key[c])} - double{q[c]} : double{widen(key[c])});
+    }
+  }
+}
+
+std::vector<double> backward_one(const float* q, const StoreIndex& index, const Prepared& prepared,
+                                 int64_t visited, const float* d_o) {
+  const int64_t d = index.key_dim(), dv = index.value_dim();
+  const std::vector<std::pair<double, size_t>> order =
+      visit_order(q, norm_of(q, d), index, prepared.bounds, prepared.centroid_norms);
+  const size_t lists = std::min(order.size(), static_cast<size_t>(visited));
+  const bool distance = prepared.bounds.distance;
+  const double scale = prepared.scale;
+  double max_score = -kInf, sum = 0.0;
+  std::vector<double> acc(static_cast<size_t>(dv));
+  std::vector<ScoredRow> no_top;
+  for (size_t p = 0; p < lists; ++p) {
+    const SourceChunk chunk = index.read_list(order[p].second);
+    const int64_t first_row = chunk.range().first_row;
+    if (index.dtype() == StoreDtype::kFloat32) {
+      const ConstView<float> keys = chunk.keys<float>(), values = chunk.values<float>();
+      distance ? visit_rows<true>(q, keys, values, scale, first_row, index, 0, max_score, sum, acc,
+                                  no_top)
+               : visit_rows<false>(q, keys, values, scale, first_row, index, 0, max_score, sum, acc,
+                                   no_top);
+    } else {
+      const ConstView<bfloat16> keys = chunk.keys<bfloat16>(), values = chunk.values<bfloat16>();
+      distance ? visit_rows<true>(q, keys, values, scale, first_row, index, 0, max_score, sum, acc,
+                                  no_top)
+               : visit_rows<false>(q, keys, values, scale, first_row, index, 0, max_score, sum, acc,
+                                   no_top);
+    }
+    chunk.check_intact();
+  }
+  std::vector<double> dq(static_cast<size_t>(d));
+  if (!(sum > 0)) return dq;
+  const double lse = max_score + std::log(sum);
+  double d_o_dot_o = 0.0;
+  for (int64_t c = 0; c < dv; ++c)
+    d_o_dot_o += double{d_o[c]} * (acc[static_cast<size_t>(c)] / sum);
+  for (size_t p = 0; p < lists; ++p) {
+    const SourceChunk chunk = index.read_list(order[p].second);
+    if (index.dtype() == StoreDtype::kFloat32) {
+      const ConstView<float> keys = chunk.keys<float>(), values = chunk.values<float>();
+      distance ? backward_rows<true>(q, keys, values, scale, lse, d_o_dot_o, d_o, dq)
+               : backward_rows<false>(q, keys, values, scale, lse, d_o_dot_o, d_o, dq);
+    } else {
+      const ConstView<bfloat16> keys = chunk.keys<bfloat16>(), values = chunk.values<bfloat16>();
+      distance ? backward_rows<true>(q, keys, values, scale, lse, d_o_dot_o, d_o, dq)
+               : backward_rows<false>(q, keys, values, scale, lse, d_o_dot_o, d_o, dq);
+    }
+    chunk.check_intact();
+  }
+  return dq;
+}
+
+}  // namespace
+
+IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
+                            const IndexAttentionOptions& options) {
+  const Prepared prepared = prepare(kFn, queries, index, options);
+  const Tensor<float>& q = prepared.q;
+  const int64_t nq = queries.size(0), dv = index.value_dim();
   std::vector<QueryResult> results(static_cast<size_t>(nq));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(nq));
   for (int64_t first = 0; first < nq; first += kIndexProgressQueries) {
@@ -350,7 +454,7 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
         results[static_cast<size_t>(i)] =
             options.kernel != Kernel::kGaussian
                 ? kernel_one(&q(i, 0), index, options)
-                : attend_one(&q(i, 0), index, bounds, centroid_norms, options);
+                : attend_one(&q(i, 0), index, prepared.bounds, prepared.centroid_norms, options);
       } catch (...) {
         errors[static_cast<size_t>(i)] = std::current_exception();
       }
@@ -393,6 +497,60 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
     }
   }
   return out;
+}
+
+}  // namespace qkv
+
+namespace qkv {
+
+Tensor<float> attend_backward(ConstView<float> queries, const StoreIndex& index,
+                              const IndexAttentionOptions& options,
+                              const IndexAttentionResult& forward, ConstView<float> d_output) {
+  constexpr std::string_view kBackwardFn = "attend_backward";
+  if (options.kernel != Kernel::kGaussian) {
+    fail(kBackwardFn, "options.kernel is " + std::string(kernel_name(options.kernel)) +
+                          "; the backward is softmax attention's (kGaussian, certified or with a "
+                          "probe)");
+  }
+  const Prepared prepared = prepare(kBackwardFn, queries, index, options);
+  const int64_t nq = queries.size(0), d = index.key_dim(), dv = index.value_dim();
+  detail::check_rank(kBackwardFn, "d_output", d_output, 2, "(Nq, Dv)");
+  if (d_output.size(0) != nq || d_output.size(1) != dv) {
+    fail(kBackwardFn, "d_output has shape " + d_output.shape().str() + "; expected " +
+                          Shape{nq, dv}.str() + " (Nq, Dv) as the forward's output");
+  }
+  if (forward.lists_visited.shape() != Shape{nq}) {
+    fail(kBackwardFn, "forward.lists_visited has shape " + forward.lists_visited.shape().str() +
+                          "; expected " + Shape{nq}.str() +
+                          ": the result of attend() of the same queries");
+  }
+  const auto lists = static_cast<int64_t>(index.lists().size());
+  for (int64_t i = 0; i < nq; ++i) {
+    if (forward.lists_visited(i) < 0 || forward.lists_visited(i) > lists) {
+      fail(kBackwardFn, "forward.lists_visited[" + std::to_string(i) + "] = " +
+                            std::to_string(forward.lists_visited(i)) + "; expected 0 to the " +
+                            std::to_string(lists) + " lists of index " + index.dir());
+    }
+  }
+  Tensor<float> d_queries(Shape{nq, d});
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(nq));
+  kernels::parallel_for(nq, [&](int64_t i) {
+    try {
+      // d_output's row as float, contiguous.
+      std::vector<float> d_o(static_cast<size_t>(dv));
+      for (int64_t c = 0; c < dv; ++c) d_o[static_cast<size_t>(c)] = d_output(i, c);
+      const std::vector<double> dq =
+          backward_one(&prepared.q(i, 0), index, prepared, forward.lists_visited(i), d_o.data());
+      for (int64_t c = 0; c < d; ++c)
+        d_queries(i, c) = static_cast<float>(dq[static_cast<size_t>(c)]);
+    } catch (...) {
+      errors[static_cast<size_t>(i)] = std::current_exception();
+    }
+  });
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+  return d_queries;
 }
 
 }  // namespace qkv
