@@ -10,6 +10,9 @@ are read in place, never copied) and return new arrays:
     distance_attention, distance_attention_backward
     attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
     merge_attention (attention over parts of a key set, merged by their lse)
+    KeyValueStore (an on-disk key-value store: create, open, append, verify,
+        keys, values, attend) and Index (an index over one: build, open,
+        verify, check_built_over, attend, certified or exact)
     nadaraya_watson, KernelRegression, silverman_bandwidth, scott_bandwidth, train_parametric
     set_num_threads, get_num_threads, simd_target, simd_targets, set_simd_target, simd_info
 
@@ -18,7 +21,8 @@ valid_lens None, (B) or (B, Nq); 2-D inputs are a batch of one. Bad
 arguments raise qkv.Error (a ValueError) with the C++ library's message, or
 a TypeError for a wrong dtype, an unknown keyword or a value of the wrong
 kind (named, with the nearest keyword for a typo). The computing calls
-release the GIL.
+release the GIL. A store and its index hold float32 or bfloat16 and compute
+in float32: float64 arrays given to them are rounded to float32.
 
 `import qkv.torch` for autograd functions and d2l's modules on the same
 kernels. docs/python.md has the whole story.
@@ -41,11 +45,15 @@ from ._qkv import (  # noqa: F401, E402  (the public API, re-exported)
     AdditiveAttentionGrads,
     BilinearAttentionGrads,
     Error,
+    Index,
+    IndexAttentionResult,
     IoError,
     KernelRegression,
+    KeyValueStore,
     MergedAttention,
     ScaledDotProductAttentionGrads,
     ScaledDotProductAttentionBiasGrads,
+    StoreAttentionResult,
     __version__,
     additive_attention,
     additive_attention_backward,
@@ -79,11 +87,15 @@ __all__ = [
     "AdditiveAttentionGrads",
     "BilinearAttentionGrads",
     "Error",
+    "Index",
+    "IndexAttentionResult",
     "IoError",
     "KernelRegression",
+    "KeyValueStore",
     "MergedAttention",
     "ScaledDotProductAttentionGrads",
     "ScaledDotProductAttentionBiasGrads",
+    "StoreAttentionResult",
     "__version__",
     "additive_attention",
     "additive_attention_backward",
@@ -122,4 +134,16 @@ for _name in ("__init__", "fit", "predict", "weights", "loo_error"):
     setattr(KernelRegression, _name,
             _arguments.named_errors(getattr(KernelRegression, _name), f"qkv.KernelRegression.{_name}"
                                     if _name != "__init__" else "qkv.KernelRegression"))
-del _name
+# The store's and the index's factories (static methods, wrapped again as
+# such) and methods.
+for _class, _static, _methods in ((KeyValueStore, ("create", "open"),
+                                   ("append", "verify", "keys", "values", "attend")),
+                                  (Index, ("build", "open"),
+                                   ("verify", "check_built_over", "attend"))):
+    for _name in _static:
+        setattr(_class, _name, staticmethod(_arguments.named_errors(
+            getattr(_class, _name), f"qkv.{_class.__name__}.{_name}")))
+    for _name in _methods:
+        setattr(_class, _name, _arguments.named_errors(getattr(_class, _name),
+                                                       f"qkv.{_class.__name__}.{_name}"))
+del _name, _class, _static, _methods

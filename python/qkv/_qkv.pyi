@@ -5,6 +5,7 @@ Shapes follow d2l: queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv);
 call); valid lengths are integers. help(qkv.<name>) has the full docstrings.
 """
 
+import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -255,6 +256,114 @@ def train_parametric(
     initial_w: Optional[float] = None,
     seed: int = 0,
 ) -> Tuple[float, npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+
+# ---- the on-disk key-value store and its index ----
+StrPath = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+class StoreAttentionResult(NamedTuple):
+    output: npt.NDArray[np.float32]
+    lse: npt.NDArray[np.float32]
+    top_ids: npt.NDArray[np.int64]
+    top_weights: npt.NDArray[np.float32]
+
+class IndexAttentionResult(NamedTuple):
+    output: npt.NDArray[np.float32]
+    lse: npt.NDArray[np.float32]
+    certificate: npt.NDArray[np.float64]
+    lists_visited: npt.NDArray[np.int64]
+    rows_visited: npt.NDArray[np.int64]
+    top_ids: npt.NDArray[np.int64]
+    top_weights: npt.NDArray[np.float32]
+    top_certified: npt.NDArray[np.bool_]
+
+class KeyValueStore:
+    @staticmethod
+    def create(
+        dir: StrPath,
+        keys: ArrayLike,
+        values: ArrayLike,
+        *,
+        dtype: str = "float32",
+        chunk_rows: int = 262144,
+    ) -> "KeyValueStore": ...
+    @staticmethod
+    def open(dir: StrPath, *, check: str = "checksums") -> "KeyValueStore": ...
+    def append(self, keys: ArrayLike, values: ArrayLike) -> None: ...
+    def verify(self) -> None: ...
+    def keys(self, start: int = 0, stop: Optional[int] = None) -> npt.NDArray[np.float32]: ...
+    def values(self, start: int = 0, stop: Optional[int] = None) -> npt.NDArray[np.float32]: ...
+    def attend(
+        self,
+        queries: ArrayLike,
+        valid_lens: ValidLens = None,
+        *,
+        scoring: str = "dot",
+        scale: Optional[float] = None,
+        bandwidth: Optional[float] = None,
+        top_k: int = 0,
+    ) -> StoreAttentionResult: ...
+    @property
+    def dir(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def key_dim(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def chunk_rows(self) -> int: ...
+    @property
+    def num_chunks(self) -> int: ...
+
+class Index:
+    @staticmethod
+    def build(
+        store: KeyValueStore,
+        dir: StrPath,
+        *,
+        lists: int = 0,
+        iterations: int = 10,
+        seed: int = 0,
+        sample_per_list: int = 64,
+    ) -> "Index": ...
+    @staticmethod
+    def open(dir: StrPath, *, check: str = "structure") -> "Index": ...
+    def verify(self) -> None: ...
+    def check_built_over(self, store: KeyValueStore) -> None: ...
+    def attend(
+        self,
+        queries: ArrayLike,
+        *,
+        scoring: str = "dot",
+        scale: Optional[float] = None,
+        epsilon: Optional[float] = None,
+        probe: int = 0,
+        top_k: int = 0,
+        kernel: str = "gaussian",
+        bandwidth: Optional[float] = None,
+    ) -> IndexAttentionResult: ...
+    @property
+    def dir(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def key_dim(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def num_lists(self) -> int: ...
+    @property
+    def list_rows(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def radii(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def max_norms(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def centroids(self) -> npt.NDArray[np.float32]: ...
 
 # qkv.torch's bf16 path (int16 bits in, float32 out); not part of the public API.
 def _scaled_dot_product_attention_bf16(

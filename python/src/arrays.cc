@@ -153,9 +153,6 @@ ValidLens valid_lens_of(py::handle obj, std::string_view fn, py::object& storage
   return ValidLens(view_of<int64_t>(array));
 }
 
-namespace {
-
-// "[2, 3, 4]", for any rank (qkv's Shape holds at most 4 axes).
 std::string shape_str(const py::array& array) {
   std::string text = "[";
   for (py::ssize_t a = 0; a < array.ndim(); ++a) {
@@ -164,8 +161,6 @@ std::string shape_str(const py::array& array) {
   }
   return text.append("]");
 }
-
-}  // namespace
 
 void check_rank_2_or_3(const py::array& array, std::string_view fn, std::string_view name,
                        std::string_view axes3, std::string_view axes2, std::string_view axes4) {

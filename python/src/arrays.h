@@ -135,5 +135,7 @@ uint64_t seed_of(py::handle obj, std::string_view fn);
 
 // An array's shape as a qkv Shape (ValueError beyond qkv's 4 axes).
 Shape shape_of(const py::array& array);
+// An array's shape for messages, "[2, 3, 4]", for any rank.
+std::string shape_str(const py::array& array);
 
 }  // namespace qkv::python

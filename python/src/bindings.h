@@ -35,5 +35,6 @@ void register_attention(pybind11::module_& m);  // attention.cc: SDPA, additive,
 void register_pooling(pybind11::module_& m);    // pooling.cc: pooling with given weights
 void register_merge(pybind11::module_& m);  // merge.cc: merging attention over parts of a key set
 void register_regression(pybind11::module_& m);  // regression.cc: Nadaraya-Watson
+void register_store(pybind11::module_& m);  // store.cc: the on-disk key-value store and its index
 
 }  // namespace qkv::python

@@ -2,15 +2,18 @@
 an example, and every example runs and prints what it shows.
 
 - Every public function and class of qkv (qkv.__all__) and qkv.torch
-  (qkv.torch.__all__) has a docstring with a `>>>` example; the exception
-  classes and the gradient named tuples (types, not operations) have a
-  docstring; the estimator's methods and properties each have one.
+  (qkv.torch.__all__) has a docstring with a `>>>` example, and so has every
+  method of the store and the index (KeyValueStore.create, Index.attend,
+  ...); the exception classes and the result and gradient named tuples
+  (types, not operations) have a docstring; the estimator's methods and
+  properties, and the store's and the index's properties, each have one.
 - The examples run with doctest (NORMALIZE_WHITESPACE) in the order they
-  appear in the sources, since later examples use names (q, k, v, x, y)
-  defined by earlier ones: python/src/softmax.cc, attention.cc, pooling.cc,
-  merge.cc, regression.cc, runtime.cc (the order of their m.def / py::class_
-  registrations), then python/qkv/torch.py, all in one globals dict holding
-  np, torch and qkv (with qkv.torch imported). Each docstring is one test.
+  appear in the sources, since later examples use names (q, k, v, x, y,
+  store, index) defined by earlier ones: python/src/softmax.cc, attention.cc,
+  pooling.cc, merge.cc, regression.cc, runtime.cc, store.cc (the order of
+  their m.def / py::class_ registrations, a class's methods after it), then
+  python/qkv/torch.py, all in one globals dict holding np, torch and qkv
+  (with qkv.torch imported). Each docstring is one test.
 """
 
 import doctest
@@ -27,18 +30,32 @@ import qkv.torch
 SOURCE = os.environ.get("QKV_SOURCE_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BINDING_FILES = ["softmax.cc", "attention.cc", "pooling.cc", "merge.cc", "regression.cc",
-                 "runtime.cc"]
+                 "runtime.cc", "store.cc"]
+# Classes whose methods each carry an example, run after the class's own.
+CLASSES_WITH_METHOD_EXAMPLES = {"KeyValueStore", "Index"}
+REGISTRATION = re.compile(r'(?P<function>\bm\.def\(\s*"(?P<f>\w+)")'
+                          r'|(?P<cls>py::class_<[^>]*>\(\s*m\s*,\s*"(?P<c>\w+)")'
+                          r'|(?P<method>\.def(?:_static)?\(\s*"(?P<m>\w+)")')
 
 
 def binding_order():
-    """Public names registered by python/src's files, in the order of the sources."""
+    """Public names registered by python/src's files, in the order of the sources:
+    functions, classes, and "Class.method" for CLASSES_WITH_METHOD_EXAMPLES."""
     names = []
     for name in BINDING_FILES:
         with open(os.path.join(SOURCE, "python", "src", name)) as f:
             text = f.read()
-        for m in re.finditer(r'm\.def\(\s*"(\w+)"|py::class_<[^>]*>\(\s*m\s*,\s*"(\w+)"', text):
-            found = m.group(1) or m.group(2)
-            if not found.startswith("_"):
+        cls = None
+        for m in REGISTRATION.finditer(text):
+            if m.group("function"):
+                cls, found = None, m.group("f")
+            elif m.group("cls"):
+                cls = found = m.group("c")
+            elif cls in CLASSES_WITH_METHOD_EXAMPLES:
+                found = f"{cls}.{m.group('m')}"
+            else:
+                continue
+            if not found.split(".")[-1].startswith("_"):
                 names.append(found)
     return names
 
@@ -53,15 +70,19 @@ def torch_order():
 ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
 IDS = [f"{module}.{name}" for module, name in ORDER]
 TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
-         "AdditiveAttentionGrads", "BilinearAttentionGrads", "MergedAttention"}
+         "AdditiveAttentionGrads", "BilinearAttentionGrads", "MergedAttention",
+         "StoreAttentionResult", "IndexAttentionResult"}
 
 
 def resolve(module, name):
-    return getattr(qkv if module == "qkv" else qkv.torch, name)
+    obj = qkv if module == "qkv" else qkv.torch
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def test_the_order_covers_the_public_api():
-    scanned = {name for module, name in ORDER if module == "qkv"}
+    scanned = {name for module, name in ORDER if module == "qkv" and "." not in name}
     callables = {n for n in qkv.__all__ if n not in TYPES and n != "__version__"}
     assert scanned == callables, (scanned ^ callables)
     assert [n for m, n in ORDER if m == "qkv.torch"] and \
@@ -91,6 +112,26 @@ def test_types_have_docstrings(name):
 def test_estimator_members_have_docstrings(member):
     doc = getattr(qkv.KernelRegression, member).__doc__
     assert doc and len(doc.strip()) > 10, member
+
+
+STORE_PROPERTIES = [("KeyValueStore", p) for p in ("dir", "rows", "key_dim", "value_dim", "dtype",
+                                                    "chunk_rows", "num_chunks")] + \
+    [("Index", p) for p in ("dir", "rows", "key_dim", "value_dim", "dtype", "num_lists",
+                            "list_rows", "radii", "max_norms", "centroids")]
+
+
+@pytest.mark.parametrize("cls,member", STORE_PROPERTIES, ids=[f"{c}.{m}" for c, m in STORE_PROPERTIES])
+def test_store_and_index_properties_have_docstrings(cls, member):
+    doc = getattr(qkv, cls).__dict__[member].__doc__
+    assert doc and len(doc.strip()) > 10, f"{cls}.{member}"
+
+
+def test_every_store_and_index_method_is_in_the_order():
+    """A method added to the classes without an example would not be run."""
+    for cls in CLASSES_WITH_METHOD_EXAMPLES:
+        methods = {n for n, v in vars(getattr(qkv, cls)).items()
+                   if not n.startswith("_") and not isinstance(v, property)}
+        assert methods == {n.split(".")[1] for m, n in ORDER if n.startswith(cls + ".")}, cls
 
 
 class Recorder(doctest.DocTestRunner):
