@@ -62,7 +62,8 @@ def _listed_parameters(message):
 
 def _shown(value):
     shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype"):
+    # isinstance: a NumPy type such as np.float32 has shape and dtype too (descriptors).
+    if isinstance(shape, tuple) and hasattr(value, "dtype"):
         return f"an array of shape {tuple(shape)} and dtype {value.dtype}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
