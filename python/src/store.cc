@@ -44,6 +44,13 @@ std::string number_text(double x) {
   return std::string(text, end);
 }
 
+// A computed number in 3 significant digits: "1e+50", "5.43e-20".
+std::string rounded_text(double x) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, x, std::chars_format::general, 3).ptr;
+  return std::string(text, end);
+}
+
 // `message` as the Python call `fn` tells it: the C++ function's name `cpp`
 // in front becomes fn ("KeyValueStore::open: ..." -> "KeyValueStore.open:
 // ..."), and a message from a function further down gets fn in front
@@ -173,10 +180,13 @@ std::optional<double> softmax_scale(std::string_view fn, Scoring scoring,
     check_positive(fn, "bandwidth", *bandwidth);
     const double s = 1.0 / (*bandwidth * *bandwidth);
     if (s > kFloat32Max) {
+      // The smallest bandwidth that fits, rounded up so that it does.
+      const double smallest = 1.0 / std::sqrt(kFloat32Max) * (1 + 1e-3);
       throw Error(f + ": bandwidth = " + number_text(*bandwidth) +
-                  " is too small: the scale 1/bandwidth^2 = " + number_text(s) +
+                  " is too small: the scale 1/bandwidth^2 = " + rounded_text(s) +
                   " is beyond float32's range (3.4e+38), which stores compute in; give a "
-                  "bandwidth of at least 5.43e-20");
+                  "bandwidth of at least " +
+                  rounded_text(smallest));
     }
     return s;
   }

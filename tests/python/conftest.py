@@ -3,8 +3,10 @@
 - `seed` / `rng`: fresh random inputs in every test, from a seed drawn anew
   each run unless QKV_TEST_SEED is set; a failing test's report names the seed
   and the command that replays it.
-- `qkv_cli`: the path of the qkv command of the same build (QKV_CLI), for
-  checks that the bindings give the library's bits.
+- `qkv_cli`: the path of the qkv command of the same build (QKV_CLI; run by
+  hand without it, the command of the build tree the package is imported
+  from: <build>/python/qkv -> <build>/qkv), for checks that the bindings
+  give the library's bits.
 
 The package under test is the one on PYTHONPATH (CTest points it at the
 build tree's python/ folder); a missing numpy or torch fails, never skips.
@@ -52,7 +54,11 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def qkv_cli():
     path = os.environ.get("QKV_CLI")
-    if not path or not os.access(path, os.X_OK):
+    if not path:
+        import qkv
+        build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(qkv.__file__))))
+        path = os.path.join(build, "qkv")
+    if not os.access(path, os.X_OK):
         pytest.fail(f"QKV_CLI={path!r} does not name the qkv command; CTest sets it to the "
-                    f"build's binary")
+                    f"build's binary (by hand: QKV_CLI=<build>/qkv)")
     return path
