@@ -120,7 +120,8 @@ STORE_PROPERTIES = [("KeyValueStore", p) for p in ("dir", "rows", "key_dim", "va
                             "list_rows", "radii", "max_norms", "centroids")]
 
 
-@pytest.mark.parametrize("cls,member", STORE_PROPERTIES, ids=[f"{c}.{m}" for c, m in STORE_PROPERTIES])
+@pytest.mark.parametrize("cls,member", STORE_PROPERTIES,
+                         ids=[f"{c}.{m}" for c, m in STORE_PROPERTIES])
 def test_store_and_index_properties_have_docstrings(cls, member):
     doc = getattr(qkv, cls).__dict__[member].__doc__
     assert doc and len(doc.strip()) > 10, f"{cls}.{member}"

@@ -1,4 +1,4 @@
-"""qkv.KeyValueStore and qkv.Index against float64 NumPy loops, the qkv command, and every error path.
+"""qkv.KeyValueStore and qkv.Index against float64 NumPy loops, the qkv command, every error.
 
 - Round trips: create (float32 or float64, any strides) then keys()/values()
   give the input back, rounded as NumPy rounds to float32 and to bfloat16;
@@ -15,8 +15,11 @@
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -479,6 +482,27 @@ def test_index_attention_bits_equal_the_cli(qkv_cli, tmp_path, indexed, rng):
             np.testing.assert_array_equal(got, want, err_msg=f"{name} with {options}")
 
 
+# ---- docs/python.md's example -------------------------------------------------------------------
+
+SOURCE = os.environ.get("QKV_SOURCE_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
+    with open(os.path.join(SOURCE, "docs", "python.md")) as f:
+        page = f.read()
+    section = page[page.index("## The store and its index"):]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its mkdtemp() lands here
+    names = {}
+    exec(compile(example, "docs/python.md", "exec"), names)
+    store, index, r = names["store"], names["index"], names["r"]
+    assert store.rows == 10_100 and index.rows == 10_100 and r.output.shape == (4, 8)
+    # The range query read a part of the rows, exactly (certificate 0).
+    assert (r.rows_visited < store.rows // 4).all() and not r.certificate.any()
+    np.testing.assert_array_equal(names["first_rows"], names["keys"][:10])
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 def check_raises(call, kind, fn, parts):
@@ -769,11 +793,11 @@ def legal(name, label):
     numbers where numbers go."""
     if label == "None" and name in ("valid_lens", "scale", "bandwidth", "epsilon", "stop"):
         return True
-    return (name == "dir" and label in ("str", "bytes")) or (name == "scale" and label == "negative")
+    return ((name == "dir" and label in ("str", "bytes"))
+            or (name == "scale" and label == "negative"))
 
 
 def run_sweep(seed, root):
-    import os
     os.chdir(root)  # a garbage path that is a path lands here
     rng = np.random.default_rng(seed)
     keys, values = rng.standard_normal((40, 3)).astype(F4), rng.standard_normal((40, 2))
