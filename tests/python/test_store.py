@@ -20,6 +20,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -480,6 +482,89 @@ def test_index_attention_bits_equal_the_cli(qkv_cli, tmp_path, indexed, rng):
             want = np.load(tmp_path / f"{name}.npy")
             assert want.dtype == got.dtype and want.shape == got.shape, name
             np.testing.assert_array_equal(got, want, err_msg=f"{name} with {options}")
+
+
+# ---- threads --------------------------------------------------------------------------------
+
+def other_thread_ran_during(call):
+    """Whether another Python thread ran in the middle half of call() (time stamps
+    at most every 0.5 ms): with the GIL held by the call it could not."""
+    stamps, state = [], {"stop": False}
+
+    def counter():
+        last = 0.0
+        while not state["stop"]:
+            now = time.perf_counter()
+            if now - last >= 0.0005:
+                stamps.append(now)
+                last = now
+
+    thread = threading.Thread(target=counter)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+    finally:
+        state["stop"] = True
+        thread.join()
+    assert t1 - t0 > 0.03, f"the call took {1e3 * (t1 - t0):.0f} ms: too short to tell"
+    lo, hi = t0 + 0.25 * (t1 - t0), t1 - 0.25 * (t1 - t0)
+    return any(lo <= t <= hi for t in stamps)
+
+
+def test_attention_releases_the_gil(tmp_path, rng):
+    before = qkv.get_num_threads()
+    qkv.set_num_threads(1)
+    try:
+        keys = rng.standard_normal((100_000, 32)).astype(F4)
+        store = qkv.KeyValueStore.create(tmp_path / "s", keys, keys, chunk_rows=30_000)
+        index = qkv.Index.build(store, tmp_path / "i", lists=50, iterations=2)
+        queries = rng.standard_normal((256, 32)).astype(F4)
+        built = iter(range(10))
+        calls = {"KeyValueStore.attend": lambda: store.attend(queries, top_k=4),
+                 "Index.attend": lambda: index.attend(queries[:96], epsilon=0),
+                 "Index.build": lambda: qkv.Index.build(store, tmp_path / f"b{next(built)}",
+                                                        lists=200, iterations=40)}
+        for name, call in calls.items():
+            # Up to 3 tries, in case the machine's other work kept the counting
+            # thread off the CPUs for a whole call.
+            assert any(other_thread_ran_during(call) for _ in range(3)), name
+    finally:
+        qkv.set_num_threads(before)
+
+
+def test_a_store_shared_by_threads_reads_whole_appends(tmp_path, rng):
+    """Reads in one thread while another appends to the same object: each read
+    sees the store before or after an append, never between."""
+    batch, batches = 50, 12
+    keys = rng.standard_normal((batch * (batches + 1), 4)).astype(F4)
+    values = rng.standard_normal((len(keys), 3)).astype(F4)
+    store = qkv.KeyValueStore.create(tmp_path / "s", keys[:batch], values[:batch],
+                                     chunk_rows=32)
+    seen, errors = [], []
+
+    def reader():
+        try:
+            while len(seen) < 2000 and store.rows < len(keys):
+                got = store.keys()
+                seen.append(len(got))
+                np.testing.assert_array_equal(got, keys[:len(got)])
+                r = store.attend(keys[:2], top_k=1)
+                assert r.top_ids.max() < len(keys)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for b in range(1, batches + 1):
+        store.append(keys[b * batch:(b + 1) * batch], values[b * batch:(b + 1) * batch])
+    thread.join()
+    assert not errors, errors
+    assert seen and all(n % batch == 0 for n in seen), sorted(set(seen))
+    assert store.rows == len(keys)
+    np.testing.assert_array_equal(store.values(), values)
 
 
 # ---- docs/python.md's example -------------------------------------------------------------------
