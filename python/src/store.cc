@@ -162,16 +162,17 @@ void check_positive(std::string_view fn, std::string_view name, double x) {
 // scoring 1/h^2 from `bandwidth` h (the Gaussian kernel's width, as the
 // command's --bandwidth). A distance scale beyond float32's range, which
 // stores compute in, would make every score overflow: refused before
-// computing, as the command does.
+// computing, as the command does. `other_use` names what else bandwidth is
+// for in fn, for the message when scoring is dot.
 std::optional<double> softmax_scale(std::string_view fn, Scoring scoring,
-                                    std::optional<double> scale, std::optional<double> bandwidth) {
+                                    std::optional<double> scale, std::optional<double> bandwidth,
+                                    std::string_view other_use = "") {
   const std::string f(fn);
   if (bandwidth) {
     if (scoring != Scoring::kDistance) {
       throw Error(f + ": bandwidth = " + number_text(*bandwidth) +
                   " is for scoring='distance' (its scale is 1/bandwidth^2)" +
-                  (fn == "Index.attend" ? " or a compact kernel" : "") +
-                  "; scoring='dot' takes scale");
+                  std::string(other_use) + "; scoring='dot' takes scale");
     }
     if (scale) {
       throw Error(f + ": bandwidth = " + number_text(*bandwidth) + " and scale = " +
@@ -286,7 +287,7 @@ py::array read_rows(const PyStore& self, bool keys, int64_t start, std::optional
         } else {
           const ConstView<bfloat16> from = keys ? chunk.keys<bfloat16>() : chunk.values<bfloat16>();
           const bfloat16* x = &from(r - range.first_row, 0);
-          for (int64_t c2 = 0; c2 < dim; ++c2) row[c2] = static_cast<float>(x[c2]);
+          for (int64_t col = 0; col < dim; ++col) row[col] = static_cast<float>(x[col]);
         }
       }
       chunk.check_intact();
@@ -385,7 +386,7 @@ py::object index_attend(const StoreIndex& index, py::handle queries_obj, const s
     if (probe != 0) refuse("probe = " + std::to_string(probe));
     options.bandwidth = bandwidth;
   } else {
-    options.scale = softmax_scale(kFn, options.scoring, scale, bandwidth);
+    options.scale = softmax_scale(kFn, options.scoring, scale, bandwidth, " or a compact kernel");
     if (epsilon && probe > 0) {
       throw Error(f + ": epsilon = " + number_text(*epsilon) +
                   " and probe = " + std::to_string(probe) +
