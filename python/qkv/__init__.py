@@ -138,8 +138,8 @@ for _name in ("__init__", "fit", "predict", "weights", "loo_error"):
 # such) and methods.
 for _class, _static, _methods in ((KeyValueStore, ("create", "open"),
                                    ("append", "verify", "keys", "values", "attend")),
-                                  (Index, ("build", "open"),
-                                   ("verify", "check_built_over", "attend"))):
+                                  (Index, ("build", "open", "update"),
+                                   ("verify", "check_built_over", "attend", "attend_backward"))):
     for _name in _static:
         setattr(_class, _name, staticmethod(_arguments.named_errors(
             getattr(_class, _name), f"qkv.{_class.__name__}.{_name}")))

@@ -332,6 +332,8 @@ class Index:
     def open(dir: StrPath, *, check: str = "structure") -> "Index": ...
     def verify(self) -> None: ...
     def check_built_over(self, store: KeyValueStore) -> None: ...
+    @staticmethod
+    def update(dir: StrPath, store: KeyValueStore) -> "Index": ...
     def attend(
         self,
         queries: ArrayLike,
@@ -344,6 +346,17 @@ class Index:
         kernel: str = "gaussian",
         bandwidth: Optional[float] = None,
     ) -> IndexAttentionResult: ...
+    def attend_backward(
+        self,
+        queries: ArrayLike,
+        forward: IndexAttentionResult,
+        d_output: ArrayLike,
+        *,
+        scoring: str = "dot",
+        scale: Optional[float] = None,
+        epsilon: Optional[float] = None,
+        probe: int = 0,
+    ) -> npt.NDArray[np.float32]: ...
     @property
     def dir(self) -> str: ...
     @property

@@ -360,10 +360,12 @@ py::array list_array(const StoreIndex& index, Field field) {
   return array;
 }
 
-py::object index_attend(const StoreIndex& index, py::handle queries_obj, const std::string& scoring,
-                        std::optional<double> scale, std::optional<double> epsilon, int64_t probe,
-                        int64_t top_k, const std::string& kernel, std::optional<double> bandwidth) {
-  constexpr std::string_view kFn = "Index.attend";
+// Index.attend's and Index.attend_backward's options, checked as the
+// command checks them.
+IndexAttentionOptions index_options(std::string_view kFn, const StoreIndex& index,
+                                    const std::string& scoring, std::optional<double> scale,
+                                    std::optional<double> epsilon, int64_t probe, int64_t top_k,
+                                    const std::string& kernel, std::optional<double> bandwidth) {
   const std::string f(kFn);
   IndexAttentionOptions options;
   options.scoring = scoring_of(scoring, kFn);
@@ -409,6 +411,15 @@ py::object index_attend(const StoreIndex& index, py::handle queries_obj, const s
                 std::to_string(index.rows()) + " rows");
   }
   options.top_k = top_k;
+  return options;
+}
+
+py::object index_attend(const StoreIndex& index, py::handle queries_obj, const std::string& scoring,
+                        std::optional<double> scale, std::optional<double> epsilon, int64_t probe,
+                        int64_t top_k, const std::string& kernel, std::optional<double> bandwidth) {
+  constexpr std::string_view kFn = "Index.attend";
+  const IndexAttentionOptions options =
+      index_options(kFn, index, scoring, scale, epsilon, probe, top_k, kernel, bandwidth);
   py::array queries = float32_rows(queries_obj, kFn, "queries", "(Nq, D)");
   const ConstView<float> q = view_of<float>(queries);
   IndexAttentionResult r = released(kFn, "attend", [&] { return attend(q, index, options); });
@@ -420,6 +431,45 @@ py::object index_attend(const StoreIndex& index, py::handle queries_obj, const s
                            to_numpy(std::move(r.rows_visited)),
                            top_array(std::move(r.top_ids), nq, top_k),
                            top_array(std::move(r.top_weights), nq, top_k), certified);
+}
+
+py::array index_attend_backward(const StoreIndex& index, py::handle queries_obj, py::handle forward,
+                                py::handle d_output_obj, const std::string& scoring,
+                                std::optional<double> scale, std::optional<double> epsilon,
+                                int64_t probe) {
+  constexpr std::string_view kFn = "Index.attend_backward";
+  const IndexAttentionOptions options =
+      index_options(kFn, index, scoring, scale, epsilon, probe, 0, "gaussian", std::nullopt);
+  if (!py::hasattr(forward, "lists_visited")) {
+    throw py::type_error(std::string(kFn) + ": forward is a " +
+                         std::string(py::str(py::type::handle_of(forward).attr("__name__"))) +
+                         "; expected the IndexAttentionResult of Index.attend on the same queries");
+  }
+  py::array queries = float32_rows(queries_obj, kFn, "queries", "(Nq, D)");
+  py::array d_output = float32_rows(d_output_obj, kFn, "d_output", "(Nq, Dv)");
+  py::array visited = int_array(forward.attr("lists_visited"), kFn, "forward.lists_visited", false);
+  const ConstView<int64_t> visited_view = view_of<int64_t>(visited);
+  IndexAttentionResult saved;
+  saved.lists_visited = Tensor<int64_t>(visited_view.shape());
+  for (int64_t i = 0; i < visited_view.numel(); ++i) {
+    saved.lists_visited.data()[i] = visited_view.shape().rank() == 1 ? visited_view(i) : 0;
+  }
+  const ConstView<float> q = view_of<float>(queries), d_o = view_of<float>(d_output);
+  Tensor<float> d_queries = released(
+      kFn, "attend_backward", [&] { return attend_backward(q, index, options, saved, d_o); });
+  return to_numpy(std::move(d_queries));
+}
+
+StoreIndex update_index(py::handle dir_obj, py::handle store_obj) {
+  constexpr std::string_view kFn = "Index.update";
+  const std::string dir = path_of(dir_obj, kFn, "dir");
+  if (!py::isinstance<PyStore>(store_obj)) {
+    throw py::type_error(std::string(kFn) + ": store is a " +
+                         std::string(py::str(py::type::handle_of(store_obj).attr("__name__"))) +
+                         "; expected a qkv.KeyValueStore");
+  }
+  const std::shared_ptr<const KeyValueStore> store = store_obj.cast<const PyStore&>().snapshot();
+  return released(kFn, "StoreIndex::update", [&] { return StoreIndex::update(dir, *store); });
 }
 
 // "qkv.KeyValueStore('/data/memory.qkv', rows=1000, key_dim=8, value_dim=4,
@@ -860,6 +910,41 @@ Raises:
 Traceback (most recent call last):
 qkv.Error: Index.check_built_over: index ... was built over another store than store ... (its chunks' checksums differ): build it again over this one
 )")
+      .def_static("update", &update_index, py::arg("dir"), py::arg("store"),
+                  R"(Brings the index at `dir` up to date with `store` after appends.
+
+Each row appended to the store since the index was built (or last updated)
+joins its nearest list; the centroids stay as built and the lists' radii
+and norms widen to hold the new rows, so the certificates hold as after a
+build. The files are written again (a copy of the index, no k-means) in a
+hidden directory swapped in for the old one: whoever opens the index finds
+the old one or the new one, whole (`qkv index update`). An index current
+with `store` is returned as it is. Objects opened before keep reading the
+old files.
+
+Arguments:
+    dir: the index's directory (str or os.PathLike).
+    store: the qkv.KeyValueStore it was built over, with rows appended since.
+
+Returns:
+    The updated Index.
+
+Raises:
+    TypeError: store not a KeyValueStore, dir not a path.
+    qkv.Error (a ValueError): no index at dir or a damaged one, another
+        store, an index without lists (built over an empty store).
+    qkv.IoError (an OSError): another process is updating it, or the system
+        failed a write.
+
+>>> growing = qkv.KeyValueStore.create(os.path.join(tmp.name, 'growing.qkv'), keys[:600],
+...                                    values[:600])
+>>> growing_index = qkv.Index.build(growing, os.path.join(tmp.name, 'growing.index'), lists=8)
+>>> growing.append(keys[600:], values[600:])
+>>> growing_index = qkv.Index.update(growing_index.dir, growing)
+>>> growing_index.rows, growing_index.num_lists
+(1000, 8)
+>>> growing_index.check_built_over(growing)
+)")
       .def("attend", &index_attend, py::arg("queries"), py::kw_only(), py::arg("scoring") = "dot",
            py::arg("scale") = py::none(), py::arg("epsilon") = py::none(), py::arg("probe") = 0,
            py::arg("top_k") = 0, py::arg("kernel") = "gaussian", py::arg("bandwidth") = py::none(),
@@ -918,6 +1003,40 @@ Raises:
 >>> r = index.attend(queries, epsilon=0)
 >>> bool(np.allclose(r.output, exact, atol=1e-5)), int(r.lists_visited[0])
 (True, 16)
+)")
+      .def("attend_backward", &index_attend_backward, py::arg("queries"), py::arg("forward"),
+           py::arg("d_output"), py::kw_only(), py::arg("scoring") = "dot",
+           py::arg("scale") = py::none(), py::arg("epsilon") = py::none(), py::arg("probe") = 0,
+           R"(The gradient with respect to the queries of attend()'s softmax output.
+
+The gradient of what attend() computed: attention over the rows each query
+visited (the first forward.lists_visited[i] lists in the order of their
+bounds, as attend() took them), not of attention over every row; for
+epsilon=0 the two are the same. The lists visited stay the same under a
+small enough change of a query, so this is the derivative of the output
+attend() returned wherever it has one (docs/index.md, "The backward").
+Give the same queries and options as the forward.
+
+Arguments:
+    queries: (Nq, D), float32 or float64 (rounded to float32), as given
+        to attend().
+    forward: the IndexAttentionResult attend() returned for them.
+    d_output: (Nq, Dv), dLoss/d(output).
+    scoring, scale, epsilon, probe: as given to attend() (softmax
+        attention; compact kernels have no backward).
+
+Returns:
+    float32 array (Nq, D): dLoss/d(queries).
+
+Raises:
+    TypeError: forward not an attend() result, arrays not float.
+    qkv.Error (a ValueError): shapes that do not fit (named), options out of
+        range, lists_visited not of these queries' forward.
+
+>>> r = index.attend(queries, epsilon=1e-3)
+>>> d_q = index.attend_backward(queries, r, np.ones_like(r.output), epsilon=1e-3)
+>>> d_q.shape == queries.shape, d_q.dtype
+(True, dtype('float32'))
 )")
       .def_property_readonly("dir", &StoreIndex::dir, "The index's directory, as it was given.")
       .def_property_readonly("rows", &StoreIndex::rows, "The number of rows N (the store's).")

@@ -797,7 +797,7 @@ def test_a_stale_or_foreign_index_is_refused(tmp_path, rng):
     store.append(keys[:3], values[:3])
     check_raises(lambda: index.check_built_over(store), qkv.Error, "Index.check_built_over",
                  [f"was built over 80 rows of store {store.dir}, which now has 83",
-                  "the index is stale; build it again"])
+                  "the index is stale; update it (qkv index update) or build it again"])
     qkv.Index.build(store, tmp_path / "fresh", lists=5).check_built_over(store)
 
 
@@ -944,3 +944,95 @@ def test_garbage_gives_type_or_value_errors_never_a_crash(tmp_path, seed):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--sweep"]:
     run_sweep(int(sys.argv[2]), sys.argv[3])
+
+
+# ---- updates and the backward -------------------------------------------------------------
+
+def test_update_adds_the_appended_rows_to_their_nearest_lists(tmp_path, rng):
+    keys = clustered(rng, 1200, 5)
+    values = rng.standard_normal((1200, 3)).astype(F4)
+    store = qkv.KeyValueStore.create(tmp_path / "s", keys[:800], values[:800], chunk_rows=300)
+    built = qkv.Index.build(store, tmp_path / "i", lists=16)
+    assert qkv.Index.update(built.dir, store).rows == 800  # current: as it is
+    store.append(keys[800:], values[800:])
+    index = qkv.Index.update(tmp_path / "i", store)
+    index.check_built_over(store)
+    assert (index.rows, index.num_lists) == (1200, 16)
+    np.testing.assert_array_equal(index.centroids, built.centroids)
+    assert (index.list_rows >= built.list_rows).all() and index.list_rows.sum() == 1200
+    assert (index.radii >= built.radii).all()
+    queries = keys[rng.integers(0, 1200, 8)] + rng.normal(0, 0.1, (8, 5)).astype(F4)
+    ref = Reference(queries, keys, values, "distance", 2.0)
+    ref.check(*index.attend(queries, scoring="distance", scale=2.0, epsilon=0)[:2])
+    r = index.attend(queries, scoring="distance", scale=2.0, epsilon=1e-3)
+    ref.check(r.output, r.lse, r.certificate, exact=False)
+    other = qkv.KeyValueStore.create(tmp_path / "o", keys[::-1].copy(), values)
+    check_raises(lambda: qkv.Index.update(index.dir, other), qkv.Error, "Index.update",
+                 ["another store than store"])
+    check_raises(lambda: qkv.Index.update(index.dir, keys), TypeError, "Index.update",
+                 ["store is a ndarray", "qkv.KeyValueStore"])
+    check_raises(lambda: qkv.Index.update(tmp_path / "none", store), qkv.Error, "Index.update",
+                 ["none"])
+
+
+def numpy_d_queries(ref, queries, keys, values, d_output, scoring, scale):
+    """dLoss/d(queries) of softmax attention over every row, in float64."""
+    q, k, v, d_o = (np.asarray(a, F8) for a in (queries, keys, values, d_output))
+    g = d_o @ v.T - (d_o * ref.output).sum(axis=1, keepdims=True)  # (Nq, N)
+    ds = ref.weights * g * scale
+    return ds @ k - (ds.sum(axis=1, keepdims=True) * q if scoring == "distance" else 0)
+
+
+@pytest.mark.parametrize("scoring,scale", [("dot", 2.0), ("distance", 4.0)])
+def test_the_backward_is_the_gradient_of_the_rows_visited(indexed, rng, scoring, scale):
+    store, index = indexed
+    keys, values = store.keys(), store.values()
+    queries = (keys[rng.integers(0, len(keys), 6)] + rng.normal(0, 0.05, (6, 5))).astype(F4)
+    d_output = rng.standard_normal((6, 3)).astype(F4)
+    # epsilon 0: the gradient of attention over every row.
+    r = index.attend(queries, scoring=scoring, scale=scale, epsilon=0)
+    d_q = index.attend_backward(queries, r, d_output, scoring=scoring, scale=scale, epsilon=0)
+    assert d_q.dtype == F4 and d_q.shape == (6, 5)
+    q = bf16_round(queries) if store.dtype == "bfloat16" and scoring == "dot" else queries
+    ref = Reference(q, keys, values, scoring, scale)
+    want = numpy_d_queries(ref, q, keys, values, d_output, scoring, scale)
+    np.testing.assert_allclose(d_q, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    if store.dtype == "bfloat16" and scoring == "dot":
+        return  # queries rounded to bfloat16 have steps, not differences
+    # epsilon 1e-3: central differences of the index's own output, along
+    # directions that keep each query's lists visited.
+    r = index.attend(queries, scoring=scoring, scale=scale, epsilon=1e-3)
+    d_q = index.attend_backward(queries, r, d_output, scoring=scoring, scale=scale, epsilon=1e-3)
+    checked = 0
+    for i in range(6):
+        for _ in range(20):
+            u = rng.uniform(-1, 1, 5)
+            plus, minus = (np.asarray(queries[i] + sign * 1e-3 * u, F4)[None] for sign in (1, -1))
+            a, b = (index.attend(x, scoring=scoring, scale=scale, epsilon=1e-3)
+                    for x in (plus, minus))
+            if {int(a.rows_visited[0]), int(b.rows_visited[0])} != {int(r.rows_visited[i])} or \
+                    {int(a.lists_visited[0]), int(b.lists_visited[0])} != \
+                    {int(r.lists_visited[i])}:
+                continue
+            step = plus[0].astype(F8) - minus[0].astype(F8)
+            numeric = float(d_output[i].astype(F8) @ (a.output[0].astype(F8) -
+                                                      b.output[0].astype(F8)))
+            analytic = float(d_q[i].astype(F8) @ step)
+            assert abs(numeric - analytic) <= 2e-3 * np.abs(d_q[i] * step).sum() + 1e-5, i
+            checked += 1
+            break
+    assert checked >= 3
+
+
+def test_backward_errors(indexed, rng):
+    store, index = indexed
+    queries = rng.standard_normal((4, 5)).astype(F4)
+    r = index.attend(queries)
+    check_raises(lambda: index.attend_backward(queries, r.output, np.ones((4, 3), F4)), TypeError,
+                 "Index.attend_backward", ["forward is a ndarray", "IndexAttentionResult"])
+    check_raises(lambda: index.attend_backward(queries, r, np.ones((4, 2), F4)), qkv.Error,
+                 "Index.attend_backward", ["d_output", "[4, 2]", "[4, 3]"])
+    check_raises(lambda: index.attend_backward(queries[:3], r, np.ones((3, 3), F4)), qkv.Error,
+                 "Index.attend_backward", ["forward.lists_visited", "[4]", "[3]"])
+    check_raises(lambda: index.attend_backward(queries, r, np.ones((4, 3), F4), epsilon=-1),
+                 qkv.Error, "Index.attend_backward", ["epsilon = -1"])
