@@ -582,7 +582,10 @@ def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
     names = {}
     exec(compile(example, "docs/python.md", "exec"), names)
     store, index, r = names["store"], names["index"], names["r"]
-    assert store.rows == 10_100 and index.rows == 10_100 and r.output.shape == (4, 8)
+    # Two appends of 100 rows; the index updated after the second.
+    assert store.rows == 10_200 and index.rows == 10_200 and r.output.shape == (4, 8)
+    index.check_built_over(store)
+    assert names["d_q"].shape == (4, 16) and np.isfinite(names["d_q"]).all()
     # The range query read a part of the rows, exactly (certificate 0).
     assert (r.rows_visited < store.rows // 4).all() and not r.certificate.any()
     np.testing.assert_array_equal(names["first_rows"], names["keys"][:10])
