@@ -505,6 +505,8 @@ def main():
     parser.add_argument("--command", default="bench/index.sh")
     parser.add_argument("--replay", action="store_true",
                         help="re-render the page from docs/perf-runs/index.json")
+    parser.add_argument("--trial", action="store_true",
+                        help="print the section instead of writing docs/ (a smaller run)")
     args = parser.parse_args()
     if args.replay:
         with open(RAW) as f:
@@ -541,6 +543,9 @@ def main():
             run["datasets"].append(res)
             del keys, values
         run["elapsed_minutes"] = (time.time() - start) / 60
+        if args.trial:
+            print(render(run))
+            return
         os.makedirs(os.path.dirname(RAW), exist_ok=True)
         with open(RAW, "w") as f:
             json.dump(run, f, indent=1)

@@ -149,9 +149,9 @@ struct IndexAttentionOptions {
   // rows could hold is at most epsilon of the weight visited (per query).
   // 0 visits every list: exact attention (to float rounding). >= 0.
   double epsilon = 1e-3;
-  // Fixed-budget mode instead (probe > 0): visit the `probe` lists of
-  // largest bound, whatever they leave out; the certificate still bounds
-  // what was left out.
+  // Fixed-budget mode instead (probe > 0): visit the `probe` lists whose
+  // centroids score highest (FAISS's nprobe), whatever they leave out; the
+  // certificate still bounds what was left out.
   int64_t probe = 0;
   // Also each query's top_k rows (store row ids, weights over the visited
   // rows, largest first, ties to the smaller id). In certified mode the

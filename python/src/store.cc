@@ -969,9 +969,9 @@ Arguments:
         (-scale/2 |q - k|^2, scale default 1).
     scale: the scores' scale (finite; > 0 for distance).
     epsilon: the certified visit's bound, finite and >= 0; None is 1e-3.
-    probe: visit this many lists of largest bound instead of certifying
-        (> 0); the certificate still bounds what was left out. Not with
-        epsilon.
+    probe: visit this many lists (> 0), those whose centroids score
+        highest (as FAISS's nprobe), instead of certifying; the certificate
+        still bounds what was left out. Not with epsilon.
     top_k: also each query's top_k rows, 0 <= top_k <= rows: store row ids
         and weights over the visited rows, largest first; the certified visit
         goes on until they are certain.

@@ -182,21 +182,39 @@ QueryResult kernel_one(const float* q, const StoreIndex& index,
   return result;
 }
 
-// The nonempty lists by bound, largest first (ties: the smaller list): the
-// order attend() visits them in, and attend_backward() again.
+// The nonempty lists in the order attend() visits them (and
+// attend_backward() again), each with its bound. Certified: by bound,
+// largest first, which shrinks the bound on what is left fastest. With a
+// probe: by the score of the list's centroid, largest first, as FAISS's
+// nprobe: at 200,000 clustered rows the bound order's first list held 1.3
+// of a query's 10 nearest rows on average, the nearest centroid's 9.9
+// (a list of wide radius gets a high bound wherever its centroid is). Ties:
+// the smaller list.
 std::vector<std::pair<double, size_t>> visit_order(const float* q, double q_norm,
                                                    const StoreIndex& index, const Bounds& bounds,
-                                                   const std::vector<double>& centroid_norms) {
+                                                   const std::vector<double>& centroid_norms,
+                                                   bool by_centroid) {
   const std::vector<IndexList>& lists = index.lists();
+  const int64_t d = index.key_dim();
   std::vector<std::pair<double, size_t>> order;
+  std::vector<double> key(lists.size());
   for (size_t j = 0; j < lists.size(); ++j) {
     if (lists[j].rows == 0) continue;
-    order.emplace_back(bounds.of(q, q_norm, &index.centroids()(static_cast<int64_t>(j), 0),
-                                 centroid_norms[j], lists[j], index.key_dim()),
-                       j);
+    const float* c = &index.centroids()(static_cast<int64_t>(j), 0);
+    order.emplace_back(bounds.of(q, q_norm, c, centroid_norms[j], lists[j], d), j);
+    if (by_centroid) {
+      double s = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        const double x = bounds.distance ? double{q[i]} - double{c[i]} : double{q[i]} * c[i];
+        s += bounds.distance ? x * x : x;
+      }
+      key[j] = bounds.distance ? -0.5 * bounds.scale * s : bounds.scale * s;
+    } else {
+      key[j] = order.back().first;
+    }
   }
-  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    return key[a.second] > key[b.second] || (key[a.second] == key[b.second] && a.second < b.second);
   });
   return order;
 }
@@ -214,12 +232,14 @@ QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bo
   const std::vector<IndexList>& lists = index.lists();
   const double q_norm = norm_of(q, d);
   const std::vector<std::pair<double, size_t>> order =
-      visit_order(q, q_norm, index, bounds, centroid_norms);
-  // tail[p]: log of the most weight lists p, p + 1, ... could hold (rows x exp(bound)).
-  std::vector<double> tail(order.size() + 1, -kInf);
+      visit_order(q, q_norm, index, bounds, centroid_norms, options.probe > 0);
+  // tail[p]: log of the most weight lists p, p + 1, ... could hold (rows x
+  // exp(bound)); highest[p]: the largest bound among them.
+  std::vector<double> tail(order.size() + 1, -kInf), highest(order.size() + 1, -kInf);
   for (size_t p = order.size(); p-- > 0;) {
     tail[p] = log_add(tail[p + 1],
                       order[p].first + std::log(static_cast<double>(lists[order[p].second].rows)));
+    highest[p] = std::max(highest[p + 1], order[p].first);
   }
 
   QueryResult result;
@@ -250,11 +270,11 @@ QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bo
     result.lse = max_score + std::log(sum);
     result.certificate = tail[p + 1] == -kInf ? 0.0 : std::exp(tail[p + 1] - result.lse);
     // The top k are certain once the k-th visited score is at least every
-    // unvisited bound (the next list's is the largest of them).
+    // unvisited bound.
     const bool last = p + 1 == order.size();
-    result.top_certified = last || k == 0 ||
-                           (static_cast<int64_t>(result.top.size()) == k &&
-                            result.top.back().first >= order[p + 1].first);
+    result.top_certified =
+        last || k == 0 ||
+        (static_cast<int64_t>(result.top.size()) == k && result.top.back().first >= highest[p + 1]);
     if (last) break;
     if (options.probe > 0 ? result.lists == options.probe
                           : result.certificate <= options.epsilon && result.top_certified) {
@@ -387,10 +407,10 @@ void backward_rows(const float* q, ConstView<T> keys, ConstView<T> values, doubl
 }
 
 std::vector<double> backward_one(const float* q, const StoreIndex& index, const Prepared& prepared,
-                                 int64_t visited, const float* d_o) {
+                                 int64_t probe, int64_t visited, const float* d_o) {
   const int64_t d = index.key_dim(), dv = index.value_dim();
   const std::vector<std::pair<double, size_t>> order =
-      visit_order(q, norm_of(q, d), index, prepared.bounds, prepared.centroid_norms);
+      visit_order(q, norm_of(q, d), index, prepared.bounds, prepared.centroid_norms, probe > 0);
   const size_t lists = std::min(order.size(), static_cast<size_t>(visited));
   const bool distance = prepared.bounds.distance;
   const double scale = prepared.scale;
@@ -539,8 +559,8 @@ Tensor<float> attend_backward(ConstView<float> queries, const StoreIndex& index,
       // d_output's row as float, contiguous.
       std::vector<float> d_o(static_cast<size_t>(dv));
       for (int64_t c = 0; c < dv; ++c) d_o[static_cast<size_t>(c)] = d_output(i, c);
-      const std::vector<double> dq =
-          backward_one(&prepared.q(i, 0), index, prepared, forward.lists_visited(i), d_o.data());
+      const std::vector<double> dq = backward_one(&prepared.q(i, 0), index, prepared, options.probe,
+                                                  forward.lists_visited(i), d_o.data());
       for (int64_t c = 0; c < d; ++c)
         d_queries(i, c) = static_cast<float>(dq[static_cast<size_t>(c)]);
     } catch (...) {

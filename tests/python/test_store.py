@@ -1010,7 +1010,7 @@ def test_the_backward_is_the_gradient_of_the_rows_visited(indexed, rng, scoring,
     for i in range(6):
         for _ in range(20):
             u = rng.uniform(-1, 1, 5)
-            plus, minus = (np.asarray(queries[i] + sign * 1e-3 * u, F4)[None] for sign in (1, -1))
+            plus, minus = (np.asarray(queries[i] + sign * 2.5e-4 * u, F4)[None] for sign in (1, -1))
             a, b = (index.attend(x, scoring=scoring, scale=scale, epsilon=1e-3)
                     for x in (plus, minus))
             if {int(a.rows_visited[0]), int(b.rows_visited[0])} != {int(r.rows_visited[i])} or \
