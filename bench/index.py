@@ -54,7 +54,7 @@ def run_qkv(binary, *args):
 
 # ---- data sets -----------------------------------------------------------------------------
 
-def clustered(rng, n, nq, d=64, clusters=10_000, spread=0.1):
+def clustered(rng, n, nq, clusters, d=64, spread=0.1):
     """(a) A mixture of `clusters` Gaussians: centres N(0, I), each key a
     centre plus N(0, spread^2 I); queries drawn the same way (near the data).
     Distance scores, scale 1 (the Gaussian kernel of width 1)."""
@@ -158,13 +158,13 @@ def rss_bytes():
 
 # ---- one data set ----------------------------------------------------------------------------
 
-def measure(name, keys, queries, values, scoring, scale, args, work):
+def measure(name, keys, queries, values, scoring, scale, args, work, epsilons, singles, batches):
     n, d = keys.shape
     dv = values.shape[1]
     row_bytes = 4 * (d + dv)
     res = {"name": name, "rows": n, "key_dim": d, "value_dim": dv, "queries": len(queries),
-           "scoring": scoring, "scale": scale, "methods": []}
-    singles, batches = min(args.singles, len(queries)), args.batches
+           "scoring": scoring, "scale": scale, "methods": [], "date": time.strftime("%Y-%m-%d")}
+    singles = min(singles, len(queries))
     os.makedirs(work, exist_ok=True)
     store_dir, index_dir = os.path.join(work, "store"), os.path.join(work, "index")
     for path in (store_dir, index_dir):
@@ -205,7 +205,7 @@ def measure(name, keys, queries, values, scoring, scale, args, work):
         return index.attend(queries, scoring=scoring, scale=scale, top_k=TOP, **options)
 
     log(f"{name}: qkv certified")
-    for epsilon in EPSILONS + [0.0]:
+    for epsilon in epsilons:
         r = certified(epsilon=epsilon)
         missed = np.expm1(exact.lse.astype(np.float64) - r.lse.astype(np.float64))
         # The certificate bounds the weight missed over the weight visited;
@@ -242,15 +242,16 @@ def measure(name, keys, queries, values, scoring, scale, args, work):
             "bytes_per_query": float(r.rows_visited.mean()) * row_bytes + lists * d * 4,
             "build_s": build_s, "memory_bytes": directory_bytes(index_dir)})
 
-    compact(res, index, keys, values, queries, args, row_bytes)
-    peers(res, keys, values, queries, exact, exact_out, scoring, scale, lists, args, row_bytes)
+    compact(res, index, keys, values, queries, args, row_bytes, singles, batches)
+    peers(res, keys, values, queries, exact, exact_out, scoring, scale, lists, args, singles,
+          batches)
     res["exact_one_ms"] = exact_one_ms
     shutil.rmtree(store_dir, ignore_errors=True)
     shutil.rmtree(index_dir, ignore_errors=True)
     return res
 
 
-def compact(res, index, keys, values, queries, args, row_bytes):
+def compact(res, index, keys, values, queries, args, row_bytes, singles, batches):
     """A range query: the boxcar kernel of the width whose box holds about 1 %
     of the keys around the queries (found by bisection on a sample), through
     the index (exact by construction) against a NumPy loop over every row."""
@@ -281,7 +282,7 @@ def compact(res, index, keys, values, queries, args, row_bytes):
             else np.zeros(values.shape[1])
         worst = max(worst, float(np.linalg.norm(r.output[i] - want)))
     one, batch = latencies(lambda q: index.attend(q, kernel="boxcar", bandwidth=h),
-                           queries, min(args.singles, len(queries)), args.batches)
+                           queries, singles, batches)
     full = index.attend(queries, kernel="boxcar", bandwidth=h)
     res["compact"] = {"kernel": "boxcar", "bandwidth": h, "covered": float(np.mean(fraction)),
                       "rows_read_fraction": float(full.rows_visited.mean()) / len(keys),
@@ -292,12 +293,12 @@ def compact(res, index, keys, values, queries, args, row_bytes):
         f"{res['compact']['rows_read_fraction']:.4f}, error {worst:.2e}")
 
 
-def peers(res, keys, values, queries, exact, exact_out, scoring, scale, lists, args, row_bytes):
+def peers(res, keys, values, queries, exact, exact_out, scoring, scale, lists, args, singles,
+          batches):
     import faiss
     import hnswlib
     n, d = keys.shape
     faiss.omp_set_num_threads(THREADS)
-    singles, batches = min(args.singles, len(queries)), args.batches
     metric = faiss.METRIC_INNER_PRODUCT if scoring == "dot" else faiss.METRIC_L2
 
     def add_runs(method, settings, set_option, search, build_s, memory, bytes_per_query):
@@ -394,14 +395,19 @@ def fmt_bytes(x):
 
 
 def render(run):
-    lines = [BEGIN, "", f"Measured on {run['date']}: {run['cpu']}, {run['cores']} cores, "
-             f"qkv's SIMD target {run['simd_target']}, {THREADS} threads for every method; "
-             f"FAISS {run['faiss']}, hnswlib {run['hnswlib']}, NumPy {run['numpy']}.", ""]
+    lines = [BEGIN, "", f"{THREADS} threads for every method; FAISS {run['faiss']}, hnswlib "
+             f"{run['hnswlib']}, NumPy {run['numpy']} (scripts/peers-requirements.txt). Each table "
+             "is one run, with the peers beside qkv on the same data.", ""]
     for res in run["datasets"]:
+        clusters = f" ({res['clusters']:,} Gaussians)" if "clusters" in res else ""
         lines += [f"#### {res['title']}", "",
-                  f"{res['rows']:,} rows, D = {res['key_dim']}, Dv = {res['value_dim']}, "
-                  f"{res['scoring']} scores at scale {res['scale']:g}, {res['queries']:,} "
-                  f"queries; qkv's index: {res['lists']:,} lists.", "",
+                  f"{res['rows']:,} rows{clusters}, D = {res['key_dim']}, Dv = "
+                  f"{res['value_dim']}, {res['scoring']} scores at scale {res['scale']:g}, "
+                  f"{res['queries']:,} queries; qkv's index: {res['lists']:,} lists. Measured "
+                  f"{res.get('date', run['date'])} on {res.get('cpu', run['cpu'])} (qkv's "
+                  f"SIMD target {res.get('simd_target', run['simd_target'])}) by "
+                  f"`{res.get('command', run['command'])}`.",
+                  "",
                   "| method | setting | 1 query (ms) | 64 queries (ms) | recall@10 | "
                   "output error | certificate (max) | held | rows read / query | build (s) | "
                   "memory |",
@@ -430,11 +436,10 @@ def render(run):
             lines += [f"HNSW not built: {res['hnsw_skipped']}.", ""]
     lines += ["Output error: the largest |o − o_exact| over the queries (the peers': softmax "
               f"attention over the {RETRIEVED} rows each returns). Memory: qkv's index on disk "
-              "(mapped); the peers' growth of the process's resident memory while building. "
-              "Bytes read: qkv's rows visited plus its centroids; FAISS IVF's lists probed plus "
-              "its centroids; FAISS HNSW's distance computations × D × 4.", "",
-              f"The command: `{run['command']}` ({run['elapsed_minutes']:.0f} minutes); raw "
-              "results in `docs/perf-runs/index.json`.", "", END]
+              "(mapped; it holds keys and values); the peers' growth of the process's resident "
+              "memory while building (keys only). Rows read: qkv's rows visited per query.", "",
+              "Raw results in `docs/perf-runs/index.json`; `bench/index.sh --replay` renders "
+              "this section again.", "", END]
     return "\n".join(lines) + "\n"
 
 
@@ -491,6 +496,7 @@ def main():
     parser.add_argument("--qkv", required=True, help="the qkv command (Release)")
     parser.add_argument("--rows", type=int, default=10_000_000, help="N of (a) and (c)")
     parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--clusters", type=int, default=10_000, help="(a)'s Gaussians")
     parser.add_argument("--singles", type=int, default=200, help="queries timed one at a time")
     parser.add_argument("--exact-singles", type=int, default=10,
                         help="queries timed one at a time by exact streaming")
@@ -525,12 +531,16 @@ def main():
                "command": args.command, "datasets": []}
         rng = np.random.default_rng(2026)
         for name in args.datasets.split(","):
+            epsilons, singles, batches = EPSILONS + [0.0], args.singles, args.batches
             if name == "clustered":
-                keys, queries = clustered(rng, args.rows, args.queries)
+                keys, queries = clustered(rng, args.rows, args.queries, args.clusters)
                 scoring, scale = "distance", 1.0
             elif name == "isotropic":
-                keys, queries = isotropic(rng, args.rows, args.queries)
+                # The worst case reads about every row for every query: 64
+                # queries, epsilon 1e-3 and 0 (at 10^7 rows, about a second each).
+                keys, queries = isotropic(rng, args.rows, min(args.queries, 64))
                 scoring, scale = "distance", 1.0
+                epsilons, singles, batches = [1e-3, 0.0], min(singles, 8), 1
             elif name == "search":
                 keys, queries, scale = search_encodings(args.qkv, args.search_index, args.queries)
                 scoring = "dot"
@@ -538,14 +548,28 @@ def main():
                 sys.exit(f"index.py: unknown data set {name!r} (clustered, search, isotropic)")
             values = rng.standard_normal((len(keys), 64), dtype=np.float32)
             res = measure(name, keys, queries, values, scoring, scale, args,
-                          os.path.join(args.work, name))
+                          os.path.join(args.work, name), epsilons, singles, batches)
             res["title"] = TITLES[name]
+            res["command"] = args.command
+            res["cpu"], res["simd_target"] = cpu, info["simd_target"]
+            if name == "clustered":
+                res["clusters"] = args.clusters
             run["datasets"].append(res)
             del keys, values
         run["elapsed_minutes"] = (time.time() - start) / 60
         if args.trial:
             print(render(run))
             return
+        # A run of some data sets replaces theirs and keeps the others'
+        # (each table is one run's, with its date and command).
+        if os.path.exists(RAW):
+            with open(RAW) as f:
+                previous = json.load(f)
+            measured = {r["name"] for r in run["datasets"]}
+            run["datasets"] = [r for r in previous["datasets"] if r["name"] not in measured] + \
+                run["datasets"]
+        order = ["clustered", "search", "isotropic"]
+        run["datasets"].sort(key=lambda r: order.index(r["name"]))
         os.makedirs(os.path.dirname(RAW), exist_ok=True)
         with open(RAW, "w") as f:
             json.dump(run, f, indent=1)

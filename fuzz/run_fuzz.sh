@@ -91,7 +91,7 @@ JSON
 cat >"$work/corpus/index.json" <<'JSON'
 {
  "format": "qkv store index",
- "version": 1,
+ "version": 2,
  "dtype": "float32",
  "key_dim": 4,
  "value_dim": 2,
@@ -113,7 +113,9 @@ cat >"$work/corpus/index.json" <<'JSON'
   "norms.npy": "0000000000000004",
   "ids.npy": "0000000000000005",
   "keys.npy": "0000000000000006",
-  "values.npy": "0000000000000007"
+  "values.npy": "0000000000000007",
+  "box_low.npy": "0000000000000008",
+  "box_high.npy": "0000000000000009"
  }
 }
 JSON

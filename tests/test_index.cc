@@ -482,6 +482,20 @@ TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
     }
   }
   for (int64_t r = 0; r < n; ++r) ASSERT_EQ(seen[static_cast<size_t>(r)], 1) << "row " << r;
+  // Each list's box is its keys' least and greatest value per coordinate.
+  for (size_t j = 0; j < a.lists().size(); ++j) {
+    const IndexList& list = a.lists()[j];
+    for (int64_t c = 0; c < d; ++c) {
+      float low = INFINITY, high = -INFINITY;
+      for (int64_t r = 0; r < list.rows; ++r) {
+        const float k = data.keys(a.store_row(list.first_row + r), c);
+        low = std::min(low, k);
+        high = std::max(high, k);
+      }
+      ASSERT_EQ(a.box_low()(static_cast<int64_t>(j), c), low) << "list " << j;
+      ASSERT_EQ(a.box_high()(static_cast<int64_t>(j), c), high) << "list " << j;
+    }
+  }
 }
 
 TEST_F(IndexTest, ProgressCountsTheQueriesInBlocks) {

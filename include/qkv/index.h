@@ -12,7 +12,8 @@
 // On disk a directory: manifest.json (the sizes, the store it was built
 // over, each file's XXH3-64 and its own), centroids.npy (L, D) float32,
 // list_rows.npy (L) int64, radii.npy and norms.npy (L) float64, ids.npy
-// (N) int64, keys.npy (N, D) and values.npy (N, Dv) in the store's dtype.
+// (N) int64, keys.npy (N, D) and values.npy (N, Dv) in the store's dtype,
+// box_low.npy and box_high.npy (L, D) float32 (each list's bounding box).
 // Built in a hidden directory beside its destination and renamed into place
 // when complete, so a failed or killed build leaves nothing.
 //   queries: (Nq, D)   output: (Nq, Dv)   lse, certificate: (Nq)
@@ -105,6 +106,10 @@ class StoreIndex {
   const std::vector<IndexList>& lists() const { return lists_; }
   // (L, D): list j's centroid.
   ConstView<float> centroids() const { return centroids_.view(); }
+  // (L, D): list j's bounding box, the least and the greatest value of each
+  // coordinate over its keys (as stored; +inf and -inf for an empty list).
+  ConstView<float> box_low() const { return box_low_.view(); }
+  ConstView<float> box_high() const { return box_high_.view(); }
   // The store row of index row r (list order).
   int64_t store_row(int64_t r) const;
   // The keys and values of list j, as views of the index's dtype, valid
@@ -123,7 +128,7 @@ class StoreIndex {
   StoreDtype dtype_ = StoreDtype::kFloat32;
   int64_t rows_ = 0, key_dim_ = 0, value_dim_ = 0;
   std::vector<IndexList> lists_;
-  Tensor<float> centroids_;
+  Tensor<float> centroids_, box_low_, box_high_;
   uint64_t store_fingerprint_ = 0;
   int64_t store_chunks_ = 0;
 };

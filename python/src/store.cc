@@ -414,6 +414,15 @@ IndexAttentionOptions index_options(std::string_view kFn, const StoreIndex& inde
   return options;
 }
 
+// An (L, D) matrix of the index's, as a new NumPy array.
+py::array list_matrix(ConstView<float> m) {
+  auto [array, view] = new_array<float>(m.shape());
+  for (int64_t j = 0; j < m.size(0); ++j) {
+    for (int64_t d = 0; d < m.size(1); ++d) view(j, d) = m(j, d);
+  }
+  return array;
+}
+
 py::object index_attend(const StoreIndex& index, py::handle queries_obj, const std::string& scoring,
                         std::optional<double> scale, std::optional<double> epsilon, int64_t probe,
                         int64_t top_k, const std::string& kernel, std::optional<double> bandwidth) {
@@ -1063,16 +1072,16 @@ Raises:
           [](const StoreIndex& self) { return list_array<double>(self, &IndexList::max_norm); },
           "Each list's largest key norm |k| (0 if empty), float64 (L).")
       .def_property_readonly(
-          "centroids",
-          [](const StoreIndex& self) {
-            const ConstView<float> c = self.centroids();
-            auto [array, view] = new_array<float>(c.shape());
-            for (int64_t j = 0; j < c.size(0); ++j) {
-              for (int64_t d = 0; d < c.size(1); ++d) view(j, d) = c(j, d);
-            }
-            return array;
-          },
+          "centroids", [](const StoreIndex& self) { return list_matrix(self.centroids()); },
           "The lists' centroids, a new float32 array (L, D).")
+      .def_property_readonly(
+          "box_low", [](const StoreIndex& self) { return list_matrix(self.box_low()); },
+          "Each list's bounding box, its least corner: the smallest value of each coordinate "
+          "over the list's keys, a new float32 array (L, D) (inf for an empty list).")
+      .def_property_readonly(
+          "box_high", [](const StoreIndex& self) { return list_matrix(self.box_high()); },
+          "Each list's bounding box, its greatest corner, a new float32 array (L, D) (-inf for "
+          "an empty list).")
       .def("__repr__", [](const StoreIndex& self) {
         return repr_of("Index", self.dir(), self.rows(), self.key_dim(), self.value_dim(),
                        self.dtype(), ", lists=" + std::to_string(self.lists().size()));

@@ -18,6 +18,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <tuple>
 
 #include "io/npy_header.h"
 #include "kernels/runtime/parallel.h"
@@ -58,6 +59,8 @@ constexpr const char* kNorms = kIndexFiles[3];
 constexpr const char* kIds = kIndexFiles[4];
 constexpr const char* kKeys = kIndexFiles[5];
 constexpr const char* kValues = kIndexFiles[6];
+constexpr const char* kBoxLow = kIndexFiles[7];
+constexpr const char* kBoxHigh = kIndexFiles[8];
 // Radii and norms are computed in double from the rows as stored and then
 // multiplied by this, so that no key's distance or norm computed again
 // (in double, any order of the sum) exceeds them: a sum of D <= 10^5
@@ -278,16 +281,21 @@ const T* data_of(const MappedFile& file, size_t offset) {
   return reinterpret_cast<const T*>(file.data() + offset);
 }
 
-// Which list each store row is in, and each list's rows, radius and largest norm.
+// Which list each store row is in, and each list's rows, radius, largest
+// norm and bounding box (each coordinate's least and greatest value over
+// its keys; +inf and -inf for an empty list).
 struct ListAssignment {
-  ListAssignment(int64_t rows, int64_t lists)
+  ListAssignment(int64_t rows, int64_t lists, int64_t d)
       : list_of(static_cast<size_t>(rows)),
         list_rows(static_cast<size_t>(lists)),
         radii(static_cast<size_t>(lists)),
-        norms(static_cast<size_t>(lists)) {}
+        norms(static_cast<size_t>(lists)),
+        box_low(Shape{lists, d}, std::numeric_limits<float>::infinity()),
+        box_high(Shape{lists, d}, -std::numeric_limits<float>::infinity()) {}
   std::vector<int32_t> list_of;
   std::vector<int64_t> list_rows;
   std::vector<double> radii, norms;
+  Tensor<float> box_low, box_high;
 };
 
 // Assigns the rows of `store`'s chunks from `first_chunk` on to their nearest
@@ -335,6 +343,12 @@ void assign_rows(const KeyValueStore& store, size_t first_chunk, const Tensor<fl
       out.radii[list] = std::max(out.radii[list], std::sqrt(distance) * kRoundUp);
       out.norms[list] = std::max(out.norms[list], std::sqrt(norm) * kRoundUp);
       ++out.list_rows[list];
+      float* low = &out.box_low(j, 0);
+      float* high = &out.box_high(j, 0);
+      for (int64_t k = 0; k < d; ++k) {
+        low[k] = std::min(low[k], row[k]);
+        high[k] = std::max(high[k], row[k]);
+      }
     }
     report(range.rows * row_bytes);
   }
@@ -422,6 +436,8 @@ void write_index(std::string_view function, const std::string& temp, const KeyVa
     sums[5] = keys_out.commit();
     sums[6] = values_out.commit();
   }
+  sums[7] = write_array<float>(function, temp, kBoxLow, assignment.box_low.view());
+  sums[8] = write_array<float>(function, temp, kBoxHigh, assignment.box_high.view());
 
   manifest.dtype = store.dtype();
   manifest.key_dim = d;
@@ -551,7 +567,7 @@ StoreIndex StoreIndex::build(const KeyValueStore& store, const std::string& dir,
   }
 
   // 3. Every row to its nearest list; each list's radius and largest norm.
-  ListAssignment assignment(n, lists);
+  ListAssignment assignment(n, lists, d);
   assign_rows(store, 0, centroids, mean, assignment, report);
 
   // 4. The files, rows in list order.
@@ -635,6 +651,27 @@ StoreIndex StoreIndex::open(const std::string& dir, StoreCheck check,
   if (first_row != index.rows_) {
     fail(kOpenFn, dir + ": the lists hold " + std::to_string(first_row) +
                       " rows but the index has " + std::to_string(index.rows_) + " (damaged)");
+  }
+  // The boxes: finite, low <= high, for every list with rows.
+  for (const auto& [name, which, box] : {std::tuple{kBoxLow, size_t{7}, &index.box_low_},
+                                         std::tuple{kBoxHigh, size_t{8}, &index.box_high_}}) {
+    size_t box_offset = 0;
+    const MappedFile file =
+        map_index_file(kOpenFn, dir, name, "<f4", Shape{lists, index.key_dim_}, box_offset);
+    check_sum(file, which);
+    *box = Tensor<float>(Shape{lists, index.key_dim_});
+    std::copy_n(data_of<float>(file, box_offset), lists * index.key_dim_, box->data());
+  }
+  for (int64_t j = 0; j < lists; ++j) {
+    if (index.lists_[static_cast<size_t>(j)].rows == 0) continue;
+    for (int64_t c = 0; c < index.key_dim_; ++c) {
+      const float low = index.box_low_(j, c), high = index.box_high_(j, c);
+      if (!(std::isfinite(low) && std::isfinite(high) && low <= high)) {
+        fail(kOpenFn, dir + ": list " + std::to_string(j) + "'s box has coordinate " +
+                          std::to_string(c) + " from " + std::to_string(low) + " to " +
+                          std::to_string(high) + ", which does not fit the index (damaged)");
+      }
+    }
   }
   auto big = std::make_shared<Files>();
   big->ids = map_index_file(kOpenFn, dir, kIds, "<i8", Shape{index.rows_}, big->ids_offset);
@@ -754,7 +791,9 @@ StoreIndex StoreIndex::update(const std::string& dir, const KeyValueStore& store
   };
 
   // The rows indexed so far stay in their lists, with their radii and norms.
-  ListAssignment assignment(n, lists);
+  ListAssignment assignment(n, lists, current.key_dim_);
+  assignment.box_low = current.box_low_;
+  assignment.box_high = current.box_high_;
   std::fill(assignment.list_of.begin(), assignment.list_of.begin() + old_rows, -1);
   for (int64_t j = 0; j < lists; ++j) {
     const IndexList& list = current.lists_[static_cast<size_t>(j)];

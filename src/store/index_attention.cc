@@ -153,6 +153,19 @@ QueryResult kernel_one(const float* q, const StoreIndex& index,
   for (size_t j = 0; j < index.lists().size(); ++j) {
     const IndexList& list = index.lists()[j];
     if (list.rows == 0) continue;
+    // The list's box must meet the query's: q_c - h <= high_c and
+    // low_c <= q_c + h for every c (differences of floats, exact in double,
+    // as the rows' own test). In 64 dimensions the box is the sharper test
+    // for a box-shaped support: at 10^6 clustered rows and a width covering
+    // 0.4 % of the keys, the balls alone let through lists of 28 % of the
+    // rows.
+    const float* low = &index.box_low()(static_cast<int64_t>(j), 0);
+    const float* high = &index.box_high()(static_cast<int64_t>(j), 0);
+    bool meets = true;
+    for (int64_t i = 0; i < d && meets; ++i) {
+      meets = double{q[i]} - double{high[i]} <= h && double{low[i]} - double{q[i]} <= h;
+    }
+    if (!meets) continue;
     const float* c = &index.centroids()(static_cast<int64_t>(j), 0);
     double squared = 0.0;
     for (int64_t i = 0; i < d; ++i) {

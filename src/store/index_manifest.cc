@@ -15,7 +15,8 @@ namespace qkv {
 namespace {
 
 constexpr const char* kFormat = "qkv store index";
-constexpr int kVersion = 1;
+// Version 2 added each list's bounding box (box_low.npy, box_high.npy).
+constexpr int kVersion = 2;
 
 // The manifest as JSON without its checksum: what the checksum is of.
 Json manifest_body(const IndexManifest& m) {

@@ -117,7 +117,8 @@ def test_estimator_members_have_docstrings(member):
 STORE_PROPERTIES = [("KeyValueStore", p) for p in ("dir", "rows", "key_dim", "value_dim", "dtype",
                                                     "chunk_rows", "num_chunks")] + \
     [("Index", p) for p in ("dir", "rows", "key_dim", "value_dim", "dtype", "num_lists",
-                            "list_rows", "radii", "max_norms", "centroids")]
+                            "list_rows", "radii", "max_norms", "centroids",
+                            "box_low", "box_high")]
 
 
 @pytest.mark.parametrize("cls,member", STORE_PROPERTIES,

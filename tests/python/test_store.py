@@ -320,6 +320,16 @@ def test_build_gives_lists_over_every_row(indexed):
     assert (np.linalg.norm(keys, axis=1) <= norms[list_of] * (1 + 1e-6)).all()
     assert (own ** 2 - distance.min(axis=1) ** 2 <= 1e-4 * (1 + (keys ** 2).sum(axis=1))).all()
     assert (radii[rows == 0] == 0).all() and (norms[rows == 0] == 0).all()
+    # Each list's box: its keys' least and greatest value per coordinate.
+    low, high = index.box_low, index.box_high
+    assert low.dtype == F4 and low.shape == (24, 5) and high.shape == (24, 5)
+    for j in range(24):
+        mine = keys[list_of == j]
+        if len(mine):
+            np.testing.assert_array_equal(low[j], mine.min(axis=0))
+            np.testing.assert_array_equal(high[j], mine.max(axis=0))
+        else:
+            assert (low[j] == np.inf).all() and (high[j] == -np.inf).all()
     index.verify()
     index.check_built_over(store)
     again = qkv.Index.open(index.dir, check="checksums")
