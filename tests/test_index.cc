@@ -341,6 +341,183 @@ TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
   }
 }
 
+// Shard stores, each with its own index, attended through the list of
+// indexes: each part through its index, merged (what qkv::mpi does across
+// ranks; tests/mpi/test_mpi_index.cc holds the two to the same bits).
+TEST_F(IndexTest, ShardsThroughTheirIndexesMergeToAttentionOverEveryRow) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  int number = 0;
+  for (const StoreDtype dtype : {StoreDtype::kFloat32, StoreDtype::kBFloat16}) {
+    // Three shards, the middle one empty half the time.
+    const std::vector<int64_t> rows{rng.uniform_int(1, 900),
+                                    rng.bernoulli(0.5) ? 0 : rng.uniform_int(1, 900),
+                                    rng.uniform_int(1, 900)};
+    const int64_t n = rows[0] + rows[1] + rows[2], d = rng.uniform_int(3, 12),
+                  dv = rng.uniform_int(1, 5);
+    const Tensor<float> keys = clustered_keys(rng, n, d, 12);
+    const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
+    const Data all = make_store("all" + std::to_string(number), keys, values, dtype, 500);
+    std::vector<StoreIndex> indexes;
+    int64_t first = 0;
+    for (size_t p = 0; p < rows.size(); ++p) {
+      const std::string name = "shard" + std::to_string(number) + "-" + std::to_string(p);
+      Tensor<float> shard_keys(Shape{rows[p], d}), shard_values(Shape{rows[p], dv});
+      std::copy_n(&keys.data()[first * d], rows[p] * d, shard_keys.data());
+      std::copy_n(&values.data()[first * dv], rows[p] * dv, shard_values.data());
+      const Data shard = make_store(name, shard_keys, shard_values, dtype, 300);
+      IndexBuildOptions build;
+      build.seed = rng.next();
+      indexes.push_back(StoreIndex::build(shard.store, path(name + ".index"), build));
+      first += rows[p];
+    }
+    ++number;
+    std::vector<const StoreIndex*> pointers;
+    for (const StoreIndex& index : indexes) pointers.push_back(&index);
+    Tensor<float> q = clustered_keys(rng, 16, d, 6);
+    for (int64_t c = 0; c < d; ++c) q(15, c) *= 50.0f;
+    for (const bool distance : {false, true}) {
+      for (const double epsilon : {0.0, 1e-3, 0.1}) {
+        for (const int64_t probe : {int64_t{0}, int64_t{2}}) {
+          if (probe > 0 && epsilon > 0) continue;
+          IndexAttentionOptions options;
+          options.scoring = distance ? Scoring::kDistance : Scoring::kDotProduct;
+          options.scale = distance ? 1.0 : 4.0;
+          options.epsilon = epsilon;
+          options.probe = probe;
+          options.top_k = 3;
+          const std::string what = std::string(store_dtype_name(dtype)) +
+                                   (distance ? " distance" : " dot") + " epsilon " +
+                                   std::to_string(epsilon) + " probe " + std::to_string(probe);
+          const IndexAttentionResult got = attend(q.view(), pointers, options);
+          const Tensor<float> q_scored =
+              !distance && dtype == StoreDtype::kBFloat16 ? rounded_to_bf16(q) : q;
+          check_against_exact(
+              got, exact_attention(q_scored, all.keys, all.values, distance, *options.scale),
+              all.values, options, what);
+          // Lists and rows visited: the parts' own, summed.
+          Tensor<int64_t> lists(Shape{q.size(0)}), rows_read(Shape{q.size(0)});
+          for (const StoreIndex& index : indexes) {
+            IndexAttentionOptions part = options;
+            part.top_k = std::min<int64_t>(3, index.rows());
+            const IndexAttentionResult alone = attend(q.view(), index, part);
+            for (int64_t i = 0; i < q.size(0); ++i) {
+              lists(i) += alone.lists_visited(i);
+              rows_read(i) += alone.rows_visited(i);
+            }
+          }
+          expect_bitwise_equal(got.lists_visited, lists, "lists_visited");
+          expect_bitwise_equal(got.rows_visited, rows_read, "rows_visited");
+        }
+      }
+    }
+    // Compact kernels: the kernel average over every row.
+    IndexAttentionOptions kernel;
+    kernel.kernel = Kernel::kEpanechnikov;
+    kernel.bandwidth = 0.3;
+    kernel.top_k = 2;
+    const IndexAttentionResult got = attend(q.view(), pointers, kernel);
+    const KernelExact exact = kernel_exact(q, all.keys, all.values, Kernel::kEpanechnikov, 0.3);
+    for (int64_t i = 0; i < q.size(0); ++i) {
+      EXPECT_EQ(got.certificate(i), 0.0);
+      if (exact.in_reach[static_cast<size_t>(i)] == 0) {
+        EXPECT_EQ(got.lse(i), -INFINITY) << "query " << i;
+        for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(got.output(i, c), 0.0f);
+        continue;
+      }
+      EXPECT_NEAR(got.lse(i), exact.lse(i), 1e-5 * (1 + std::abs(exact.lse(i))));
+      for (int64_t c = 0; c < dv; ++c) {
+        EXPECT_NEAR(got.output(i, c), exact.output(i, c), 1e-6 * (1 + std::abs(exact.output(i, c))))
+            << "query " << i;
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, OneIndexInAListIsThatIndexAndProgressCountsEveryPart) {
+  Rng rng(test_seed());
+  const Data data = make_store("s", clustered_keys(rng, 600, 4, 5),
+                               random_tensor<float>(rng, Shape{600, 3}), StoreDtype::kFloat32, 200);
+  const StoreIndex index = StoreIndex::build(data.store, path("i"));
+  const Tensor<float> q = clustered_keys(rng, 70, 4, 5);
+  IndexAttentionOptions options;
+  options.epsilon = 0.01;
+  // One part: its lse less log(1), its output and certificate times exp(0).
+  const IndexAttentionResult alone = attend(q.view(), index, options);
+  const IndexAttentionResult listed =
+      attend(q.view(), std::vector<const StoreIndex*>{&index}, options);
+  expect_bitwise_equal(listed.output, alone.output, "output");
+  expect_bitwise_equal(listed.lse, alone.lse, "lse");
+  expect_bitwise_equal(listed.certificate, alone.certificate, "certificate");
+  expect_bitwise_equal(listed.rows_visited, alone.rows_visited, "rows_visited");
+  // Two parts (the same index twice: every row counted twice, every weight
+  // halved, the output and certificate as one): the queries of each part.
+  std::vector<std::pair<int64_t, int64_t>> reports;
+  options.progress = [&](int64_t done, int64_t total) { reports.emplace_back(done, total); };
+  const IndexAttentionResult twice =
+      attend(q.view(), std::vector<const StoreIndex*>{&index, &index}, options);
+  const std::vector<std::pair<int64_t, int64_t>> want{{64, 140}, {70, 140}, {134, 140}, {140, 140}};
+  EXPECT_EQ(reports, want);
+  for (int64_t i = 0; i < q.size(0); ++i) {
+    EXPECT_NEAR(twice.lse(i), alone.lse(i) + std::log(2.0), 1e-5 * (1 + std::abs(alone.lse(i))));
+    EXPECT_NEAR(twice.certificate(i), alone.certificate(i), 1e-12);
+    EXPECT_EQ(twice.rows_visited(i), 2 * alone.rows_visited(i));
+    for (int64_t c = 0; c < 3; ++c) EXPECT_NEAR(twice.output(i, c), alone.output(i, c), 1e-6);
+  }
+}
+
+TEST_F(IndexTest, ShardsThroughTheirIndexesRefuseBadArguments) {
+  Rng rng(test_seed());
+  const Data a = make_store("a", clustered_keys(rng, 100, 3, 3),
+                            random_tensor<float>(rng, Shape{100, 2}), StoreDtype::kFloat32, 40);
+  const Data b = make_store("b", clustered_keys(rng, 50, 4, 3),
+                            random_tensor<float>(rng, Shape{50, 2}), StoreDtype::kFloat32, 40);
+  const StoreIndex ia = StoreIndex::build(a.store, path("ia"));
+  const StoreIndex ib = StoreIndex::build(b.store, path("ib"));
+  const Tensor<float> q(Shape{2, 3}, 0.5f);
+  expect_error([&] { attend(q.view(), std::vector<const StoreIndex*>{}); },
+               {"attend", "indexes is empty"});
+  expect_error(
+      [&] {
+        attend(q.view(), std::vector<const StoreIndex*>{&ia, nullptr});
+      },
+      {"attend", "indexes[1] is null"});
+  expect_error(
+      [&] {
+        attend(q.view(), std::vector<const StoreIndex*>{&ia, &ib});
+      },
+      {"attend", "index " + path("ib") + " has D = 4", "D = 3"});
+  IndexAttentionOptions options;
+  options.top_k = 201;
+  expect_error(
+      [&] {
+        attend(q.view(), std::vector<const StoreIndex*>{&ia, &ia}, options);
+      },
+      {"attend", "options.top_k = 201", "200 rows"});
+  options.top_k = 150;  // more than either part's rows: each gives its own
+  const IndexAttentionResult got =
+      attend(q.view(), std::vector<const StoreIndex*>{&ia, &ia}, options);
+  EXPECT_EQ(got.top_ids.shape(), (Shape{2, 150}));
+  // merge_parts: the parts' shapes.
+  const IndexAttentionResult part = attend(q.view(), ia);
+  expect_error([&] { merge_parts({part, part}, {100}, 0); }, {"merge_parts", "part_rows"});
+  IndexAttentionResult short_part = part;
+  short_part.certificate = Tensor<double>(Shape{1});
+  expect_error(
+      [&] {
+        merge_parts({part, short_part}, {100, 100}, 0);
+      },
+      {"merge_parts", "parts[1].certificate", "[1]"});
+  short_part = part;
+  short_part.top_certified.pop_back();
+  expect_error(
+      [&] {
+        merge_parts({part, short_part}, {100, 100}, 0);
+      },
+      {"merge_parts", "parts[1].top_certified has 1 entries"});
+}
+
 TEST_F(IndexTest, ProgressCountsTheQueriesInBlocks) {
   Rng rng(test_seed());
   const Data data = make_store("s", clustered_keys(rng, 500, 3, 4),

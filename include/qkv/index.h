@@ -196,6 +196,35 @@ struct IndexAttentionResult {
 IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
                             const IndexAttentionOptions& options = {});
 
+// The same over the rows of several stores, in the order given (shard
+// stores, each with its own index): each part is attended through its own
+// index as above (certified by options.epsilon, or options.probe lists, per
+// part; a compact kernel exactly), and the parts' results are merged by
+// merge_parts. Row ids count through the parts in order; every index has
+// the same D and Dv, and top_k is at most their rows together. progress:
+// the queries done over every part (part p's query i is p Nq + i).
+IndexAttentionResult attend(ConstView<float> queries, const std::vector<const StoreIndex*>& indexes,
+                            const IndexAttentionOptions& options = {});
+
+// Attention through the indexes of a key set's consecutive parts from each
+// part's result, in order (shards, or MPI ranks: qkv::mpi merges its ranks'
+// parts with it). Part p holds part_rows[p] rows, its top row ids count
+// from the first of them, and its result holds at least min(top_k, its
+// rows) top rows per query. Per query, with w_p = exp(lse_p - lse):
+//   lse = log sum_p exp(lse_p), output = sum_p w_p output_p  (merge_attention,
+//     in double: a part with lse -inf, no row visited or in reach, adds nothing);
+//   certificate = sum_p certificate_p w_p (at most the largest of them): a
+//     bound on the weight missed over the weight visited in every part
+//     together (docs/index.md, "Across machines", has the proof);
+//   lists_visited, rows_visited: summed over the parts;
+//   the top_k rows by weight over the key set (each part's weights times
+//     w_p), top_certified where every part's top rows are certain (and no
+//     row that could belong was left out for a weight below float's range
+//     in its part, 0 in its top_weights).
+// The same parts give the same bits.
+IndexAttentionResult merge_parts(const std::vector<IndexAttentionResult>& parts,
+                                 const std::vector<int64_t>& part_rows, int64_t top_k);
+
 // The gradient with respect to the queries (Nq, D) of attend()'s softmax
 // output, given d_output (Nq, Dv) = dLoss/d(output): the gradient of what
 // attend() computed, attention over the rows each query visited (the first

@@ -3,7 +3,8 @@
 // lists visited in the order of their bounds with an online softmax in
 // double; stopped when the weight the unvisited rows could hold is at most
 // epsilon of the visited weight (or after `probe` lists). docs/index.md has
-// the bounds and the proof of the certificate.
+// the bounds and the proof of the certificate. Then attention through the
+// indexes of several parts of a key set, merged (merge_parts).
 #include <algorithm>
 #include <cmath>
 #include <exception>
@@ -19,12 +20,14 @@
 #include "qkv/index.h"
 #include "qkv/kernel_regression.h"
 #include "qkv/scoring.h"
+#include "qkv/store_attention.h"
 #include "store/scored_rows.h"
 
 namespace qkv {
 namespace {
 
 constexpr std::string_view kFn = "attend";
+constexpr std::string_view kMergeFn = "merge_parts";
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // log(exp(a) + exp(b)), -inf allowed.
@@ -530,6 +533,145 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
     }
   }
   return out;
+}
+
+namespace {
+
+// The certificate of the parts together, for one query: sum_p c_p W_p with
+// W_p = V_p / V, part p's share of the visited weight V = sum_p V_p.
+// Proof: the missed weight M = sum_p M_p and M_p <= c_p V_p (part p's
+// certificate), so M / V = sum_p (M_p / V_p) (V_p / V) <= sum_p c_p W_p.
+// W_p = exp(lse_p - lse), in double from the parts' float lses (each within
+// 2^-24 |lse_p| of its part's own: the certificate holds to that rounding,
+// as a part's holds to its float scores'). A weighted mean of the c_p, so
+// at most the largest: with every c_p <= epsilon, so is the merged one (the
+// min keeps double rounding from adding an ulp). A part with lse -inf
+// visited no row and left none (no lists; or a compact kernel, which leaves
+// nothing out): it adds nothing.
+double merged_certificate(const std::vector<IndexAttentionResult>& parts, int64_t i) {
+  double largest_lse = -kInf, largest_certificate = 0.0;
+  for (const IndexAttentionResult& part : parts) {
+    const double lse = part.lse(i);
+    if (std::isnan(lse)) return lse;  // NaN scores: nothing is bounded
+    if (lse == -kInf) continue;
+    largest_lse = std::max(largest_lse, lse);
+    largest_certificate = std::max(largest_certificate, part.certificate(i));
+  }
+  if (largest_lse == -kInf) return 0.0;
+  double sum = 0.0;
+  for (const IndexAttentionResult& part : parts) {
+    if (part.lse(i) > -kInf) sum += std::exp(part.lse(i) - largest_lse);
+  }
+  const double lse = largest_lse + std::log(sum);
+  // Each term as exp(log c_p + lse_p - lse): a part's certificate beyond
+  // double's range (inf, for a probe far from the rows) times a share that
+  // underflows to 0 would be NaN; this way a huge certificate over a tiny
+  // share is the small number it is, and inf stays inf.
+  double certificate = 0.0;
+  for (const IndexAttentionResult& part : parts) {
+    if (part.lse(i) == -kInf || part.certificate(i) == 0) continue;
+    certificate += std::exp(std::log(part.certificate(i)) + part.lse(i) - lse);
+  }
+  return std::min(certificate, largest_certificate);
+}
+
+}  // namespace
+
+IndexAttentionResult merge_parts(const std::vector<IndexAttentionResult>& parts,
+                                 const std::vector<int64_t>& part_rows, int64_t top_k) {
+  // The output, lse and top rows merge as attention over a store's parts
+  // does (store_attention.h's merge_parts, which checks their shapes).
+  std::vector<StoreAttentionResult> attention;
+  for (const IndexAttentionResult& part : parts) {
+    attention.push_back({part.output, part.lse, part.top_ids, part.top_weights});
+  }
+  StoreAttentionResult merged = merge_parts(attention, part_rows, top_k);
+  const int64_t nq = merged.lse.numel();
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const std::string at = "parts[" + std::to_string(p) + "]";
+    detail::check_shape(kMergeFn, at + ".certificate", parts[p].certificate.view(), Shape{nq});
+    detail::check_shape(kMergeFn, at + ".lists_visited", parts[p].lists_visited.view(), Shape{nq});
+    detail::check_shape(kMergeFn, at + ".rows_visited", parts[p].rows_visited.view(), Shape{nq});
+    if (static_cast<int64_t>(parts[p].top_certified.size()) != nq) {
+      fail(kMergeFn, at + ".top_certified has " + std::to_string(parts[p].top_certified.size()) +
+                         " entries; expected " + std::to_string(nq) + ", one per query");
+    }
+  }
+  IndexAttentionResult out;
+  out.output = std::move(merged.output);
+  out.lse = std::move(merged.lse);
+  out.top_ids = std::move(merged.top_ids);
+  out.top_weights = std::move(merged.top_weights);
+  out.certificate = Tensor<double>(Shape{nq});
+  out.lists_visited = Tensor<int64_t>(Shape{nq});
+  out.rows_visited = Tensor<int64_t>(Shape{nq});
+  // The merged top k are certain when every part's are. Part p's are when
+  // its k-th visited score (k = min(top_k, its rows)) is at least the
+  // bound of each of its unvisited rows, or it visited every row. The
+  // merged k-th score is at least each part's k-th (a part's k best
+  // visited rows are candidates among all the visited rows), so no
+  // unvisited row of any part scores above it: none can be among the
+  // merged top k. One more case: a top row whose weight in its part is
+  // below float's range (0 in its top_weights, < 2^-150) has no score left
+  // to be placed by, and the merge leaves it out. Its weight over every row
+  // is smaller still, so it cannot belong when the merged k-th weight is
+  // above 0; otherwise the top k are not certain.
+  out.top_certified.assign(static_cast<size_t>(nq), true);
+  for (int64_t i = 0; i < nq; ++i) {
+    out.certificate(i) = merged_certificate(parts, i);
+    bool certain = true, left_out = false;
+    for (const IndexAttentionResult& part : parts) {
+      out.lists_visited(i) += part.lists_visited(i);
+      out.rows_visited(i) += part.rows_visited(i);
+      certain = certain && part.top_certified[static_cast<size_t>(i)];
+      const int64_t k = top_k > 0 && part.top_ids.rank() == 2 ? part.top_ids.size(1) : 0;
+      for (int64_t t = 0; t < k; ++t) {
+        left_out = left_out || (part.top_ids(i, t) >= 0 && !(part.top_weights(i, t) > 0.0f));
+      }
+    }
+    if (left_out && !(out.top_weights(i, top_k - 1) > 0.0f)) certain = false;
+    out.top_certified[static_cast<size_t>(i)] = certain;
+  }
+  return out;
+}
+
+IndexAttentionResult attend(ConstView<float> queries, const std::vector<const StoreIndex*>& indexes,
+                            const IndexAttentionOptions& options) {
+  if (indexes.empty()) fail(kFn, "indexes is empty; expected at least one index");
+  int64_t rows = 0;
+  for (size_t p = 0; p < indexes.size(); ++p) {
+    const StoreIndex* index = indexes[p];
+    if (index == nullptr) fail(kFn, "indexes[" + std::to_string(p) + "] is null");
+    if (index->key_dim() != indexes[0]->key_dim() ||
+        index->value_dim() != indexes[0]->value_dim()) {
+      fail(kFn, "index " + index->dir() + " has D = " + std::to_string(index->key_dim()) +
+                    ", Dv = " + std::to_string(index->value_dim()) + " but index " +
+                    indexes[0]->dir() + " has D = " + std::to_string(indexes[0]->key_dim()) +
+                    ", Dv = " + std::to_string(indexes[0]->value_dim()) +
+                    "; the parts of one key set agree");
+    }
+    rows += index->rows();
+  }
+  if (options.top_k < 0 || options.top_k > rows) {
+    fail(kFn, "options.top_k = " + std::to_string(options.top_k) + "; expected 0 to the indexes' " +
+                  std::to_string(rows) + " rows");
+  }
+  const auto parts_count = static_cast<int64_t>(indexes.size());
+  std::vector<IndexAttentionResult> parts;
+  std::vector<int64_t> part_rows;
+  for (int64_t p = 0; p < parts_count; ++p) {
+    const StoreIndex& index = *indexes[static_cast<size_t>(p)];
+    IndexAttentionOptions part = options;
+    part.top_k = std::min(options.top_k, index.rows());
+    if (options.progress) {
+      part.progress = [&options, p, parts_count](int64_t done, int64_t all) {
+        options.progress(p * all + done, parts_count * all);
+      };
+    }
+    parts.push_back(attend(queries, index, part));
+    part_rows.push_back(index.rows());
+  }
+  return merge_parts(parts, part_rows, options.top_k);
 }
 
 }  // namespace qkv
