@@ -13,6 +13,8 @@
 //   takes a contiguous share of its chunks (share_of_chunks);
 // - a shard store per rank (each machine holds its own): every chunk of it.
 // Row ids (valid_rows, top ids) count through the parts in rank order.
+// Attention through an index (qkv/index.h) takes the second layout: each
+// rank holds an index over its own shard store.
 //
 // Every function here is collective: every rank of `comm` calls it with the
 // same queries, valid_rows and options. A rank that fails (a damaged chunk,
@@ -31,6 +33,7 @@
 #include "qkv/attention.h"
 #include "qkv/chunk_source.h"
 #include "qkv/error.h"
+#include "qkv/index.h"
 #include "qkv/store.h"
 #include "qkv/store_attention.h"
 #include "qkv/tensor.h"
@@ -69,6 +72,24 @@ struct Timings {
 StoreAttentionResult attend(ConstView<float> queries, const StorePart& part, MPI_Comm comm,
                             const ValidLens& valid_rows = {},
                             const StoreAttentionOptions& options = {}, Timings* timings = nullptr);
+
+// Attention of queries (Nq, D) through an index per rank, each over the
+// rank's own shard store (the rows: rank 0's shard, then rank 1's, ...; top
+// ids count through them in rank order): every rank gets the merged result.
+// Each rank attends through its own index as qkv::attend does (certified by
+// options.epsilon, or options.probe lists, on each rank; a compact kernel
+// exactly), with top_k = min(top_k, its rows); on the wire, each rank sends
+// that result, Nq (Dv + 1 + top_k) float32 (output, lse, top weights), Nq
+// float64 (certificates) and Nq (3 + top_k) int64 (lists and rows visited,
+// top certain, top ids), to rank 0, which merges them in rank order by
+// merge_parts (qkv/index.h: exact, and as attend() through a list of the
+// same indexes does, to the bit) and sends the merged result back. The
+// merged certificate bounds the weight missed over the weight visited on
+// every rank together; lists and rows visited are summed over the ranks.
+// options.progress: this rank's queries done. top_k: at most every rank's
+// rows together.
+IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index, MPI_Comm comm,
+                            const IndexAttentionOptions& options = {}, Timings* timings = nullptr);
 
 // The gradients of attend() given its output and lse (saved, as every rank
 // got them) and d_output: d_queries (Nq, D) summed over the ranks in rank

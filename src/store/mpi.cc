@@ -1,10 +1,11 @@
 // qkv::mpi (qkv/mpi.h): attention over a store sharded across MPI ranks.
 // Each rank runs the public attend() over its part (a ChunkSlice of its
-// source's chunks); the parts' results go to rank 0 by MPI_Gather, are
-// merged there in rank order by merge_parts (fixed: the same bits for any
-// run with the same number of ranks), and go back to every rank by
-// MPI_Bcast. Every step that can fail on one rank is followed by
-// all_or_none, so no rank waits in a collective for a rank that has given up.
+// source's chunks), or through its own index; the parts' results go to
+// rank 0 by MPI_Gather, are merged there in rank order by merge_parts
+// (fixed: the same bits for any run with the same number of ranks), and go
+// back to every rank by MPI_Bcast. Every step that can fail on one rank is
+// followed by all_or_none, so no rank waits in a collective for a rank that
+// has given up.
 #include "qkv/mpi.h"
 
 #include <algorithm>
@@ -72,11 +73,41 @@ struct Layout {
   int64_t first_row = 0;  // this rank's first row in the key set
 };
 
-// Checks this rank's part, that every rank's store has the same D and Dv,
-// and top_k against every row; then the layout of the rows.
+// The layout from every rank's rows, D and Dv (this rank's: `mine`),
+// checked: the same D and Dv on every rank (`holder`: what holds the rows,
+// "store" or "index"), and top_k against every row.
+Layout agree_on_layout(const char* function, MPI_Comm comm, const int64_t (&mine)[3],
+                       const std::string& holder, int64_t top_k) {
+  const int ranks = size_of(comm), rank = rank_of(comm);
+  std::vector<int64_t> all(3 * static_cast<size_t>(ranks));
+  MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm);
+  Layout layout;
+  for (int r = 0; r < ranks; ++r) {
+    if (r == rank) layout.first_row = layout.all_rows;
+    layout.rows.push_back(all[3 * r]);
+    layout.all_rows += all[3 * r];
+  }
+  all_or_none(function, comm, [&] {
+    for (int r = 1; r < ranks; ++r) {
+      if (all[3 * r + 1] != all[1] || all[3 * r + 2] != all[2]) {
+        fail(function, "rank " + std::to_string(r) + "'s " + holder +
+                           " has D = " + std::to_string(all[3 * r + 1]) +
+                           ", Dv = " + std::to_string(all[3 * r + 2]) +
+                           " but rank 0's has D = " + std::to_string(all[1]) +
+                           ", Dv = " + std::to_string(all[2]) + "; the parts of one key set agree");
+      }
+    }
+    if (top_k < 0 || top_k > layout.all_rows) {
+      fail(function, "top_k = " + std::to_string(top_k) + "; expected 0 to the parts' " +
+                         std::to_string(layout.all_rows) + " rows");
+    }
+  });
+  return layout;
+}
+
+// Checks this rank's part, then agrees on the layout.
 Layout layout_of(const char* function, const StorePart& part, MPI_Comm comm,
                  const StoreAttentionOptions& options) {
-  const int ranks = size_of(comm), rank = rank_of(comm);
   int64_t mine[3] = {0, 0, 0};  // rows, D, Dv
   all_or_none(function, comm, [&] {
     if (part.source == nullptr) fail(function, "the part has no store");
@@ -89,30 +120,7 @@ Layout layout_of(const char* function, const StorePart& part, MPI_Comm comm,
     mine[1] = part.source->key_dim();
     mine[2] = part.source->value_dim();
   });
-  std::vector<int64_t> all(3 * static_cast<size_t>(ranks));
-  MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm);
-  Layout layout;
-  for (int r = 0; r < ranks; ++r) {
-    if (r == rank) layout.first_row = layout.all_rows;
-    layout.rows.push_back(all[3 * r]);
-    layout.all_rows += all[3 * r];
-  }
-  all_or_none(function, comm, [&] {
-    for (int r = 1; r < ranks; ++r) {
-      if (all[3 * r + 1] != all[1] || all[3 * r + 2] != all[2]) {
-        fail(function, "rank " + std::to_string(r) +
-                           "'s store has D = " + std::to_string(all[3 * r + 1]) +
-                           ", Dv = " + std::to_string(all[3 * r + 2]) +
-                           " but rank 0's has D = " + std::to_string(all[1]) +
-                           ", Dv = " + std::to_string(all[2]) + "; the parts of one key set agree");
-      }
-    }
-    if (options.top_k < 0 || options.top_k > layout.all_rows) {
-      fail(function, "top_k = " + std::to_string(options.top_k) + "; expected 0 to the parts' " +
-                         std::to_string(layout.all_rows) + " rows");
-    }
-  });
-  return layout;
+  return agree_on_layout(function, comm, mine, "store", options.top_k);
 }
 
 // valid_rows as attend() takes it, over every rank's rows, as this rank's:
@@ -136,8 +144,9 @@ Tensor<int64_t> local_valid_rows(const char* function, ConstView<float> queries,
 
 // A result as two messages: output (Nq, Dv), lse (Nq) and the top weights
 // (Nq, k) as floats, the top ids (Nq, k) apart; a part's fewer top rows
-// padded with id -1 and weight 0.
-void pack(const StoreAttentionResult& result, int64_t k, float* floats, int64_t* ids) {
+// padded with id -1 and weight 0. (A store's result, or an index's.)
+template <class Result>
+void pack(const Result& result, int64_t k, float* floats, int64_t* ids) {
   const int64_t nq = result.lse.numel(), dv = result.output.numel() / std::max<int64_t>(nq, 1);
   std::copy_n(result.output.data(), nq * dv, floats);
   std::copy_n(result.lse.data(), nq, floats + nq * dv);
@@ -152,9 +161,9 @@ void pack(const StoreAttentionResult& result, int64_t k, float* floats, int64_t*
   }
 }
 
-StoreAttentionResult unpack(const float* floats, const int64_t* ids, int64_t nq, int64_t dv,
-                            int64_t k) {
-  StoreAttentionResult result;
+template <class Result = StoreAttentionResult>
+Result unpack(const float* floats, const int64_t* ids, int64_t nq, int64_t dv, int64_t k) {
+  Result result;
   result.output = Tensor<float>(Shape{nq, dv});
   result.lse = Tensor<float>(Shape{nq});
   std::copy_n(floats, nq * dv, result.output.data());
@@ -165,6 +174,32 @@ StoreAttentionResult unpack(const float* floats, const int64_t* ids, int64_t nq,
     std::copy_n(floats + nq * (dv + 1), nq * k, result.top_weights.data());
     std::copy_n(ids, nq * k, result.top_ids.data());
   }
+  return result;
+}
+
+// An index's result as three messages: pack's two, the ids after Nq lists
+// visited, Nq rows visited and Nq top-certain flags (int64), and the
+// certificates (Nq) float64.
+void pack(const IndexAttentionResult& result, int64_t k, float* floats, int64_t* ints,
+          double* certificates) {
+  const int64_t nq = result.lse.numel();
+  pack(result, k, floats, ints + 3 * nq);
+  std::copy_n(result.lists_visited.data(), nq, ints);
+  std::copy_n(result.rows_visited.data(), nq, ints + nq);
+  std::copy(result.top_certified.begin(), result.top_certified.end(), ints + 2 * nq);
+  std::copy_n(result.certificate.data(), nq, certificates);
+}
+
+IndexAttentionResult unpack(const float* floats, const int64_t* ints, const double* certificates,
+                            int64_t nq, int64_t dv, int64_t k) {
+  IndexAttentionResult result = unpack<IndexAttentionResult>(floats, ints + 3 * nq, nq, dv, k);
+  result.lists_visited = Tensor<int64_t>(Shape{nq});
+  result.rows_visited = Tensor<int64_t>(Shape{nq});
+  result.certificate = Tensor<double>(Shape{nq});
+  std::copy_n(ints, nq, result.lists_visited.data());
+  std::copy_n(ints + nq, nq, result.rows_visited.data());
+  result.top_certified.assign(ints + 2 * nq, ints + 3 * nq);
+  std::copy_n(certificates, nq, result.certificate.data());
   return result;
 }
 
@@ -274,6 +309,64 @@ StoreAttentionResult attend(ConstView<float> queries, const StorePart& part, MPI
   }
   if (timings) *timings = time;
   return unpack(send.data(), send_ids.data(), nq, dv, k);
+}
+
+IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index, MPI_Comm comm,
+                            const IndexAttentionOptions& options, Timings* timings) {
+  constexpr const char* kFn = "qkv::mpi::attend";
+  const int ranks = size_of(comm), rank = rank_of(comm);
+  Timings time;
+  const int64_t mine[3] = {index.rows(), index.key_dim(), index.value_dim()};
+  const Layout layout = agree_on_layout(kFn, comm, mine, "index", options.top_k);
+  const int64_t k = options.top_k, dv = index.value_dim();
+  IndexAttentionResult local;
+  {
+    const Stopwatch watch(&time.local);
+    all_or_none(kFn, comm, [&] {
+      IndexAttentionOptions own = options;
+      own.top_k = std::min(k, layout.rows[static_cast<size_t>(rank)]);
+      local = qkv::attend(queries, index, own);
+    });
+  }
+  // One result per rank (pack); rank 0 merges them in rank order and sends
+  // the merged result back in the same layout.
+  const int64_t nq = queries.size(0);
+  const size_t floats = static_cast<size_t>(nq * (dv + 1 + k)),
+               ints = static_cast<size_t>(nq * (3 + k)), doubles = static_cast<size_t>(nq);
+  std::vector<float> send(floats);
+  std::vector<int64_t> send_ints(ints, -1);
+  std::vector<double> send_doubles(doubles);
+  pack(local, k, send.data(), send_ints.data(), send_doubles.data());
+  const size_t gathering = rank == 0 ? static_cast<size_t>(ranks) : 0;
+  std::vector<float> gathered(floats * gathering);
+  std::vector<int64_t> gathered_ints(ints * gathering);
+  std::vector<double> gathered_doubles(doubles * gathering);
+  {
+    const Stopwatch watch(&time.communication);
+    MPI_Gather(send.data(), static_cast<int>(floats), MPI_FLOAT, gathered.data(),
+               static_cast<int>(floats), MPI_FLOAT, 0, comm);
+    MPI_Gather(send_ints.data(), static_cast<int>(ints), MPI_INT64_T, gathered_ints.data(),
+               static_cast<int>(ints), MPI_INT64_T, 0, comm);
+    MPI_Gather(send_doubles.data(), static_cast<int>(doubles), MPI_DOUBLE, gathered_doubles.data(),
+               static_cast<int>(doubles), MPI_DOUBLE, 0, comm);
+  }
+  if (rank == 0) {
+    const Stopwatch watch(&time.merge);
+    std::vector<IndexAttentionResult> parts;
+    for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
+      parts.push_back(unpack(gathered.data() + floats * r, gathered_ints.data() + ints * r,
+                             gathered_doubles.data() + doubles * r, nq, dv, k));
+    }
+    pack(merge_parts(parts, layout.rows, k), k, send.data(), send_ints.data(), send_doubles.data());
+  }
+  {
+    const Stopwatch watch(&time.communication);
+    MPI_Bcast(send.data(), static_cast<int>(floats), MPI_FLOAT, 0, comm);
+    MPI_Bcast(send_ints.data(), static_cast<int>(ints), MPI_INT64_T, 0, comm);
+    MPI_Bcast(send_doubles.data(), static_cast<int>(doubles), MPI_DOUBLE, 0, comm);
+  }
+  if (timings) *timings = time;
+  return unpack(send.data(), send_ints.data(), send_doubles.data(), nq, dv, k);
 }
 
 StoreAttentionGrads attend_backward(ConstView<float> queries, const StorePart& part, MPI_Comm comm,
