@@ -4,7 +4,8 @@
 //   out: (B, Nq, Dv)   weights: (B, Nq, Nk)   lse: (B, Nq)   (2-D inputs: without the B axis)
 //   dot also takes heads: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, H, Nq, ·)
 //   --store STORE (keys and values from a key-value store): queries (Nq, D) -> out (Nq, Dv)
-//   --store STORE --index INDEX (through an index of it): also certificate (Nq)
+//   --store STORE --index INDEX (through an index of it): also certificate (Nq); shard
+//   stores each with its index (--store S_0 ... --index I_0 ...), merged, or one per mpirun rank
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -45,8 +46,8 @@ struct AttendArgs {
   int64_t top_k = 0;
   std::string top_ids, top_weights;
   bool quiet = false;
-  // --index: through an index of the one --store (qkv/index.h).
-  std::string index;
+  // --index: through an index of each --store, in the same order (qkv/index.h).
+  std::vector<std::string> indexes;
   std::optional<double> epsilon;
   std::optional<int64_t> probe;
   std::string certificate;
@@ -91,7 +92,7 @@ const ScoringRules& scoring_of(const AttendArgs& args) {
 // softmax's own options do not go with it.
 void check_kernel(const AttendArgs& args) {
   if (args.kernel.empty()) return;
-  if (args.index.empty()) {
+  if (args.indexes.empty()) {
     throw UsageError("--kernel " + args.kernel +
                      " is for attention through --index INDEX (exact range queries)");
   }
@@ -156,10 +157,10 @@ std::string scale_option(const AttendArgs& args) {
 }
 
 // --index's option combinations, found before any file is read: its own
-// options without it, and what attention through an index cannot do (one
-// store's rows by lists, in one process: no shards, no valid rows, no MPI).
+// options without it, an index per store, and what attention through an
+// index cannot do (valid rows: its lists hold rows from anywhere).
 void check_index_options(const AttendArgs& args) {
-  if (args.index.empty()) {
+  if (args.indexes.empty()) {
     for (const auto& [flag, given] : {std::pair{"--epsilon", args.epsilon.has_value()},
                                       {"--probe", args.probe.has_value()},
                                       {"--certificate", !args.certificate.empty()}}) {
@@ -172,21 +173,20 @@ void check_index_options(const AttendArgs& args) {
     return;
   }
   if (args.stores.empty()) {
-    throw UsageError("--index " + args.index + " needs --store STORE, the store it was built over");
+    throw UsageError("--index " + args.indexes[0] +
+                     " needs --store STORE, the store it was built over");
   }
-  if (args.stores.size() > 1) {
-    throw UsageError("--index " + args.index + " goes with one --store (the store it was built " +
-                     "over), not " + std::to_string(args.stores.size()) + " shard stores");
+  if (args.indexes.size() != args.stores.size()) {
+    const auto times = [](size_t n) { return std::to_string(n) + (n == 1 ? " time" : " times"); };
+    throw UsageError("--index given " + times(args.indexes.size()) + " and --store " +
+                     times(args.stores.size()) +
+                     ": give each store's index, in the order of the stores (--store S_0 "
+                     "--store S_1 ... --index I_0 --index I_1 ..., I_r built over S_r)");
   }
   if (!args.valid_lens.empty()) {
     throw UsageError(
         "--valid-lens does not go with --index: an index's lists hold rows from "
         "anywhere in the store, not its first rows (attend without --index)");
-  }
-  if (started_by_mpirun()) {
-    throw UsageError(
-        "--index runs in one process: attention through an index has no MPI mode "
-        "(run qkv attend --index without mpirun)");
   }
   if (args.epsilon && args.probe) {
     throw UsageError("--epsilon " + shortest_number(*args.epsilon) + " and --probe " +
@@ -410,7 +410,7 @@ void run_attend(const AttendArgs& args) {
     return run_store_attend(
         {args.stores, args.queries, args.valid_lens, rules.scoring, scale_of(args),
          scale_option(args), args.top_k, args.out, args.lse, args.top_ids, args.top_weights,
-         args.quiet, args.threads, args.index, args.epsilon, args.probe, args.certificate,
+         args.quiet, args.threads, args.indexes, args.epsilon, args.probe, args.certificate,
          args.kernel.empty() ? std::optional<Kernel>() : kernel_from_name(args.kernel),
          args.bandwidth});
   }
@@ -528,11 +528,13 @@ Command add_attend_command(CLI::App& parent) {
                                "mpirun, one store (each rank reads a share of its chunks) or "
                                "one shard per rank"))
       ->type_name("STORE");
-  require_path(app->add_option("--index", args->index,
-                               "With one --store: attend through an index of it (qkv index "
+  require_path(app->add_option("--index", args->indexes,
+                               "With --store: attend through an index of it (qkv index "
                                "build), visiting its lists by their score bounds; certified "
                                "(--epsilon, the default) or a fixed budget (--probe); a summary "
-                               "of the certificates on stderr"))
+                               "of the certificates on stderr. Given once per --store, in the "
+                               "same order: shard stores each through its index, merged; under "
+                               "mpirun, one shard store and its index per rank"))
       ->type_name("INDEX");
   require_number(
       app->add_option("--epsilon", args->epsilon,

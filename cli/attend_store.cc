@@ -1,7 +1,8 @@
 // `qkv attend --store` (cli/attend_store.h): queries (Nq, D) over one store
 // or shard stores; under mpirun, each rank attends over its part and rank 0
-// merges and writes (qkv/mpi.h). With --index, through an index of the one
-// store (qkv/index.h), and a summary of the certificates on stderr.
+// merges and writes (qkv/mpi.h). With --index, through an index of each
+// store (qkv/index.h; shard stores' results merged, in one process or at
+// rank 0), and a summary of the certificates on stderr.
 #include "attend_store.h"
 
 #include <fcntl.h>
@@ -44,7 +45,7 @@ std::vector<std::pair<std::string, std::string>> output_paths(const StoreAttendA
 void check_outputs_outside_stores(const StoreAttendArgs& args) {
   std::vector<InputDirectory> inputs;
   for (const std::string& dir : args.stores) inputs.push_back({"--store", dir, "store"});
-  if (!args.index.empty()) inputs.push_back({"--index", args.index, "index"});
+  for (const std::string& dir : args.indexes) inputs.push_back({"--index", dir, "index"});
   check_outputs_outside(output_paths(args), inputs);
 }
 
@@ -179,9 +180,10 @@ std::string grouped(double x, int decimals) {
 // "31,208").
 std::string mean_count(double x) { return grouped(x, x < 100 ? 1 : 0); }
 
-// The line on stderr after attention through an index: the largest
-// certificate, the mode, and the lists and rows visited per query.
-std::string index_summary(const StoreIndex& index, const IndexAttentionOptions& options,
+// The line on stderr after attention through an index (or the shards'
+// indexes, holding `all_lists` lists and `all_rows` rows together): the
+// largest certificate, the mode, and the lists and rows visited per query.
+std::string index_summary(int64_t all_lists, int64_t all_rows, const IndexAttentionOptions& options,
                           const IndexAttentionResult& r) {
   const int64_t nq = r.certificate.numel();
   double largest = 0, lists = 0, rows = 0;
@@ -200,9 +202,8 @@ std::string index_summary(const StoreIndex& index, const IndexAttentionOptions& 
                                format_number(largest, "%.1e") + " (" + mode + "); ";
   if (nq == 0) return line + "no queries\n";
   const double n = static_cast<double>(nq);
-  line += "visited " + mean_count(lists / n) + " of " +
-          grouped(static_cast<double>(index.lists().size()), 0) + " lists, " +
-          mean_count(rows / n) + " of " + grouped(static_cast<double>(index.rows()), 0) +
+  line += "visited " + mean_count(lists / n) + " of " + grouped(static_cast<double>(all_lists), 0) +
+          " lists, " + mean_count(rows / n) + " of " + grouped(static_cast<double>(all_rows), 0) +
           " rows per query on average";
   if (options.top_k > 0) {
     int64_t certain = 0;
@@ -213,16 +214,7 @@ std::string index_summary(const StoreIndex& index, const IndexAttentionOptions& 
   return line + "\n";
 }
 
-// Attention through an index built over the one store (attend.cc has
-// refused --index with several stores, valid rows or mpirun).
-void run_index(const StoreAttendArgs& args) {
-  check_output_paths(output_paths(args));
-  check_outputs_outside_stores(args);
-  apply_threads(args.threads);
-  const KeyValueStore store = KeyValueStore::open(args.stores.at(0), StoreCheck::kStructure);
-  const StoreIndex index = StoreIndex::open(args.index, StoreCheck::kStructure);
-  index.check_built_over(store);
-  const Inputs in = read_inputs(args);
+IndexAttentionOptions index_options_of(const StoreAttendArgs& args) {
   IndexAttentionOptions options;
   options.scoring = args.scoring;
   options.scale = args.scale;
@@ -233,16 +225,51 @@ void run_index(const StoreAttendArgs& args) {
     options.kernel = *args.kernel;
     options.bandwidth = args.bandwidth;
   }
+  return options;
+}
+
+// The index of `dir`, checked to be built over the store of `store_dir` as
+// it is now.
+StoreIndex open_index_of(const std::string& store_dir, const std::string& dir) {
+  const KeyValueStore store = KeyValueStore::open(store_dir, StoreCheck::kStructure);
+  StoreIndex index = StoreIndex::open(dir, StoreCheck::kStructure);
+  index.check_built_over(store);
+  return index;
+}
+
+void print_summary(const std::string& line) {
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
+}
+
+// Attention through the index of each store (attend.cc has refused --index
+// with valid rows, or with another count than of --store): one store's, or
+// the shards' merged in their order (as mpirun's ranks merge them).
+void run_index(const StoreAttendArgs& args) {
+  check_output_paths(output_paths(args));
+  check_outputs_outside_stores(args);
+  apply_threads(args.threads);
+  std::vector<StoreIndex> indexes;
+  for (size_t s = 0; s < args.stores.size(); ++s) {
+    indexes.push_back(open_index_of(args.stores[s], args.indexes.at(s)));
+  }
+  const Inputs in = read_inputs(args);
+  IndexAttentionOptions options = index_options_of(args);
   Progress progress("qkv attend --index", args.quiet, "queries");
   options.progress = report(progress);
-  const IndexAttentionResult result = attend(in.queries.view(), index, options);
+  std::vector<const StoreIndex*> pointers;
+  int64_t all_lists = 0, all_rows = 0;
+  for (const StoreIndex& index : indexes) {
+    pointers.push_back(&index);
+    all_lists += static_cast<int64_t>(index.lists().size());
+    all_rows += index.rows();
+  }
+  const IndexAttentionResult result = pointers.size() == 1
+                                          ? attend(in.queries.view(), indexes[0], options)
+                                          : attend(in.queries.view(), pointers, options);
   progress.finish();
   write_outputs(output_files(args, result));
-  if (!args.quiet) {
-    const std::string line = index_summary(index, options, result);
-    std::fputs(line.c_str(), stderr);
-    std::fflush(stderr);
-  }
+  if (!args.quiet) print_summary(index_summary(all_lists, all_rows, options, result));
 }
 
 #ifdef QKV_WITH_MPI
@@ -305,6 +332,56 @@ StoreAttentionResult attend_mpi(const StoreAttendArgs& args, MPI_Comm comm, int 
   return result;
 }
 
+// attend_mpi's counterpart through an index per rank: rank r opens the r-th
+// store and the r-th index, checks that the one was built over the other,
+// and attends through it; the summary line's counts are over every rank.
+struct IndexRun {
+  IndexAttentionResult result;
+  int64_t all_lists = 0, all_rows = 0;
+};
+
+IndexRun attend_index_mpi(const StoreAttendArgs& args, MPI_Comm comm, int rank, int ranks) {
+  constexpr const char* kFn = "";  // "qkv attend: error: rank r of R: ..."
+  if (args.stores.size() != static_cast<size_t>(ranks)) {
+    throw UsageError(std::to_string(args.stores.size()) + " --store and --index for " +
+                     std::to_string(ranks) +
+                     " ranks; with --index, mpirun takes one shard store and its index per rank "
+                     "(rank r attends through --index I_r over --store S_r)");
+  }
+  mpi::all_or_none(kFn, comm, [&] {
+    if (rank == 0) {
+      check_output_paths(output_paths(args));
+      check_outputs_outside_stores(args);
+    }
+    apply_threads(args.threads);
+  });
+  std::unique_ptr<StoreIndex> index;
+  mpi::all_or_none(kFn, comm, [&] {
+    const auto r = static_cast<size_t>(rank);
+    index = std::make_unique<StoreIndex>(open_index_of(args.stores[r], args.indexes.at(r)));
+  });
+  Inputs in;
+  mpi::all_or_none(kFn, comm, [&] {
+    if (rank == 0) in = read_inputs(args);
+  });
+  mpi::broadcast(in.queries, comm);
+
+  IndexRun run;
+  IndexAttentionOptions options = index_options_of(args);
+  Progress progress("qkv attend --index (rank 0's part)", args.quiet || rank != 0, "queries");
+  options.progress = report(progress);
+  run.result = mpi::attend(in.queries.view(), *index, comm, options);
+  progress.finish();
+  const int64_t mine[2] = {static_cast<int64_t>(index->lists().size()), index->rows()};
+  int64_t all[2] = {0, 0};
+  MPI_Allreduce(mine, all, 2, MPI_INT64_T, MPI_SUM, comm);
+  run.all_lists = all[0];
+  run.all_rows = all[1];
+  // Every rank is still there: only then does rank 0 write.
+  mpi::all_or_none(kFn, comm, [] {});
+  return run;
+}
+
 void run_mpi(const StoreAttendArgs& args) {
   const MpiSession session;
   MPI_Comm comm = MPI_COMM_WORLD;
@@ -326,14 +403,27 @@ void run_mpi(const StoreAttendArgs& args) {
   // 1 leaving first took rank 0 down before its message was written (seen on
   // a loaded machine). A failure of rank 0's write alone is past this point.
   StoreAttentionResult result;
+  IndexRun run;
   try {
-    result = attend_mpi(args, comm, rank, ranks);
+    if (args.indexes.empty()) {
+      result = attend_mpi(args, comm, rank, ranks);
+    } else {
+      run = attend_index_mpi(args, comm, rank, ranks);
+    }
   } catch (...) {
     const int status = report_error("attend");
     MPI_Barrier(comm);
     throw ReportedError{status};
   }
-  if (rank == 0) write_outputs(output_files(args, result));
+  if (rank != 0) return;
+  if (args.indexes.empty()) {
+    write_outputs(output_files(args, result));
+  } else {
+    write_outputs(output_files(args, run.result));
+    if (!args.quiet) {
+      print_summary(index_summary(run.all_lists, run.all_rows, index_options_of(args), run.result));
+    }
+  }
 }
 
 #endif
@@ -353,10 +443,10 @@ void run_store_attend(const StoreAttendArgs& args) {
   if (args.scoring == Scoring::kDistance && args.scale) {
     check_distance_scale(*args.scale, true, args.scale_option);
   }
-  if (!args.index.empty()) return run_index(args);
 #ifdef QKV_WITH_MPI
   if (started_by_mpirun()) return run_mpi(args);
 #endif
+  if (!args.indexes.empty()) return run_index(args);
   run_single(args);
 }
 

@@ -1,7 +1,8 @@
 // `qkv attend --store`: attention over key-value stores (docs/scale.md), in
 // one process, or sharded across MPI ranks when started by mpirun (and
-// built with MPI); with --index, through an index of the store (qkv/index.h),
-// certified or with a fixed budget, in one process.
+// built with MPI); with --index, through an index of each store
+// (qkv/index.h), certified or with a fixed budget, in one process or one
+// shard store and its index per MPI rank.
 #pragma once
 
 #include <cstdint>
@@ -24,9 +25,10 @@ struct StoreAttendArgs {
   std::string out, lse, top_ids, top_weights;
   bool quiet = false;
   std::optional<int> threads;
-  // --index: attention through an index built over the one store. Its
-  // checks against the other options are attend.cc's.
-  std::string index;
+  // --index: attention through an index of each store, indexes[s] built
+  // over stores[s]. Its checks against the other options (as many indexes
+  // as stores) are attend.cc's.
+  std::vector<std::string> indexes;
   std::optional<double> epsilon;  // certified: absent is the library's default
   std::optional<int64_t> probe;   // or a fixed budget of lists
   std::string certificate;        // --certificate C.npy: float64 (Nq)

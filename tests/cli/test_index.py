@@ -3,7 +3,8 @@
 --index I` through the command line: the index's files read back with NumPy
 (its rows are the store's, grouped by list), attention through it against
 attention over the whole store (--epsilon 0 equal to it, --epsilon E within
-the certificate's bound, --probe P with its summary line), bad options named
+the certificate's bound, --probe P with its summary line; shard stores each
+through its index, merged), bad options named
 with exit 2, an index over another store or a stale one refused, damage
 named by verify, updates with appended rows (each in its nearest list), and
 signals during a build or an update leaving nothing behind but the old index
@@ -423,7 +424,7 @@ class AttendIndexTest(IndexCase):
                                      "--out", out], [out], ["--index", "needs --store"])
         other = self.create("other", self.k[:100], self.v[:100])
         self.expect_error("attend", base + ["--store", other], [out],
-                          ["--index " + self.index, "one --store", "not 2"])
+                          ["--index given 1 time and --store 2 times", "give each store's index"])
         self.expect_error("attend", base + ["--valid-lens", self.save("l.npy", np.int64(5))],
                           [out], ["--valid-lens does not go with --index"])
         # Outputs inside the index or the store, however spelled.
@@ -439,14 +440,49 @@ class AttendIndexTest(IndexCase):
                                      "--queries", self.save("q5.npy", np.ones((2, 5), np.float32)),
                                      "--out", out], [out], ["[2, 5]", "D = 8"])
         self.expect_error("attend", base + ["--certificate", out], [out], ["--certificate"])
-        # Under mpirun: one process only.
-        env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2")
-        if os.path.exists(out):
-            os.remove(out)  # expect_error leaves its sentinel
-        r = test_cli.run(*base, env=env)
-        self.assertEqual(r.returncode, 2, r.stderr)
-        self.assertIn("qkv attend: error: --index runs in one process", r.stderr)
-        self.assertFalse(os.path.exists(out))
+
+    def test_shard_stores_each_through_its_index(self):
+        """--store S_0 --store S_1 --index I_0 --index I_1: each shard through
+        its index, merged: attention over every row within the certificate's
+        bound (epsilon 0: equal to it), ids counting through the shards."""
+        k, v, _ = self.clustered(3000, 8, 4, apart=1.5)
+        whole = self.create("whole", k, v, "--chunk-rows", 1000)
+        stores, indexes = [], []
+        for name, rows in (("a", slice(0, 1700)), ("b", slice(1700, 3000))):
+            stores.append(self.create(name, k[rows], v[rows]))
+            indexes.append(self.build(stores[-1], name + ".index")[0])
+        lists = sum(self.info(i)["lists"] for i in indexes)
+        # The helper adds --index I_1 (and --certificate) last.
+        args = ["--store", stores[1], "--index", indexes[0]]
+        ids = self.path("ids.npy")
+        scores = self.queries.astype(np.float64) @ k.astype(np.float64).T / np.sqrt(8)
+        exact, _ = self.attend(whole, self.q, name="exact")
+        for epsilon in ("0", "1e-3"):
+            got, stderr = self.attend(stores[0], self.q, *args, "--epsilon", epsilon, "--top-k", 3,
+                                      "--top-ids", ids, index=indexes[1])
+            c = got["c"]
+            self.assertTrue((c >= 0).all() and (c <= float(epsilon)).all(), c)
+            error = np.linalg.norm(got["o"].astype(np.float64) - exact["o"], axis=1)
+            self.assertTrue((error <= 2 * c * np.linalg.norm(v, axis=1).max() + 1e-5).all(), error)
+            self.assertTrue((exact["lse"] <= got["lse"] + np.log1p(c) + 1e-5).all())
+            if epsilon == "0":
+                np.testing.assert_allclose(got["o"], exact["o"], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(got["lse"], exact["lse"], rtol=1e-5, atol=1e-6)
+            match = SUMMARY.match(stderr)
+            self.assertIsNotNone(match, stderr)
+            self.assertEqual((number(match[4]), number(match[6])), (lists, 3000))
+            self.assertEqual(match[7], "; top 3 certain for 12 of 12 queries")
+            top = np.load(ids)
+            for i in range(12):
+                np.testing.assert_allclose(scores[i, top[i]], np.sort(scores[i])[::-1][:3],
+                                           rtol=0, atol=1e-5)
+        # The indexes in another order than the stores: refused.
+        out = self.path("o.npy")
+        self.expect_error("attend", ["attend", "--store", stores[0], "--store", stores[1],
+                                     "--index", indexes[1], "--index", indexes[0],
+                                     "--queries", self.q, "--out", out], [out],
+                          ["StoreIndex::check_built_over", "index " + indexes[1],
+                           "another store than store " + stores[0]])
 
     def test_an_index_of_another_store_or_a_stale_one_is_refused(self):
         out = self.path("o.npy")
