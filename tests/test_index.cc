@@ -455,8 +455,7 @@ TEST_F(IndexTest, OneIndexInAListIsThatIndexAndProgressCountsEveryPart) {
   // halved, the output and certificate as one): the queries of each part.
   std::vector<std::pair<int64_t, int64_t>> reports;
   options.progress = [&](int64_t done, int64_t total) { reports.emplace_back(done, total); };
-  const IndexAttentionResult twice =
-      attend(q.view(), std::vector<const StoreIndex*>{&index, &index}, options);
+  const IndexAttentionResult twice = attend(q.view(), {&index, &index}, options);
   const std::vector<std::pair<int64_t, int64_t>> want{{64, 140}, {70, 140}, {134, 140}, {140, 140}};
   EXPECT_EQ(reports, want);
   for (int64_t i = 0; i < q.size(0); ++i) {
@@ -478,14 +477,10 @@ TEST_F(IndexTest, ShardsThroughTheirIndexesRefuseBadArguments) {
   const Tensor<float> q(Shape{2, 3}, 0.5f);
   expect_error([&] { attend(q.view(), std::vector<const StoreIndex*>{}); },
                {"attend", "indexes is empty"});
+  expect_error([&] { attend(q.view(), {&ia, nullptr}); }, {"attend", "indexes[1] is null"});
   expect_error(
       [&] {
-        attend(q.view(), std::vector<const StoreIndex*>{&ia, nullptr});
-      },
-      {"attend", "indexes[1] is null"});
-  expect_error(
-      [&] {
-        attend(q.view(), std::vector<const StoreIndex*>{&ia, &ib});
+        attend(q.view(), {&ia, &ib});
       },
       {"attend", "index " + path("ib") + " has D = 4", "D = 3"});
   IndexAttentionOptions options;
@@ -495,6 +490,10 @@ TEST_F(IndexTest, ShardsThroughTheirIndexesRefuseBadArguments) {
         attend(q.view(), std::vector<const StoreIndex*>{&ia, &ia}, options);
       },
       {"attend", "options.top_k = 201", "200 rows"});
+  // Two stores in braces are still attention over stores (a std::vector of
+  // indexes as the parameter made this call ambiguous).
+  const StoreAttentionResult over_stores = attend(q.view(), {&a.store, &a.store});
+  EXPECT_EQ(over_stores.output.shape(), (Shape{2, 2}));
   options.top_k = 150;  // more than either part's rows: each gives its own
   const IndexAttentionResult got =
       attend(q.view(), std::vector<const StoreIndex*>{&ia, &ia}, options);

@@ -20,7 +20,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -203,8 +205,18 @@ IndexAttentionResult attend(ConstView<float> queries, const StoreIndex& index,
 // merge_parts. Row ids count through the parts in order; every index has
 // the same D and Dv, and top_k is at most their rows together. progress:
 // the queries done over every part (part p's query i is p Nq + i).
-IndexAttentionResult attend(ConstView<float> queries, const std::vector<const StoreIndex*>& indexes,
+// indexes: a std::vector<const StoreIndex*>, or {&a, &b, ...} (the overload
+// below). Not a std::vector parameter: a vector can be built from two
+// pointers as an iterator pair, which made attention over two stores,
+// attend(queries, {&store_a, &store_b}), ambiguous.
+IndexAttentionResult attend(ConstView<float> queries, std::span<const StoreIndex* const> indexes,
                             const IndexAttentionOptions& options = {});
+inline IndexAttentionResult attend(ConstView<float> queries,
+                                   std::initializer_list<const StoreIndex*> indexes,
+                                   const IndexAttentionOptions& options = {}) {
+  return attend(queries, std::span<const StoreIndex* const>(indexes.begin(), indexes.size()),
+                options);
+}
 
 // Attention through the indexes of a key set's consecutive parts from each
 // part's result, in order (shards, or MPI ranks: qkv::mpi merges its ranks'

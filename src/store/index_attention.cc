@@ -635,7 +635,7 @@ IndexAttentionResult merge_parts(const std::vector<IndexAttentionResult>& parts,
   return out;
 }
 
-IndexAttentionResult attend(ConstView<float> queries, const std::vector<const StoreIndex*>& indexes,
+IndexAttentionResult attend(ConstView<float> queries, std::span<const StoreIndex* const> indexes,
                             const IndexAttentionOptions& options) {
   if (indexes.empty()) fail(kFn, "indexes is empty; expected at least one index");
   int64_t rows = 0;
