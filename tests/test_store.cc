@@ -639,7 +639,9 @@ TEST_F(StoreTest, MergePartsIsAttentionOverTheUnion) {
   // The same parts, the same bits.
   expect_bitwise_equal(merge_parts(parts, part_rows, top_k).top_weights, merged.top_weights,
                        "again");
-  expect_error([&] { merge_parts({}, {}, 0); }, {"merge_parts", "parts is empty"});
+  // (The parts' type named: {} alone also fits merge_parts of index results.)
+  expect_error([&] { merge_parts(std::vector<StoreAttentionResult>{}, {}, 0); },
+               {"merge_parts", "parts is empty"});
   expect_error(
       [&] {
         merge_parts(parts, {1, 2}, 0);
