@@ -112,6 +112,13 @@ class StoreIndex {
   // coordinate over its keys (as stored; +inf and -inf for an empty list).
   ConstView<float> box_low() const { return box_low_.view(); }
   ConstView<float> box_high() const { return box_high_.view(); }
+  // Per list: |c_j| and log(its rows) (-inf for an empty list), in double,
+  // formed once at open for the bounds every query computes.
+  const std::vector<double>& centroid_norms() const { return centroid_norms_; }
+  const std::vector<double>& log_list_rows() const { return log_list_rows_; }
+  // The centroids by coordinate, (D, L) in double: entry k L + j is
+  // coordinate k of centroid j (the bounds' products, vectorised over lists).
+  const std::vector<double>& centroid_columns() const { return centroid_columns_; }
   // The store row of index row r (list order).
   int64_t store_row(int64_t r) const;
   // The keys and values of list j, as views of the index's dtype, valid
@@ -131,6 +138,7 @@ class StoreIndex {
   int64_t rows_ = 0, key_dim_ = 0, value_dim_ = 0;
   std::vector<IndexList> lists_;
   Tensor<float> centroids_, box_low_, box_high_;
+  std::vector<double> centroid_norms_, log_list_rows_, centroid_columns_;
   uint64_t store_fingerprint_ = 0;
   int64_t store_chunks_ = 0;
 };

@@ -662,6 +662,19 @@ StoreIndex StoreIndex::open(const std::string& dir, StoreCheck check,
     *box = Tensor<float>(Shape{lists, index.key_dim_});
     std::copy_n(data_of<float>(file, box_offset), lists * index.key_dim_, box->data());
   }
+  index.centroid_columns_.resize(static_cast<size_t>(lists * index.key_dim_));
+  for (int64_t j = 0; j < lists; ++j) {
+    double squared = 0.0;
+    for (int64_t c = 0; c < index.key_dim_; ++c) {
+      const double x = index.centroids_(j, c);
+      squared += x * x;
+      index.centroid_columns_[static_cast<size_t>(c * lists + j)] = x;
+    }
+    index.centroid_norms_.push_back(std::sqrt(squared));
+    const int64_t rows = index.lists_[static_cast<size_t>(j)].rows;
+    index.log_list_rows_.push_back(rows > 0 ? std::log(static_cast<double>(rows))
+                                            : -std::numeric_limits<double>::infinity());
+  }
   for (int64_t j = 0; j < lists; ++j) {
     if (index.lists_[static_cast<size_t>(j)].rows == 0) continue;
     for (int64_t c = 0; c < index.key_dim_; ++c) {
