@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "index_testing.h"
+#include "mpi/mpi_testing.h"
 #include "qkv/index.h"
 #include "qkv/mpi.h"
 #include "qkv/store.h"
@@ -30,24 +31,6 @@ namespace qkv::test {
 namespace {
 
 namespace fs = std::filesystem;
-
-int rank_of() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-int ranks() {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
-// One seed for all ranks: rank 0's, so every rank draws the same rows.
-uint64_t shared_seed() {
-  uint64_t seed = test_seed();
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return seed;
-}
 
 // Rank 0's tensor, compared bit for bit on every rank.
 template <class T>

@@ -15,9 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "attention_testing.h"
+#include "mpi/mpi_testing.h"
 #include "qkv/mpi.h"
 #include "qkv/simd.h"
-#include "attention_testing.h"
 #include "qkv/store_attention.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -26,24 +27,6 @@ namespace qkv::test {
 namespace {
 
 namespace fs = std::filesystem;
-
-int rank_of() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-int ranks() {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
-// One seed for all ranks: rank 0's.
-uint64_t shared_seed() {
-  uint64_t seed = test_seed();
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return seed;
-}
 
 // A directory every rank sees (one machine): made by rank 0, removed at the end.
 class MpiStoreTest : public ::testing::Test {
@@ -66,7 +49,8 @@ class MpiStoreTest : public ::testing::Test {
   // Rank 0 creates the store; the others wait for it, then all open it.
   KeyValueStore shared_store(const std::string& name, const Tensor<float>& keys,
                              const Tensor<float>& values, int64_t chunk_rows) {
-    if (rank_of() == 0) KeyValueStore::create(path(name), keys, values, StoreDtype::kFloat32, chunk_rows);
+    if (rank_of() == 0)
+      KeyValueStore::create(path(name), keys, values, StoreDtype::kFloat32, chunk_rows);
     MPI_Barrier(MPI_COMM_WORLD);
     return KeyValueStore::open(path(name));
   }
@@ -107,7 +91,8 @@ TEST_F(MpiStoreTest, OneStoreSharedByTheRanksEqualsOneProcess) {
   // Chunk counts 1, 2, 3, 7 and about 13: not divisible by 2, 3 or 4, and
   // fewer chunks than ranks (ranks with nothing to read).
   for (int64_t chunks : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{7}, int64_t{13}}) {
-    const int64_t d = rng.uniform_int(1, 32), dv = rng.uniform_int(1, 16), nq = rng.uniform_int(1, 9);
+    const int64_t d = rng.uniform_int(1, 32), dv = rng.uniform_int(1, 16),
+                  nq = rng.uniform_int(1, 9);
     const int64_t chunk_rows = rng.uniform_int(20, 120);
     const int64_t n = (chunks - 1) * chunk_rows + rng.uniform_int(1, chunk_rows);
     const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
@@ -121,24 +106,31 @@ TEST_F(MpiStoreTest, OneStoreSharedByTheRanksEqualsOneProcess) {
     }
     const Tensor<int64_t> one(Shape{1}, rng.uniform_int(0, n));
     // The loop's batch-of-one lengths: (1, Nq), one per query.
-    const Tensor<int64_t> per_query_2d = Tensor<int64_t>::copy_of(per_query.view()).reshaped(Shape{1, nq});
-    const KeyValueStore store = shared_store("s" + std::to_string(made++), keys, values, chunk_rows);
+    const Tensor<int64_t> per_query_2d =
+        Tensor<int64_t>::copy_of(per_query.view()).reshaped(Shape{1, nq});
+    const KeyValueStore store =
+        shared_store("s" + std::to_string(made++), keys, values, chunk_rows);
     const mpi::StorePart part = mpi::share_of_chunks(store, rank_of(), ranks());
     for (int form = 0; form < 3; ++form) {
-      SCOPED_TRACE("chunks=" + std::to_string(chunks) + " n=" + std::to_string(n) + " form=" +
-                   std::to_string(form));
-      const ValidLens valid = form == 0 ? ValidLens() : form == 1 ? ValidLens(one) : ValidLens(per_query);
+      SCOPED_TRACE("chunks=" + std::to_string(chunks) + " n=" + std::to_string(n) +
+                   " form=" + std::to_string(form));
+      const ValidLens valid = form == 0   ? ValidLens()
+                              : form == 1 ? ValidLens(one)
+                                          : ValidLens(per_query);
       StoreAttentionOptions options;
       options.top_k = std::min<int64_t>(n, rng.uniform_int(0, 6));
       mpi::Timings timings;
-      const StoreAttentionResult got = mpi::attend(queries, part, MPI_COMM_WORLD, valid, options, &timings);
+      const StoreAttentionResult got =
+          mpi::attend(queries, part, MPI_COMM_WORLD, valid, options, &timings);
       const StoreAttentionResult want = attend(queries, store, valid, options);
       expect_close(got.output, want.output, kSdpa, "output");
       expect_close(got.lse, want.lse, kSdpaLse, "lse");
       // And the float64 loop over every row at once.
       const NaiveForward ref = naive_sdpa<float>(
           queries.view().unsqueeze0(), keys.view().unsqueeze0(), values.view().unsqueeze0(),
-          form == 0 ? ValidLens() : form == 1 ? ValidLens(one) : ValidLens(per_query_2d),
+          form == 0   ? ValidLens()
+          : form == 1 ? ValidLens(one)
+                      : ValidLens(per_query_2d),
           1.0 / std::sqrt(static_cast<double>(d)), {});
       expect_close(got.output, as_tensor(Shape{nq, dv}, ref.out), kSdpa, "output vs float64 loop");
       expect_close(got.lse, as_tensor(Shape{nq}, ref.lse), kSdpaLse, "lse vs float64 loop");
@@ -166,7 +158,8 @@ TEST_F(MpiStoreTest, AShardPerRankEqualsTheirConcatenation) {
   // holds the whole key set to compare with. Rank 1's shard is empty when
   // there are 3 or more ranks: a rank with no rows.
   std::vector<int64_t> sizes;
-  for (int r = 0; r < ranks(); ++r) sizes.push_back(r == 1 && ranks() >= 3 ? 0 : rng.uniform_int(1, 400));
+  for (int r = 0; r < ranks(); ++r)
+    sizes.push_back(r == 1 && ranks() >= 3 ? 0 : rng.uniform_int(1, 400));
   const int64_t n = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   const Tensor<float> keys = random_tensor<float>(rng, Shape{n, d}, -2, 2);
   const Tensor<float> values = random_tensor<float>(rng, Shape{n, dv});
@@ -175,18 +168,20 @@ TEST_F(MpiStoreTest, AShardPerRankEqualsTheirConcatenation) {
   for (int64_t i = 0; i < nq; ++i) per_query(i) = rng.uniform_int(0, n);
   const int64_t first = std::accumulate(sizes.begin(), sizes.begin() + rank_of(), int64_t{0});
   const int64_t mine = sizes[static_cast<size_t>(rank_of())];
-  const KeyValueStore shard = KeyValueStore::create(
-      path("shard" + std::to_string(rank_of())), rows_of(keys, first, mine), rows_of(values, first, mine),
-      StoreDtype::kFloat32, 64);
+  const KeyValueStore shard =
+      KeyValueStore::create(path("shard" + std::to_string(rank_of())), rows_of(keys, first, mine),
+                            rows_of(values, first, mine), StoreDtype::kFloat32, 64);
   const KeyValueStore all = shared_store("all", keys, values, 100);
   std::vector<KeyValueStore> shards;
-  for (int r = 0; r < ranks(); ++r) shards.push_back(KeyValueStore::open(path("shard" + std::to_string(r))));
+  for (int r = 0; r < ranks(); ++r)
+    shards.push_back(KeyValueStore::open(path("shard" + std::to_string(r))));
   std::vector<const ChunkSource*> list;
   for (const KeyValueStore& s : shards) list.push_back(&s);
   for (const ValidLens& valid : {ValidLens(), ValidLens(per_query)}) {
     StoreAttentionOptions options;
     options.top_k = std::min<int64_t>(n, 4);
-    const StoreAttentionResult got = mpi::attend(queries, mpi::whole(shard), MPI_COMM_WORLD, valid, options);
+    const StoreAttentionResult got =
+        mpi::attend(queries, mpi::whole(shard), MPI_COMM_WORLD, valid, options);
     const StoreAttentionResult want = attend(queries, all, valid, options);
     const StoreAttentionResult listed = attend(queries, list, valid, options);
     expect_close(got.output, want.output, kSdpa, "output");
@@ -214,17 +209,19 @@ TEST_F(MpiStoreTest, BackwardSumsDQueriesAndKeepsEachRanksRows) {
   const KeyValueStore store = shared_store("s", keys, values, 37);
   const mpi::StorePart part = mpi::share_of_chunks(store, rank_of(), ranks());
   const StoreAttentionResult forward = mpi::attend(queries, part, MPI_COMM_WORLD, ValidLens(lens));
-  const StoreAttentionGrads got = mpi::attend_backward(
-      queries, part, MPI_COMM_WORLD, ValidLens(lens), {}, {forward.output.view(), forward.lse.view()},
-      d_output);
+  const StoreAttentionGrads got =
+      mpi::attend_backward(queries, part, MPI_COMM_WORLD, ValidLens(lens), {},
+                           {forward.output.view(), forward.lse.view()}, d_output);
   const StoreAttentionGrads want = attend_backward(
       queries, store, ValidLens(lens), {}, {forward.output.view(), forward.lse.view()}, d_output);
   expect_close(got.d_queries, want.d_queries, kSdpaBackward, "d_queries");
   expect_same_on_every_rank(got.d_queries, "d_queries");
-  const int64_t first = part.first_chunk < part.last_chunk ? store.chunks()[part.first_chunk].first_row : 0;
+  const int64_t first =
+      part.first_chunk < part.last_chunk ? store.chunks()[part.first_chunk].first_row : 0;
   const int64_t rows = got.d_keys.size(0);
   int64_t expected_rows = 0;
-  for (size_t c = part.first_chunk; c < part.last_chunk; ++c) expected_rows += store.chunks()[c].rows;
+  for (size_t c = part.first_chunk; c < part.last_chunk; ++c)
+    expected_rows += store.chunks()[c].rows;
   ASSERT_EQ(rows, expected_rows);
   ASSERT_EQ(got.d_values.size(0), expected_rows);
   expect_close(got.d_keys, rows_of(want.d_keys, first, rows), kSdpaBackward, "d_keys");
@@ -239,13 +236,15 @@ TEST_F(MpiStoreTest, AFailingRankMakesEveryRankThrow) {
   // when mapped, and every rank hears of it.
   const KeyValueStore shard = KeyValueStore::create(path("shard" + std::to_string(rank_of())), keys,
                                                     values, StoreDtype::kFloat32, 10);
-  const std::string damaged = path("shard" + std::to_string(last)) + "/" + shard.chunks()[2].keys_file;
+  const std::string damaged =
+      path("shard" + std::to_string(last)) + "/" + shard.chunks()[2].keys_file;
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank_of() == last) fs::resize_file(damaged, 100);
   MPI_Barrier(MPI_COMM_WORLD);
-  expect_error([&] { mpi::attend(queries, mpi::whole(shard), MPI_COMM_WORLD); },
-               {"qkv::mpi::attend", "rank " + std::to_string(last) + " of " + std::to_string(ranks()),
-                damaged, "truncated"});
+  expect_error(
+      [&] { mpi::attend(queries, mpi::whole(shard), MPI_COMM_WORLD); },
+      {"qkv::mpi::attend", "rank " + std::to_string(last) + " of " + std::to_string(ranks()),
+       damaged, "truncated"});
   // Shards that disagree on D: every rank names the first that differs.
   const KeyValueStore other = KeyValueStore::create(
       path("other" + std::to_string(rank_of())), Tensor<float>(Shape{3, rank_of() == last ? 5 : 4}),
@@ -258,7 +257,8 @@ TEST_F(MpiStoreTest, AFailingRankMakesEveryRankThrow) {
   // Bad arguments fail alike everywhere.
   StoreAttentionOptions options;
   options.top_k = 40 * ranks() + 1;
-  const KeyValueStore good = KeyValueStore::create(path("good" + std::to_string(rank_of())), keys, values);
+  const KeyValueStore good =
+      KeyValueStore::create(path("good" + std::to_string(rank_of())), keys, values);
   const std::string message =
       expect_error([&] { mpi::attend(queries, mpi::whole(good), MPI_COMM_WORLD, {}, options); },
                    {"qkv::mpi::attend", "top_k = " + std::to_string(40 * ranks() + 1)});
