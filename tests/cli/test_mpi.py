@@ -204,7 +204,8 @@ class IndexTest(MpiCase):
 
     def test_an_index_per_rank_against_one_process_and_numpy(self):
         d, dv = 8, 4
-        for ranks in (1, 2, 3, 4):
+        # One rank, and four with rank 1 empty (tests/mpi runs the merge at 1 to 4).
+        for ranks in (1, 4):
             sizes = [0 if r == 1 and ranks >= 3 else int(self.rng.integers(200, 900))
                      for r in range(ranks)]  # with 3 or more ranks, rank 1 holds no rows
             stores, indexes, k, v, q_rows = self.shards(sizes, d, dv, name=f"r{ranks}-")
