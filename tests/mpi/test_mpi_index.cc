@@ -56,24 +56,8 @@ void expect_same_bits(const IndexAttentionResult& got, const IndexAttentionResul
 
 // A directory every rank sees (one machine), made by rank 0; each rank's
 // shard store and its index in it, and every rank's rows together.
-class MpiIndexTest : public ::testing::Test {
+class MpiIndexTest : public MpiDirectoryTest {
  protected:
-  void SetUp() override {
-    char path[4096] = {};
-    if (rank_of() == 0) {
-      std::string pattern = "/tmp/qkv-mpi-index-test-XXXXXX";
-      ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-      std::snprintf(path, sizeof path, "%s", pattern.c_str());
-    }
-    MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
-    root_ = path;
-  }
-  void TearDown() override {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (rank_of() == 0) fs::remove_all(root_);
-  }
-  std::string path(const std::string& name) const { return (fs::path(root_) / name).string(); }
-
   struct Shards {
     Tensor<float> keys, values;   // every rank's rows, in rank order, as stored
     std::vector<int64_t> rows;    // per rank
@@ -124,8 +108,6 @@ class MpiIndexTest : public ::testing::Test {
     std::copy_n(x.data() + first * x.size(1), n * x.size(1), out.data());
     return out;
   }
-
-  std::string root_;
 };
 
 // Shard sizes: 1 to `most` rows per rank, and none on rank 1 when there are

@@ -29,23 +29,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // A directory every rank sees (one machine): made by rank 0, removed at the end.
-class MpiStoreTest : public ::testing::Test {
+class MpiStoreTest : public MpiDirectoryTest {
  protected:
-  void SetUp() override {
-    char path[4096] = {};
-    if (rank_of() == 0) {
-      std::string pattern = "/tmp/qkv-mpi-test-XXXXXX";
-      ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-      std::snprintf(path, sizeof path, "%s", pattern.c_str());
-    }
-    MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
-    root_ = path;
-  }
-  void TearDown() override {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (rank_of() == 0) fs::remove_all(root_);
-  }
-  std::string path(const std::string& name) const { return (fs::path(root_) / name).string(); }
   // Rank 0 creates the store; the others wait for it, then all open it.
   KeyValueStore shared_store(const std::string& name, const Tensor<float>& keys,
                              const Tensor<float>& values, int64_t chunk_rows) {
@@ -54,7 +39,6 @@ class MpiStoreTest : public ::testing::Test {
     MPI_Barrier(MPI_COMM_WORLD);
     return KeyValueStore::open(path(name));
   }
-  std::string root_;
 };
 
 Tensor<float> rows_of(const Tensor<float>& x, int64_t first, int64_t n) {
