@@ -321,15 +321,21 @@ py::object store_attend(const PyStore& self, py::handle queries_obj, py::handle 
 
 // ---- qkv.Index ----------------------------------------------------------------
 
+// The store a Python argument holds, as it is now (PyStore::snapshot);
+// TypeError naming `fn` unless it is a qkv.KeyValueStore.
+std::shared_ptr<const KeyValueStore> store_of(py::handle obj, std::string_view fn) {
+  if (!py::isinstance<PyStore>(obj)) {
+    throw py::type_error(std::string(fn) + ": store is a " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
+                         "; expected a qkv.KeyValueStore (KeyValueStore.open(dir))");
+  }
+  return obj.cast<const PyStore&>().snapshot();
+}
+
 StoreIndex build_index(py::handle store_obj, py::handle dir_obj, int64_t lists, int64_t iterations,
                        py::handle seed, int64_t sample_per_list) {
   constexpr std::string_view kFn = "Index.build";
-  if (!py::isinstance<PyStore>(store_obj)) {
-    throw py::type_error(std::string(kFn) + ": store is a " +
-                         std::string(py::str(py::type::handle_of(store_obj).attr("__name__"))) +
-                         "; expected a qkv.KeyValueStore (KeyValueStore.open(dir))");
-  }
-  const std::shared_ptr<const KeyValueStore> store = store_obj.cast<const PyStore&>().snapshot();
+  const std::shared_ptr<const KeyValueStore> store = store_of(store_obj, kFn);
   const std::string dir = path_of(dir_obj, kFn, "dir");
   if (iterations < 0 || iterations > 1000) {
     throw Error(std::string(kFn) + ": iterations = " + std::to_string(iterations) +
@@ -472,12 +478,7 @@ py::array index_attend_backward(const StoreIndex& index, py::handle queries_obj,
 StoreIndex update_index(py::handle dir_obj, py::handle store_obj) {
   constexpr std::string_view kFn = "Index.update";
   const std::string dir = path_of(dir_obj, kFn, "dir");
-  if (!py::isinstance<PyStore>(store_obj)) {
-    throw py::type_error(std::string(kFn) + ": store is a " +
-                         std::string(py::str(py::type::handle_of(store_obj).attr("__name__"))) +
-                         "; expected a qkv.KeyValueStore");
-  }
-  const std::shared_ptr<const KeyValueStore> store = store_obj.cast<const PyStore&>().snapshot();
+  const std::shared_ptr<const KeyValueStore> store = store_of(store_obj, kFn);
   return released(kFn, "StoreIndex::update", [&] { return StoreIndex::update(dir, *store); });
 }
 
@@ -885,14 +886,8 @@ Raises:
       .def(
           "check_built_over",
           [](const StoreIndex& self, py::handle store_obj) {
-            if (!py::isinstance<PyStore>(store_obj)) {
-              throw py::type_error(
-                  "Index.check_built_over: store is a " +
-                  std::string(py::str(py::type::handle_of(store_obj).attr("__name__"))) +
-                  "; expected a qkv.KeyValueStore");
-            }
             const std::shared_ptr<const KeyValueStore> store =
-                store_obj.cast<const PyStore&>().snapshot();
+                store_of(store_obj, "Index.check_built_over");
             released("Index.check_built_over", "StoreIndex::check_built_over",
                      [&] { self.check_built_over(*store); });
           },
