@@ -3,6 +3,7 @@
 // bf16 paths), and its errors. The kernel tests themselves run once per
 // target (tests/CMakeLists.txt); this file checks that forcing a target works.
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/runtime/dispatch.h"
 #include "kernels/simd/gemm_bf16.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/simd.h"
@@ -85,6 +87,25 @@ TEST(Simd, CapReachesTheDispatchAndTheBf16Paths) {
   EXPECT_EQ(kernels::fast::bf16_native(), native_uncapped);
 }
 
+// The cap is settled when set_simd_target returns: Highway's dispatch is
+// initialised already, so the first kernel call on several threads does not
+// choose the target again (which passes through the uncapped best target:
+// kernels/runtime/dispatch.cc), and every thread dispatching at once sees it.
+TEST(Simd, CapIsSettledBeforeTheNextKernel) {
+  LiftCapAtEnd lift;
+  const std::vector<std::string> targets = simd_targets();
+  for (int round = 0; round < 50; ++round) {
+    const std::string& target = targets[static_cast<size_t>(round) % targets.size()];
+    SCOPED_TRACE("target " + target + ", round " + std::to_string(round));
+    set_simd_target(target);
+    ASSERT_TRUE(hwy::GetChosenTarget().IsInitialized());
+    std::vector<int64_t> seen(4);
+#pragma omp parallel for num_threads(4)
+    for (int t = 0; t < 4; ++t) seen[t] = kernels::current_target();
+    for (int64_t s : seen) EXPECT_EQ(kernels::target_name(s), target);
+  }
+}
+
 // End to end through a public op: the softmax's row sums run in as many
 // partial sums as the target has lanes, so targets of different widths give
 // different bits somewhere in 64 rows of 999 scores, while every target stays
@@ -122,15 +143,16 @@ TEST(Simd, UnknownOrUnsupportedTargetsAreErrors) {
   LiftCapAtEnd lift;
   const std::vector<std::string> targets = simd_targets();
   const std::string first = targets.front();
-  for (const char* name : {"avx512", "avx2", "sse4", "ssse3", "scalar", "neon", "AVX2", " avx2",
-                           "avx3", "best"}) {
+  for (const char* name :
+       {"avx512", "avx2", "sse4", "ssse3", "scalar", "neon", "AVX2", " avx2", "avx3", "best"}) {
     SCOPED_TRACE(name);
     if (std::find(targets.begin(), targets.end(), name) != targets.end()) {
       set_simd_target(name);
       EXPECT_EQ(simd_target(), name);
     } else {
-      expect_error([&] { set_simd_target(name); },
-                   {"set_simd_target", std::string("\"") + name + "\"", "expected one of: " + first});
+      expect_error(
+          [&] { set_simd_target(name); },
+          {"set_simd_target", std::string("\"") + name + "\"", "expected one of: " + first});
     }
     set_simd_target("");
   }

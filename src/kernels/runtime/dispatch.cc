@@ -73,6 +73,14 @@ void cap_at(int64_t target) {
   // Highway's bits: a better target has a lower bit, so the targets above
   // the cap are exactly the bits below it.
   hwy::DisableTargets(target == 0 ? 0 : target - 1);
+  // DisableTargets only de-initialises Highway's chosen target; the next
+  // dispatch chooses again, and while it does, Highway's SupportedTargets()
+  // briefly stores every target the CPU has, cap or no cap. A first kernel
+  // call after the cap running on two threads could then run one task on the
+  // best target: 1-ulp differences in 22 rows of a double attention capped at
+  // avx2 (Heads.AreABatchOfTheirRowsInEveryLayout<double>@avx2, once in CI).
+  // Choosing here, on the one thread that caps, settles it before any kernel.
+  current_target();
   cap = target;
 }
 
