@@ -4,10 +4,14 @@ The extension qkv._qkv is the CMake target qkv_python; this file configures a
 Release tree for the interpreter that runs it (a venv's python, say), builds
 that one target into setuptools' build folder, and lets setuptools add the
 pure-Python files of python/qkv. The version is the CMake project's.
+QKV_CMAKE_ARGS, if set, adds its words (split as a shell would) to the
+configure command: -DQKV_NATIVE_SIMD_ONLY=ON, say, for a quicker build of a
+package that only this machine runs.
 """
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -46,7 +50,7 @@ class CMakeBuild(build_ext):
             "-DQKV_BUILD_PYTHON=ON",
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DQKV_PYTHON_BUILD_DIR={package_root}",
-        ]
+        ] + shlex.split(os.environ.get("QKV_CMAKE_ARGS", ""))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
         build = ["cmake", "--build", build_dir, "--target", ext.target, "-j", jobs]
         for command in (configure, build):
