@@ -33,8 +33,8 @@ int64_t nw_ref(const kernels::NwData& d, const double* q, int64_t t, double* out
                 t, out, w);
 }
 int64_t nw_fast(const kernels::NwData& d, const double* q, int64_t t, double* out, double* w) {
-  return run_nw(kernels::fast::nadaraya_watson_workspace_size, kernels::fast::nadaraya_watson, d,
-                q, t, out, w);
+  return run_nw(kernels::fast::nadaraya_watson_workspace_size, kernels::fast::nadaraya_watson, d, q,
+                t, out, w);
 }
 
 // kernels::fast::loo_sums with its workspace, and the gradient (p) when asked.
@@ -374,12 +374,9 @@ TEST(KernelRegressionExact, FastMatchesReferenceAndPlainLoop) {
                                   .kernel = kernel};
           Tensor<double> out_ref(Shape{t, m}), w_ref(Shape{t, n});
           Tensor<double> out_fast(Shape{t, m}), w_fast(Shape{t, n}), out_nw(Shape{t, m});
-          const int64_t u_ref =
-              nw_ref(d, q.data(), t, out_ref.data(), w_ref.data());
-          const int64_t u_fast =
-              nw_fast(d, q.data(), t, out_fast.data(), w_fast.data());
-          const int64_t u_nw =
-              nw_fast(d, q.data(), t, out_nw.data(), nullptr);
+          const int64_t u_ref = nw_ref(d, q.data(), t, out_ref.data(), w_ref.data());
+          const int64_t u_fast = nw_fast(d, q.data(), t, out_fast.data(), w_fast.data());
+          const int64_t u_nw = nw_fast(d, q.data(), t, out_nw.data(), nullptr);
           const Tensor<double> w_plain = plain_weights(x, q, h, kernel);
           const Tensor<double> out_plain = plain_pool(w_plain, y);
           int64_t u_plain = 0;
@@ -499,8 +496,8 @@ TEST(KernelRegressionExact, FusedGaussianMatchesReferenceAtSmallBandwidths) {
       const Tensor<double> y = random_tensor<double>(rng, Shape{n, m}, -3, 3);
       // Queries from a tenth of the spread below the data to a tenth above;
       // a few far away (the nearest key's value).
-      Tensor<double> q = random_tensor<double>(rng, Shape{t, p}, offset - 0.1 * spread,
-                                               offset + 1.1 * spread);
+      Tensor<double> q =
+          random_tensor<double>(rng, Shape{t, p}, offset - 0.1 * spread, offset + 1.1 * spread);
       for (int64_t i = 0; i < t; i += 97) q(i, 0) = offset + 30 * spread;  // far
 
       const kernels::NwData d{.x = x.data(),
@@ -544,12 +541,11 @@ TEST(KernelRegressionExact, FusedGaussianMatchesReferenceAtSmallBandwidths) {
       int64_t far = 0;
       for (int64_t i = 0; i < t; ++i) {
         const bool is_far = i % 97 == 0;
-        const double score_rounding =
-            is_far ? 0 : 8 * 0x1p-53 * (nearest_score(i) + 1) * max_abs_y;
+        const double score_rounding = is_far ? 0 : 8 * 0x1p-53 * (nearest_score(i) + 1) * max_abs_y;
         for (int64_t k = 0; k < m; ++k) {
-          const double tol = is_far ? 1e-6
-                                    : kNwFast.atol + kNwFast.rtol * std::abs(out_ref(i, k)) +
-                                          score_rounding;
+          const double tol =
+              is_far ? 1e-6
+                     : kNwFast.atol + kNwFast.rtol * std::abs(out_ref(i, k)) + score_rounding;
           far += is_far ? 1 : 0;
           ASSERT_LE(std::abs(out_fast(i, k) - out_ref(i, k)), tol)
               << "fast vs ref at q=" << i << " d=" << k << (is_far ? " (far query)" : "");
@@ -579,7 +575,12 @@ TEST(KernelRegressionFast1d, MatchesExactEvaluation) {
     Tensor<double> y_abs = y;
     for (double& v : y_abs.values()) v = std::abs(v);
     const Tensor<double> q = random_tensor<double>(rng, Shape{t}, -3, 6);
-    for (double h : {1e-4, 2e-3, 0.05, 0.7, 5.0, 50.0}) {
+    // Under the sanitizers the ends and the middle (26 s at scalar there with
+    // all six; the Release build runs every bandwidth).
+    const std::vector<double> bandwidths =
+        kSanitized ? std::vector<double>{1e-4, 0.05, 50.0}
+                   : std::vector<double>{1e-4, 2e-3, 0.05, 0.7, 5.0, 50.0};
+    for (double h : bandwidths) {
       SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " h " + format_value(h));
       KernelRegression model(x, y), scale_model(x, y_abs);
       model.set_bandwidth(h);
@@ -853,7 +854,10 @@ TEST(KernelRegressionBandwidth, CrossValidationBeatsRulesOfThumbAndAFineGrid) {
     EXPECT_LE(cv.loo_error, model.loo_error(scott));
     EXPECT_LE(cv.loo_error, model.loo_error(silverman));
     std::vector<double> arg;
-    const double grid = grid_best(model, scott, 6.0, k.p == 1 ? 801 : 61, &arg);
+    // A coarser 1-D grid under the sanitizers (23 s at scalar there with 801
+    // points; the Release build runs the fine one).
+    const int grid_points = k.p == 1 ? (kSanitized ? 201 : 801) : 61;
+    const double grid = grid_best(model, scott, 6.0, grid_points, &arg);
     // Gaussian: a smooth objective, so the quasi-Newton search must match the
     // grid. Compact kernels: the objective has a kink wherever a key enters a
     // window, with local minima closer together than the search's scan; the
@@ -1643,7 +1647,8 @@ TEST(KernelRegressionBandwidth, CrossValidationOfHugeAndTinyX) {
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
   const Chapter c = chapter_data(rng, 60);
-  for (Kernel kernel : {Kernel::kGaussian, Kernel::kEpanechnikov, Kernel::kBoxcar, Kernel::kTriangular}) {
+  for (Kernel kernel :
+       {Kernel::kGaussian, Kernel::kEpanechnikov, Kernel::kBoxcar, Kernel::kTriangular}) {
     const double unit = cv_bandwidth(KernelRegression(c.x, c.y, kernel)).bandwidth[0];
     for (int e : {1000, -1000}) {
       SCOPED_TRACE(name_of(kernel) + ", x times 2^" + std::to_string(e));
