@@ -341,6 +341,47 @@ TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
   }
 }
 
+// k-means++ seeding gives every cluster a list of its own: C well-separated
+// clusters (centres about 26 apart, keys within about 0.6 of theirs) and
+// 1.5 C lists, so no list may hold keys of two clusters. Seeded by sample
+// rows drawn uniformly, about e^-1.5 = 22 % of the clusters got no
+// centroid and shared a list with a neighbour (a radius of the clusters'
+// distance, a certified query's bound near the top everywhere).
+TEST_F(IndexTest, EveryClusterGetsAListOfItsOwn) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t clusters = 40, per_cluster = 60, d = 16, n = clusters * per_cluster;
+  const Tensor<float> centres = random_tensor<float>(rng, Shape{clusters, d}, -8.0, 8.0);
+  std::normal_distribution<double> noise(0.0, 0.1);
+  Tensor<float> keys(Shape{n, d});
+  std::vector<int64_t> cluster_of(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = rng.uniform_int(0, clusters - 1);
+    cluster_of[static_cast<size_t>(i)] = c;
+    for (int64_t j = 0; j < d; ++j)
+      keys(i, j) = static_cast<float>(centres(c, j) + noise(rng.engine()));
+  }
+  const Data data =
+      make_store("s", keys, random_tensor<float>(rng, Shape{n, 2}), StoreDtype::kFloat32, 500);
+  IndexBuildOptions build;
+  build.lists = clusters * 3 / 2;
+  build.seed = rng.next();
+  const StoreIndex index = StoreIndex::build(data.store, path("i"), build);
+  int64_t mixed = 0;
+  for (const IndexList& list : index.lists()) {
+    if (list.rows == 0) continue;
+    const int64_t first = cluster_of[static_cast<size_t>(index.store_row(list.first_row))];
+    for (int64_t r = 1; r < list.rows; ++r) {
+      if (cluster_of[static_cast<size_t>(index.store_row(list.first_row + r))] != first) {
+        ++mixed;
+        break;
+      }
+    }
+  }
+  EXPECT_EQ(mixed, 0) << "lists holding keys of more than one cluster";
+}
+
 // Shard stores, each with its own index, attended through the list of
 // indexes: each part through its index, merged (what qkv::mpi does across
 // ranks; tests/mpi/test_mpi_index.cc holds the two to the same bits).
