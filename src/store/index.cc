@@ -224,10 +224,8 @@ Tensor<float> seed_centroids(const Tensor<float>& sample, int64_t lists, SplitMi
       const int64_t r0 = b * kSeedBlock, r1 = std::min(m, r0 + kSeedBlock);
       double sum = 0.0;
       for (int64_t r = r0; r < r1; ++r) {
-        const float* x = &rows(r, 0);
-        float squared = 0.0f;
-#pragma omp simd reduction(+ : squared)
-        for (int64_t k = 0; k < d; ++k) squared += (x[k] - c[k]) * (x[k] - c[k]);
+        // |x - c|^2: the distance score's -|x - c|^2 / 2 times -2 (exact).
+        const float squared = -2.0f * raw_score<true>(&rows(r, 0), c, d);
         float& near = nearest[static_cast<size_t>(r)];
         near = std::min(near, squared);
         sum += near;
