@@ -91,7 +91,7 @@ JSON
 cat >"$work/corpus/index.json" <<'JSON'
 {
  "format": "qkv store index",
- "version": 2,
+ "version": 3,
  "dtype": "float32",
  "key_dim": 4,
  "value_dim": 2,
@@ -115,7 +115,9 @@ cat >"$work/corpus/index.json" <<'JSON'
   "keys.npy": "0000000000000006",
   "values.npy": "0000000000000007",
   "box_low.npy": "0000000000000008",
-  "box_high.npy": "0000000000000009"
+  "box_high.npy": "0000000000000009",
+  "block_low.npy": "000000000000000a",
+  "block_high.npy": "000000000000000b"
  }
 }
 JSON

@@ -187,7 +187,7 @@ TEST_F(IndexTest, AdversarialKeysAndQueries) {
   }
 }
 
-TEST_F(IndexTest, CompactKernelsAreExactAndReadOnlyTheListsInReach) {
+TEST_F(IndexTest, CompactKernelsAreExactAndReadOnlyTheBlocksInReach) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
@@ -226,6 +226,34 @@ TEST_F(IndexTest, CompactKernelsAreExactAndReadOnlyTheListsInReach) {
                 << "query " << i;
           }
           EXPECT_EQ(got.top_ids(i, 1) >= 0, exact.in_reach[static_cast<size_t>(i)] >= 2);
+        }
+        // Each query reads every block that holds a row in its box, and
+        // only blocks whose box meets its box.
+        for (int64_t i = 0; i < q.size(0); ++i) {
+          int64_t needed = 0, allowed = 0;
+          for (const IndexList& list : index.lists()) {
+            for (int64_t begin = 0, b = list.first_block; begin < list.rows;
+                 begin += kIndexBlockRows, ++b) {
+              const int64_t end = std::min(list.rows, begin + kIndexBlockRows);
+              bool meets = true, holds = false;
+              for (int64_t c = 0; c < d; ++c) {
+                meets = meets && double{q(i, c)} - index.block_high()(b, c) <= h &&
+                        index.block_low()(b, c) - double{q(i, c)} <= h;
+              }
+              for (int64_t r = begin; r < end && !holds; ++r) {
+                const int64_t id = index.store_row(list.first_row + r);
+                bool inside = true;
+                for (int64_t c = 0; c < d; ++c) {
+                  inside = inside && std::abs(double{q(i, c)} - data.keys(id, c)) <= h;
+                }
+                holds = inside;
+              }
+              needed += holds ? end - begin : 0;
+              allowed += meets ? end - begin : 0;
+            }
+          }
+          EXPECT_GE(got.rows_visited(i), needed) << "query " << i;
+          EXPECT_LE(got.rows_visited(i), allowed) << "query " << i;
         }
         // The far query reads nothing; with the smallest width, the others a
         // few of the 16 blobs' lists.
@@ -339,6 +367,27 @@ TEST_F(IndexTest, TheBuildIsRepeatableAndItsListsCoverTheStore) {
       ASSERT_EQ(a.box_high()(static_cast<int64_t>(j), c), high) << "list " << j;
     }
   }
+  // Each block's box is its keys': a list's rows in runs of kIndexBlockRows,
+  // the blocks numbered through the lists in order.
+  int64_t blocks = 0;
+  for (size_t j = 0; j < a.lists().size(); ++j) {
+    const IndexList& list = a.lists()[j];
+    ASSERT_EQ(list.first_block, blocks) << "list " << j;
+    for (int64_t begin = 0; begin < list.rows; begin += kIndexBlockRows, ++blocks) {
+      for (int64_t c = 0; c < d; ++c) {
+        float low = INFINITY, high = -INFINITY;
+        for (int64_t r = begin; r < std::min(list.rows, begin + kIndexBlockRows); ++r) {
+          const float k = data.keys(a.store_row(list.first_row + r), c);
+          low = std::min(low, k);
+          high = std::max(high, k);
+        }
+        ASSERT_EQ(a.block_low()(blocks, c), low) << "list " << j << " row " << begin;
+        ASSERT_EQ(a.block_high()(blocks, c), high) << "list " << j << " row " << begin;
+      }
+    }
+  }
+  ASSERT_EQ(a.block_low().size(0), blocks);
+  ASSERT_EQ(a.block_high().size(0), blocks);
 }
 
 // k-means++ seeding gives every cluster a list of its own: C well-separated

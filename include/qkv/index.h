@@ -13,7 +13,9 @@
 // over, each file's XXH3-64 and its own), centroids.npy (L, D) float32,
 // list_rows.npy (L) int64, radii.npy and norms.npy (L) float64, ids.npy
 // (N) int64, keys.npy (N, D) and values.npy (N, Dv) in the store's dtype,
-// box_low.npy and box_high.npy (L, D) float32 (each list's bounding box).
+// box_low.npy and box_high.npy (L, D) float32 (each list's bounding box),
+// block_low.npy and block_high.npy (B, D) float32 (the bounding box of each
+// block: a list's rows in runs of kIndexBlockRows).
 // Built in a hidden directory beside its destination and renamed into place
 // when complete, so a failed or killed build leaves nothing.
 //   queries: (Nq, D)   output: (Nq, Dv)   lse, certificate: (Nq)
@@ -56,10 +58,21 @@ struct IndexBuildOptions {
 // than a scan of a few lists.
 int64_t default_index_lists(int64_t rows);
 
-// One list: rows [first_row, first_row + rows) of the index's row order.
+// A list's rows are cut into blocks of this many (its last block the rest),
+// each with its bounding box: a range query (a compact kernel) reads only
+// the blocks whose box meets its own. The box of 64 keys is narrower than
+// a list's: a Gaussian's largest of 64 draws is about 2.4 sigma, of 790 (a
+// list at 10^7 rows) 3.2; at 10^7 clustered rows and a box holding 0.89 %
+// of the keys, whole lists read 6.3 % of the rows, blocks of 64 about 4 %.
+// The boxes cost 2 D floats per 64 rows: 3 % of float32 keys.
+inline constexpr int64_t kIndexBlockRows = 64;
+
+// One list: rows [first_row, first_row + rows) of the index's row order,
+// blocks [first_block, first_block + ceil(rows / kIndexBlockRows)).
 struct IndexList {
   int64_t first_row = 0;
   int64_t rows = 0;
+  int64_t first_block = 0;
   double radius = 0.0;    // the largest |k - c| of its keys (0 if empty), rounded up
   double max_norm = 0.0;  // the largest |k| of its keys (0 if empty), rounded up
 };
@@ -112,6 +125,11 @@ class StoreIndex {
   // coordinate over its keys (as stored; +inf and -inf for an empty list).
   ConstView<float> box_low() const { return box_low_.view(); }
   ConstView<float> box_high() const { return box_high_.view(); }
+  // (B, D): block b's bounding box, likewise (every block has rows); list
+  // j's blocks are lists()[j].first_block on, block i of a list its rows
+  // i kIndexBlockRows to (i + 1) kIndexBlockRows.
+  ConstView<float> block_low() const { return block_low_.view(); }
+  ConstView<float> block_high() const { return block_high_.view(); }
   // Per list: |c_j| and log(its rows) (-inf for an empty list), in double,
   // formed once at open for the bounds every query computes.
   const std::vector<double>& centroid_norms() const { return centroid_norms_; }
@@ -137,7 +155,7 @@ class StoreIndex {
   StoreDtype dtype_ = StoreDtype::kFloat32;
   int64_t rows_ = 0, key_dim_ = 0, value_dim_ = 0;
   std::vector<IndexList> lists_;
-  Tensor<float> centroids_, box_low_, box_high_;
+  Tensor<float> centroids_, box_low_, box_high_, block_low_, block_high_;
   std::vector<double> centroid_norms_, log_list_rows_, centroid_columns_;
   uint64_t store_fingerprint_ = 0;
   int64_t store_chunks_ = 0;
@@ -153,10 +171,10 @@ struct IndexAttentionOptions {
   // instead: row j weighs K((q - k_j) / bandwidth), Nadaraya-Watson's
   // product kernel (qkv/kernel_regression_types.h), 0 outside the box
   // |q_c - k_c| <= bandwidth; the weights are normalised to sum to 1. Only
-  // the lists whose ball (centroid, radius) meets that box are read, and
-  // the result is exact: the same as weighing every row (certificate 0,
-  // top_k certain). A query with no row in reach gets output 0 and lse
-  // -inf. scoring, scale, epsilon and probe do not apply.
+  // the blocks whose box meets that box, in lists whose box and ball
+  // (centroid, radius) meet it, are read, and the result is exact: the same as weighing every row
+  // (certificate 0, top_k certain). A query with no row in reach gets output 0 and lse -inf.
+  // scoring, scale, epsilon and probe do not apply.
   Kernel kernel = Kernel::kGaussian;
   // The compact kernel's width h > 0 (finite); required with one.
   std::optional<double> bandwidth;

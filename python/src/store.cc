@@ -1077,6 +1077,14 @@ Raises:
           "box_high", [](const StoreIndex& self) { return list_matrix(self.box_high()); },
           "Each list's bounding box, its greatest corner, a new float32 array (L, D) (-inf for "
           "an empty list).")
+      .def_property_readonly(
+          "block_low", [](const StoreIndex& self) { return list_matrix(self.block_low()); },
+          "Each block's bounding box, its least corner, a new float32 array (B, D). A list's "
+          "rows are cut into blocks of 64 (its last block the rest), in list order: a range "
+          "query reads only the blocks whose box meets its own.")
+      .def_property_readonly(
+          "block_high", [](const StoreIndex& self) { return list_matrix(self.block_high()); },
+          "Each block's bounding box, its greatest corner, a new float32 array (B, D).")
       .def("__repr__", [](const StoreIndex& self) {
         return repr_of("Index", self.dir(), self.rows(), self.key_dim(), self.value_dim(),
                        self.dtype(), ", lists=" + std::to_string(self.lists().size()));

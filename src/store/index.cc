@@ -61,6 +61,8 @@ constexpr const char* kKeys = kIndexFiles[5];
 constexpr const char* kValues = kIndexFiles[6];
 constexpr const char* kBoxLow = kIndexFiles[7];
 constexpr const char* kBoxHigh = kIndexFiles[8];
+constexpr const char* kBlockLow = kIndexFiles[9];
+constexpr const char* kBlockHigh = kIndexFiles[10];
 // Radii and norms are computed in double from the rows as stored and then
 // multiplied by this, so that no key's distance or norm computed again
 // (in double, any order of the sum) exceeds them: a sum of D <= 10^5
@@ -447,6 +449,21 @@ void write_index(std::string_view function, const std::string& temp, const KeyVa
     }
   }
   assignment.list_of = std::vector<int32_t>();
+  // Each index row's block (list order: a list's rows in runs of
+  // kIndexBlockRows), and each block's box, formed as the rows are copied.
+  std::vector<int64_t> block_of(static_cast<size_t>(n));
+  int64_t blocks = 0;
+  for (int64_t j = 0, row = 0; j < lists; ++j) {
+    const int64_t rows = list_rows[static_cast<size_t>(j)];
+    for (int64_t r = 0; r < rows; ++r) {
+      block_of[static_cast<size_t>(row + r)] = blocks + r / kIndexBlockRows;
+    }
+    row += rows;
+    blocks += (rows + kIndexBlockRows - 1) / kIndexBlockRows;
+  }
+  Tensor<float> block_low(Shape{blocks, d}, std::numeric_limits<float>::infinity());
+  Tensor<float> block_high(Shape{blocks, d}, -std::numeric_limits<float>::infinity());
+  std::vector<float> key_row(static_cast<size_t>(d));
 
   std::vector<uint64_t> sums(kIndexFileCount);
   sums[0] = write_array<float>(function, temp, kCentroids, centroids.view());
@@ -491,6 +508,14 @@ void write_index(std::string_view function, const std::string& temp, const KeyVa
                             : static_cast<const void*>(&slot->values<bfloat16>()(at, 0));
         std::memcpy(keys_buffer.data() + static_cast<size_t>(r) * key_bytes, k, key_bytes);
         std::memcpy(values_buffer.data() + static_cast<size_t>(r) * value_bytes, v, value_bytes);
+        row_as_float(*slot, true, at, key_row.data());
+        const int64_t block = block_of[static_cast<size_t>(r0 + r)];
+        float* low = &block_low(block, 0);
+        float* high = &block_high(block, 0);
+        for (int64_t c = 0; c < d; ++c) {
+          low[c] = std::min(low[c], key_row[static_cast<size_t>(c)]);
+          high[c] = std::max(high[c], key_row[static_cast<size_t>(c)]);
+        }
       }
       keys_out.write(keys_buffer.data(), keys_buffer.size());
       values_out.write(values_buffer.data(), values_buffer.size());
@@ -504,6 +529,8 @@ void write_index(std::string_view function, const std::string& temp, const KeyVa
   }
   sums[7] = write_array<float>(function, temp, kBoxLow, assignment.box_low.view());
   sums[8] = write_array<float>(function, temp, kBoxHigh, assignment.box_high.view());
+  sums[9] = write_array<float>(function, temp, kBlockLow, block_low.view());
+  sums[10] = write_array<float>(function, temp, kBlockHigh, block_high.view());
 
   manifest.dtype = store.dtype();
   manifest.key_dim = d;
@@ -698,10 +725,11 @@ StoreIndex StoreIndex::open(const std::string& dir, StoreCheck check,
   check_sum(radii, 2);
   const MappedFile norms = map_index_file(kOpenFn, dir, kNorms, "<f8", Shape{lists}, norms_offset);
   check_sum(norms, 3);
-  int64_t first_row = 0;
+  int64_t first_row = 0, blocks = 0;
   for (int64_t j = 0; j < lists; ++j) {
     IndexList list;
     list.first_row = first_row;
+    list.first_block = blocks;
     list.rows = data_of<int64_t>(list_rows, rows_offset)[j];
     list.radius = data_of<double>(radii, radii_offset)[j];
     list.max_norm = data_of<double>(norms, norms_offset)[j];
@@ -712,21 +740,25 @@ StoreIndex StoreIndex::open(const std::string& dir, StoreCheck check,
                         std::to_string(list.max_norm) + ", which do not fit the index (damaged)");
     }
     first_row += list.rows;
+    blocks += (list.rows + kIndexBlockRows - 1) / kIndexBlockRows;
     index.lists_.push_back(list);
   }
   if (first_row != index.rows_) {
     fail(kOpenFn, dir + ": the lists hold " + std::to_string(first_row) +
                       " rows but the index has " + std::to_string(index.rows_) + " (damaged)");
   }
-  // The boxes: finite, low <= high, for every list with rows.
-  for (const auto& [name, which, box] : {std::tuple{kBoxLow, size_t{7}, &index.box_low_},
-                                         std::tuple{kBoxHigh, size_t{8}, &index.box_high_}}) {
+  // The boxes: finite, low <= high, for every list with rows and every block.
+  for (const auto& [name, which, count, box] :
+       {std::tuple{kBoxLow, size_t{7}, lists, &index.box_low_},
+        std::tuple{kBoxHigh, size_t{8}, lists, &index.box_high_},
+        std::tuple{kBlockLow, size_t{9}, blocks, &index.block_low_},
+        std::tuple{kBlockHigh, size_t{10}, blocks, &index.block_high_}}) {
     size_t box_offset = 0;
     const MappedFile file =
-        map_index_file(kOpenFn, dir, name, "<f4", Shape{lists, index.key_dim_}, box_offset);
+        map_index_file(kOpenFn, dir, name, "<f4", Shape{count, index.key_dim_}, box_offset);
     check_sum(file, which);
-    *box = Tensor<float>(Shape{lists, index.key_dim_});
-    std::copy_n(data_of<float>(file, box_offset), lists * index.key_dim_, box->data());
+    *box = Tensor<float>(Shape{count, index.key_dim_});
+    std::copy_n(data_of<float>(file, box_offset), count * index.key_dim_, box->data());
   }
   index.centroid_columns_.resize(static_cast<size_t>(lists * index.key_dim_));
   for (int64_t j = 0; j < lists; ++j) {
@@ -747,6 +779,16 @@ StoreIndex StoreIndex::open(const std::string& dir, StoreCheck check,
       const float low = index.box_low_(j, c), high = index.box_high_(j, c);
       if (!(std::isfinite(low) && std::isfinite(high) && low <= high)) {
         fail(kOpenFn, dir + ": list " + std::to_string(j) + "'s box has coordinate " +
+                          std::to_string(c) + " from " + std::to_string(low) + " to " +
+                          std::to_string(high) + ", which does not fit the index (damaged)");
+      }
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t c = 0; c < index.key_dim_; ++c) {
+      const float low = index.block_low_(b, c), high = index.block_high_(b, c);
+      if (!(std::isfinite(low) && std::isfinite(high) && low <= high)) {
+        fail(kOpenFn, dir + ": block " + std::to_string(b) + "'s box has coordinate " +
                           std::to_string(c) + " from " + std::to_string(low) + " to " +
                           std::to_string(high) + ", which does not fit the index (damaged)");
       }

@@ -10,6 +10,7 @@
 #include <exception>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -147,12 +148,14 @@ double profile(Kernel kernel, double u) {
 // |q_c - k_c| <= h for every c, tested on the exact difference (two floats'
 // difference is exact in double), so the support is exact; a row of
 // weight 0 (Epanechnikov's edge) is not in reach.
+// Weighs rows [begin, end) of a list's chunk (first_row: the list's first
+// index row).
 template <class T>
-void weigh_rows(const float* q, ConstView<T> keys, ConstView<T> values, Kernel kernel, double h,
-                int64_t first_row, const StoreIndex& index, int64_t k, double& sum,
-                std::vector<double>& acc, std::vector<ScoredRow>& top) {
-  const int64_t rows = keys.size(0), d = keys.size(1), dv = values.size(1);
-  for (int64_t r = 0; r < rows; ++r) {
+void weigh_rows(const float* q, ConstView<T> keys, ConstView<T> values, int64_t begin, int64_t end,
+                Kernel kernel, double h, int64_t first_row, const StoreIndex& index, int64_t k,
+                double& sum, std::vector<double>& acc, std::vector<ScoredRow>& top) {
+  const int64_t d = keys.size(1), dv = values.size(1);
+  for (int64_t r = begin; r < end; ++r) {
     const T* key = &keys(r, 0);
     double w = 1.0;
     for (int64_t c = 0; c < d && w > 0; ++c) {
@@ -167,10 +170,21 @@ void weigh_rows(const float* q, ConstView<T> keys, ConstView<T> values, Kernel k
   }
 }
 
-// Attention with a compact kernel: every list whose ball (c, r) meets the
-// box |q - x|_inf <= h, i.e. whose centroid is within r of the box (the
-// distance from c to the box is |max(0, |c - q| - h)|); no other list holds
-// a row in reach. The test is widened by a relative 1e-9 (r is already
+// Whether the box [low, high] meets the query's box |q - x|_inf <= h:
+// q_c - h <= high_c and low_c <= q_c + h for every c (differences of
+// floats, exact in double, as the rows' own test).
+bool box_meets(const float* q, const float* low, const float* high, int64_t d, double h) {
+  for (int64_t i = 0; i < d; ++i) {
+    if (!(double{q[i]} - double{high[i]} <= h && double{low[i]} - double{q[i]} <= h)) return false;
+  }
+  return true;
+}
+
+// Attention with a compact kernel: of every list whose box meets the
+// query's box |q - x|_inf <= h and whose ball (c, r) meets it too (its
+// centroid within r of the box: the distance from c to the box is
+// |max(0, |c - q| - h)|), the blocks whose boxes meet it; no other row is
+// in reach. The ball test is widened by a relative 1e-9 (r is already
 // rounded up): the distance's own rounding is far below that.
 QueryResult kernel_one(const float* q, const StoreIndex& index,
                        const IndexAttentionOptions& options) {
@@ -184,22 +198,16 @@ QueryResult kernel_one(const float* q, const StoreIndex& index,
   const float* centroids = index.centroids().data();
   const float* box_low = index.box_low().data();
   const float* box_high = index.box_high().data();
+  const float* block_low = index.block_low().data();
+  const float* block_high = index.block_high().data();
   for (size_t j = 0; j < index.lists().size(); ++j) {
     const IndexList& list = index.lists()[j];
     if (list.rows == 0) continue;
-    // The list's box must meet the query's: q_c - h <= high_c and
-    // low_c <= q_c + h for every c (differences of floats, exact in double,
-    // as the rows' own test). In 64 dimensions the box is the sharper test
-    // for a box-shaped support: at 10^6 clustered rows and a width covering
-    // 0.4 % of the keys, the balls alone let through lists of 28 % of the
-    // rows.
-    const float* low = box_low + static_cast<int64_t>(j) * d;
-    const float* high = box_high + static_cast<int64_t>(j) * d;
-    bool meets = true;
-    for (int64_t i = 0; i < d && meets; ++i) {
-      meets = double{q[i]} - double{high[i]} <= h && double{low[i]} - double{q[i]} <= h;
-    }
-    if (!meets) continue;
+    // In 64 dimensions the box is the sharper test for a box-shaped
+    // support: at 10^6 clustered rows and a width covering 0.4 % of the
+    // keys, the balls alone let through lists of 28 % of the rows.
+    const int64_t at = static_cast<int64_t>(j) * d;
+    if (!box_meets(q, box_low + at, box_high + at, d, h)) continue;
     const float* c = centroids + static_cast<int64_t>(j) * d;
     double squared = 0.0;
     for (int64_t i = 0; i < d; ++i) {
@@ -207,18 +215,24 @@ QueryResult kernel_one(const float* q, const StoreIndex& index,
       squared += gap * gap;
     }
     if (std::sqrt(squared) > list.radius * (1 + 1e-9) + 1e-9 * h) continue;
-    const SourceChunk chunk = index.read_list(j);
-    const int64_t first_row = chunk.range().first_row;
-    if (index.dtype() == StoreDtype::kFloat32) {
-      weigh_rows(q, chunk.keys<float>(), chunk.values<float>(), options.kernel, h, first_row, index,
-                 k, sum, acc, result.top);
-    } else {
-      weigh_rows(q, chunk.keys<bfloat16>(), chunk.values<bfloat16>(), options.kernel, h, first_row,
-                 index, k, sum, acc, result.top);
+    std::optional<SourceChunk> chunk;
+    for (int64_t begin = 0, b = list.first_block; begin < list.rows;
+         begin += kIndexBlockRows, ++b) {
+      if (!box_meets(q, block_low + b * d, block_high + b * d, d, h)) continue;
+      if (!chunk) chunk = index.read_list(j);
+      const int64_t end = std::min(list.rows, begin + kIndexBlockRows);
+      if (index.dtype() == StoreDtype::kFloat32) {
+        weigh_rows(q, chunk->keys<float>(), chunk->values<float>(), begin, end, options.kernel, h,
+                   list.first_row, index, k, sum, acc, result.top);
+      } else {
+        weigh_rows(q, chunk->keys<bfloat16>(), chunk->values<bfloat16>(), begin, end,
+                   options.kernel, h, list.first_row, index, k, sum, acc, result.top);
+      }
+      result.rows += end - begin;
     }
-    chunk.check_intact();
+    if (!chunk) continue;
+    chunk->check_intact();
     ++result.lists;
-    result.rows += list.rows;
   }
   if (sum > 0) {
     result.lse = std::log(sum);
@@ -338,7 +352,6 @@ double norm_of(const float* x, int64_t d) {
 QueryResult attend_one(const float* q, const StoreIndex& index, const Bounds& bounds,
                        const IndexAttentionOptions& options) {
   const int64_t d = index.key_dim(), dv = index.value_dim(), k = options.top_k;
-  const std::vector<IndexList>& lists = index.lists();
   const double q_norm = norm_of(q, d);
   VisitOrder order(q, q_norm, index, bounds, options.probe > 0);
   QueryResult result;

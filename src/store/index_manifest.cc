@@ -15,8 +15,9 @@ namespace qkv {
 namespace {
 
 constexpr const char* kFormat = "qkv store index";
-// Version 2 added each list's bounding box (box_low.npy, box_high.npy).
-constexpr int kVersion = 2;
+// Version 2 added each list's bounding box (box_low.npy, box_high.npy),
+// version 3 each block's (block_low.npy, block_high.npy).
+constexpr int kVersion = 3;
 
 // The manifest as JSON without its checksum: what the checksum is of.
 Json manifest_body(const IndexManifest& m) {

@@ -13,9 +13,9 @@
 namespace qkv {
 
 // The index's files besides the manifest, in the manifest's order.
-inline constexpr const char* kIndexFiles[] = {"centroids.npy", "list_rows.npy", "radii.npy",
-                                              "norms.npy",     "ids.npy",       "keys.npy",
-                                              "values.npy",    "box_low.npy",   "box_high.npy"};
+inline constexpr const char* kIndexFiles[] = {
+    "centroids.npy", "list_rows.npy", "radii.npy",    "norms.npy",     "ids.npy",       "keys.npy",
+    "values.npy",    "box_low.npy",   "box_high.npy", "block_low.npy", "block_high.npy"};
 inline constexpr size_t kIndexFileCount = sizeof kIndexFiles / sizeof kIndexFiles[0];
 
 struct IndexManifest {

@@ -118,7 +118,7 @@ STORE_PROPERTIES = [("KeyValueStore", p) for p in ("dir", "rows", "key_dim", "va
                                                     "chunk_rows", "num_chunks")] + \
     [("Index", p) for p in ("dir", "rows", "key_dim", "value_dim", "dtype", "num_lists",
                             "list_rows", "radii", "max_norms", "centroids",
-                            "box_low", "box_high")]
+                            "box_low", "box_high", "block_low", "block_high")]
 
 
 @pytest.mark.parametrize("cls,member", STORE_PROPERTIES,

@@ -330,6 +330,15 @@ def test_build_gives_lists_over_every_row(indexed):
             np.testing.assert_array_equal(high[j], mine.max(axis=0))
         else:
             assert (low[j] == np.inf).all() and (high[j] == -np.inf).all()
+    # Each block's box: its 64 keys' (a list's last block: the rest), in list order.
+    in_order = keys[ids]
+    block_low, block_high = index.block_low, index.block_high
+    starts = [s for j in range(24) for s in range(int(rows[:j].sum()), int(rows[:j + 1].sum()), 64)]
+    assert block_low.dtype == F4 and block_low.shape == (len(starts), 5) == block_high.shape
+    for b, start in enumerate(starts):
+        end = min(start + 64, next(e for e in np.cumsum(rows) if e > start))
+        np.testing.assert_array_equal(block_low[b], in_order[start:end].min(axis=0))
+        np.testing.assert_array_equal(block_high[b], in_order[start:end].max(axis=0))
     index.verify()
     index.check_built_over(store)
     again = qkv.Index.open(index.dir, check="checksums")
