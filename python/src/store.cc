@@ -961,8 +961,8 @@ with probe, a fixed number of lists). The output is then within
 certificate * 2 max|v| of attention over every row; epsilon=0 visits every
 list and is exact attention (to float rounding). A compact kernel instead
 weighs row j by K((q - k_j) / bandwidth), Nadaraya-Watson's product kernel
-(0 outside the box |q_c - k_c| <= bandwidth), reads only the lists whose
-ball meets that box, and is exact: certificate 0, top_k certain; a query
+(0 outside the box |q_c - k_c| <= bandwidth), reads only the blocks of 64
+rows whose bounding box meets that box, and is exact: certificate 0, top_k certain; a query
 with no row in reach gets output 0 and lse -inf. A bfloat16 index takes the
 queries rounded to bfloat16 for dot scores.
 
