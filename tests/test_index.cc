@@ -16,6 +16,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -743,6 +744,21 @@ TEST_F(IndexTest, DamageAndStalenessAreNamed) {
     f << text;
   }
   expect_error([&] { StoreIndex::open(path("i")); }, {"StoreIndex::open", "checksum", "edited"});
+
+  // A block's box made NaN (its checksum not read): open refuses the box;
+  // the file cut short: open names it.
+  StoreIndex::build(data.store, path("j"));
+  const std::string block_low = path("j") + "/block_low.npy";
+  {
+    std::fstream f(block_low, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+  }
+  expect_error([&] { StoreIndex::open(path("j")); },
+               {"StoreIndex::open", "block ", "'s box has coordinate 2 from nan", "damaged"});
+  fs::resize_file(block_low, fs::file_size(block_low) - 4);
+  expect_error([&] { StoreIndex::open(path("j")); }, {"StoreIndex::open", "block_low.npy"});
 }
 
 TEST_F(IndexTest, UpdateAddsAppendedRowsToTheirNearestLists) {
