@@ -8,7 +8,8 @@
 #          attention sharded across ranks, qkv::mpi and mpirun qkv attend)
 #   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer, pytest,
 #          venv/pip/setuptools/wheel (the package's pip install is tested) and
-#          the peers the tests compare against (PyTorch, statsmodels)
+#          the peers the tests compare against (Debian's PyTorch 1.13 and
+#          statsmodels; the registry's, pinned, in build/venv: make-venv.sh)
 set -euo pipefail
 
 build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
@@ -44,7 +45,12 @@ if [ ${#missing[@]} -gt 0 ] || [ "$translations" = no ]; then
   echo "qkv: apt-get update (with the English package descriptions)" >&2
   "${sudo[@]}" apt-get update -q -o Acquire::Languages=en
 fi
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "qkv: installing ${missing[*]}" >&2
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
 
-echo "qkv: installing ${missing[*]}" >&2
-DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+# The tests' registry peers (PyTorch 2, the pretrained sentence encoder and
+# its reference implementation, FAISS), pinned, in build/venv: made once,
+# kept while scripts/peers-requirements.txt is unchanged (about 40 s).
+if [ "${1:-build}" = test ]; then "$(dirname "$0")/make-venv.sh" >/dev/null; fi
