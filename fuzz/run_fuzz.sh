@@ -154,7 +154,7 @@ DICT
 seed_index() {
 # Seeds: the first byte picks the reader (index_fuzz.cc). A manifest as
 # qkv writes it, its checksum formed by Debian's libxxhash; packages.json;
-# postings blobs of 3 and 1 documents.
+# postings blobs of 3 and 1 documents; a model's safetensors.
 /usr/bin/python3 - "$work/corpus" <<'PY'
 import ctypes, json, sys
 xxh = ctypes.CDLL("libxxhash.so.0")
@@ -179,6 +179,17 @@ with open(f"{out}/postings.bin", "wb") as f:  # 3 documents, 2 hits: rowids 1 an
     f.write(bytes([2, 3, 0, 2, 0, 1, 2, 2, 1]))
 with open(f"{out}/postings_long.bin", "wb") as f:  # a multi-byte varint count
     f.write(bytes([2, 1, 0, 1, 0, 1, 0x81, 0x01]))
+# A safetensors file as Hugging Face's writer lays it out: the header
+# padded with spaces to 8 bytes, F32 and I64 tensors, metadata.
+import struct
+header = {"__metadata__": {"format": "pt"},
+          "a.weight": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+          "a.bias": {"dtype": "F32", "shape": [3], "data_offsets": [24, 36]},
+          "ids": {"dtype": "I64", "shape": [1, 2], "data_offsets": [40, 56]}}
+text = json.dumps(header, separators=(",", ":")).encode()
+text += b" " * (-len(text) % 8)
+with open(f"{out}/model.bin", "wb") as f:
+    f.write(b"\3" + struct.pack("<Q", len(text)) + text + bytes(56))
 PY
 
 cat >"$work/fuzz.dict" <<'DICT'
@@ -199,6 +210,11 @@ cat >"$work/fuzz.dict" <<'DICT'
 "\"short_description\""
 "\"section\""
 "\"held_out\""
+"\"dtype\""
+"\"shape\""
+"\"data_offsets\""
+"\"F32\""
+"\"__metadata__\""
 "true"
 "18446744073709551615"
 "-1"

@@ -49,6 +49,13 @@ inline constexpr Tol kPoolingDouble{.atol = 1e-13, .rtol = 1e-12};
 // per add (sequential worst case Nk * 2^-24 = 6e-5 relative to sum |v|).
 inline constexpr Tol kAverage{.atol = 1e-5, .rtol = 1e-5};
 
+// ---- linear (qkv/linear.h) ----------------------------------------------------
+// float: a dot product of in <= 300 terms in [-1, 1] (|sum| ~ sqrt(in) / 3 ~
+// 6), each add rounding at the partial sum's size: ~2^-24 * 6 * sqrt(300) ~
+// 6e-6 worst; the BLAS's blocked order changes which, not how much.
+inline constexpr Tol kLinear{.atol = 2e-5, .rtol = 1e-5};
+inline constexpr Tol kLinearDouble{.atol = 1e-13, .rtol = 1e-12};
+
 // ---- scaled dot-product attention ---------------------------------------------
 // float: scores are D <= 128 term dot products (error ~sqrt(D) * 2^-24 * |q||k|
 // * scale ~ 1e-7), softmax as above, then a convex combination of values in

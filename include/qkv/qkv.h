@@ -7,6 +7,7 @@
 #include "qkv/dropout.h"
 #include "qkv/error.h"
 #include "qkv/index.h"
+#include "qkv/linear.h"
 #include "qkv/masked_softmax.h"
 #include "qkv/merge.h"
 #include "qkv/modules.h"

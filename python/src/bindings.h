@@ -36,5 +36,6 @@ void register_pooling(pybind11::module_& m);    // pooling.cc: pooling with give
 void register_merge(pybind11::module_& m);  // merge.cc: merging attention over parts of a key set
 void register_regression(pybind11::module_& m);  // regression.cc: Nadaraya-Watson
 void register_store(pybind11::module_& m);  // store.cc: the on-disk key-value store and its index
+void register_search(pybind11::module_& m);  // search.cc: the search engine's sentence encoder
 
 }  // namespace qkv::python

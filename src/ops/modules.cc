@@ -9,6 +9,7 @@
 #include "kernels/runtime/blas.h"
 #include "kernels/runtime/parallel.h"
 #include "kernels/runtime/philox.h"
+#include "qkv/linear.h"
 
 namespace qkv {
 namespace {
@@ -192,19 +193,10 @@ TensorView<T> heads_of(TensorView<T> x, int64_t count) {
                        Shape{n * features, d, features, 1});
 }
 
-// y (B, N, out) = x (B, N, in) wᵀ + b, x contiguous, w (out, in), b (out) or empty.
+// y (B, N, out) = x (B, N, in) wᵀ + b, w (out, in), b (out) or empty.
 template <class T>
 Tensor<T> project(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
-  const int64_t rows = x.size(0) * x.size(1), in = x.size(2), out = w.size(0);
-  Tensor<T> y(Shape{x.size(0), x.size(1), out});
-  kernels::parallel_gemm<T>(false, true, rows, out, in, T(1), x.data(), in, w.data(), in, T(0),
-                            y.data(), out);
-  if (!b.empty()) {
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < out; ++c) y.data()[r * out + c] += b.data()[c];
-    }
-  }
-  return y;
+  return linear(x.view(), w.view(), b.empty() ? ConstView<T>() : b.view());
 }
 
 // The backward of project for heads: d_heads (B, count, N, d) contiguous is
@@ -251,23 +243,22 @@ void check_input(std::string_view fn, std::string_view name, ConstView<T> x, std
 }  // namespace
 
 template <class T>
-MultiHeadAttention<T>::MultiHeadAttention(int64_t query_size, int64_t key_size,
-                                          int64_t value_size, int64_t num_hiddens,
-                                          int64_t num_heads, double dropout, bool bias,
-                                          int64_t num_kv_heads, uint64_t seed)
+MultiHeadAttention<T>::MultiHeadAttention(int64_t query_size, int64_t key_size, int64_t value_size,
+                                          int64_t num_hiddens, int64_t num_heads, double dropout,
+                                          bool bias, int64_t num_kv_heads, uint64_t seed)
     : num_heads_(num_heads),
       num_kv_heads_(num_kv_heads == 0 ? num_heads : num_kv_heads),
       dropout_(dropout),
       seed_(seed) {
   detail::check_dropout(kMha, "dropout", dropout);
   if (query_size < 0 || key_size < 0 || value_size < 0 || num_hiddens < 0) {
-    fail(kMha, "sizes must be >= 0; got query_size " + std::to_string(query_size) +
-                   ", key_size " + std::to_string(key_size) + ", value_size " +
-                   std::to_string(value_size) + ", num_hiddens " + std::to_string(num_hiddens));
+    fail(kMha, "sizes must be >= 0; got query_size " + std::to_string(query_size) + ", key_size " +
+                   std::to_string(key_size) + ", value_size " + std::to_string(value_size) +
+                   ", num_hiddens " + std::to_string(num_hiddens));
   }
   if (num_heads < 1 || num_hiddens % num_heads != 0) {
-    fail(kMha, "num_hiddens = " + std::to_string(num_hiddens) + " is not a multiple of num_heads = " +
-                   std::to_string(num_heads));
+    fail(kMha, "num_hiddens = " + std::to_string(num_hiddens) +
+                   " is not a multiple of num_heads = " + std::to_string(num_heads));
   }
   if (num_kv_heads_ < 1 || num_heads % num_kv_heads_ != 0) {
     fail(kMha, "num_heads = " + std::to_string(num_heads) +
@@ -320,10 +311,9 @@ Tensor<T> MultiHeadAttention<T>::forward(ConstView<T> queries, ConstView<T> keys
   AttentionOutputs<T> outputs{heads_of(joined_.view(), num_heads_), std::nullopt, lse_.view()};
   if (keep_weights_) outputs.weights = weights_.view();
   ready_ = false;
-  scaled_dot_product_attention(heads_of(q_proj_.view(), num_heads_),
-                               heads_of(k_proj_.view(), num_kv_heads_),
-                               heads_of(v_proj_.view(), num_kv_heads_), valid_lens, options,
-                               outputs);
+  scaled_dot_product_attention(
+      heads_of(q_proj_.view(), num_heads_), heads_of(k_proj_.view(), num_kv_heads_),
+      heads_of(v_proj_.view(), num_kv_heads_), valid_lens, options, outputs);
   valid_lens_ = valid_lens.to_tensor();
   options_ = options;
   ready_ = true;
@@ -346,8 +336,8 @@ MultiHeadGrads<T> MultiHeadAttention<T>::backward(ConstView<T> d_output) {
     }
   }
   Tensor<T> d_joined(joined_.shape());
-  kernels::parallel_gemm<T>(false, false, rows, hid, hid, T(1), g.data(), hid,
-                            params_.w_o.data(), hid, T(0), d_joined.data(), hid);
+  kernels::parallel_gemm<T>(false, false, rows, hid, hid, T(1), g.data(), hid, params_.w_o.data(),
+                            hid, T(0), d_joined.data(), hid);
   const DotProductGrads<T> heads = scaled_dot_product_attention_backward(
       heads_of(q_proj_.view(), num_heads_), heads_of(k_proj_.view(), num_kv_heads_),
       heads_of(v_proj_.view(), num_kv_heads_), ValidLens(valid_lens_), options_,
@@ -359,20 +349,28 @@ MultiHeadGrads<T> MultiHeadAttention<T>::backward(ConstView<T> d_output) {
 
 template <class T>
 void MultiHeadAttention<T>::zero_grad() {
-  for (auto [grad, param] : {std::pair{&grads_.w_q, &params_.w_q}, {&grads_.w_k, &params_.w_k},
-                             {&grads_.w_v, &params_.w_v}, {&grads_.w_o, &params_.w_o},
-                             {&grads_.b_q, &params_.b_q}, {&grads_.b_k, &params_.b_k},
-                             {&grads_.b_v, &params_.b_v}, {&grads_.b_o, &params_.b_o}}) {
+  for (auto [grad, param] : {std::pair{&grads_.w_q, &params_.w_q},
+                             {&grads_.w_k, &params_.w_k},
+                             {&grads_.w_v, &params_.w_v},
+                             {&grads_.w_o, &params_.w_o},
+                             {&grads_.b_q, &params_.b_q},
+                             {&grads_.b_k, &params_.b_k},
+                             {&grads_.b_v, &params_.b_v},
+                             {&grads_.b_o, &params_.b_o}}) {
     *grad = param->empty() ? Tensor<T>() : Tensor<T>(param->shape());
   }
 }
 
 template <class T>
 void MultiHeadAttention<T>::sgd_step(double lr) {
-  for (auto [param, grad] : {std::pair{&params_.w_q, &grads_.w_q}, {&params_.w_k, &grads_.w_k},
-                             {&params_.w_v, &grads_.w_v}, {&params_.w_o, &grads_.w_o},
-                             {&params_.b_q, &grads_.b_q}, {&params_.b_k, &grads_.b_k},
-                             {&params_.b_v, &grads_.b_v}, {&params_.b_o, &grads_.b_o}}) {
+  for (auto [param, grad] : {std::pair{&params_.w_q, &grads_.w_q},
+                             {&params_.w_k, &grads_.w_k},
+                             {&params_.w_v, &grads_.w_v},
+                             {&params_.w_o, &grads_.w_o},
+                             {&params_.b_q, &grads_.b_q},
+                             {&params_.b_k, &grads_.b_k},
+                             {&params_.b_v, &grads_.b_v},
+                             {&params_.b_o, &grads_.b_o}}) {
     if (!param->empty()) qkv::sgd_step(param->view(), grad->view(), lr);
   }
 }

