@@ -267,6 +267,35 @@ TEST(Lookup, IndexAfterRemovals) {
   EXPECT_TRUE(db.top("a", LookupMode::kApproximate, 3).records.empty());
 }
 
+TEST(Lookup, KeysThatRepeatAnNgramManyTimes) {
+  // A count per key and n-gram up to thousands ("aa" 2999 times in 3000 a's),
+  // and keys made of one n-gram over and over: the norms and dot products
+  // of long runs, which the index counts as it appends.
+  KeyValueDatabase db({{std::string(3000, 'a'), "1"},
+                       {"aa", "2"},
+                       {"a", "3"},
+                       {std::string(2000, 'b'), "4"},
+                       {"banana", "5"},
+                       {"ab", "6"}});
+  for (int round = 0; round < 2; ++round) {
+    for (const std::string& query :
+         {std::string("aaa"), std::string(1500, 'a'), std::string("abab"), std::string("bb")}) {
+      for (const double t : {0.01, 0.1, 1.0}) {
+        SCOPED_TRACE(std::to_string(query.size()) + "-byte query, T=" + std::to_string(t));
+        ASSERT_TRUE(
+            same_bits(db.approximate(query, t).weights, ref::approximate(db, query, t).weights));
+        ASSERT_TRUE(same_top(db.top(query, LookupMode::kApproximate, 4, t).records,
+                             ref_top(db, query, LookupMode::kApproximate, 4, t)));
+      }
+    }
+    EXPECT_EQ(
+        db.records()[db.top(std::string(2500, 'a'), LookupMode::kApproximate, 1).records[0].index]
+            .value,
+        "1");
+    ASSERT_TRUE(db.remove(round == 0 ? "aa" : "banana"));
+  }
+}
+
 TEST(Lookup, CopiesHaveTheirOwnIndex) {
   KeyValueDatabase db;
   KeyValueDatabase copy = db;

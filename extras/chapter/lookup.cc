@@ -6,13 +6,14 @@
 #include "qkv/lookup.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "qkv/error.h"
@@ -140,84 +141,93 @@ std::vector<double> to_vector(ConstView<float> weights) {
 // bigram and a trigram never share a code and no code is 0.
 constexpr uint32_t kBigram = 2u << 24, kTrigram = 3u << 24;
 
-// Calls f(code) for each bigram and trigram of the padded, lower-cased key,
-// with repeats: the n-grams of ngrams() above, as codes.
-template <class F>
-void for_each_ngram(std::string_view key, F&& f) {
+// The codes of the bigrams and trigrams of the padded, lower-cased key, with
+// repeats (the n-grams of ngrams() above), into `codes` (overwritten).
+void ngram_codes(std::string_view key, std::vector<uint32_t>& codes) {
   const size_t m = key.size() + 2;  // "^" key "$"
-  const auto byte = [&](size_t i) -> uint32_t {
-    if (i == 0) return '^';
-    if (i == m - 1) return '$';
-    const auto c = static_cast<unsigned char>(key[i - 1]);
+  codes.resize(2 * m - 3);
+  uint32_t* out = codes.data();
+  uint32_t a = '^', b = m == 2 ? '$' : 0;
+  const auto lower = [](char ch) -> uint32_t {
+    const auto c = static_cast<unsigned char>(ch);
     return (c >= 'A' && c <= 'Z') ? c - 'A' + 'a' : c;
   };
-  uint32_t a = byte(0), b = byte(1);
-  f(kBigram | a << 8 | b);
+  if (m > 2) b = lower(key[0]);
+  *out++ = kBigram | a << 8 | b;
   for (size_t i = 2; i < m; ++i) {
-    const uint32_t c = byte(i);
-    f(kBigram | b << 8 | c);
-    f(kTrigram | a << 16 | b << 8 | c);
+    const uint32_t c = i + 1 == m ? '$' : lower(key[i - 1]);
+    *out++ = kBigram | b << 8 | c;
+    *out++ = kTrigram | a << 16 | b << 8 | c;
     a = b;
     b = c;
   }
 }
 
-// n-gram code -> list number: open addressing with linear probing, at most
-// half full. 63,666 package names hold ~45,000 distinct n-grams, and 2.6
-// million n-grams are looked up to build the index: a probe into 64 K slots
-// of 8 bytes (in L2) instead of a node-based map's allocation and pointer
-// chase.
+// n-gram code -> list number. Bigrams by a direct table of all 65,536;
+// trigrams by open addressing with linear probing, at most half full. The
+// 63,697 names of Debian's packages hold 2.2 million n-grams (1,495 distinct
+// bigrams, 20,399 trigrams): a probe into 64 K slots of 8 bytes, in L2, costs
+// a few ns, where a node-based map's allocations and pointer chases cost more
+// than the rest of the index's build.
 class GramTable {
  public:
   static constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 
-  GramTable() : codes_(size_t{1} << bits_, 0), lists_(size_t{1} << bits_) {}
+  GramTable() : bigrams_(size_t{1} << 16, kNone), slots_(size_t{1} << bits_) {}
 
   size_t size() const { return size_; }
 
   // The list of `code`, a new one (numbered size() before the call) if it had none.
   uint32_t intern(uint32_t code) {
-    size_t s = slot(code);
-    for (; codes_[s] != 0; s = (s + 1) & mask()) {
-      if (codes_[s] == code) return lists_[s];
+    if (code < kTrigram) {
+      uint32_t& list = bigrams_[code & 0xFFFF];
+      if (list == kNone) list = static_cast<uint32_t>(size_++);
+      return list;
     }
-    codes_[s] = code;
-    lists_[s] = static_cast<uint32_t>(size_++);
-    if (2 * size_ > codes_.size()) grow();
+    size_t s = slot(code);
+    for (; slots_[s].code != 0; s = (s + 1) & mask()) {
+      if (slots_[s].code == code) return slots_[s].list;
+    }
+    slots_[s] = {code, static_cast<uint32_t>(size_++)};
+    if (2 * ++trigrams_ > slots_.size()) grow();
     return static_cast<uint32_t>(size_ - 1);
   }
 
   // The list of `code`, or kNone.
   uint32_t find(uint32_t code) const {
-    for (size_t s = slot(code); codes_[s] != 0; s = (s + 1) & mask()) {
-      if (codes_[s] == code) return lists_[s];
+    if (code < kTrigram) return bigrams_[code & 0xFFFF];
+    for (size_t s = slot(code); slots_[s].code != 0; s = (s + 1) & mask()) {
+      if (slots_[s].code == code) return slots_[s].list;
     }
     return kNone;
   }
 
  private:
-  size_t mask() const { return codes_.size() - 1; }
+  struct Slot {
+    uint32_t code = 0;  // 0: empty
+    uint32_t list = 0;
+  };
+
+  size_t mask() const { return slots_.size() - 1; }
   size_t slot(uint32_t code) const {
     return static_cast<size_t>((code * 0x9E3779B97F4A7C15ull) >> (64 - bits_));
   }
   void grow() {
-    std::vector<uint32_t> codes(codes_.size() * 2, 0), lists(codes_.size() * 2);
-    codes.swap(codes_);
-    lists.swap(lists_);
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
     ++bits_;
-    for (size_t s = 0; s < codes.size(); ++s) {
-      if (codes[s] == 0) continue;
-      size_t t = slot(codes[s]);
-      while (codes_[t] != 0) t = (t + 1) & mask();
-      codes_[t] = codes[s];
-      lists_[t] = lists[s];
+    for (const Slot& x : old) {
+      if (x.code == 0) continue;
+      size_t t = slot(x.code);
+      while (slots_[t].code != 0) t = (t + 1) & mask();
+      slots_[t] = x;
     }
   }
 
-  int bits_ = 10;
-  std::vector<uint32_t> codes_;  // 0: an empty slot
-  std::vector<uint32_t> lists_;
-  size_t size_ = 0;
+  std::vector<uint32_t> bigrams_;  // by the two bytes
+  int bits_ = 12;
+  std::vector<Slot> slots_;  // trigrams
+  size_t size_ = 0, trigrams_ = 0;
 };
 
 // One query's similarities as the index finds them: the records sharing an
@@ -240,68 +250,45 @@ struct SparseWeights {
 // ---- the inverted n-gram index ------------------------------------------------
 
 // For each n-gram (bigram or trigram) that some key holds, its posting list:
-// the records holding it, ascending, each with its count. This is the GIN
-// index of PostgreSQL's pg_trgm (n-gram -> rows), with the counts that a
-// cosine of count vectors needs. Stored as one array of postings cut into
-// lists by offsets; ~2.5 postings per key byte.
+// the records holding it, ascending, a record as many times as its key holds
+// the n-gram (the counts that a cosine of count vectors needs; a repeat
+// within a key is rare: 2% of the n-grams of Debian's package names). This
+// is the GIN index of PostgreSQL's pg_trgm (n-gram -> rows); 4 bytes per
+// n-gram of the keys.
 struct KeyValueDatabase::NgramIndex {
-  struct Posting {
-    uint32_t record;
-    uint32_t count;
-  };
-
   GramTable table;
-  std::vector<size_t> offsets;    // list g: postings[offsets[g], offsets[g + 1])
-  std::vector<Posting> postings;  // records ascending within a list
-  std::vector<double> norms;      // each record's |n-gram count vector|
+  std::vector<std::vector<uint32_t>> lists;  // by the table's list numbers
+  std::vector<double> norms;                 // each record's |n-gram count vector|
 
-  // Two passes over the keys' n-grams: count each list's distinct records,
-  // then place the postings, counting repeats in place. O(total key length).
+  // One pass over the keys' n-grams, record by record, appending the record
+  // to the list of each. O(total key length).
   explicit NgramIndex(const std::vector<Record>& records) {
     if (records.size() >= std::numeric_limits<uint32_t>::max()) {
       fail("KeyValueDatabase", "a table of " + std::to_string(records.size()) +
                                    " records; at most 4294967294 are supported");
     }
     const uint32_t n = static_cast<uint32_t>(records.size());
-    std::vector<uint32_t> lists;  // each key's n-grams' lists, concatenated
-    std::vector<size_t> first(size_t{n} + 1, 0);
-    std::vector<uint32_t> seen;  // per list: the last record counted in it, plus 1
-    std::vector<size_t> length;  // per list: its distinct records
-    for (uint32_t r = 0; r < n; ++r) {
-      first[r] = lists.size();
-      for_each_ngram(records[r].key, [&](uint32_t code) {
-        const uint32_t g = table.intern(code);
-        if (g == seen.size()) {
-          seen.push_back(0);
-          length.push_back(0);
-        }
-        lists.push_back(g);
-        if (seen[g] != r + 1) {
-          seen[g] = r + 1;
-          ++length[g];
-        }
-      });
-    }
-    first[n] = lists.size();
-    offsets.assign(length.size() + 1, 0);
-    std::partial_sum(length.begin(), length.end(), offsets.begin() + 1);
-    postings.resize(offsets.back());
-    std::vector<size_t> end(offsets.begin(), offsets.end() - 1);  // each list's next posting
-    std::fill(seen.begin(), seen.end(), 0);
     norms.resize(n);
+    std::vector<uint32_t> codes;
+    // Per list, its last record plus 1 and how many times that record holds
+    // its n-gram so far: small arrays (8 bytes a list, in cache) that tell a
+    // repeat without reading the list's tail, a cache miss (reading it was
+    // 40 % of the build's time).
+    std::vector<uint32_t> last, times;
     for (uint32_t r = 0; r < n; ++r) {
-      uint64_t squares = 0;  // sum of count^2: (c + 1)^2 - c^2 = 2c + 1 per repeat
-      for (size_t i = first[r]; i < first[r + 1]; ++i) {
-        const uint32_t g = lists[i];
-        if (seen[g] != r + 1) {
-          seen[g] = r + 1;
-          postings[end[g]++] = {r, 1};
-          squares += 1;
-        } else {
-          uint32_t& count = postings[end[g] - 1].count;
-          squares += 2 * uint64_t{count} + 1;
-          ++count;
+      uint64_t squares = 0;  // sum of count^2: the c-th occurrence adds c^2 - (c-1)^2 = 2c - 1
+      ngram_codes(records[r].key, codes);
+      for (const uint32_t code : codes) {
+        const uint32_t g = table.intern(code);
+        if (g == lists.size()) {
+          lists.emplace_back();
+          last.push_back(0);
+          times.push_back(0);
         }
+        times[g] = last[g] == r + 1 ? times[g] + 1 : 1;
+        last[g] = r + 1;
+        squares += 2 * uint64_t{times[g]} - 1;
+        lists[g].push_back(r);
       }
       // An integer below 2^53, so the reference's sum of count^2 in double is
       // this same number, and so is the norm.
@@ -309,21 +296,16 @@ struct KeyValueDatabase::NgramIndex {
     }
   }
 
-  // Drops the postings of `record` and renumbers the records after it: one
-  // pass over the postings, as erasing from the table moves every record after it.
+  // Drops `record` from the lists and renumbers the records after it: one
+  // pass over the lists, as erasing from the table moves every record after it.
   void remove(uint32_t record) {
-    size_t out = 0, begin = offsets[0];
-    for (size_t g = 0; g + 1 < offsets.size(); ++g) {
-      const size_t end = offsets[g + 1];
-      offsets[g] = out;
-      for (size_t i = begin; i < end; ++i) {
-        const Posting p = postings[i];
-        if (p.record != record) postings[out++] = {p.record - (p.record > record), p.count};
+    for (std::vector<uint32_t>& list : lists) {
+      size_t out = 0;
+      for (const uint32_t r : list) {
+        if (r != record) list[out++] = r - (r > record);
       }
-      begin = end;
+      list.resize(out);
     }
-    offsets.back() = out;
-    postings.resize(out);
     norms.erase(norms.begin() + record);
   }
 
@@ -332,7 +314,7 @@ struct KeyValueDatabase::NgramIndex {
   // numbers, exact), then one division per candidate as the reference divides.
   Candidates candidates(std::string_view query) const {
     std::vector<uint32_t> codes;
-    for_each_ngram(query, [&](uint32_t code) { codes.push_back(code); });
+    ngram_codes(query, codes);
     std::sort(codes.begin(), codes.end());
     const size_t n = norms.size();
     std::vector<uint64_t> dot(n, 0);
@@ -343,9 +325,7 @@ struct KeyValueDatabase::NgramIndex {
       const uint64_t count = j - i;
       squares += count * count;
       if (const uint32_t g = table.find(codes[i]); g != GramTable::kNone) {
-        for (size_t p = offsets[g]; p < offsets[g + 1]; ++p) {
-          dot[postings[p].record] += count * postings[p].count;
-        }
+        for (const uint32_t r : lists[g]) dot[r] += count;
       }
       i = j;
     }
@@ -443,15 +423,21 @@ std::vector<Record> KeyValueDatabase::chapter_records() {
 KeyValueDatabase::KeyValueDatabase() : KeyValueDatabase(chapter_records()) {}
 
 KeyValueDatabase::KeyValueDatabase(std::vector<Record> records) : records_(std::move(records)) {
-  std::unordered_map<std::string_view, size_t> first;  // key -> its first record
-  first.reserve(records_.size());
+  // Keys by hash, open addressing at most half full: a node-based map spent
+  // 12 ms on the allocations of 63,697 nodes.
+  const size_t slots = std::bit_ceil(2 * records_.size() + 1);
+  std::vector<size_t> first(slots, 0);  // record + 1, 0 for an empty slot
   for (size_t i = 0; i < records_.size(); ++i) {
-    const auto [it, added] = first.emplace(records_[i].key, i);
-    if (!added) {
-      fail("KeyValueDatabase", "key \"" + records_[i].key + "\" appears twice (records " +
-                                   std::to_string(it->second + 1) + " and " +
-                                   std::to_string(i + 1) + "); keys must be distinct");
+    const std::string& key = records_[i].key;
+    size_t s = std::hash<std::string_view>()(key) & (slots - 1);
+    for (; first[s] != 0; s = (s + 1) & (slots - 1)) {
+      if (records_[first[s] - 1].key == key) {
+        fail("KeyValueDatabase", "key \"" + key + "\" appears twice (records " +
+                                     std::to_string(first[s]) + " and " + std::to_string(i + 1) +
+                                     "); keys must be distinct");
+      }
     }
+    first[s] = i + 1;
   }
   index_ = std::make_unique<NgramIndex>(records_);
 }
