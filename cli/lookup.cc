@@ -1,7 +1,8 @@
 // `qkv lookup`: the key-value database of d2l §11.1 — a table of (key, value)
 // records (CSV, or the chapter's six names) queried by exact match, approximate
-// match (attention over n-gram similarity) or average pooling; prints the
-// weight of every record and the top-k records.
+// match (attention over n-gram similarity, through the n-gram index) or
+// average pooling; prints the top-k records, and with --all every record's
+// weight.
 #include "qkv/lookup.h"
 
 #include <CLI/CLI.hpp>
@@ -28,7 +29,7 @@ struct LookupArgs {
   std::optional<double> temperature;
   int top = 3;
   std::vector<std::string> remove;
-  bool json = false;
+  bool json = false, all = false;
 };
 
 // The table from --table (header with columns "key" and "value"; others are
@@ -42,14 +43,19 @@ std::vector<Record> load_table(const std::string& path) {
     throw UsageError("--table " + path + ": the header must name the columns key and value");
   }
   std::vector<Record> records;
-  for (std::vector<std::string>& row : csv.text({*key, *value})) {
-    records.push_back({std::move(row[0]), std::move(row[1])});
-  }
+  csv.for_each_text({*key, *value}, [&](const std::vector<std::string_view>& row) {
+    records.push_back({std::string(row[0]), std::string(row[1])});
+  });
   return records;
 }
 
 std::string pad(const std::string& text, size_t width) {
   return text + std::string(width > text.size() ? width - text.size() : 0, ' ');
+}
+
+std::string json_record(const Record& r, double weight) {
+  return "\"key\": " + json_string(r.key) + ", \"value\": " + json_string(r.value) +
+         ", \"weight\": " + json_number(weight);
 }
 
 void run_lookup(const LookupArgs& args) {
@@ -75,67 +81,79 @@ void run_lookup(const LookupArgs& args) {
   for (const std::string& key : args.remove) {
     if (!db->remove(key)) throw UsageError("--remove: no record with key \"" + key + "\"");
   }
-  const LookupResult result = db->lookup(args.query, mode, temperature);
-  if (mode == LookupMode::kExact && !result.match) {
+  // The top K through the index (no weight per record); with --all, every
+  // record's weight too. Both are the same numbers, bit for bit.
+  const TopK top = db->top(args.query, mode, args.top, temperature);
+  if (mode == LookupMode::kExact && !top.match) {
     throw std::runtime_error("no record with key \"" + args.query + "\"");
   }
+  std::vector<double> all;
+  if (args.all) all = db->lookup(args.query, mode, temperature).weights;
   const std::vector<Record>& records = db->records();
-  const std::vector<size_t> top = top_k(result.weights, args.top);
-
   if (args.json) {
     std::string json = "{\"query\": " + json_string(args.query) +
                        ", \"mode\": " + json_string(args.mode) + ", \"temperature\": " +
                        (mode == LookupMode::kApproximate ? json_number(temperature) : "null") +
-                       ", \"match\": ";
-    json += result.match ? "{\"key\": " + json_string(records[*result.match].key) +
-                               ", \"value\": " + json_string(records[*result.match].value) + "}"
-                         : "null";
-    json += ", \"records\": [";
-    for (size_t j = 0; j < records.size(); ++j) {
-      json += std::string(j == 0 ? "" : ", ") + "{\"key\": " + json_string(records[j].key) +
-              ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + json_number(result.weights[j]) + "}";
+                       ", \"num_records\": " + std::to_string(records.size()) + ", \"match\": ";
+    json += top.match ? "{\"key\": " + json_string(records[*top.match].key) +
+                            ", \"value\": " + json_string(records[*top.match].value) + "}"
+                      : "null";
+    if (args.all) {
+      json += ", \"records\": [";
+      for (size_t j = 0; j < records.size(); ++j) {
+        json += std::string(j == 0 ? "{" : ", {") + json_record(records[j], all[j]) + "}";
+      }
+      json += "]";
     }
-    json += "], \"top\": [";
-    for (size_t r = 0; r < top.size(); ++r) {
-      const size_t j = top[r];
-      json += std::string(r == 0 ? "" : ", ") + "{\"rank\": " + std::to_string(r + 1) +
-              ", \"key\": " + json_string(records[j].key) +
-              ", \"value\": " + json_string(records[j].value) +
-              ", \"weight\": " + json_number(result.weights[j]) + "}";
+    json += ", \"top\": [";
+    for (size_t r = 0; r < top.records.size(); ++r) {
+      const Ranked& t = top.records[r];
+      json += std::string(r == 0 ? "" : ", ") + "{\"rank\": " + std::to_string(r + 1) + ", " +
+              json_record(records[t.index], t.weight) + "}";
     }
     std::cout << json << "]}\n";
     return;
   }
 
+  // Columns as wide as the longest key and value printed.
   size_t key_width = 3, value_width = 5;
-  for (const Record& r : records) {
+  const auto widen = [&](const Record& r) {
     key_width = std::max(key_width, r.key.size());
     value_width = std::max(value_width, r.value.size());
+  };
+  if (args.all) {
+    for (const Record& r : records) widen(r);
   }
-  std::cout << "query \"" << args.query << "\", mode " << args.mode;
-  if (mode == LookupMode::kApproximate)
-    std::cout << ", temperature " << format_number(temperature, "%g");
-  std::cout << ", " << records.size() << (records.size() == 1 ? " record" : " records") << '\n';
-  if (result.match) {
-    std::cout << "match: " << records[*result.match].key << " -> " << records[*result.match].value
-              << '\n';
+  for (const Ranked& t : top.records) widen(records[t.index]);
+  std::string out = "query \"" + args.query + "\", mode " + args.mode;
+  if (mode == LookupMode::kApproximate) out += ", temperature " + format_number(temperature, "%g");
+  out +=
+      ", " + std::to_string(records.size()) + (records.size() == 1 ? " record" : " records") + '\n';
+  if (top.match) {
+    out += "match: " + records[*top.match].key + " -> " + records[*top.match].value + '\n';
   }
-  std::cout << "\nweights\n  " << pad("key", key_width) << "  " << pad("value", value_width)
-            << "  weight\n";
-  for (size_t j = 0; j < records.size(); ++j) {
-    std::cout << "  " << pad(records[j].key, key_width) << "  "
-              << pad(records[j].value, value_width) << "  "
-              << format_number(result.weights[j], "%.6f") << '\n';
+  const auto line = [&](const std::string& rank, const Record& r, const std::string& weight) {
+    out += "  " + rank + pad(r.key, key_width) + "  " + pad(r.value, value_width) + "  " + weight +
+           '\n';
+  };
+  if (args.all) {
+    out += "\nweights\n";
+    line("", {"key", "value"}, "weight");
+    for (size_t j = 0; j < records.size(); ++j) {
+      line("", records[j], format_number(all[j], "%.6f"));
+      if (out.size() >= (size_t{1} << 16)) {  // written as it goes: 63,697 lines are 10-28 MB
+        std::cout << out;
+        out.clear();
+      }
+    }
   }
-  std::cout << "\ntop " << top.size() << "\n  rank  " << pad("key", key_width) << "  "
-            << pad("value", value_width) << "  weight\n";
-  for (size_t r = 0; r < top.size(); ++r) {
-    const size_t j = top[r];
-    std::cout << "  " << pad(std::to_string(r + 1), 4) << "  " << pad(records[j].key, key_width)
-              << "  " << pad(records[j].value, value_width) << "  "
-              << format_number(result.weights[j], "%.6f") << '\n';
+  out += "\ntop " + std::to_string(top.records.size()) + '\n';
+  line("rank  ", {"key", "value"}, "weight");
+  for (size_t r = 0; r < top.records.size(); ++r) {
+    const Ranked& t = top.records[r];
+    line(pad(std::to_string(r + 1), 4) + "  ", records[t.index], format_number(t.weight, "%.6f"));
   }
+  std::cout << out;
 }
 
 }  // namespace
@@ -145,7 +163,8 @@ Command add_lookup_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "lookup",
       "Query the key-value database of d2l 11.1 (default: the chapter's six names) by exact "
-      "match, approximate match (attention over key similarity) or average pooling");
+      "match, approximate match (attention over key similarity, through an n-gram index) or "
+      "average pooling; prints the K records of largest weight");
   app->add_option("--query", args->query, "The query string")->required();
   require_path(app->add_option("--table", args->table,
                                "CSV of records with header columns key and value (default: the "
@@ -157,14 +176,16 @@ Command add_lookup_command(CLI::App& parent) {
   require_number(app->add_option("--temperature", args->temperature,
                                  "Softmax temperature of approximate match, > 0 (default 0.1)"))
       ->type_name("T");
-  CLI::Option* top_k = require_integer(
-      app->add_option("--top-k", args->top, "How many records to rank, K >= 1 (default 3)"));
+  CLI::Option* top_k = require_integer(app->add_option(
+      "--top-k", args->top, "How many records to print, best first, K >= 1 (default 3)"));
   top_k->type_name("K")->check(CLI::Range(1, std::numeric_limits<int>::max()));
   require_integer(add_deprecated_option(*app, "lookup", "--top", "--top-k K", top_k, args->top))
       ->type_name("K")
       ->check(CLI::Range(1, std::numeric_limits<int>::max()));
   app->add_option("--remove", args->remove, "Remove the records with these keys first")
       ->type_name("KEY");
+  app->add_flag("--all", args->all,
+                "Also print every record's weight, in table order (default: the top K only)");
   app->add_flag("--json", args->json, "Print the result as JSON");
   return {app, [args] { run_lookup(*args); }};
 }

@@ -624,7 +624,8 @@ class JsonTest(RobustTest):
         self.assertEqual(result["query"], "L\ufffdi\x01\ufffd")
         table = self.write("t.csv", "key,value\nna\u00efve,caf\u00e9\n".encode()
                            + b"k\xed\xa0\x80,v\xf8\n\"q\"\"\\\x1f\",x\n")
-        r = self.run_qkv(["lookup", "--table", table, "--query", "naive", "--json"])
+        r = self.run_qkv(["lookup", "--table", table, "--query", "naive", "--json",
+                          "--all"])
         self.expect_exit(r, 0, "lookup")
         records = json.loads(r.stdout)["records"]
         self.assertEqual([(x["key"], x["value"]) for x in records],
