@@ -408,7 +408,8 @@ TEST(Lookup, BadArguments) {
   for (const double t : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
     expect_error([&] { db.approximate("Li", t); },
                  {"KeyValueDatabase::approximate", "temperature"});
-    expect_error([&] { db.top("Li", LookupMode::kApproximate, 3, t); }, {"temperature"});
+    expect_error([&] { db.top("Li", LookupMode::kApproximate, 3, t); },
+                 {"KeyValueDatabase::top", "temperature"});
     expect_error([&] { ref::approximate(db, "Li", t); }, {"ref::approximate", "temperature"});
   }
   expect_error([&] { db.top("Li", LookupMode::kApproximate, 0); },

@@ -147,12 +147,11 @@ void ngram_codes(std::string_view key, std::vector<uint32_t>& codes) {
   const size_t m = key.size() + 2;  // "^" key "$"
   codes.resize(2 * m - 3);
   uint32_t* out = codes.data();
-  uint32_t a = '^', b = m == 2 ? '$' : 0;
   const auto lower = [](char ch) -> uint32_t {
     const auto c = static_cast<unsigned char>(ch);
     return (c >= 'A' && c <= 'Z') ? c - 'A' + 'a' : c;
   };
-  if (m > 2) b = lower(key[0]);
+  uint32_t a = '^', b = m == 2 ? '$' : lower(key[0]);  // the padded key's first two bytes
   *out++ = kBigram | a << 8 | b;
   for (size_t i = 2; i < m; ++i) {
     const uint32_t c = i + 1 == m ? '$' : lower(key[i - 1]);
@@ -331,7 +330,7 @@ struct KeyValueDatabase::NgramIndex {
     }
     const double query_norm = std::sqrt(static_cast<double>(squares));
     // One pass over a counter per record finds the candidates in table order
-    // (at 63,666 records, ~40 us: less than sorting the touched ones).
+    // (0.5 MB at 63,697 records: less than sorting the records touched).
     Candidates out;
     for (size_t r = 0; r < n; ++r) {
       if (dot[r] == 0) continue;
@@ -530,7 +529,7 @@ TopK KeyValueDatabase::top(std::string_view query, LookupMode mode, int k,
       return result;
     }
     case LookupMode::kApproximate:
-      check_temperature("KeyValueDatabase::approximate", temperature);
+      check_temperature("KeyValueDatabase::top", temperature);
       if (n == 0) return result;
       result.records = top_of(softmax(index_->candidates(query), n, temperature), n, k);
       return result;
