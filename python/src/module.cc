@@ -13,4 +13,5 @@ PYBIND11_MODULE(_qkv, m) {
   qkv::python::register_merge(m);
   qkv::python::register_regression(m);
   qkv::python::register_store(m);
+  qkv::python::register_search(m);
 }

@@ -1,0 +1,233 @@
+// qkv.search, the search engine's parts for Python: so far the WordPiece
+// tokenizer of the pretrained sentence encoder (apps/search/wordpiece.h) as
+// qkv.search.Tokenizer. Texts are str (as UTF-8) or bytes (as they are:
+// invalid UTF-8 is dropped as the reference drops the U+FFFD of
+// bytes.decode("utf-8", "replace")).
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "qkv/error.h"
+#include "search/wordpiece.h"
+
+namespace qkv::python {
+namespace {
+
+namespace py = pybind11;
+using search::WordPieceTokenizer;
+
+// A text argument as bytes: a str as UTF-8, bytes or bytearray as they are;
+// else a TypeError naming fn and name. A str that UTF-8 cannot encode (a
+// lone surrogate) is an Error saying so.
+std::string text_of(py::handle obj, std::string_view fn, std::string_view name) {
+  if (py::isinstance<py::str>(obj)) {
+    Py_ssize_t size = 0;
+    const char* data = PyUnicode_AsUTF8AndSize(obj.ptr(), &size);
+    if (data == nullptr) {
+      PyErr_Clear();
+      throw Error(std::string(fn) + ": " + std::string(name) +
+                  " holds a lone surrogate, which UTF-8 cannot encode; pass bytes, or a str "
+                  "made with errors=\"replace\"");
+    }
+    return std::string(data, static_cast<size_t>(size));
+  }
+  if (py::isinstance<py::bytes>(obj)) return py::cast<std::string>(obj);
+  if (PyByteArray_Check(obj.ptr())) {
+    return std::string(PyByteArray_AsString(obj.ptr()),
+                       static_cast<size_t>(PyByteArray_Size(obj.ptr())));
+  }
+  throw py::type_error(std::string(fn) + ": " + std::string(name) + " is a " +
+                       std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
+                       "; expected a str or bytes");
+}
+
+constexpr const char* kTokenizerDoc =
+    R"doc(BERT's uncased WordPiece tokenizer, as the pretrained sentence encoder
+all-MiniLM-L6-v2 reads text: the same ids as Hugging Face's tokenizer for it
+(tokenizers' BertNormalizer, BertPreTokenizer, WordPiece and [CLS] ... [SEP]),
+in C++.
+
+The text is normalised (control characters dropped, whitespace made spaces,
+CJK ideographs made words of their own, accents stripped by NFD, lower case),
+split at spaces and around punctuation, and each word split into the longest
+vocabulary entries ("##" marks a piece inside a word); a word of more than 100
+characters, or one the entries cannot spell, is [UNK]. [PAD], [UNK], [CLS],
+[SEP] and [MASK] in the raw text are their ids. Invalid UTF-8 in bytes is
+dropped (so bytes b give the reference's ids for b.decode("utf-8", "replace")).
+
+Arguments:
+    vocab_path: the vocabulary, vocab.txt (one token a line, its id the line
+        number from 0), as a str, bytes or os.PathLike. It must have [PAD],
+        [UNK], [CLS] and [SEP].
+
+Raises:
+    qkv.Error: the file is not a regular file or cannot be read, or a line is
+        empty, holds whitespace, a control character or invalid UTF-8, or
+        repeats an earlier line, or a special token is missing; the message
+        names the file and the line.
+    TypeError: vocab_path is not a path.
+
+>>> import os, tempfile
+>>> vocab = os.path.join(tempfile.mkdtemp(), "vocab.txt")
+>>> with open(vocab, "w") as f:
+...     _ = f.write("[PAD]\n[UNK]\n[CLS]\n[SEP]\nplay\n##ing\n!\ncafe\n")
+>>> tokenizer = qkv.search.Tokenizer(vocab)
+>>> tokenizer
+Tokenizer(vocab_size=8)
+)doc";
+
+constexpr const char* kEncodeDoc =
+    R"doc(The ids of a text: [CLS], its wordpieces, [SEP], at most max_length in all.
+
+The wordpieces past max_length - 2 are cut (the reference's truncation).
+
+Arguments:
+    text: a str, or bytes in UTF-8 (invalid bytes are dropped).
+    max_length: the most ids to return, >= 2 (256: the encoder's max_seq_length).
+
+Returns:
+    list[int]: the ids.
+
+Raises:
+    qkv.Error: max_length < 2, or text is a str that UTF-8 cannot encode.
+    TypeError: text is not a str or bytes.
+
+>>> tokenizer.encode("Playing!")
+[2, 4, 5, 6, 3]
+>>> tokenizer.encode("Playing!", max_length=3)
+[2, 4, 3]
+)doc";
+
+constexpr const char* kEncodeBatchDoc =
+    R"doc(encode() of each text, with the GIL released for the whole batch.
+
+Arguments:
+    texts: a sequence of str or bytes.
+    max_length: the most ids for each text, >= 2.
+
+Returns:
+    list[list[int]]: each text's ids.
+
+Raises:
+    qkv.Error: max_length < 2, or a str that UTF-8 cannot encode.
+    TypeError: texts is not a sequence of str or bytes.
+
+>>> tokenizer.encode_batch(["café", "Play!!"])
+[[2, 7, 3], [2, 4, 6, 6, 3]]
+)doc";
+
+constexpr const char* kTokensDoc =
+    R"doc(The wordpieces of a text as vocabulary entries, without [CLS] and [SEP], untruncated.
+
+For tests and debugging: the strings behind encode()'s ids.
+
+Arguments:
+    text: a str, or bytes in UTF-8.
+
+Returns:
+    list[str]: the entries ("play", "##ing"; "[UNK]" for a word they cannot spell).
+
+Raises:
+    qkv.Error: text is a str that UTF-8 cannot encode.
+    TypeError: text is not a str or bytes.
+
+>>> tokenizer.tokens("PLAYING, cafés!")
+['play', '##ing', '[UNK]', '[UNK]', '!']
+)doc";
+
+constexpr const char* kWordsDoc =
+    R"doc(The words WordPiece is given: the text normalised and pre-tokenised.
+
+For tests against the reference's normalizer and pre_tokenizer: lower case,
+accents stripped, split at whitespace and around punctuation; a special token
+([SEP], ...) in the text is a word of its own.
+
+Arguments:
+    text: a str, or bytes in UTF-8.
+
+Returns:
+    list[str]: the words.
+
+Raises:
+    qkv.Error: text is a str that UTF-8 cannot encode.
+    TypeError: text is not a str or bytes.
+
+>>> tokenizer.words("Crème brûlée, [SEP] 中文")
+['creme', 'brulee', ',', '[SEP]', '中', '文']
+)doc";
+
+}  // namespace
+
+void register_search(py::module_& m) {
+  py::module_ search = m.def_submodule(
+      "search", "qkv's search engine for Python; so far the encoder's WordPiece tokenizer.");
+  py::class_<WordPieceTokenizer>(search, "Tokenizer", kTokenizerDoc)
+      .def(py::init([](py::handle vocab_path) {
+             const std::string path = path_of(vocab_path, "Tokenizer", "vocab_path");
+             return released("Tokenizer", "WordPieceTokenizer::load",
+                             [&] { return WordPieceTokenizer::load(path); });
+           }),
+           py::arg("vocab_path"))
+      .def(
+          "encode",
+          [](const WordPieceTokenizer& self, py::handle text, int64_t max_length) {
+            const std::string bytes = text_of(text, "Tokenizer.encode", "text");
+            return released("Tokenizer.encode", "WordPieceTokenizer::encode",
+                            [&] { return self.encode(bytes, max_length); });
+          },
+          py::arg("text"), py::arg("max_length") = 256, kEncodeDoc)
+      .def(
+          "encode_batch",
+          [](const WordPieceTokenizer& self, py::iterable texts, int64_t max_length) {
+            if (py::isinstance<py::str>(texts) || py::isinstance<py::bytes>(texts)) {
+              throw py::type_error(
+                  "Tokenizer.encode_batch: texts is one text; expected a sequence of str or "
+                  "bytes (encode takes one text)");
+            }
+            std::vector<std::string> bytes;
+            for (py::handle text : texts) {
+              bytes.push_back(text_of(text, "Tokenizer.encode_batch",
+                                      "texts[" + std::to_string(bytes.size()) + "]"));
+            }
+            return released("Tokenizer.encode_batch", "WordPieceTokenizer::encode", [&] {
+              std::vector<std::vector<int32_t>> ids;
+              ids.reserve(bytes.size());
+              for (const std::string& b : bytes) ids.push_back(self.encode(b, max_length));
+              return ids;
+            });
+          },
+          py::arg("texts"), py::arg("max_length") = 256, kEncodeBatchDoc)
+      .def(
+          "tokens",
+          [](const WordPieceTokenizer& self, py::handle text) {
+            const std::string bytes = text_of(text, "Tokenizer.tokens", "text");
+            return released("Tokenizer.tokens", "WordPieceTokenizer::tokens",
+                            [&] { return self.tokens(bytes); });
+          },
+          py::arg("text"), kTokensDoc)
+      .def(
+          "words",
+          [](const WordPieceTokenizer& self, py::handle text) {
+            const std::string bytes = text_of(text, "Tokenizer.words", "text");
+            return released("Tokenizer.words", "WordPieceTokenizer::words",
+                            [&] { return self.words(bytes); });
+          },
+          py::arg("text"), kWordsDoc)
+      .def_property_readonly("vocab_size", &WordPieceTokenizer::vocab_size,
+                             "The number of vocabulary entries (ids 0 .. vocab_size - 1).")
+      .def_property_readonly("pad_id", &WordPieceTokenizer::pad_id, "The id of [PAD].")
+      .def_property_readonly("unk_id", &WordPieceTokenizer::unk_id, "The id of [UNK].")
+      .def_property_readonly("cls_id", &WordPieceTokenizer::cls_id, "The id of [CLS].")
+      .def_property_readonly("sep_id", &WordPieceTokenizer::sep_id, "The id of [SEP].")
+      .def("__repr__", [](const WordPieceTokenizer& self) {
+        return "Tokenizer(vocab_size=" + std::to_string(self.vocab_size()) + ")";
+      });
+  search.attr("Tokenizer").attr("__module__") = "qkv.search";
+}
+
+}  // namespace qkv::python
