@@ -150,37 +150,59 @@ const std::array<AsciiRule, 128>& ascii_rules() {
 
 // The word being read: normalised UTF-8, its character count, and the run
 // of kept marks (combining class > 0) at its end, which NFD's canonical
-// ordering sorts by class (a stable sort; a starter ends the run).
+// ordering sorts by class (a stable sort; a starter ends the run). Marks
+// that come in order are appended; a run that is not is sorted when it
+// ends, so a long run costs O(n log n), not the O(n^2) of insertions.
 class WordBuilder {
  public:
   void add_ascii(char c) {
+    if (!run_.empty()) end_run();
     word_.push_back(c);
     ++chars_;
-    run_.clear();
   }
   void add(std::string_view utf8, uint8_t combining_class) {
     ++chars_;
     if (combining_class == 0) {
+      if (!run_.empty()) end_run();
       word_.append(utf8);
-      run_.clear();
       return;
     }
-    // Rare (marks new in Unicode 9, musical symbols): insert after the
-    // run's marks of a class <= this one.
-    size_t at = word_.size(), k = run_.size();
-    while (k > 0 && run_[k - 1].combining_class > combining_class) at -= run_[--k].bytes;
-    word_.insert(at, utf8);
-    run_.insert(run_.begin() + static_cast<ptrdiff_t>(k),
-                Mark{combining_class, static_cast<uint8_t>(utf8.size())});
+    // Rare: marks new in Unicode 9, musical symbols.
+    if (run_.empty()) run_begin_ = word_.size();
+    if (!run_.empty() && combining_class < run_.back().combining_class) run_sorted_ = false;
+    word_.append(utf8);
+    run_.push_back(Mark{combining_class, static_cast<uint8_t>(utf8.size())});
   }
-  void end_run() { run_.clear(); }
+  void end_run() {
+    if (!run_sorted_) {
+      std::vector<std::pair<Mark, size_t>> marks;  // each with its offset in the run
+      size_t offset = run_begin_;
+      for (const Mark& m : run_) {
+        marks.emplace_back(m, offset);
+        offset += m.bytes;
+      }
+      std::stable_sort(marks.begin(), marks.end(), [](const auto& x, const auto& y) {
+        return x.first.combining_class < y.first.combining_class;
+      });
+      std::string sorted;
+      for (const auto& [m, at] : marks) sorted.append(word_, at, m.bytes);
+      word_.replace(run_begin_, std::string::npos, sorted);
+      run_sorted_ = true;
+    }
+    run_.clear();
+  }
   bool empty() const { return word_.empty(); }
-  std::string_view word() const { return word_; }
+  // The word, its run of marks sorted.
+  std::string_view word() {
+    end_run();
+    return word_;
+  }
   int64_t chars() const { return chars_; }
   void clear() {
     word_.clear();
     chars_ = 0;
     run_.clear();
+    run_sorted_ = true;
   }
 
  private:
@@ -189,7 +211,9 @@ class WordBuilder {
   };
   std::string word_;
   int64_t chars_ = 0;
-  std::vector<Mark> run_;
+  std::vector<Mark> run_;  // the marks of class > 0 at the end of word_, from run_begin_
+  size_t run_begin_ = 0;
+  bool run_sorted_ = true;
 };
 
 // What a file that is not a regular one is, for messages.

@@ -338,13 +338,19 @@ class CodePointTest(PeerCase):
             for b in kept:
                 texts.append(f"x{a}{b}")
                 texts.append(f"x{a}{rng.choice(between)}{b}")
+        # Runs of 3 to 12 marks, with a random character among them now and then.
+        for _ in range(3000):
+            run = [rng.choice(kept) for _ in range(rng.randint(3, 12))]
+            if rng.random() < 0.3:
+                run.insert(rng.randrange(len(run) + 1), rng.choice(between))
+            texts.append("x" + "".join(run) + rng.choice(["", "y", " ", "\u0301"]))
         bad = [t for t in texts if QKV.words(t) != reference_words(t)]
         if bad:
             self.fail(f"{len(bad)} of {len(texts)} differ (seed {ARGS.seed}): " + ", ".join(
                 f"{[f'U+{ord(c):04X}' for c in t]}: reference "
                 f"{[[f'U+{ord(c):04X}' for c in w] for w in reference_words(t)]} qkv "
                 f"{[[f'U+{ord(c):04X}' for c in w] for w in QKV.words(t)]}" for t in bad[:10]))
-        print(f"kept marks: {len(kept)}, {len(texts)} pairs, same words", file=sys.stderr)
+        print(f"kept marks: {len(kept)}, {len(texts)} pairs and runs, same words", file=sys.stderr)
 
 
 # ---- this machine's apt lists (--apt-lists) -----------------------------------------

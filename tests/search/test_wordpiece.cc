@@ -321,6 +321,14 @@ TEST_F(WordPiece, KeptMarksAreInCanonicalOrder) {
   // A dropped starter (U+0900 DEVANAGARI SIGN INVERTED CANDRABINDU, Mn,
   // class 0) ends the run: no reordering across it.
   EXPECT_EQ(t().words("x" + tone + "\xe0\xa4\x80" + stem), (Strings{"x" + tone + stem}));
+  // A long run in reverse order: sorted (stably) when it ends, not by
+  // insertion (200,000 marks: inserting each in place is quadratic).
+  std::string run = "x", sorted = "x";
+  for (int i = 0; i < 100000; ++i) run += tone + stem;
+  for (int i = 0; i < 100000; ++i) sorted += stem;
+  for (int i = 0; i < 100000; ++i) sorted += tone;
+  EXPECT_EQ(t().words(run + " y"), (Strings{sorted, "y"}));
+  EXPECT_EQ(t().words(run + "y" + stem + tone), (Strings{sorted + "y" + stem + tone}));
 }
 
 TEST_F(WordPiece, TruncationKeepsTheFirstPieces) {
