@@ -7,12 +7,15 @@
 #             (fuzz/manifest_fuzz.cc), from manifests as qkv writes them
 #   index     the search index's readers (fuzz/index_fuzz.cc): its manifest,
 #             packages.json and BM25 postings, from files as qkv writes them
-# Usage: fuzz/run_fuzz.sh npy|manifest|index FUZZER_BINARY SECONDS
+#   tokenizer the search engine's WordPiece tokenizer (fuzz/tokenizer_fuzz.cc):
+#             texts in many scripts with invalid UTF-8, and a vocabulary
+# Usage: fuzz/run_fuzz.sh npy|manifest|index|tokenizer FUZZER_BINARY SECONDS
 # Exits non-zero if the fuzzer finds a crash (the reproducer is kept and named).
 set -euo pipefail
 
-if [ $# -ne 3 ] || { [ "$1" != npy ] && [ "$1" != manifest ] && [ "$1" != index ]; }; then
-  echo "usage: $0 npy|manifest|index FUZZER_BINARY SECONDS" >&2
+if [ $# -ne 3 ] || { [ "$1" != npy ] && [ "$1" != manifest ] && [ "$1" != index ] &&
+                     [ "$1" != tokenizer ]; }; then
+  echo "usage: $0 npy|manifest|index|tokenizer FUZZER_BINARY SECONDS" >&2
   exit 2
 fi
 reader=$1
@@ -220,6 +223,51 @@ cat >"$work/fuzz.dict" <<'DICT'
 "-1"
 "1e308"
 "\x80\x80\x80\x80\x80"
+DICT
+}
+
+seed_tokenizer() {
+# Seeds: the first byte picks the input's kind (tokenizer_fuzz.cc): texts
+# (byte 1-255, also picking max_length) and a vocabulary (byte 0).
+/usr/bin/python3 - "$work/corpus" <<'PY'
+import sys
+out = sys.argv[1]
+texts = [
+    "The Playing field, [SEP] un-affable caf\u00e9s!",
+    "Cr\u00e8me br\u00fbl\u00e9e \u00c5ngstr\u00f6m \u0130stanbul \u03a3\u039f\u03a6\u0399\u0391",
+    "\u4e2d\u6587\u5b57 \ud55c\uad6d\uc5b4 \u3042\u3044 \U0001F600\u200d\U0001F469 \ufb01",
+    "a\u0301\u0327 x\u302e\U0001d165\u0900\U0001d165 \u0b48 \U0001d15e\u1b44",
+    "tab\tnew\nline\r\x0b\x0c\x85\u00a0\u3000\u2028 \x00\ufffd\ue000 [MASK][CLS]",
+    "a" * 101 + " " + "\u00e9" * 100,
+]
+for i, t in enumerate(texts):
+    with open(f"{out}/text{i}.bin", "wb") as f:
+        f.write(bytes([1 + 37 * i % 255]) + t.encode())
+with open(f"{out}/invalid.bin", "wb") as f:
+    f.write(b"\x05ca\xff\xfefe \xe2\x82 \xed\xa0\x80 \xf4\x90\x80\x80 \xc0\xaf \xf0\x9f\x98")
+with open(f"{out}/vocab.bin", "wb") as f:
+    f.write(b"\0[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\nplay\n##ing\n!\ncr\xc3\xa8me\n")
+PY
+
+cat >"$work/fuzz.dict" <<'DICT'
+"[SEP]"
+"[CLS]"
+"[MASK]"
+"[UNK]"
+"[PAD]"
+"##"
+"\x0a"
+"\xcc\x81"
+"\xe3\x80\xae"
+"\xf0\x9d\x85\xa5"
+"\xe0\xa4\x80"
+"\xe4\xb8\xad"
+"\xed\x95\x9c"
+"\xc4\xb0"
+"\xe2\x80\x8d"
+"\xef\xbf\xbd"
+"\xed\xa0\x80"
+"\xf4\x90\x80\x80"
 DICT
 }
 

@@ -82,14 +82,15 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
     stage "install dependencies" scripts/install-deps.sh test
     # Fuzz the file readers first (clang's libFuzzer with ASan, bounded to a
     # minute each, side by side): the .npy reader, the key-value store's
-    # manifest reader and the search index's readers.
+    # manifest reader, the search index's readers and the sentence encoder's
+    # tokenizer and vocabulary reader.
     if [ ! -f build/fuzz/CMakeCache.txt ]; then
       cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++-14 \
         -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF >/dev/null
     fi
     stage "fuzz: build" cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz \
-      index_fuzz
-    stage "fuzz: .npy, store manifest, index" fuzz_readers npy manifest index
+      index_fuzz tokenizer_fuzz
+    stage "fuzz: .npy, manifests, index, tokenizer" fuzz_readers npy manifest index tokenizer
     # Debug with AddressSanitizer + UndefinedBehaviorSanitizer: the kernels at
     # this CPU's best SIMD target and scalar (CMakeLists.txt).
     stage "ASan+UBSan: build" configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug \

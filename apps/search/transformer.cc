@@ -164,6 +164,20 @@ SentenceEncoder SentenceEncoder::load(const std::string& dir) {
     }
   }
 
+  const std::string sbert_path = dir + "/sentence_bert_config.json";
+  const nlohmann::json sbert = read_json(sbert_path);
+  if (!sbert.is_object()) fail(kFn, sbert_path + ": not a JSON object");
+  e.max_seq_length_ = positive(sbert, "max_seq_length", sbert_path);
+  if (e.max_seq_length_ < 2 || e.max_seq_length_ > c.max_positions) {
+    fail(kFn, sbert_path + ": \"max_seq_length\" is " + std::to_string(e.max_seq_length_) +
+                  "; expected 2 to max_position_embeddings, " + std::to_string(c.max_positions));
+  }
+  e.tokenizer_ =
+      std::make_shared<const WordPieceTokenizer>(WordPieceTokenizer::load(dir + "/vocab.txt"));
+  if (e.tokenizer_->vocab_size() != c.vocab_size) {
+    fail(kFn, dir + "/vocab.txt: has " + std::to_string(e.tokenizer_->vocab_size()) +
+                  " tokens; config.json's vocab_size is " + std::to_string(c.vocab_size));
+  }
   e.weights_ = SafeTensors::open(dir + "/model.safetensors");
   const SafeTensors& w = e.weights_;
   const int64_t h = c.hidden_size, f = c.intermediate_size;
@@ -209,14 +223,15 @@ Tensor<float> SentenceEncoder::encode(const std::vector<std::vector<int32_t>>& i
   for (int64_t i = 0; i < n; ++i) {
     const auto& seq = ids[static_cast<size_t>(i)];
     if (seq.empty() || static_cast<int64_t>(seq.size()) > config_.max_positions) {
-      fail(kFn, "encode: sequence " + std::to_string(i) + " has " + std::to_string(seq.size()) +
-                    " tokens; expected 1 to " + std::to_string(config_.max_positions));
+      fail("SentenceEncoder::encode", "sequence " + std::to_string(i) + " has " +
+                                          std::to_string(seq.size()) + " tokens; expected 1 to " +
+                                          std::to_string(config_.max_positions));
     }
     for (const int32_t id : seq) {
       if (id < 0 || id >= config_.vocab_size) {
-        fail(kFn, "encode: sequence " + std::to_string(i) + " has the token id " +
-                      std::to_string(id) + ", outside [0, " + std::to_string(config_.vocab_size) +
-                      ")");
+        fail("SentenceEncoder::encode", "sequence " + std::to_string(i) + " has the token id " +
+                                            std::to_string(id) + ", outside [0, " +
+                                            std::to_string(config_.vocab_size) + ")");
       }
     }
   }
@@ -236,6 +251,22 @@ Tensor<float> SentenceEncoder::encode(const std::vector<std::vector<int32_t>>& i
     if (progress) progress(first);
   }
   return out;
+}
+
+Tensor<float> SentenceEncoder::encode_texts(const std::vector<std::string>& texts,
+                                            int64_t max_length,
+                                            const std::function<void(int64_t)>& progress) const {
+  if (max_length < 0 || max_length == 1 || max_length > config_.max_positions) {
+    fail("SentenceEncoder::encode_texts",
+         "max_length is " + std::to_string(max_length) + "; expected 2 to " +
+             std::to_string(config_.max_positions) + ", or 0 for max_seq_length (" +
+             std::to_string(max_seq_length_) + ")");
+  }
+  const int64_t cut = max_length == 0 ? max_seq_length_ : max_length;
+  std::vector<std::vector<int32_t>> ids(texts.size());
+#pragma omp parallel for schedule(dynamic, 256) num_threads(num_threads())
+  for (size_t i = 0; i < texts.size(); ++i) ids[i] = tokenizer_->encode(texts[i], cut);
+  return encode(ids, progress);
 }
 
 void SentenceEncoder::encode_batch(const std::vector<std::vector<int32_t>>& ids,

@@ -3,7 +3,9 @@
 // heads of 32, feed-forward 1536, GELU; its tokens' outputs mean-pooled and
 // scaled to length 1), read from the model's own files: config.json (the
 // sizes), model.safetensors (the weights, mapped, not copied) and
-// 1_Pooling/config.json (mean pooling, the only pooling qkv runs).
+// 1_Pooling/config.json (mean pooling, the only pooling qkv runs),
+// sentence_bert_config.json (max_seq_length: where texts are cut) and
+// vocab.txt (the WordPiece tokenizer, wordpiece.h).
 //
 // Each layer's self-attention is qkv's fused scaled dot-product attention
 // over the heads' strided views of one Q|K|V projection (keys past a
@@ -15,11 +17,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "qkv/tensor.h"
 #include "search/safetensors.h"
+#include "search/wordpiece.h"
 
 namespace qkv::search {
 
@@ -46,7 +50,16 @@ class SentenceEncoder {
   Tensor<float> encode(const std::vector<std::vector<int32_t>>& ids,
                        const std::function<void(int64_t)>& progress = {}) const;
 
+  // The embeddings (n, hidden_size) of n texts (UTF-8), each tokenized
+  // (tokenizer()) and cut to `max_length` ids with [CLS] and [SEP] (0:
+  // max_seq_length(), as sentence-transformers cuts them).
+  Tensor<float> encode_texts(const std::vector<std::string>& texts, int64_t max_length = 0,
+                             const std::function<void(int64_t)>& progress = {}) const;
+
   const TransformerConfig& config() const { return config_; }
+  const WordPieceTokenizer& tokenizer() const { return *tokenizer_; }
+  // sentence_bert_config.json's max_seq_length: at most max_positions.
+  int64_t max_seq_length() const { return max_seq_length_; }
   const std::string& dir() const { return dir_; }
 
  private:
@@ -62,6 +75,8 @@ class SentenceEncoder {
 
   std::string dir_;
   TransformerConfig config_;
+  int64_t max_seq_length_ = 0;
+  std::shared_ptr<const WordPieceTokenizer> tokenizer_;
   SafeTensors weights_;
   ConstView<float> word_embeddings_, position_embeddings_, type_embeddings_, embed_norm_weight_,
       embed_norm_bias_;

@@ -25,7 +25,8 @@ release the GIL. A store and its index hold float32 or bfloat16 and compute
 in float32: float64 arrays given to them are rounded to float32.
 
 `import qkv.torch` for autograd functions and d2l's modules on the same
-kernels. docs/python.md has the whole story.
+kernels; `import qkv.search` for the search engine's parts (so far the
+sentence encoder's WordPiece tokenizer). docs/python.md has the whole story.
 """
 
 import numpy as _numpy

@@ -16,6 +16,22 @@ bool python_signal_raised() {
   return PyErr_CheckSignals() != 0;
 }
 
+std::string as_python_call(const std::string& message, std::string_view fn, std::string_view cpp) {
+  const std::string prefix = std::string(cpp) + ": ";
+  if (message.rfind(prefix, 0) == 0) return std::string(fn) + ": " + message.substr(prefix.size());
+  return std::string(fn) + ": " + message;
+}
+
+std::string path_of(py::handle obj, std::string_view fn, std::string_view name) {
+  if (!py::isinstance<py::str>(obj) && !py::isinstance<py::bytes>(obj) &&
+      !py::hasattr(obj, "__fspath__")) {
+    throw py::type_error(std::string(fn) + ": " + std::string(name) + " is a " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
+                         "; expected a path (a str or an os.PathLike such as pathlib.Path)");
+  }
+  return py::cast<std::string>(py::module_::import("os").attr("fsdecode")(obj));
+}
+
 void register_runtime(py::module_& m) {
   m.attr("__version__") = kVersion;
 

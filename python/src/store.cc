@@ -51,42 +51,6 @@ std::string rounded_text(double x) {
   return std::string(text, end);
 }
 
-// `message` as the Python call `fn` tells it: the C++ function's name `cpp`
-// in front becomes fn ("KeyValueStore::open: ..." -> "KeyValueStore.open:
-// ..."), and a message from a function further down gets fn in front
-// ("KeyValueStore.attend: KeyValueStore::read_chunk: FILE: ...").
-std::string as_python_call(const std::string& message, std::string_view fn, std::string_view cpp) {
-  const std::string prefix = std::string(cpp) + ": ";
-  if (message.rfind(prefix, 0) == 0) return std::string(fn) + ": " + message.substr(prefix.size());
-  return std::string(fn) + ": " + message;
-}
-
-// Runs a library call without the GIL (Ctrl-C stops it); its Error and
-// IoError are told as the Python call's (as_python_call).
-template <class F>
-auto released(std::string_view fn, std::string_view cpp, F&& f) -> decltype(f()) {
-  try {
-    const ReleasedGil release;
-    return f();
-  } catch (const Error& e) {
-    throw Error(as_python_call(e.what(), fn, cpp));
-  } catch (const IoError& e) {
-    throw IoError(as_python_call(e.what(), fn, cpp));
-  }
-}
-
-// A directory argument: a str, bytes or os.PathLike (pathlib.Path), as the
-// file system spells it.
-std::string path_of(py::handle obj, std::string_view fn, std::string_view name) {
-  if (!py::isinstance<py::str>(obj) && !py::isinstance<py::bytes>(obj) &&
-      !py::hasattr(obj, "__fspath__")) {
-    throw py::type_error(std::string(fn) + ": " + std::string(name) + " is a " +
-                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
-                         "; expected a path (a str or an os.PathLike such as pathlib.Path)");
-  }
-  return py::cast<std::string>(py::module_::import("os").attr("fsdecode")(obj));
-}
-
 // Rows (N, C) as float32: a float32 array viewed in place, a float64 one
 // rounded to a new float32 array. A float64 element beyond float32's range
 // is an Error naming it, not an inf in the store or its scores. `axes`

@@ -14,6 +14,8 @@ an example, and every example runs and prints what it shows.
   their m.def / py::class_ registrations, a class's methods after it), then
   python/qkv/torch.py, all in one globals dict holding np, torch and qkv
   (with qkv.torch imported). Each docstring is one test.
+- The submodules' bindings (python/src/search.cc: qkv.search) the same way,
+  every method of their classes included, after the rest.
 """
 
 import doctest
@@ -25,6 +27,7 @@ import pytest
 import torch
 
 import qkv
+import qkv.search
 import qkv.torch
 
 SOURCE = os.environ.get("QKV_SOURCE_DIR") or os.path.dirname(
@@ -33,9 +36,14 @@ BINDING_FILES = ["softmax.cc", "attention.cc", "pooling.cc", "merge.cc", "regres
                  "runtime.cc", "store.cc"]
 # Classes whose methods each carry an example, run after the class's own.
 CLASSES_WITH_METHOD_EXAMPLES = {"KeyValueStore", "Index"}
+# Submodules, one binding file each: file -> module; each method of their
+# classes carries an example.
+SUBMODULE_FILES = {"search.cc": "qkv.search"}
 REGISTRATION = re.compile(r'(?P<function>\bm\.def\(\s*"(?P<f>\w+)")'
                           r'|(?P<cls>py::class_<[^>]*>\(\s*m\s*,\s*"(?P<c>\w+)")'
                           r'|(?P<method>\.def(?:_static)?\(\s*"(?P<m>\w+)")')
+SUBMODULE_REGISTRATION = re.compile(r'(?P<cls>py::class_<[^>]*>\(\s*\w+\s*,\s*"(?P<c>\w+)")'
+                                    r'|(?P<method>\.def(?:_static)?\(\s*"(?P<m>\w+)")')
 
 
 def binding_order():
@@ -60,6 +68,22 @@ def binding_order():
     return names
 
 
+def submodule_order():
+    """(module, "Class" or "Class.method") of the submodules' binding files, in source order."""
+    names = []
+    for name, module in SUBMODULE_FILES.items():
+        with open(os.path.join(SOURCE, "python", "src", name)) as f:
+            text = f.read()
+        cls = None
+        for m in SUBMODULE_REGISTRATION.finditer(text):
+            if m.group("cls"):
+                cls = m.group("c")
+                names.append((module, cls))
+            elif cls and not m.group("m").startswith("_"):
+                names.append((module, f"{cls}.{m.group('m')}"))
+    return names
+
+
 def torch_order():
     """qkv.torch's public functions and classes in the order of python/qkv/torch.py."""
     with open(os.path.join(SOURCE, "python", "qkv", "torch.py")) as f:
@@ -67,7 +91,8 @@ def torch_order():
     return [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M) if not n.startswith("_")]
 
 
-ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()]
+ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()] + \
+    submodule_order()
 IDS = [f"{module}.{name}" for module, name in ORDER]
 TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
          "AdditiveAttentionGrads", "BilinearAttentionGrads", "MergedAttention",
@@ -75,7 +100,7 @@ TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProduct
 
 
 def resolve(module, name):
-    obj = qkv if module == "qkv" else qkv.torch
+    obj = {"qkv": qkv, "qkv.torch": qkv.torch, "qkv.search": qkv.search}[module]
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
@@ -87,6 +112,9 @@ def test_the_order_covers_the_public_api():
     assert scanned == callables, (scanned ^ callables)
     assert [n for m, n in ORDER if m == "qkv.torch"] and \
         {n for m, n in ORDER if m == "qkv.torch"} == set(qkv.torch.__all__)
+    for module in SUBMODULE_FILES.values():
+        assert {n for m, n in ORDER if m == module and "." not in n} == \
+            set(resolve(module, "__all__")), module
     assert len(ORDER) == len(set(ORDER))
 
 
@@ -134,6 +162,11 @@ def test_every_store_and_index_method_is_in_the_order():
         methods = {n for n, v in vars(getattr(qkv, cls)).items()
                    if not n.startswith("_") and not isinstance(v, property)}
         assert methods == {n.split(".")[1] for m, n in ORDER if n.startswith(cls + ".")}, cls
+    for module, cls in [(m, n) for m, n in ORDER if m in SUBMODULE_FILES.values() and "." not in n]:
+        methods = {n for n, v in vars(resolve(module, cls)).items()
+                   if not n.startswith("_") and not isinstance(v, property)}
+        assert methods == {n.split(".")[1] for m, n in ORDER
+                           if m == module and n.startswith(cls + ".")}, cls
 
 
 class Recorder(doctest.DocTestRunner):

@@ -6,6 +6,8 @@ loaded offline), on the same token ids:
   - the fixture corpus's short and long descriptions (tests/search/lists),
   - word salads drawn fresh each run from the vocabulary, 1 to 510 pieces
     (every position embedding of the 512 in use),
+  - texts end to end: qkv's tokenizer and encoder against
+    SentenceTransformer.encode (its tokenizer and model),
   - the same list again at 1 and 2 threads (the same bits), in another
     order and one at a time (other batches: the same to float32 rounding).
 
@@ -125,6 +127,23 @@ class EncoderAgainstSentenceTransformers(unittest.TestCase):
             np.testing.assert_allclose(self.encoder.encode_ids([ids[i]])[0], got[i], rtol=0,
                                        atol=1e-6)
 
+    def test_texts_end_to_end(self):
+        """qkv's tokenizer and encoder against SentenceTransformer.encode on texts."""
+        texts = fixture_texts()[:200]
+        alphabet = "abcdefghij klmnop éèüñ ÅØ Ωλ Жж 中文 ,.!?-_/ ()[] 0123 \t\n"
+        texts += ["".join(self.rng.choice(alphabet) for _ in range(self.rng.randrange(0, 400)))
+                  for _ in range(100)]
+        got = self.encoder.encode(texts)
+        want = self.reference.encode(texts, batch_size=64, convert_to_numpy=True)
+        err = np.abs(got.astype(np.float64) - want)
+        print(f"texts end to end: {len(texts)} texts, worst |difference| {err.max():.2e}",
+              file=sys.stderr)
+        self.assertLessEqual(err.max(), TOLERANCE)
+        # max_length cuts as the reference's tokenizer does.
+        ids = self.tokenizer(texts[:50], truncation=True, max_length=16)["input_ids"]
+        np.testing.assert_array_equal(self.encoder.encode(texts[:50], max_length=16),
+                                      self.encoder.encode_ids(ids))
+
     def test_bad_input_is_named(self):
         with self.assertRaisesRegex(qkv.Error, "sequence 1 has 0 tokens"):
             self.encoder.encode_ids([[101, 102], []])
@@ -136,6 +155,10 @@ class EncoderAgainstSentenceTransformers(unittest.TestCase):
             self.encoder.encode_ids([[101, -1, 102]])
         with self.assertRaisesRegex(qkv.Error, "nowhere/config.json: missing"):
             qkv.search.Encoder("/nowhere")
+        with self.assertRaisesRegex(qkv.Error, "max_length is 1; expected 2 to 512"):
+            self.encoder.encode(["a"], max_length=1)
+        with self.assertRaisesRegex(TypeError, "texts is one text"):
+            self.encoder.encode("a text")
 
 
 if __name__ == "__main__":

@@ -178,6 +178,11 @@ struct TinyBert {
     pooling[pooling_mode] = true;
     dir.write("1_Pooling/config.json", pooling.dump());
     dir.write("model.safetensors", safetensors_bytes(tensors));
+    dir.write("sentence_bert_config.json", R"({"max_seq_length": 16, "do_lower_case": false})");
+    // [PAD] [UNK] [CLS] [SEP] and vocab - 4 words "w4" ... (ids = lines).
+    std::string vocab_text = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n";
+    for (int64_t i = 4; i < vocab; ++i) vocab_text += "w" + std::to_string(i) + "\n";
+    dir.write("vocab.txt", vocab_text);
   }
 
   const std::vector<float>& t(const std::string& name) const { return tensors.at(name).second; }
@@ -290,6 +295,22 @@ TEST(SentenceEncoder, MatchesAPlainLoopBert) {
       EXPECT_NEAR(got.data()[s * bert.hidden + c], want[c], 2e-6) << "sequence " << s << ", " << c;
     }
   }
+  // Texts: tokenized by the model's vocabulary ("w7" is id 7; "zz" [UNK]),
+  // cut to max_seq_length (16) or max_length, then the same embeddings.
+  std::string long_text;
+  for (int i = 0; i < 30; ++i) long_text += "w" + std::to_string(4 + i % 36) + " ";
+  const std::vector<std::string> texts = {"w7 w8 zz", "W9!", long_text, ""};
+  std::vector<std::vector<int32_t>> cut = {{2, 7, 8, 1, 3}, {2, 9, 1, 3}, {2}, {2, 3}};
+  for (int i = 0; i < 14; ++i) cut[2].push_back(4 + i % 36);
+  cut[2].push_back(3);
+  std::vector<std::vector<int32_t>> cut5 = cut;
+  cut5[2] = {2, 4, 5, 6, 3};
+  EXPECT_EQ(encoder.tokenizer().encode(texts[2], encoder.max_seq_length()), cut[2]);
+  test::expect_bitwise_equal(encoder.encode_texts(texts), encoder.encode(cut), "encode_texts");
+  test::expect_bitwise_equal(encoder.encode_texts(texts, 5), encoder.encode(cut5),
+                             "encode_texts, 5 tokens");
+  expect_error([&] { encoder.encode_texts(texts, 1); }, {"max_length is 1; expected 2 to 24"});
+  expect_error([&] { encoder.encode_texts(texts, 25); }, {"max_length is 25"});
   int64_t reported = 0;
   encoder.encode(ids, [&](int64_t done) { reported = done; });
   EXPECT_EQ(reported, 8);
@@ -334,6 +355,14 @@ TEST(SentenceEncoder, ModelsItDoesNotRunAreNamed) {
   bert.write(dir, bert.config(), "pooling_mode_cls_token");
   expect_error([&] { SentenceEncoder::load(dir.path()); },
                {"1_Pooling/config.json", "qkv runs mean pooling only"});
+  bert.write(dir, bert.config());
+  dir.write("sentence_bert_config.json", R"({"max_seq_length": 25})");
+  expect_error([&] { SentenceEncoder::load(dir.path()); },
+               {"\"max_seq_length\" is 25; expected 2 to max_position_embeddings, 24"});
+  bert.write(dir, bert.config());
+  dir.write("vocab.txt", "[PAD]\n[UNK]\n[CLS]\n[SEP]\n");
+  expect_error([&] { SentenceEncoder::load(dir.path()); },
+               {"vocab.txt: has 4 tokens; config.json's vocab_size is 40"});
   dir.write("config.json", "{not json");
   expect_error([&] { SentenceEncoder::load(dir.path()); }, {"config.json: not JSON"});
 }
