@@ -8,13 +8,8 @@
 // it is the vocabulary's lookups (token_table.h).
 #include "search/wordpiece.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -23,6 +18,7 @@
 #include <utility>
 
 #include "qkv/error.h"
+#include "qkv/store.h"
 #include "search/unicode_data.h"
 
 #define XXH_INLINE_ALL
@@ -216,44 +212,16 @@ class WordBuilder {
   bool run_sorted_ = true;
 };
 
-// What a file that is not a regular one is, for messages.
-std::string kind_of(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
-// The whole of a regular file. O_NONBLOCK so that a FIFO without a writer
-// does not block the open; a FIFO or device is refused before a byte is read.
+// The whole of a regular file, through qkv::MappedFile, which refuses a
+// FIFO or device before reading a byte.
 std::string read_regular_file(std::string_view fn, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) fail(fn, path + ": cannot open: " + std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  if (::fstat(fd, &st) != 0) fail(fn, path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) {
-    fail(fn, path + ": not a regular file (" + kind_of(st.st_mode) +
-                 "); a vocabulary is a regular file (vocab.txt)");
+  const MappedFile file(fn, path);
+  if (file.size() > kMaxVocabBytes) {
+    fail(fn, path + ": larger than " + std::to_string(kMaxVocabBytes >> 20) +
+                 " MiB; not a WordPiece vocabulary");
   }
-  std::string text;
-  char buffer[65536];
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(fn, path + ": cannot read: " + std::strerror(errno));
-    if (n == 0) break;
-    text.append(buffer, static_cast<size_t>(n));
-    if (text.size() > kMaxVocabBytes) {
-      fail(fn, path + ": larger than " + std::to_string(kMaxVocabBytes >> 20) +
-                   " MiB; not a WordPiece vocabulary");
-    }
-  }
+  std::string text(reinterpret_cast<const char*>(file.data()), file.size());
+  file.check_unchanged(fn);
   return text;
 }
 

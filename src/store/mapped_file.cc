@@ -44,7 +44,7 @@ int open_regular_file(std::string_view function, const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
     fail(function, path + ": not a regular file (" + kind_of(st.st_mode) +
-                       "); a store's and an index's files are regular files");
+                       "); a store's, an index's and a model's files are regular files");
   }
   return fd;
 }
