@@ -90,7 +90,7 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
     fi
     stage "fuzz: build" cmake --build build/fuzz -j "$jobs" --target npy_fuzz manifest_fuzz \
       index_fuzz tokenizer_fuzz
-    stage "fuzz: .npy, manifests, index, tokenizer" fuzz_readers npy manifest index tokenizer
+    stage "fuzz: the file readers" fuzz_readers npy manifest index tokenizer
     # Debug with AddressSanitizer + UndefinedBehaviorSanitizer: the kernels at
     # this CPU's best SIMD target and scalar (CMakeLists.txt).
     stage "ASan+UBSan: build" configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug \

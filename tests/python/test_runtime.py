@@ -15,6 +15,7 @@
   stop it.
 """
 
+import importlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -282,6 +284,15 @@ def test_public_names():
     for name in qkv.__all__:
         assert hasattr(qkv, name), name
     public = {n for n in dir(qkv._qkv) if not n.startswith("_")}
+    # The extension's submodules are packages of their own (qkv.search):
+    # each is importable as qkv.NAME and re-exports all of its public names.
+    submodules = {n for n in public if isinstance(getattr(qkv._qkv, n), types.ModuleType)}
+    assert submodules == {"search"}, submodules
+    for name in submodules:
+        module = importlib.import_module("qkv." + name)
+        inner = {n for n in dir(getattr(qkv._qkv, name)) if not n.startswith("_")}
+        assert inner == set(module.__all__), inner ^ set(module.__all__)
+    public -= submodules
     assert public <= set(qkv.__all__) | {"__version__"}, public - set(qkv.__all__)
 
 
