@@ -23,13 +23,15 @@ constexpr std::string_view kFn = "SentenceEncoder";
 constexpr int64_t kBatchTokens = 4096;
 
 nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  // Checked before it is opened: opening a FIFO would block.
   std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error) || !in) {
+  if (!std::filesystem::is_regular_file(path, error)) {
     fail(kFn, path +
                   ": missing or not a regular file (a model directory holds config.json, "
                   "model.safetensors and 1_Pooling/config.json)");
   }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(kFn, path + ": cannot be read");
   std::ostringstream s;
   s << in.rdbuf();
   try {

@@ -363,6 +363,13 @@ TEST(SentenceEncoder, ModelsItDoesNotRunAreNamed) {
   dir.write("vocab.txt", "[PAD]\n[UNK]\n[CLS]\n[SEP]\n");
   expect_error([&] { SentenceEncoder::load(dir.path()); },
                {"vocab.txt: has 4 tokens; config.json's vocab_size is 40"});
+  // A FIFO in a JSON file's place is refused, not waited on.
+  bert.write(dir, bert.config());
+  std::filesystem::remove(dir.file("1_Pooling/config.json"));
+  ASSERT_EQ(::mkfifo(dir.file("1_Pooling/config.json").c_str(), 0600), 0);
+  expect_error([&] { SentenceEncoder::load(dir.path()); },
+               {"1_Pooling/config.json: missing or not a regular file"});
+  std::filesystem::remove(dir.file("1_Pooling/config.json"));
   dir.write("config.json", "{not json");
   expect_error([&] { SentenceEncoder::load(dir.path()); }, {"config.json: not JSON"});
 }
