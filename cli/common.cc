@@ -520,10 +520,11 @@ void write_outputs(const std::vector<OutputFile>& files) {
 namespace {
 
 // Runs in whatever thread the signal hits, so only async-signal-safe calls:
-// unlink (inside remove_staged_files), signal, raise. The re-raised signal
+// unlink (inside remove_staged_files), signal, raise, atomics. The re-raised signal
 // is blocked until the handler returns, then kills the process as it would
 // have without the handler, so the parent sees the same status.
 void remove_temporaries_and_die(int signal_number) {
+  if (defer_signal(signal_number)) return;  // raised again once a commit is whole
   remove_staged_files();
   ::signal(signal_number, SIG_DFL);
   ::raise(signal_number);

@@ -3,6 +3,7 @@
 // writes of several files, a failing rename or disk that leaves no temporary
 // file, devices written through, and remove_staged_files() for signal handlers.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -154,6 +155,39 @@ TEST_F(StagedFileTest, RemoveStagedFilesUnlinksEveryLiveTemporary) {
   c.write("y");
   c.commit();
   EXPECT_EQ(entries(), std::set<std::string>{"c"});
+}
+
+// A handler as the qkv command's: it returns at once while a window is open.
+std::vector<std::pair<int, bool>> handled;  // the signal, and whether it was deferred
+void recording_handler(int signal_number) {
+  handled.push_back({signal_number, defer_signal(signal_number)});
+}
+
+TEST(SignalWindow, HoldsASignalUntilTheLastWindowCloses) {
+  struct sigaction action {
+  }, old{};
+  action.sa_handler = recording_handler;
+  sigemptyset(&action.sa_mask);
+  ASSERT_EQ(::sigaction(SIGUSR1, &action, &old), 0);
+  handled.clear();
+  ::raise(SIGUSR1);  // no window: the handler goes on
+  EXPECT_EQ(handled, (std::vector<std::pair<int, bool>>{{SIGUSR1, false}}));
+  handled.clear();
+  {
+    const SignalWindow outer;
+    {
+      const SignalWindow inner;
+      ::raise(SIGUSR1);
+      EXPECT_EQ(handled, (std::vector<std::pair<int, bool>>{{SIGUSR1, true}}));
+    }
+    EXPECT_EQ(handled.size(), 1u);  // the outer window still holds it
+  }
+  // Raised again as the last window closed, and handled then.
+  EXPECT_EQ(handled, (std::vector<std::pair<int, bool>>{{SIGUSR1, true}, {SIGUSR1, false}}));
+  handled.clear();
+  { const SignalWindow window; }  // nothing held: nothing raised
+  EXPECT_TRUE(handled.empty());
+  ::sigaction(SIGUSR1, &old, nullptr);
 }
 
 TEST_F(StagedFileTest, NewFilesGetTheUmaskAndExistingOnesKeepTheirMode) {

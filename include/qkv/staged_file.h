@@ -134,4 +134,25 @@ class StagedDirectory {
 // killed by a signal it cannot catch (SIGKILL) leaves them behind.
 void remove_staged_files() noexcept;
 
+// A stretch of a commit that a signal must not cut short: files already
+// moved into place that only a manifest written next makes part of a whole
+// (KeyValueStore::append renames its new chunks into the store, then
+// replaces the manifest; a SIGINT between the two left up to 138 chunk
+// files that nothing named). While one lives, a handler that calls
+// defer_signal() is told to return, and the signal is raised again when
+// the last window closes, once the store is whole (appended, or rolled
+// back). The windows last milliseconds (renames and one fsync).
+class SignalWindow {
+ public:
+  SignalWindow() noexcept;
+  ~SignalWindow();
+  SignalWindow(const SignalWindow&) = delete;
+  SignalWindow& operator=(const SignalWindow&) = delete;
+};
+
+// For a signal handler, in any thread (async-signal-safe): true if a
+// SignalWindow is open, and `signal_number` will be raised again when it
+// closes (the handler should return at once); false otherwise.
+bool defer_signal(int signal_number) noexcept;
+
 }  // namespace qkv

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -492,6 +493,31 @@ void remove_staged_files() noexcept {
       ::rmdir(slot_path[slot]);
     }
   }
+}
+
+namespace {
+// SignalWindow's state. A handler stores its signal first and reads the
+// count second, and a closing window lowers the count first and takes the
+// signal second, so whichever runs last sees the other: the signal is
+// raised by one of them (by both at worst, which kills the process all the
+// same), never by neither.
+std::atomic<int> open_windows{0};
+std::atomic<int> deferred_signal{0};
+}  // namespace
+
+SignalWindow::SignalWindow() noexcept { open_windows.fetch_add(1); }
+
+SignalWindow::~SignalWindow() {
+  if (open_windows.fetch_sub(1) != 1) return;
+  if (const int signal_number = deferred_signal.exchange(0); signal_number != 0)
+    ::raise(signal_number);
+}
+
+bool defer_signal(int signal_number) noexcept {
+  deferred_signal.store(signal_number);
+  if (open_windows.load() > 0) return true;
+  deferred_signal.store(0);
+  return false;
 }
 
 }  // namespace qkv

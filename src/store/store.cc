@@ -594,6 +594,9 @@ void KeyValueStore::append(ConstView<float> keys, ConstView<float> values,
                                                  now.chunk_rows_, next, now.rows_, progress);
     // The files renamed into place so far, removed again if the append fails.
     std::vector<std::string> placed;
+    // From the first rename to the manifest, a signal waits: it then finds
+    // the store appended or as it was, never chunks no manifest names.
+    const SignalWindow window;
     try {
       for (const StoreChunk& chunk : added) {
         for (const std::string* file : {&chunk.keys_file, &chunk.values_file}) {
