@@ -79,9 +79,9 @@ def isotropic(rng, n, nq, d=64):
 
 
 def search_encodings(binary, index, nq):
-    """(b) The document encodings of a `qkv search` index (63,666 x 128,
+    """(b) The document encodings of a `qkv search` index (63,681 x 384,
     bfloat16 as stored, widened to float32) and the held-out queries'
-    encodings by its query encoder (`qkv search encode --held-out`); dot
+    encodings W_q e(query) (`qkv search encode --held-out`); dot
     scores at the engine's own scale."""
     store = qkv.KeyValueStore.open(os.path.join(index, "documents"), check="structure")
     keys = store.keys()

@@ -3,8 +3,8 @@
 # and Python package (Release, build/perf unless --build DIR), makes the
 # peers' venv (scripts/make-venv.sh: FAISS, hnswlib, NumPy, pinned), builds a
 # search index of this machine's package lists with the default options if
-# there is none (build/search-index, about 4 minutes; its document encodings
-# are data set (b)), then runs bench/index.py in the venv: qkv's index, qkv's
+# there is none (build/search-index, about 20 minutes; its document encodings,
+# d = 384, are data set (b)), then runs bench/index.py in the venv: qkv's index, qkv's
 # exact streaming, FAISS and hnswlib on three data sets, in one process. It
 # writes docs/index.md's benchmark section, docs/index-recall.png and
 # docs/perf-runs/index.json. About an hour at the default 10^7 rows, most
@@ -34,7 +34,8 @@ if [ "${args[*]:-}" != --replay ]; then
   fi
   cmake --build "$build" -j "$(nproc)" --target qkv_cli qkv_python
   if [ ! -d "$search_index" ]; then
-    "$build/qkv" search index --out "$search_index" --quiet >/dev/null
+    "$build/qkv" search index --out "$search_index" --model "$(scripts/model-dir.sh)" \
+      --quiet >/dev/null
   fi
 fi
 command="bench/index.sh${args[*]:+ ${args[*]}}"

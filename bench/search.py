@@ -97,7 +97,9 @@ def measure(binary, index):
     if os.path.exists(index):
         shutil.rmtree(index)
     start = time.monotonic()
-    qkv(binary, "search", "index", "--out", index, "--quiet")
+    model = subprocess.run([os.path.join(ROOT, "scripts", "model-dir.sh")], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    qkv(binary, "search", "index", "--out", index, "--model", model, "--quiet")
     build_seconds = time.monotonic() - start
     with open(os.path.join(index, "manifest.json")) as f:
         manifest = json.load(f)

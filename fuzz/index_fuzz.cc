@@ -32,8 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           qkv::search::parse_index_manifest(text, "fuzz/manifest.json");
       if (!(m.score_scale > 0 && m.score_scale <= qkv::search::kMaxScoreScale) ||
           !(m.hybrid_weight >= 0 && m.hybrid_weight <= qkv::search::kMaxHybridWeight) ||
-          m.hashing.buckets < 1 || m.hashing.buckets > qkv::search::kMaxBuckets ||
-          m.hybrid_fusion < 0 || m.hybrid_fusion > 2 || m.sections.empty())
+          m.dim < 1 || m.dim > qkv::search::kMaxDim || m.hybrid_fusion < 0 || m.hybrid_fusion > 2 ||
+          m.sections.empty())
         std::abort();
     } else if (reader == 1) {
       qkv::search::parse_packages(text, "fuzz/packages.json");

@@ -164,11 +164,16 @@ xxh = ctypes.CDLL("libxxhash.so.0")
 xxh.XXH3_64bits.restype = ctypes.c_uint64
 xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 out = sys.argv[1]
-manifest = {"format": "qkv search index", "version": 1, "packages": 3, "dim": 4,
-            "buckets": 4096, "hash_seed": 0, "score_scale": 16.0, "tied": False,
+manifest = {"format": "qkv search index", "version": 2, "packages": 3, "dim": 4,
+            "document_tokens": 128, "score_scale": 20.0,
             "hybrid_fusion": "linear", "hybrid_weight": 5.0, "sections": ["admin", "math"],
-            "files": {"packages.json": "a06fb0e9c2347f54", "query_map.npy": "c9943ff12eb70f30",
-                      "doc_map.npy": "30c353f3389fca62", "bm25.sqlite": "efd56195dbf783d7"}}
+            "files": {"packages.json": "a06fb0e9c2347f54", "query_head.npy": "c9943ff12eb70f30",
+                      "bm25.sqlite": "efd56195dbf783d7",
+                      "model/config.json": "30c353f3389fca62",
+                      "model/1_Pooling/config.json": "0123456789abcdef",
+                      "model/sentence_bert_config.json": "1123456789abcdef",
+                      "model/vocab.txt": "2123456789abcdef",
+                      "model/model.safetensors": "3123456789abcdef"}}
 body = json.dumps(manifest, separators=(",", ":")).encode()
 manifest["xxh3"] = f"{xxh.XXH3_64bits(body, len(body)):016x}"
 with open(f"{out}/manifest.bin", "wb") as f:
@@ -199,8 +204,9 @@ cat >"$work/fuzz.dict" <<'DICT'
 "\"format\""
 "\"qkv search index\""
 "\"version\""
-"\"buckets\""
-"\"hash_seed\""
+"\"dim\""
+"\"query_head.npy\""
+"\"model/vocab.txt\""
 "\"score_scale\""
 "\"hybrid_fusion\""
 "\"hybrid_weight\""

@@ -19,12 +19,18 @@
 #include <unordered_map>
 #include <utility>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "qkv/error.h"
 
 namespace qkv::search {
 namespace {
 
 namespace fs = std::filesystem;
+
+// A fixed seed for the split, apart from the training seed.
+constexpr uint64_t kSplitSeed = 0x5ea2c4;
 constexpr std::string_view kFn = "read_apt_lists";
 
 // apt's configuration (Dir::State::lists, the compressors FileFd knows), read
@@ -293,6 +299,11 @@ std::vector<std::string> words(std::string_view text) {
   }
   if (!word.empty()) out.push_back(std::move(word));
   return out;
+}
+
+Split split_of(const std::string& name) {
+  const uint64_t h = XXH3_64bits_withSeed(name.data(), name.size(), kSplitSeed) % 20;
+  return h < 2 ? Split::kTest : h == 2 ? Split::kValidation : Split::kTrain;
 }
 
 }  // namespace qkv::search

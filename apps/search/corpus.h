@@ -37,6 +37,15 @@ std::vector<Package> read_apt_lists(const std::string& lists_dir);
 // apt's configured lists directory (Dir::State::lists), "/var/lib/apt/lists/" by default.
 std::string default_lists_dir();
 
+// Which queries a package's short description serves: the test split (one
+// in ten: `qkv search eval`'s held-out queries), the validation split (one in
+// twenty: never trained on, they stop the head's training and choose the
+// hybrid's mix), or training; by a hash of the name alone, so the split is
+// the same for any seed and any corpus that has the package.
+enum class Split { kTrain, kValidation, kTest };
+Split split_of(const std::string& name);
+inline bool held_out(const std::string& name) { return split_of(name) == Split::kTest; }
+
 // A document's text fields, as both engines index them: the name with its
 // '-'/'.'/'+' parts spelled out as words ("gnuplot-nox" -> "gnuplot-nox
 // gnuplot nox"), the long description, the section's last part ("utils" for

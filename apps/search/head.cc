@@ -1,13 +1,14 @@
 #include "search/head.h"
 
 #include <algorithm>
+#include <cassert>
+#include <cmath>
 #include <numeric>
 #include <random>
 
 #include "qkv/attention.h"
 #include "qkv/linear.h"
 #include "qkv/threads.h"
-#include "search/encoder.h"
 
 namespace qkv::search {
 namespace {
@@ -132,6 +133,66 @@ Head train_head(const Tensor<float>& documents, const Tensor<float>& queries,
   }
   best.validation_scores = scores;
   return best;
+}
+
+std::vector<std::vector<int64_t>> rank_by_attention(const Tensor<float>& queries,
+                                                    const Tensor<float>& documents, double scale,
+                                                    int64_t k) {
+  const int64_t nq = queries.size(0), n = documents.size(0), d = queries.size(1);
+  std::vector<std::vector<int64_t>> ranked(static_cast<size_t>(nq));
+  // 256 queries at a time: their weights over every document, 256 N floats.
+  constexpr int64_t kBlock = 256;
+  const Tensor<float> values(Shape{1, n, 1}, 0.0f);
+  AttentionOptions options;
+  options.scale = scale;
+  options.return_weights = true;
+  const ConstView<float> k3(documents.data(), Shape{1, n, d});
+  for (int64_t first = 0; first < nq; first += kBlock) {
+    const int64_t rows = std::min(kBlock, nq - first);
+    const AttentionResult<float> r = scaled_dot_product_attention(
+        ConstView<float>(queries.data() + first * d, Shape{1, rows, d}), k3, values, {}, options);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* w = r.weights.data() + i * n;
+      std::vector<int64_t> ids(static_cast<size_t>(n));
+      std::iota(ids.begin(), ids.end(), int64_t{0});
+      const int64_t top = std::min(k, n);
+      std::partial_sort(ids.begin(), ids.begin() + top, ids.end(), [&](int64_t a, int64_t b) {
+        return w[a] > w[b] || (w[a] == w[b] && a < b);
+      });
+      ids.resize(static_cast<size_t>(top));
+      ranked[first + i] = std::move(ids);
+    }
+  }
+  return ranked;
+}
+
+Adam::Adam(int64_t size, double learning_rate, double beta1, double beta2, double epsilon)
+    : m_(Shape{size}, 0.0f),
+      v_(Shape{size}, 0.0f),
+      lr_(learning_rate),
+      beta1_(beta1),
+      beta2_(beta2),
+      epsilon_(epsilon) {}
+
+void Adam::step(TensorView<float> params, ConstView<float> grads) {
+  const int64_t n = m_.numel();
+  assert(params.numel() == n && grads.numel() == n);
+  ++t_;
+  const float b1 = static_cast<float>(beta1_), b2 = static_cast<float>(beta2_);
+  const float step = static_cast<float>(lr_ / (1.0 - std::pow(beta1_, static_cast<double>(t_))));
+  const float correct2 =
+      static_cast<float>(1.0 / (1.0 - std::pow(beta2_, static_cast<double>(t_))));
+  const float eps = static_cast<float>(epsilon_);
+  float* p = params.data();
+  const float* g = grads.data();
+  float* m = m_.data();
+  float* v = v_.data();
+#pragma omp parallel for simd schedule(static) num_threads(num_threads())
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+    v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+    p[i] -= step * m[i] / (std::sqrt(v[i] * correct2) + eps);
+  }
 }
 
 }  // namespace qkv::search

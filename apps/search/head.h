@@ -1,9 +1,8 @@
 // The learned engine's head: two linear maps on the pretrained sentence
 // encoder's embeddings (transformer.h), one for queries, one for documents,
-// trained through attention over every document, as train.h trains the
-// hashed encoders: a query q = W_q e(query) attends over all N documents
-// d_j = W_d e(document j) with scores s q·d_j, and the loss is the
-// cross-entropy of that softmax at the query's own package,
+// trained through attention over every document: a query q = W_q e(query) attends over all N
+// documents d_j = W_d e(document j) with scores s q·d_j, and the loss is the cross-entropy of that
+// softmax at the query's own package,
 //   L = lse(s q·D) - s q·d_target,
 // the lse from the fused forward, its gradient from the fused backward with
 // d_lse = 1: every document a negative, nothing sampled. The encoder itself
@@ -62,5 +61,26 @@ double head_loss(const Head& head, const Tensor<float>& documents, const Tensor<
 
 // Rows (n, d) through a map: x Wᵀ.
 Tensor<float> apply_map(const Tensor<float>& x, const Tensor<float>& weight);
+
+// Each query's top k documents by its attention weights over every
+// document (the fused kernel, 256 queries at a time), best first (ties:
+// the smaller document).
+std::vector<std::vector<int64_t>> rank_by_attention(const Tensor<float>& queries,
+                                                    const Tensor<float>& documents, double scale,
+                                                    int64_t k);
+
+// Adam (Kingma and Ba, 2015) over one tensor, in place, with the bias
+// correction; elementwise, so thread count does not change the bits.
+class Adam {
+ public:
+  Adam(int64_t size, double learning_rate, double beta1 = 0.9, double beta2 = 0.999,
+       double epsilon = 1e-8);
+  void step(TensorView<float> params, ConstView<float> grads);
+
+ private:
+  Tensor<float> m_, v_;
+  double lr_, beta1_, beta2_, epsilon_;
+  int64_t t_ = 0;
+};
 
 }  // namespace qkv::search

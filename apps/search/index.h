@@ -1,17 +1,24 @@
 // A search index on disk (`qkv search index`): a directory made whole or not
 // at all (StagedDirectory), holding
-//   manifest.json    format, the training's parameters and figures, the
-//                    sections, the hybrid's fusion and weight, each file's XXH3-64
+//   manifest.json    format, the build's parameters and figures, the
+//                    sections, the hybrid's fusion and weight, each file's
+//                    XXH3-64 (checked by verify(), not by open())
 //   packages.json    per document: name, short description, section, held out
-//   query_map.npy    the query encoder's map (buckets, d), float32
-//   doc_map.npy      the document encoder's map (buckets, d), float32
-//   documents/       a key-value store (qkv/store.h), bfloat16: keys the document
-//                    encodings (N, d), values each document's section one-hot
-//                    (N, S), so a query's attention-pooled value is how its
-//                    weight spreads over the sections
+//   model/           the sentence encoder (transformer.h), copied from the
+//                    model directory the index was built with: config.json,
+//                    1_Pooling/config.json, sentence_bert_config.json,
+//                    vocab.txt, model.safetensors
+//   query_head.npy   the head's query map W_q (d, d), float32 (head.h)
+//   documents/       a key-value store (qkv/store.h), bfloat16: keys the
+//                    documents' encodings W_d e(document) (N, d), values each
+//                    document's section one-hot (N, S), so a query's
+//                    attention-pooled value is how its weight spreads over
+//                    the sections
 //   bm25.sqlite      the BM25 baseline (bm25.h)
-// Opening checks the manifest, every checksum and the store; a missing or
-// altered file is an Error naming it.
+// Opening reads the manifest (its own checksum checked), packages.json and
+// the store's manifest, and maps the model; the rest is read as queries
+// need it, so a query from a fresh process does not read 150 MB first.
+// verify() checks every file's checksum and the store's chunks.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +32,34 @@
 #include "qkv/tensor.h"
 #include "search/bm25.h"
 #include "search/corpus.h"
+#include "search/head.h"
 #include "search/index_files.h"
 #include "search/metrics.h"
-#include "search/train.h"
+#include "search/transformer.h"
 
 namespace qkv::search {
 
-// Progress of index building: what is being done ("training"), done, total.
+// Progress of index building: what is being done ("encoding documents"),
+// done, total (0: a stage without a count).
 using BuildProgress = std::function<void(std::string_view, int64_t, int64_t)>;
+
+struct IndexOptions {
+  std::string model;  // the sentence encoder's directory (scripts/model-dir.sh)
+  // Where a document's text is cut, in tokens: 64 gave test MRR@10 0.667
+  // (with the head) in 561 s of encoding, 128 gave 0.687 in 805 s
+  // (docs/search.md).
+  int64_t document_tokens = 128;
+  HeadOptions head;
+};
+
+// Where a query's text is cut: the short descriptions the head is trained
+// on have at most 40 tokens but for a few dozen of 63,681.
+inline constexpr int64_t kQueryTokens = 64;
+
+enum class Engine { kHybrid, kLearned, kBm25 };
+// "hybrid", "learned", "bm25"; parse_engine: Error naming `function` and the text otherwise.
+const char* engine_name(Engine engine);
+Engine parse_engine(std::string_view text, std::string_view function);
 
 struct Ranking {
   std::vector<Hit> hits;  // best first; score: the learned engine's softmax weight over every
@@ -53,25 +80,39 @@ struct Evaluation {
 
 class SearchIndex {
  public:
-  // Trains the encoders on the training split's queries (held_out() false)
-  // and writes the index at `dir`, which must not exist.
+  // Encodes every package's document and the training and validation
+  // queries with the sentence encoder at options.model, trains the head on
+  // the training split's queries (held_out() false), stopping early on the
+  // validation split's, and writes the index at `dir`, which must not exist.
   static void build(const std::string& dir, const std::vector<Package>& packages,
-                    const TrainOptions& options, const BuildProgress& progress = {});
+                    const IndexOptions& options, const BuildProgress& progress = {});
   static SearchIndex open(const std::string& dir);
+
+  // Every file against the manifest's checksum and the documents' store
+  // (KeyValueStore::verify); Error naming the first file that differs.
+  void verify() const;
 
   // The top `k` documents for free text `query`: by attention over every
   // document (learned), by BM25, or by the hybrid (BM25's top 100 and the
   // learned top 100, their scores or ranks mixed as the validation queries
-  // chose: index.cc's Fusion).
+  // chose: index.cc's Fusion). In every engine a package whose name is the
+  // whole query (ignoring case and the spaces around it) comes first.
   Ranking learned(std::string_view query, int64_t k) const;
   Ranking bm25(std::string_view query, int64_t k) const;
   Ranking hybrid(std::string_view query, int64_t k) const;
 
+  // The same for many queries: rankings[i] is queries[i]'s (no hits for a
+  // query without words, sections only from the learned engine). The
+  // queries are encoded in batches and attend over the documents together,
+  // so the documents are read once per 256 queries, not once per query.
+  std::vector<Ranking> search(const std::vector<std::string>& queries, Engine engine,
+                              int64_t k) const;
+
   // The three engines on the held-out queries (`progress`: queries done).
   Evaluation evaluate(const BuildProgress& progress = {}) const;
 
-  // The query encoder's encodings of `queries` (Nq, d): what the learned
-  // engine attends with (before its score scale).
+  // The head's encodings of `queries` (Nq, d), W_q e(query): what the
+  // learned engine attends with (before its score scale).
   Tensor<float> encode_queries(const std::vector<std::string>& queries) const;
 
   const std::vector<IndexedPackage>& packages() const { return packages_; }
@@ -79,14 +120,15 @@ class SearchIndex {
 
  private:
   SearchIndex() = default;
+  std::string path(const std::string& name) const;
+  // The packages named by the whole of `query`, if any.
+  int64_t named(std::string_view query) const;
 
   std::string dir_, manifest_text_;
+  IndexManifest manifest_;
   std::vector<IndexedPackage> packages_;
-  std::vector<std::string> sections_;
-  FeatureHashing hashing_;
-  double score_scale_ = 1.0, hybrid_weight_ = 1.0;
-  int hybrid_fusion_ = 0;  // index.cc's Fusion
-  Tensor<float> query_map_;
+  std::shared_ptr<const SentenceEncoder> encoder_;
+  Tensor<float> query_weight_;
   std::shared_ptr<const KeyValueStore> documents_;
   std::shared_ptr<const Bm25> bm25_;
 };

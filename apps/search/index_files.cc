@@ -74,6 +74,12 @@ double number_in(const Json& object, const char* key, double low, bool low_open,
 
 }  // namespace
 
+std::vector<std::string> index_checked_files() {
+  std::vector<std::string> files{"packages.json", "query_head.npy", "bm25.sqlite"};
+  for (const char* file : kModelFiles) files.push_back(std::string("model/") + file);
+  return files;
+}
+
 std::string index_manifest_text(const Json& manifest) {
   Json out = manifest;
   const std::string body = manifest.dump();
@@ -90,19 +96,12 @@ IndexManifest parse_index_manifest(std::string_view text, const std::string& nam
                   shown(m.value("version", Json())) + ")");
   }
   IndexManifest out;
-  const Json& buckets = member(m, "buckets", name);
-  if (!buckets.is_number_integer() || buckets.get<int64_t>() < 1 ||
-      buckets.get<int64_t>() > kMaxBuckets) {
-    fail(kFn, name + ": \"buckets\" is " + shown(buckets) + "; expected an integer in [1, " +
-                  std::to_string(kMaxBuckets) + "] (build the index again)");
+  const Json& dim = member(m, "dim", name);
+  if (!dim.is_number_integer() || dim.get<int64_t>() < 1 || dim.get<int64_t>() > kMaxDim) {
+    fail(kFn, name + ": \"dim\" is " + shown(dim) + "; expected an integer in [1, " +
+                  std::to_string(kMaxDim) + "] (build the index again)");
   }
-  out.hashing.buckets = buckets.get<int64_t>();
-  const Json& seed = member(m, "hash_seed", name);
-  if (!seed.is_number_unsigned()) {  // -1 would wrap to 2^64 - 1
-    fail(kFn, name + ": \"hash_seed\" is " + shown(seed) +
-                  "; expected an integer in [0, 2^64) (build the index again)");
-  }
-  out.hashing.seed = seed.get<uint64_t>();
+  out.dim = dim.get<int64_t>();
   out.score_scale = number_in(m, "score_scale", 0.0, true, kMaxScoreScale, name);
   out.hybrid_weight = number_in(m, "hybrid_weight", 0.0, false, kMaxHybridWeight, name);
   const Json& fusion = member(m, "hybrid_fusion", name);
@@ -126,8 +125,8 @@ IndexManifest parse_index_manifest(std::string_view text, const std::string& nam
   const Json& files = member(m, "files", name);
   if (!files.is_object())
     fail(kFn, name + ": \"files\" is " + shown(files) + "; expected an object");
-  for (const char* file : kIndexChecked) {
-    const Json& sum = member(files, file, name + ": \"files\"");
+  for (const std::string& file : index_checked_files()) {
+    const Json& sum = member(files, file.c_str(), name + ": \"files\"");
     const std::string hex = sum.is_string() ? sum.get<std::string>() : std::string();
     if (hex.size() != 16 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
       fail(kFn, name + ": \"files\" \"" + file + "\" is " + shown(sum) +

@@ -11,30 +11,34 @@
 #include <string_view>
 #include <vector>
 
-#include "search/features.h"
-
 namespace qkv::search {
 
 inline constexpr const char* kIndexFormat = "qkv search index";
-inline constexpr int kIndexVersion = 1;
+inline constexpr int kIndexVersion = 2;
 // The hybrid's fusions (index.cc's Fusion), as the manifest names them.
 inline constexpr const char* kFusionNames[] = {"linear", "normalized", "ranks"};
-// The files the manifest keeps checksums of (the store keeps its own).
-inline constexpr const char* kIndexChecked[] = {"packages.json", "query_map.npy", "doc_map.npy",
-                                                "bm25.sqlite"};
+// The sentence encoder's files, as an index holds them under model/.
+inline constexpr const char* kModelFiles[] = {"config.json", "1_Pooling/config.json",
+                                              "sentence_bert_config.json", "vocab.txt",
+                                              "model.safetensors"};
+// The files the manifest keeps checksums of (the store keeps its own):
+// packages.json, query_head.npy, bm25.sqlite and model/ each of kModelFiles.
+std::vector<std::string> index_checked_files();
 // Bounds of the manifest's numbers: far past what training gives (score
-// scale 16, hybrid weights up to 50), short of what overflows a score.
+// scale 20, hybrid weights up to 50, 384 dimensions), short of what
+// overflows a score.
 inline constexpr double kMaxScoreScale = 1e6, kMaxHybridWeight = 1e6;
-inline constexpr int64_t kMaxBuckets = int64_t{1} << 26;  // as qkv search index --buckets
+inline constexpr int64_t kMaxDim = 1 << 16;
 
 // What open() uses of the manifest.
 struct IndexManifest {
-  FeatureHashing hashing;                    // buckets in [1, kMaxBuckets], any seed
-  double score_scale = 1.0;                  // in (0, kMaxScoreScale]
-  int hybrid_fusion = 0;                     // an index into kFusionNames
-  double hybrid_weight = 1.0;                // in [0, kMaxHybridWeight]
-  std::vector<std::string> sections;         // at least one, none empty
-  std::map<std::string, std::string> files;  // each of kIndexChecked: its XXH3-64, 16 hex digits
+  int64_t dim = 0;                    // the encoder's hidden size, in [1, kMaxDim]
+  double score_scale = 1.0;           // in (0, kMaxScoreScale]
+  int hybrid_fusion = 0;              // an index into kFusionNames
+  double hybrid_weight = 1.0;         // in [0, kMaxHybridWeight]
+  std::vector<std::string> sections;  // at least one, none empty
+  std::map<std::string, std::string>
+      files;  // each of index_checked_files(): its XXH3-64, 16 hex digits
 };
 
 // The manifest's text: `manifest` (an object without "xxh3") with one more

@@ -14,6 +14,8 @@
 #include "arrays.h"
 #include "bindings.h"
 #include "qkv/error.h"
+#include "search/corpus.h"
+#include "search/index.h"
 #include "search/transformer.h"
 #include "search/wordpiece.h"
 
@@ -21,6 +23,7 @@ namespace qkv::python {
 namespace {
 
 namespace py = pybind11;
+using search::SearchIndex;
 using search::SentenceEncoder;
 using search::WordPieceTokenizer;
 
@@ -247,6 +250,135 @@ std::vector<std::string> texts_of(py::iterable texts, std::string_view fn) {
   return out;
 }
 
+constexpr const char* kIndexDoc =
+    R"doc(A search index of Debian's packages, as `qkv search index` makes it.
+
+SearchIndex(path) opens one: its manifest, packages.json and the documents'
+store's manifest are read and the sentence encoder mapped, not the 150 MB
+of weights and documents (verify() checks every file's checksum). The
+index ranks packages for free text with three engines: "hybrid" (the
+default, the best measured), "learned" (the head on all-MiniLM-L6-v2's
+embeddings, attention over every package) and "bm25" (SQLite FTS5's
+BM25); a query that is a package's name puts it first in every one.
+
+Arguments:
+    path: the index's directory (str or os.PathLike).
+
+Raises:
+    qkv.Error: no index there, or one with a missing or malformed file (the
+        message names it).
+
+The examples build a small index of the test suite's 274 packages
+(QKV_SOURCE_DIR/tests/search/lists) with the model at QKV_SEARCH_MODEL.
+
+>>> import os, tempfile
+>>> lists = os.path.join(os.environ["QKV_SOURCE_DIR"], "tests", "search", "lists")
+>>> path = os.path.join(tempfile.mkdtemp(), "packages.idx")
+>>> index = qkv.search.SearchIndex.build(path, os.environ["QKV_SEARCH_MODEL"], lists=lists,
+...                                      document_tokens=32, epochs=1)
+>>> len(index), len(qkv.search.SearchIndex(path))
+(274, 274)
+)doc";
+
+constexpr const char* kIndexBuildDoc =
+    R"doc(Builds an index at `path` (which must not exist) and opens it.
+
+Every package of the apt lists is encoded by the sentence encoder at
+`model` (its name and long description, cut at document_tokens), a head
+is trained on the training split's queries through attention over every
+package (epochs passes, batch queries a step, the queries' order from
+seed; the epoch with the best validation MRR@10 is kept), and the hybrid's
+mix is fitted on the validation queries; as `qkv search index`.
+
+Arguments:
+    path: the new index's directory.
+    model: all-MiniLM-L6-v2's directory (scripts/model-dir.sh prints it).
+    lists: apt's lists directory; None is apt's own (/var/lib/apt/lists).
+    document_tokens: where a document is cut, 3 to 512 (default 128).
+    epochs: passes over the training queries, 0 (the pretrained encoder's
+        own ranking) or more (default 4).
+    batch: training queries per step (default 1024).
+    seed: the order of the training queries (default 0).
+
+Raises:
+    qkv.Error: path exists, the lists have no packages, or the model
+        directory is not a model qkv runs (the message names the file).
+
+>>> index.query("gnuplot", top_k=1)[0]["package"]
+'gnuplot'
+)doc";
+
+constexpr const char* kIndexQueryDoc =
+    R"doc(The top packages for a free-text query.
+
+Arguments:
+    text: the query (str or bytes in UTF-8).
+    top_k: how many packages, 1 to 1000 (default 10).
+    engine: "hybrid" (default), "learned" or "bm25".
+
+Returns:
+    list of dict: best first, each {"package", "score", "section",
+    "description"}; the score is the learned engine's softmax weight over
+    every package, BM25's score, or the hybrid's mixed score. A query
+    without words (letters or digits) gives [].
+
+Raises:
+    qkv.Error: top_k or engine out of range (named).
+
+>>> [r["package"] for r in index.query("version control system", top_k=2)]
+['git', 'git-doc']
+>>> "gnuplot" in [r["package"] for r in index.query("draw graphs of data")]
+True
+)doc";
+
+constexpr const char* kIndexQueryBatchDoc =
+    R"doc(The top packages for each of many queries, as query() gives them.
+
+The queries are encoded 256 at a time and attend over the documents
+together, so a batch costs far less than its queries one by one.
+
+Arguments:
+    texts: a sequence of str or bytes.
+    top_k: as query().
+    engine: as query().
+
+Returns:
+    list of lists of dict: one list per text, as query() returns.
+
+>>> answers = index.query_batch(["compress files", "gnuplot", "?!"], top_k=3)
+>>> [[r["package"] for r in a][:1] for a in answers]
+[['gzip'], ['gnuplot'], []]
+)doc";
+
+constexpr const char* kIndexVerifyDoc =
+    R"doc(Checks every file of the index against its manifest's checksum.
+
+Raises:
+    qkv.Error: naming the first file that differs (build the index again).
+
+>>> index.verify()
+)doc";
+
+py::list ranking_list(const SearchIndex& index, const search::Ranking& ranking) {
+  py::list out;
+  for (const search::Hit& hit : ranking.hits) {
+    const search::IndexedPackage& p = index.packages()[static_cast<size_t>(hit.doc)];
+    py::dict d;
+    d["package"] = p.name;
+    d["score"] = hit.score;
+    d["section"] = p.section;
+    d["description"] = p.short_description;
+    out.append(d);
+  }
+  return out;
+}
+
+void check_top_k(int64_t top_k, std::string_view fn) {
+  if (top_k < 1 || top_k > 1000) {
+    throw Error(std::string(fn) + ": top_k is " + std::to_string(top_k) + "; expected 1 to 1000");
+  }
+}
+
 }  // namespace
 
 void register_search(py::module_& m) {
@@ -348,6 +480,85 @@ void register_search(py::module_& m) {
                              "Where encode cuts texts by default, 256 (in token ids).")
       .def("__repr__", [](const SentenceEncoder& self) { return "Encoder('" + self.dir() + "')"; });
   search.attr("Encoder").attr("__module__") = "qkv.search";
+
+  py::class_<SearchIndex>(search, "SearchIndex", kIndexDoc)
+      .def(py::init([](py::handle path) {
+             const std::string dir = path_of(path, "SearchIndex", "path");
+             return released("SearchIndex", "SearchIndex::open",
+                             [&] { return SearchIndex::open(dir); });
+           }),
+           py::arg("path"))
+      .def_static(
+          "build",
+          [](py::handle path, py::handle model, py::handle lists, int64_t document_tokens,
+             int epochs, int64_t batch, uint64_t seed) {
+            constexpr std::string_view fn = "SearchIndex.build";
+            const std::string dir = path_of(path, fn, "path");
+            search::IndexOptions options;
+            options.model = path_of(model, fn, "model");
+            const std::string lists_dir =
+                lists.is_none() ? search::default_lists_dir() : path_of(lists, fn, "lists");
+            if (document_tokens < 3 || document_tokens > 512)
+              throw Error(std::string(fn) + ": document_tokens is " +
+                          std::to_string(document_tokens) + "; expected 3 to 512");
+            if (epochs < 0)
+              throw Error(std::string(fn) + ": epochs is " + std::to_string(epochs) +
+                          "; expected 0 or more");
+            if (batch < 1)
+              throw Error(std::string(fn) + ": batch is " + std::to_string(batch) +
+                          "; expected 1 or more");
+            options.document_tokens = document_tokens;
+            options.head.epochs = epochs;
+            options.head.batch = batch;
+            options.head.seed = seed;
+            return released(fn, "SearchIndex::build", [&] {
+              SearchIndex::build(dir, search::read_apt_lists(lists_dir), options);
+              return SearchIndex::open(dir);
+            });
+          },
+          py::arg("path"), py::arg("model"), py::kw_only(), py::arg("lists") = py::none(),
+          py::arg("document_tokens") = search::IndexOptions{}.document_tokens,
+          py::arg("epochs") = search::HeadOptions{}.epochs,
+          py::arg("batch") = search::HeadOptions{}.batch, py::arg("seed") = 0, kIndexBuildDoc)
+      .def(
+          "query",
+          [](const SearchIndex& self, py::handle text, int64_t top_k, const std::string& engine) {
+            constexpr std::string_view fn = "SearchIndex.query";
+            const std::string query = text_of(text, fn, "text");
+            check_top_k(top_k, fn);
+            const search::Engine e = search::parse_engine(engine, fn);
+            const std::vector<search::Ranking> r =
+                released(fn, "SearchIndex::search", [&] { return self.search({query}, e, top_k); });
+            return ranking_list(self, r[0]);
+          },
+          py::arg("text"), py::arg("top_k") = 10, py::arg("engine") = "hybrid", kIndexQueryDoc)
+      .def(
+          "query_batch",
+          [](const SearchIndex& self, py::iterable texts, int64_t top_k,
+             const std::string& engine) {
+            constexpr std::string_view fn = "SearchIndex.query_batch";
+            const std::vector<std::string> queries = texts_of(texts, fn);
+            check_top_k(top_k, fn);
+            const search::Engine e = search::parse_engine(engine, fn);
+            const std::vector<search::Ranking> r =
+                released(fn, "SearchIndex::search", [&] { return self.search(queries, e, top_k); });
+            py::list out;
+            for (const search::Ranking& ranking : r) out.append(ranking_list(self, ranking));
+            return out;
+          },
+          py::arg("texts"), py::arg("top_k") = 10, py::arg("engine") = "hybrid",
+          kIndexQueryBatchDoc)
+      .def(
+          "verify",
+          [](const SearchIndex& self) {
+            released("SearchIndex.verify", "SearchIndex::verify", [&] { self.verify(); });
+          },
+          kIndexVerifyDoc)
+      .def("__len__", [](const SearchIndex& self) { return self.packages().size(); })
+      .def("__repr__", [](const SearchIndex& self) {
+        return "SearchIndex(" + std::to_string(self.packages().size()) + " packages)";
+      });
+  search.attr("SearchIndex").attr("__module__") = "qkv.search";
 }
 
 }  // namespace qkv::python

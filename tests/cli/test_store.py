@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_cli  # noqa: E402  (the harness; its QKV is set in main())
+import test_search  # noqa: E402  (the search index's build arguments)
 
 
 def bf16(x):
@@ -337,12 +338,10 @@ class InterruptTest(StoreCase):
         self.signal_at_random_moments(append, took, lambda: None, check_append)
 
     def test_signals_during_search_index_leave_nothing(self):
-        lists = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "search", "lists")
         parent = self.path("indexes")
         os.mkdir(parent)
         index = os.path.join(parent, "i")
-        build = ["search", "index", "--out", index, "--lists", lists, "--dim", "32",
-                 "--buckets", "4096", "--batch", "64", "--epochs", "6", "--quiet"]
+        build = test_search.index_args(index)
         start = time.monotonic()
         self.ok(*build)
         took = time.monotonic() - start

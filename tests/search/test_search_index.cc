@@ -1,287 +1,90 @@
-// qkv search's learned engine: hashed features, the encoders (held to dense
-// float64 loops), the training loss (held to a float64 softmax over every
-// document, its gradients to finite differences), training's determinism
-// for a seed at any thread count, the metrics, and the index on the fixture
-// lists (build, open, query, eval, a corrupt file).
+// qkv search's index (index.h) on the fixture lists with a small random
+// BERT written here (tiny_bert.h; its vocabulary letters and digits, so
+// every word is spelled out): build, open, the three engines, the learned
+// engine's weights against a float64 softmax over the stored documents, a
+// package named by the query first, eval, verify finding a changed byte in
+// every file open() does not read, and build's errors; the split and the
+// metrics. The real encoder's index is tested through the command
+// (tests/cli/test_search.py).
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "qkv/error.h"
-#include "qkv/threads.h"
+#include "qkv/store.h"
 #include "search/corpus.h"
-#include "search_testing.h"
-#include "search/encoder.h"
-#include "search/features.h"
 #include "search/index.h"
 #include "search/metrics.h"
-#include "search/train.h"
+#include "search/search_testing.h"
+#include "search/tiny_bert.h"
+#include "test_util.h"
 
 namespace qkv::search {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error;
 using testing::kFixture;
-
 using testing::TempDir;
+using testing::TinyBert;
 
-uint64_t test_seed() {
-  const char* s = std::getenv("QKV_TEST_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : std::random_device{}();
-}
-
-// Dense (rows, buckets) in double of sparse rows.
-std::vector<double> dense(const SparseRows& x, int64_t buckets) {
-  std::vector<double> out(static_cast<size_t>(x.rows() * buckets), 0.0);
-  for (int64_t r = 0; r < x.rows(); ++r) {
-    for (int64_t e = x.offsets[r]; e < x.offsets[r + 1]; ++e) {
-      out[r * buckets + x.features[e]] += x.weights[e];
-    }
+// A BERT whose vocabulary is the letters and digits, alone and as
+// continuations ("##a"), so the tokenizer spells every word of the fixture.
+TinyBert spelling_bert(uint64_t seed) {
+  std::vector<std::string> words;
+  for (const std::string prefix : {"", "##"}) {
+    for (char c = 'a'; c <= 'z'; ++c) words.push_back(prefix + c);
+    for (char c = '0'; c <= '9'; ++c) words.push_back(prefix + c);
   }
-  return out;
+  TinyBert bert(seed, words, 64);
+  return bert;
 }
 
-Tensor<float> random_map(std::mt19937_64& rng, int64_t buckets, int64_t d, float sd) {
-  std::normal_distribution<float> normal(0.0f, sd);
-  Tensor<float> m(Shape{buckets, d});
-  for (float& x : m.values()) x = normal(rng);
-  return m;
+IndexOptions small_options(const std::string& model) {
+  IndexOptions o;
+  o.model = model;
+  o.document_tokens = 48;
+  o.head.epochs = 3;
+  o.head.batch = 64;
+  return o;
 }
 
-TEST(SearchFeatures, HashedWordsAndPairs) {
-  const FeatureHashing h{1 << 20, 7};
-  const SparseRows a = query_features({"plotting tool", "tool plotting", "", "plot plot plot"}, h);
-  ASSERT_EQ(a.rows(), 4);
-  // Two words and one pair each; the same words in another order share the
-  // words' buckets but not the pair's.
-  EXPECT_EQ(a.offsets[1] - a.offsets[0], 3);
-  EXPECT_EQ(a.offsets[2] - a.offsets[1], 3);
-  int shared = 0;
-  for (int64_t e = 0; e < 3; ++e) {
-    for (int64_t f = 3; f < 6; ++f) shared += a.features[e] == a.features[f];
-  }
-  EXPECT_EQ(shared, 2);
-  for (int64_t e = 0; e < 6; ++e) EXPECT_FLOAT_EQ(a.weights[e], 1.0f / std::sqrt(3.0f));
-  EXPECT_EQ(a.offsets[3] - a.offsets[2], 0);  // no words, no features
-  // "plot plot plot": word x3 and pair x2 merge into two entries weighing
-  // 3/sqrt(5) and 2/sqrt(5).
-  ASSERT_EQ(a.offsets[4] - a.offsets[3], 2);
-  std::vector<float> w(a.weights.begin() + a.offsets[3], a.weights.end());
-  std::sort(w.begin(), w.end());
-  EXPECT_FLOAT_EQ(w[0], 2.0f / std::sqrt(5.0f));
-  EXPECT_FLOAT_EQ(w[1], 3.0f / std::sqrt(5.0f));
-  // Another hashing seed moves the buckets.
-  const SparseRows b = query_features({"plotting tool"}, FeatureHashing{1 << 20, 8});
-  EXPECT_NE(std::vector<int32_t>(b.features.begin(), b.features.end()),
-            std::vector<int32_t>(a.features.begin(), a.features.begin() + 3));
+void flip_middle_byte(const std::string& file) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  const auto middle = static_cast<std::streamoff>(fs::file_size(file) / 2);
+  f.seekg(middle);
+  const char old = static_cast<char>(f.get());
+  f.seekp(middle);
+  f.put(static_cast<char>(old ^ 0x20));
 }
 
-TEST(SearchFeatures, TransposeAndSlice) {
+TEST(SearchSplit, OneInTenHeldOutByNameAlone) {
   const std::vector<Package> packages = read_apt_lists(kFixture);
-  const int64_t buckets = 97;
-  const SparseRows x = document_features(packages, FeatureHashing{buckets, 1});
-  EXPECT_EQ(x.rows(), static_cast<int64_t>(packages.size()));
-  const SparseRows t = transpose(x, buckets);
-  const std::vector<double> dx = dense(x, buckets), dt = dense(t, x.rows());
-  for (int64_t r = 0; r < x.rows(); ++r) {
-    for (int64_t c = 0; c < buckets; ++c) ASSERT_EQ(dx[r * buckets + c], dt[c * x.rows() + r]);
+  int64_t test = 0, validation = 0;
+  for (const Package& p : packages) {
+    test += split_of(p.name) == Split::kTest;
+    validation += split_of(p.name) == Split::kValidation;
+    EXPECT_EQ(held_out(p.name), split_of(p.name) == Split::kTest);
+    EXPECT_EQ(split_of(p.name), split_of(std::string(p.name)));
   }
-  const SparseRows s = slice(x, {5, 0, 5});
-  const std::vector<double> ds = dense(s, buckets);
-  for (int64_t c = 0; c < buckets; ++c) {
-    EXPECT_EQ(ds[c], dx[5 * buckets + c]);
-    EXPECT_EQ(ds[buckets + c], dx[c]);
-    EXPECT_EQ(ds[2 * buckets + c], dx[5 * buckets + c]);
-  }
-}
-
-// encode and encode_backward against dense float64 products.
-TEST(SearchEncoder, MatchesDenseProducts) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE("QKV_TEST_SEED=" + std::to_string(seed));
-  std::mt19937_64 rng(seed);
-  const std::vector<Package> packages = read_apt_lists(kFixture);
-  const int64_t buckets = 211, d = 9;
-  const SparseRows x = document_features(packages, FeatureHashing{buckets, seed});
-  const Tensor<float> map = random_map(rng, buckets, d, 1.0f);
-  const Tensor<float> enc = encodings(x, map);
-  const std::vector<double> dx = dense(x, buckets);
-  double worst = 0.0;
-  for (int64_t r = 0; r < x.rows(); ++r) {
-    for (int64_t c = 0; c < d; ++c) {
-      double want = 0.0;
-      for (int64_t f = 0; f < buckets; ++f) want += dx[r * buckets + f] * map(f, c);
-      worst = std::max(worst, std::abs(enc(r, c) - want));
-    }
-  }
-  EXPECT_LT(worst, 1e-5);
-  const Tensor<float> g = random_map(rng, x.rows(), d, 1.0f);
-  Tensor<float> d_map(Shape{buckets, d});
-  encode_backward(transpose(x, buckets), g.view(), d_map.view());
-  worst = 0.0;
-  for (int64_t f = 0; f < buckets; ++f) {
-    for (int64_t c = 0; c < d; ++c) {
-      double want = 0.0;
-      for (int64_t r = 0; r < x.rows(); ++r) want += dx[r * buckets + f] * g(r, c);
-      worst = std::max(worst, std::abs(d_map(f, c) - want));
-    }
-  }
-  EXPECT_LT(worst, 1e-4);
-}
-
-struct LossCase {
-  std::vector<Package> packages;
-  SparseRows documents, documents_by_feature, queries;
-  std::vector<int64_t> targets;
-  Encoders enc;
-};
-
-LossCase loss_case(uint64_t seed, int64_t buckets, int64_t d) {
-  std::mt19937_64 rng(seed);
-  LossCase c;
-  c.packages = read_apt_lists(kFixture);
-  const FeatureHashing h{buckets, seed};
-  c.documents = document_features(c.packages, h);
-  c.documents_by_feature = transpose(c.documents, buckets);
-  std::vector<std::string> texts;
-  for (int64_t i = 3; i < static_cast<int64_t>(c.packages.size()); i += 37) {
-    texts.push_back(c.packages[i].short_description);
-    c.targets.push_back(i);
-  }
-  c.queries = query_features(texts, h);
-  c.enc = Encoders{h, 3.0, random_map(rng, buckets, d, 0.5f), random_map(rng, buckets, d, 0.5f), {}, 0};
-  return c;
-}
-
-// The loss against a float64 softmax over every document, from the same encodings.
-TEST(SearchTraining, LossIsCrossEntropyOverEveryDocument) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE("QKV_TEST_SEED=" + std::to_string(seed));
-  const LossCase c = loss_case(seed, 64, 6);
-  const Tensor<float> q = encodings(c.queries, c.enc.query_map);
-  const Tensor<float> docs = encodings(c.documents, c.enc.doc_map);
-  double want = 0.0;
-  for (int64_t i = 0; i < q.size(0); ++i) {
-    std::vector<double> s(static_cast<size_t>(docs.size(0)));
-    double m = -INFINITY;
-    for (int64_t j = 0; j < docs.size(0); ++j) {
-      double dot = 0.0;
-      for (int64_t k = 0; k < q.size(1); ++k) dot += double{q(i, k)} * double{docs(j, k)};
-      s[j] = c.enc.score_scale * dot;
-      m = std::max(m, s[j]);
-    }
-    double z = 0.0;
-    for (const double x : s) z += std::exp(x - m);
-    want += m + std::log(z) - s[c.targets[i]];
-  }
-  want /= static_cast<double>(q.size(0));
-  const double got = training_loss(c.enc, c.documents, c.documents_by_feature, c.queries,
-                                   c.targets, nullptr, nullptr);
-  EXPECT_NEAR(got, want, 1e-4 * std::abs(want));
-}
-
-// The maps' gradients against central differences of the loss (float32:
-// steps of 1e-2 on entries of size 0.5, checked on the entries the loss
-// depends on most).
-TEST(SearchTraining, GradientsMatchFiniteDifferences) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE("QKV_TEST_SEED=" + std::to_string(seed));
-  LossCase c = loss_case(seed, 32, 4);
-  Tensor<float> dq, dd;
-  training_loss(c.enc, c.documents, c.documents_by_feature, c.queries, c.targets, &dq, &dd);
-  for (const bool query_side : {true, false}) {
-    Tensor<float>& map = query_side ? c.enc.query_map : c.enc.doc_map;
-    const Tensor<float>& grad = query_side ? dq : dd;
-    // The 12 largest gradient entries.
-    std::vector<int64_t> order(static_cast<size_t>(grad.numel()));
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + 12, order.end(), [&](int64_t a, int64_t b) {
-      return std::abs(grad.data()[a]) > std::abs(grad.data()[b]);
-    });
-    for (int n = 0; n < 12; ++n) {
-      const int64_t e = order[n];
-      const float saved = map.data()[e];
-      const float h = 1e-2f;
-      map.data()[e] = saved + h;
-      const double up = training_loss(c.enc, c.documents, c.documents_by_feature, c.queries,
-                                      c.targets, nullptr, nullptr);
-      map.data()[e] = saved - h;
-      const double down = training_loss(c.enc, c.documents, c.documents_by_feature, c.queries,
-                                        c.targets, nullptr, nullptr);
-      map.data()[e] = saved;
-      const double fd = (up - down) / (2.0 * h);
-      EXPECT_NEAR(grad.data()[e], fd, 2e-3 + 2e-2 * std::abs(fd))
-          << (query_side ? "query" : "document") << " map entry " << e;
-    }
-  }
-}
-
-// The same seed gives the same maps, bit for bit, with 1 or 2 threads; another
-// seed other maps.
-TEST(SearchTraining, DeterministicForASeedAtAnyThreadCount) {
-  const std::vector<Package> packages = read_apt_lists(kFixture);
-  std::vector<int64_t> ids;
-  for (int64_t i = 0; i < static_cast<int64_t>(packages.size()); ++i) {
-    if (split_of(packages[i].name) == Split::kTrain) ids.push_back(i);
-  }
-  TrainOptions o;
-  o.dim = 16;
-  o.hashing.buckets = 1024;
-  o.batch = 64;
-  o.epochs = 2;
-  o.seed = 11;
-  auto run = [&](int threads, uint64_t seed) {
-    set_num_threads(threads);
-    TrainOptions oo = o;
-    oo.seed = seed;
-    Encoders e = train(packages, ids, oo);
-    set_num_threads(0);
-    return e;
-  };
-  const Encoders a = run(1, 11), b = run(2, 11), c = run(2, 12);
-  EXPECT_EQ(a.query_map.values(), b.query_map.values());
-  EXPECT_EQ(a.doc_map.values(), b.doc_map.values());
-  EXPECT_NE(a.doc_map.values(), c.doc_map.values());
-}
-
-// Training lowers the loss on the training queries.
-TEST(SearchTraining, LowersTheLoss) {
-  const std::vector<Package> packages = read_apt_lists(kFixture);
-  std::vector<int64_t> ids;
-  std::vector<std::string> texts;
-  for (int64_t i = 0; i < static_cast<int64_t>(packages.size()); ++i) {
-    if (split_of(packages[i].name) != Split::kTrain) continue;
-    ids.push_back(i);
-    texts.push_back(packages[i].short_description);
-  }
-  TrainOptions o;
-  o.dim = 16;
-  o.hashing.buckets = 4096;
-  o.batch = 64;
-  const SparseRows docs = document_features(packages, o.hashing);
-  const SparseRows by_feature = transpose(docs, o.hashing.buckets);
-  const SparseRows queries = query_features(texts, o.hashing);
-  o.epochs = 1;
-  const double before = training_loss(train(packages, ids, TrainOptions{o.dim, 0, o.batch, o.learning_rate, o.score_scale, o.tied, 0, o.hashing, {}}),
-                                      docs, by_feature, queries, ids, nullptr, nullptr);
-  o.epochs = 10;
-  const double after =
-      training_loss(train(packages, ids, o), docs, by_feature, queries, ids, nullptr, nullptr);
-  EXPECT_LT(after, 0.5 * before);
+  // 274 packages: about 27 test and 14 validation names.
+  EXPECT_GT(test, 10);
+  EXPECT_LT(test, 50);
+  EXPECT_GT(validation, 3);
+  EXPECT_LT(validation, 30);
 }
 
 TEST(SearchMetrics, RanksCount) {
   MetricsSum m;
-  m.add({7, 3, 9}, 7);                            // rank 1
-  m.add({1, 2, 3, 4}, 4);                         // rank 4
+  m.add({7, 3, 9}, 7);                             // rank 1
+  m.add({1, 2, 3, 4}, 4);                          // rank 4
   m.add({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, 11);  // past 10
-  m.add({}, 3);                                   // not found
+  m.add({}, 3);                                    // not found
   const Metrics r = m.metrics();
   EXPECT_EQ(r.queries, 4);
   EXPECT_DOUBLE_EQ(r.mrr_at_10, (1.0 + 0.25) / 4);
@@ -289,58 +92,192 @@ TEST(SearchMetrics, RanksCount) {
   EXPECT_DOUBLE_EQ(r.recall_at_10, 0.5);
 }
 
-// An index of the fixture: built, opened, queried by the three engines,
-// evaluated; a changed byte in any file, and a missing directory, are Errors.
-TEST(SearchIndex, BuildQueryEvaluate) {
-  TempDir tmp;
-  const std::vector<Package> packages = read_apt_lists(kFixture);
-  TrainOptions o;
-  o.dim = 32;
-  o.hashing.buckets = 1 << 12;
-  o.batch = 64;
-  o.epochs = 8;
-  SearchIndex::build(tmp.file("index"), packages, o);
-  EXPECT_THROW(SearchIndex::build(tmp.file("index"), packages, o), Error);
-  const SearchIndex index = SearchIndex::open(tmp.file("index"));
-  ASSERT_EQ(index.packages().size(), packages.size());
-  const Ranking learned = index.learned("command-line driven interactive plotting program", 5);
-  ASSERT_EQ(learned.hits.size(), 5u);
-  double total = 0.0;
-  for (const auto& [section, weight] : learned.sections) total += weight;
-  EXPECT_NEAR(total, 1.0, 1e-5);  // the pooled one-hots: a distribution over sections
-  for (size_t i = 1; i < learned.hits.size(); ++i) {
-    EXPECT_GE(learned.hits[i - 1].score, learned.hits[i].score);
+// One index of the fixture for the suite (about a second to build).
+class SearchIndexTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new TempDir;
+    tmp_ = new TempDir;
+    const TinyBert bert = spelling_bert(test::test_seed());
+    bert.write(*model_, bert.config());
+    packages_ = new std::vector<Package>(read_apt_lists(kFixture));
+    stages_ = new std::vector<std::pair<std::string, int64_t>>;
+    SearchIndex::build(index_dir(), *packages_, small_options(model_->path()),
+                       [&](std::string_view what, int64_t done, int64_t total) {
+                         if (stages_->empty() || stages_->back().first != what)
+                           stages_->push_back({std::string(what), 0});
+                         stages_->back().second = total > 0 ? done : -1;
+                       });
   }
-  const Ranking bm25 = index.bm25("gnuplot", 3);
-  ASSERT_FALSE(bm25.hits.empty());
-  EXPECT_EQ(index.packages()[bm25.hits[0].doc].name.rfind("gnuplot", 0), 0u);
-  const Ranking hybrid = index.hybrid("gnuplot", 3);
-  EXPECT_EQ(hybrid.hits.size(), 3u);
-  const Evaluation e = index.evaluate();
-  EXPECT_GT(e.bm25.queries, 10);
-  EXPECT_EQ(e.learned.queries, e.bm25.queries);
-  EXPECT_GT(e.learned.recall_at_10, 0.0);
-
-  for (const char* name : {"query_map.npy", "packages.json", "bm25.sqlite", "documents/manifest.json"}) {
-    SCOPED_TRACE(name);
-    const std::string copy = tmp.file("copy");
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tmp_;
+    delete packages_;
+    delete stages_;
+  }
+  static std::string index_dir() { return tmp_->file("index"); }
+  // A copy of the index, to damage.
+  static std::string copy_of_index(const std::string& name) {
+    const std::string copy = tmp_->file(name);
     fs::remove_all(copy);
-    fs::copy(tmp.file("index"), copy, fs::copy_options::recursive);
-    const std::string file = (fs::path(copy) / name).string();
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
-    const char old = static_cast<char>(f.get());
-    f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
-    f.put(static_cast<char>(old ^ 0x20));
-    f.close();
-    EXPECT_THROW(SearchIndex::open(copy), Error);
+    fs::copy(index_dir(), copy, fs::copy_options::recursive);
+    return copy;
   }
-  try {
-    SearchIndex::open(tmp.file("missing"));
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no such index"), std::string::npos) << e.what();
+
+  static TempDir* model_;
+  static TempDir* tmp_;
+  static std::vector<Package>* packages_;
+  // Each stage build reported, with its last count (-1: a stage without one).
+  static std::vector<std::pair<std::string, int64_t>>* stages_;
+};
+TempDir* SearchIndexTest::model_ = nullptr;
+TempDir* SearchIndexTest::tmp_ = nullptr;
+std::vector<Package>* SearchIndexTest::packages_ = nullptr;
+std::vector<std::pair<std::string, int64_t>>* SearchIndexTest::stages_ = nullptr;
+
+TEST_F(SearchIndexTest, BuildsEveryStageWithProgress) {
+  const int64_t n = static_cast<int64_t>(packages_->size());
+  ASSERT_EQ(stages_->size(), 5u);
+  EXPECT_EQ((*stages_)[0], (std::pair<std::string, int64_t>{"encoding documents", n}));
+  EXPECT_EQ((*stages_)[1].first, "encoding queries");
+  EXPECT_EQ((*stages_)[2].first, "training");
+  EXPECT_GT((*stages_)[2].second, 0);  // steps
+  EXPECT_EQ((*stages_)[3], (std::pair<std::string, int64_t>{"writing", -1}));
+  EXPECT_EQ((*stages_)[4], (std::pair<std::string, int64_t>{"fitting the hybrid", -1}));
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(index_dir()))
+    if (e.is_regular_file()) names.push_back(fs::relative(e.path(), index_dir()).string());
+  for (const std::string& name : index_checked_files())
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  // A second build at the same place is refused, and the index is kept.
+  expect_error([&] { SearchIndex::build(index_dir(), *packages_, small_options(model_->path())); },
+               {"already exists"});
+  SearchIndex::open(index_dir()).verify();
+}
+
+// The learned engine's weights are the softmax over every stored document
+// of scale q . k, q the query's encoding rounded to bfloat16 (as the store
+// takes it): held to float64 over the store's own keys.
+TEST_F(SearchIndexTest, LearnedWeightsAreTheSoftmaxOverEveryDocument) {
+  const SearchIndex index = SearchIndex::open(index_dir());
+  const std::string query = "interactive plotting program";
+  const Ranking r = index.learned(query, 5);
+  ASSERT_EQ(r.hits.size(), 5u);
+  const Tensor<float> q = index.encode_queries({query});
+  const KeyValueStore store = KeyValueStore::open((fs::path(index_dir()) / "documents").string());
+  const SourceChunk chunk = store.read_chunk(0);
+  const ConstView<bfloat16> keys = chunk.keys<bfloat16>();
+  ASSERT_EQ(keys.size(0), static_cast<int64_t>(packages_->size()));
+  const nlohmann::json manifest = nlohmann::json::parse(index.manifest_text());
+  const double scale = manifest["score_scale"];
+  std::vector<double> logits;
+  double top = -INFINITY;
+  for (int64_t j = 0; j < keys.size(0); ++j) {
+    double s = 0.0;
+    for (int64_t c = 0; c < keys.size(1); ++c)
+      s += double(float(bfloat16(q(0, c)))) * double(float(keys(j, c)));
+    logits.push_back(scale * s);
+    top = std::max(top, scale * s);
   }
+  double z = 0.0;
+  for (const double l : logits) z += std::exp(l - top);
+  for (size_t i = 0; i < r.hits.size(); ++i) {
+    const double want = std::exp(logits[static_cast<size_t>(r.hits[i].doc)] - top) / z;
+    EXPECT_NEAR(r.hits[i].score, want, 1e-5 * want + 1e-7) << "hit " << i;
+    if (i > 0) EXPECT_GE(r.hits[i - 1].score, r.hits[i].score);
+  }
+  // No document outside the top 5 has a larger weight.
+  std::vector<double> sorted = logits;
+  std::sort(sorted.rbegin(), sorted.rend());
+  EXPECT_NEAR(std::exp(sorted[4] - top) / z, r.hits[4].score, 1e-5);
+  // The pooled section one-hots: a distribution over the sections.
+  double total = 0.0;
+  for (const auto& [section, weight] : r.sections) total += weight;
+  EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+TEST_F(SearchIndexTest, AQueryThatNamesAPackageFindsItFirst) {
+  const SearchIndex index = SearchIndex::open(index_dir());
+  const auto& packages = index.packages();
+  for (const auto& [query, name] :
+       {std::pair{"gnuplot-qt", "gnuplot-qt"}, std::pair{"  GNUPLOT-QT ", "gnuplot-qt"},
+        std::pair{"coreutils", "coreutils"}}) {
+    SCOPED_TRACE(query);
+    for (const Ranking& r :
+         {index.learned(query, 3), index.bm25(query, 3), index.hybrid(query, 3)}) {
+      ASSERT_FALSE(r.hits.empty());
+      EXPECT_EQ(packages[static_cast<size_t>(r.hits[0].doc)].name, name);
+      EXPECT_LE(r.hits.size(), 3u);
+      for (size_t i = 1; i < r.hits.size(); ++i) EXPECT_NE(r.hits[i].doc, r.hits[0].doc);
+    }
+  }
+}
+
+TEST_F(SearchIndexTest, EvaluatesTheHeldOutQueries) {
+  const SearchIndex index = SearchIndex::open(index_dir());
+  int64_t held = 0;
+  for (const IndexedPackage& p : index.packages())
+    held += p.held_out && !words(p.short_description).empty();
+  const Evaluation e = index.evaluate();
+  EXPECT_EQ(e.bm25.queries, held);
+  EXPECT_EQ(e.learned.queries, held);
+  EXPECT_EQ(e.hybrid.queries, held);
+  EXPECT_EQ(e.fts5_compared, held);
+  EXPECT_EQ(e.fts5_same, held);  // BM25 is FTS5's own ranking
+  // BM25 on the fixture finds most of its held-out packages first.
+  EXPECT_GT(e.bm25.recall_at_10, 0.8);
+}
+
+// open() reads the manifest, packages.json, the store's manifest and the
+// model's configuration; verify() finds a changed byte in any file.
+TEST_F(SearchIndexTest, VerifyFindsAChangedByteAnywhere) {
+  std::vector<std::string> files = index_checked_files();
+  files.push_back("documents/keys-000000.npy");
+  files.push_back("documents/values-000000.npy");
+  for (const std::string& name : files) {
+    SCOPED_TRACE(name);
+    const std::string copy = copy_of_index("damaged");
+    flip_middle_byte((fs::path(copy) / name).string());
+    std::string message;
+    try {
+      SearchIndex::open(copy).verify();
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(fs::path(name).filename().string()), std::string::npos) << message;
+  }
+  // The weights alone: open() does not read them, verify() does.
+  const std::string copy = copy_of_index("weights");
+  flip_middle_byte((fs::path(copy) / "model/model.safetensors").string());
+  const SearchIndex index = SearchIndex::open(copy);
+  expect_error([&] { index.verify(); },
+               {"SearchIndex::verify", "model.safetensors", "does not match the manifest"});
+}
+
+TEST_F(SearchIndexTest, MissingOrMismatchedFilesAreNamed) {
+  expect_error([&] { SearchIndex::open(tmp_->file("missing")); }, {"no such index directory"});
+  for (const char* name : {"packages.json", "query_head.npy", "model/vocab.txt", "bm25.sqlite"}) {
+    SCOPED_TRACE(name);
+    const std::string copy = copy_of_index("incomplete");
+    fs::remove((fs::path(copy) / name));
+    expect_error([&] { SearchIndex::open(copy); }, {name});
+  }
+  const std::string copy = copy_of_index("wrong-head");
+  { std::ofstream out((fs::path(copy) / "query_head.npy").string(), std::ios::trunc); }
+  expect_error([&] { SearchIndex::open(copy); }, {"query_head.npy"});
+}
+
+TEST_F(SearchIndexTest, BuildErrorsWriteNothing) {
+  const std::string out = tmp_->file("never");
+  expect_error([&] { SearchIndex::build(out, *packages_, small_options(tmp_->file("no-model"))); },
+               {"no-model", "config.json"});
+  IndexOptions o = small_options(model_->path());
+  o.document_tokens = 65;
+  expect_error([&] { SearchIndex::build(out, *packages_, o); },
+               {"document_tokens is 65; expected [3, 64]"});
+  expect_error([&] { SearchIndex::build(out, {}, small_options(model_->path())); },
+               {"no packages"});
+  EXPECT_FALSE(fs::exists(out));
 }
 
 }  // namespace
