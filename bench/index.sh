@@ -3,7 +3,7 @@
 # and Python package (Release, build/perf unless --build DIR), makes the
 # peers' venv (scripts/make-venv.sh: FAISS, hnswlib, NumPy, pinned), builds a
 # search index of this machine's package lists with the default options if
-# there is none (build/search-index, about 20 minutes; its document encodings,
+# there is none (build/search-index, about 14 minutes; its document encodings,
 # d = 384, are data set (b)), then runs bench/index.py in the venv: qkv's index, qkv's
 # exact streaming, FAISS and hnswlib on three data sets, in one process. It
 # writes docs/index.md's benchmark section, docs/index-recall.png and

@@ -5,7 +5,8 @@
 # time is the manifest's), runs `qkv search eval` on it and a few example
 # queries, and writes docs/search.md's generated section and
 # docs/perf-runs/search.json. Leave the machine otherwise idle while it runs.
-#   bench/search.sh [--build DIR] [--index DIR]   (DIR: a Release tree, e.g. build/test-release)
+#   bench/search.sh [--build DIR] [--index DIR [--reuse]]   (--build: a Release tree, e.g.
+#                   build/test-release; --reuse: measure the index at DIR as it is)
 #   bench/search.sh --replay                      re-render the page from docs/perf-runs/search.json
 set -euo pipefail
 cd "$(dirname "$0")/.."

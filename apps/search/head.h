@@ -34,7 +34,10 @@ struct Head {
 Head identity_head(int64_t dim, double score_scale);
 
 struct HeadOptions {
-  int epochs = 4;
+  // Validation MRR@10 on 63,681 packages (documents cut at 64 tokens):
+  // 0.581 untrained, 0.638 and 0.653 after epochs 1 and 2, at 73 s each on
+  // 2 cores; at 128 tokens epochs 3 and 4 added 0.011 more.
+  int epochs = 2;
   int64_t batch = 1024;  // queries per step
   double learning_rate = 1e-3;
   double score_scale = 20.0;

@@ -367,7 +367,8 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
     if (split == Split::kValidation) validation_ids.push_back(i);
   }
   const int64_t n = static_cast<int64_t>(packages.size());
-  double start = now_ms();
+  const double build_start = now_ms();
+  double start = build_start;
   std::vector<std::string> texts;
   for (const Package& p : packages) texts.push_back(document_for_encoder(p));
   stage("encoding documents", 0, n);
@@ -469,6 +470,7 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
                    {"training_seconds", training_seconds},
                    {"validation_mrr_at_10", head.validation_scores},
                    {"best_epoch", head.best_epoch},
+                   {"build_seconds", (now_ms() - build_start) / 1000.0},
                    {"hybrid_fusion", kFusionNames[static_cast<int>(hybrid.fusion)]},
                    {"hybrid_weight", hybrid.weight},
                    {"sections", sections}};

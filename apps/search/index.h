@@ -45,10 +45,11 @@ using BuildProgress = std::function<void(std::string_view, int64_t, int64_t)>;
 
 struct IndexOptions {
   std::string model;  // the sentence encoder's directory (scripts/model-dir.sh)
-  // Where a document's text is cut, in tokens: 64 gave test MRR@10 0.667
-  // (with the head) in 561 s of encoding, 128 gave 0.687 in 805 s
-  // (docs/search.md).
-  int64_t document_tokens = 128;
+  // Where a document's text is cut, in tokens. With the head's 2 epochs,
+  // 64 gave held-out MRR@10 0.733 (hybrid) and 0.659 (learned) in a build
+  // of 13.5 minutes on 2 cores; 128 with 4 epochs 0.741 and 0.684 in about
+  // 21 (docs/search.md), past the 15 a build may take.
+  int64_t document_tokens = 64;
   HeadOptions head;
 };
 

@@ -294,9 +294,9 @@ Arguments:
     path: the new index's directory.
     model: all-MiniLM-L6-v2's directory (scripts/model-dir.sh prints it).
     lists: apt's lists directory; None is apt's own (/var/lib/apt/lists).
-    document_tokens: where a document is cut, 3 to 512 (default 128).
+    document_tokens: where a document is cut, 3 to 512 (default 64).
     epochs: passes over the training queries, 0 (the pretrained encoder's
-        own ranking) or more (default 4).
+        own ranking) or more (default 2).
     batch: training queries per step (default 1024).
     seed: the order of the training queries (default 0).
 
