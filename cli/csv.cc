@@ -332,6 +332,10 @@ std::optional<int> CsvFile::find(std::string_view column) const {
   return std::nullopt;
 }
 
+size_t CsvFile::max_rows() const {
+  return 1 + static_cast<size_t>(std::count(text_.begin() + body_, text_.end(), '\n'));
+}
+
 Tensor<double> CsvFile::numbers(const std::vector<int>& columns) const {
   std::vector<double> values;
   const int64_t rows = for_each_row(

@@ -202,6 +202,17 @@ TEST(Csv, ANulByteInALaterChunkNamesItsLine) {
   writer.join();
 }
 
+TEST(Csv, MaxRowsIsAtLeastTheDataRows) {
+  // Every line after the header; blank lines and line breaks inside quotes
+  // make it more than the rows, never fewer.
+  EXPECT_EQ(CsvFile("x,y\n1,2\n3,4\n", "t.csv").max_rows(), 3u);
+  EXPECT_EQ(CsvFile("x,y\n1,2\n3,4", "t.csv").max_rows(), 2u);
+  EXPECT_EQ(CsvFile("\n\nx,y\r\n\n1,2\r\n\n", "t.csv").max_rows(), 4u);
+  EXPECT_EQ(CsvFile("\"a\nb\",y\n\"1\n2\",3\n", "t.csv").max_rows(), 3u);
+  EXPECT_EQ(CsvFile("x,y\n", "t.csv").max_rows(), 1u);
+  EXPECT_EQ(CsvFile("x,y", "t.csv").max_rows(), 1u);
+}
+
 TEST(Csv, ReadsAStreamWhoseFirstBytesWereConsumed) {
   int fds[2];
   ASSERT_EQ(::pipe(fds), 0);
