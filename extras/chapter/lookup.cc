@@ -253,14 +253,22 @@ struct SparseWeights {
 // the n-gram (the counts that a cosine of count vectors needs; a repeat
 // within a key is rare: 2% of the n-grams of Debian's package names). This
 // is the GIN index of PostgreSQL's pg_trgm (n-gram -> rows); 4 bytes per
-// n-gram of the keys.
+// n-gram of the keys. The lists lie end to end in one array (compressed
+// sparse rows), sized by a counting pass and then filled: the 63,697 package
+// names' 2.2 million postings in one allocation, not 21,894 growing vectors.
 struct KeyValueDatabase::NgramIndex {
   GramTable table;
-  std::vector<std::vector<uint32_t>> lists;  // by the table's list numbers
-  std::vector<double> norms;                 // each record's |n-gram count vector|
+  std::vector<size_t> starts;      // list g is postings[starts[g], starts[g + 1])
+  std::vector<uint32_t> postings;  // the lists, by the table's list numbers
+  std::vector<double> norms;       // each record's |n-gram count vector|
 
-  // One pass over the keys' n-grams, record by record, appending the record
-  // to the list of each. O(total key length).
+  // Two passes over the keys' n-grams, record by record: the first numbers
+  // the n-grams (the table's lists), counts each list's length and finds the
+  // norms, the second appends each record to its n-grams' lists. O(total key
+  // length). The second pass makes the n-grams again rather than keeping the
+  // first's list numbers: a 9 MB array for the package names, whose page
+  // faults and traffic cost more than making them twice (the database of
+  // the package names built in 22.6 ms, not 24.0).
   explicit NgramIndex(const std::vector<Record>& records) {
     if (records.size() >= std::numeric_limits<uint32_t>::max()) {
       fail("KeyValueDatabase", "a table of " + std::to_string(records.size()) +
@@ -268,43 +276,58 @@ struct KeyValueDatabase::NgramIndex {
     }
     const uint32_t n = static_cast<uint32_t>(records.size());
     norms.resize(n);
+    // Per list: its length, its last record plus 1 and how many times that
+    // record holds its n-gram (16 bytes a list, in cache), which tell a
+    // repeat without reading the list.
+    struct Count {
+      size_t length = 0;
+      uint32_t last = 0, times = 0;
+    };
+    std::vector<Count> counts;
     std::vector<uint32_t> codes;
-    // Per list, its last record plus 1 and how many times that record holds
-    // its n-gram so far: small arrays (8 bytes a list, in cache) that tell a
-    // repeat without reading the list's tail, a cache miss (reading it was
-    // 40 % of the build's time).
-    std::vector<uint32_t> last, times;
     for (uint32_t r = 0; r < n; ++r) {
       uint64_t squares = 0;  // sum of count^2: the c-th occurrence adds c^2 - (c-1)^2 = 2c - 1
       ngram_codes(records[r].key, codes);
       for (const uint32_t code : codes) {
         const uint32_t g = table.intern(code);
-        if (g == lists.size()) {
-          lists.emplace_back();
-          last.push_back(0);
-          times.push_back(0);
-        }
-        times[g] = last[g] == r + 1 ? times[g] + 1 : 1;
-        last[g] = r + 1;
-        squares += 2 * uint64_t{times[g]} - 1;
-        lists[g].push_back(r);
+        if (g == counts.size()) counts.emplace_back();
+        Count& c = counts[g];
+        ++c.length;
+        c.times = c.last == r + 1 ? c.times + 1 : 1;
+        c.last = r + 1;
+        squares += 2 * uint64_t{c.times} - 1;
       }
       // An integer below 2^53, so the reference's sum of count^2 in double is
       // this same number, and so is the norm.
       norms[r] = std::sqrt(static_cast<double>(squares));
+    }
+    // Each list's start, then (in `next`) where its next record goes;
+    // records come in ascending order, so each list comes out ascending.
+    starts.resize(counts.size() + 1);
+    for (size_t g = 0; g < counts.size(); ++g) starts[g + 1] = starts[g] + counts[g].length;
+    std::vector<size_t> next(starts.begin(), starts.end() - 1);
+    postings.resize(starts.back());
+    for (uint32_t r = 0; r < n; ++r) {
+      ngram_codes(records[r].key, codes);
+      for (const uint32_t code : codes) postings[next[table.find(code)]++] = r;
     }
   }
 
   // Drops `record` from the lists and renumbers the records after it: one
   // pass over the lists, as erasing from the table moves every record after it.
   void remove(uint32_t record) {
-    for (std::vector<uint32_t>& list : lists) {
-      size_t out = 0;
-      for (const uint32_t r : list) {
-        if (r != record) list[out++] = r - (r > record);
+    size_t out = 0, begin = 0;
+    for (size_t g = 0; g + 1 < starts.size(); ++g) {
+      const size_t end = starts[g + 1];
+      starts[g] = out;
+      for (size_t p = begin; p < end; ++p) {
+        const uint32_t r = postings[p];
+        if (r != record) postings[out++] = r - (r > record);
       }
-      list.resize(out);
+      begin = end;
     }
+    starts.back() = out;
+    postings.resize(out);
     norms.erase(norms.begin() + record);
   }
 
@@ -324,7 +347,7 @@ struct KeyValueDatabase::NgramIndex {
       const uint64_t count = j - i;
       squares += count * count;
       if (const uint32_t g = table.find(codes[i]); g != GramTable::kNone) {
-        for (const uint32_t r : lists[g]) dot[r] += count;
+        for (size_t p = starts[g]; p < starts[g + 1]; ++p) dot[postings[p]] += count;
       }
       i = j;
     }
