@@ -141,22 +141,24 @@ std::vector<double> to_vector(ConstView<float> weights) {
 // bigram and a trigram never share a code and no code is 0.
 constexpr uint32_t kBigram = 2u << 24, kTrigram = 3u << 24;
 
-// The codes of the bigrams and trigrams of the padded, lower-cased key, with
-// repeats (the n-grams of ngrams() above), into `codes` (overwritten).
-void ngram_codes(std::string_view key, std::vector<uint32_t>& codes) {
+// Calls on_code(code) for each bigram and trigram of the padded, lower-cased
+// key, with repeats (the n-grams of ngrams() above): 2 * key.size() + 1 of
+// them. A callback rather than a vector of codes, so the index's passes
+// take each code as it is made (the database of the package names built in
+// 21.4 ms, not 22.6).
+template <class OnCode>
+void for_each_ngram(std::string_view key, OnCode on_code) {
   const size_t m = key.size() + 2;  // "^" key "$"
-  codes.resize(2 * m - 3);
-  uint32_t* out = codes.data();
   const auto lower = [](char ch) -> uint32_t {
     const auto c = static_cast<unsigned char>(ch);
     return (c >= 'A' && c <= 'Z') ? c - 'A' + 'a' : c;
   };
   uint32_t a = '^', b = m == 2 ? '$' : lower(key[0]);  // the padded key's first two bytes
-  *out++ = kBigram | a << 8 | b;
+  on_code(kBigram | a << 8 | b);
   for (size_t i = 2; i < m; ++i) {
     const uint32_t c = i + 1 == m ? '$' : lower(key[i - 1]);
-    *out++ = kBigram | b << 8 | c;
-    *out++ = kTrigram | a << 16 | b << 8 | c;
+    on_code(kBigram | b << 8 | c);
+    on_code(kTrigram | a << 16 | b << 8 | c);
     a = b;
     b = c;
   }
@@ -284,11 +286,9 @@ struct KeyValueDatabase::NgramIndex {
       uint32_t last = 0, times = 0;
     };
     std::vector<Count> counts;
-    std::vector<uint32_t> codes;
     for (uint32_t r = 0; r < n; ++r) {
       uint64_t squares = 0;  // sum of count^2: the c-th occurrence adds c^2 - (c-1)^2 = 2c - 1
-      ngram_codes(records[r].key, codes);
-      for (const uint32_t code : codes) {
+      for_each_ngram(records[r].key, [&](uint32_t code) {
         const uint32_t g = table.intern(code);
         if (g == counts.size()) counts.emplace_back();
         Count& c = counts[g];
@@ -296,7 +296,7 @@ struct KeyValueDatabase::NgramIndex {
         c.times = c.last == r + 1 ? c.times + 1 : 1;
         c.last = r + 1;
         squares += 2 * uint64_t{c.times} - 1;
-      }
+      });
       // An integer below 2^53, so the reference's sum of count^2 in double is
       // this same number, and so is the norm.
       norms[r] = std::sqrt(static_cast<double>(squares));
@@ -308,8 +308,8 @@ struct KeyValueDatabase::NgramIndex {
     std::vector<size_t> next(starts.begin(), starts.end() - 1);
     postings.resize(starts.back());
     for (uint32_t r = 0; r < n; ++r) {
-      ngram_codes(records[r].key, codes);
-      for (const uint32_t code : codes) postings[next[table.find(code)]++] = r;
+      for_each_ngram(records[r].key,
+                     [&](uint32_t code) { postings[next[table.find(code)]++] = r; });
     }
   }
 
@@ -336,7 +336,8 @@ struct KeyValueDatabase::NgramIndex {
   // numbers, exact), then one division per candidate as the reference divides.
   Candidates candidates(std::string_view query) const {
     std::vector<uint32_t> codes;
-    ngram_codes(query, codes);
+    codes.reserve(2 * query.size() + 1);
+    for_each_ngram(query, [&](uint32_t code) { codes.push_back(code); });
     std::sort(codes.begin(), codes.end());
     const size_t n = norms.size();
     std::vector<uint64_t> dot(n, 0);
