@@ -56,6 +56,9 @@ class CsvFile {
   // (quotes removed, "" unescaped). Field counts are checked as by numbers();
   // a file without data rows is an Error.
   std::vector<std::vector<std::string>> text(const std::vector<int>& columns) const;
+  // At least as many as the data rows: the lines after the header (blank
+  // lines and line breaks inside quotes count too), to reserve room for them.
+  size_t max_rows() const;
   // The same rows one at a time: on_row(cells) with the text of the given
   // columns, views that last until on_row returns (63,697 rows of two
   // columns made into qkv lookup's records: 14 ms through text() and its

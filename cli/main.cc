@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -35,17 +36,51 @@ namespace {
 // the pool from OPENBLAS_NUM_THREADS when it loads, so the command sets it to 1
 // and runs itself again, once, before anything else. Without /proc (no
 // /proc/self/exe) it goes on with the pool.
-void restart_without_blas_pool(char** argv) {
-  const char* set = std::getenv("OPENBLAS_NUM_THREADS");
-  if (set != nullptr && std::strcmp(set, "1") == 0) return;
-  if (::setenv("OPENBLAS_NUM_THREADS", "1", 1) != 0) return;
-  ::execv("/proc/self/exe", argv);
+//
+// It runs from .preinit_array: once the libraries are mapped and relocated,
+// before any of their initializers (OpenBLAS's, with its pool; Highway's,
+// which calibrates a timer for 2.3 ms) and qkv's own, so the first run does
+// only the loading. Restarting from main, where the first run had also
+// initialized everything, `qkv --version` took 16.4 ms, against 9.1 ms for
+// a run that needs no restart; from here it takes 12.8 ms. libc is not
+// initialized yet either (environ is still null, and what setenv changes
+// would be lost), so the new environment is made from envp the way setenv
+// would change it: the first OPENBLAS_NUM_THREADS entry replaced, else one
+// appended.
+void restart_without_blas_pool(int, char** argv, char** envp) {
+  static const char kName[] = "OPENBLAS_NUM_THREADS=";
+  static char kSetting[] = "OPENBLAS_NUM_THREADS=1";
+  if (envp == nullptr) return;
+  size_t count = 0, found = SIZE_MAX;
+  for (; envp[count] != nullptr; ++count) {
+    if (found == SIZE_MAX && std::strncmp(envp[count], kName, sizeof kName - 1) == 0) {
+      found = count;
+    }
+  }
+  if (found != SIZE_MAX && std::strcmp(envp[found], kSetting) == 0) return;
+  // The entries, one more if appended, and the null that ends them.
+  char** env = static_cast<char**>(std::malloc((count + 2) * sizeof(char*)));
+  if (env == nullptr) return;
+  std::memcpy(env, envp, count * sizeof(char*));
+  if (found != SIZE_MAX) {
+    env[found] = kSetting;
+  } else {
+    env[count++] = kSetting;
+  }
+  env[count] = nullptr;
+  ::execve("/proc/self/exe", argv, env);
+  std::free(env);
 }
+
+// .preinit_array: called by the dynamic loader before every library
+// initializer (ELF gABI; executables only).
+using PreinitFunction = void (*)(int, char**, char**);
+[[gnu::section(".preinit_array"), gnu::used]] const PreinitFunction restart_entry =
+    restart_without_blas_pool;
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  restart_without_blas_pool(argv);
   qkv::cli::remove_temporaries_on_signals();
   using qkv::cli::Command;
   CLI::App app(std::string("qkv ") + qkv::kVersion +

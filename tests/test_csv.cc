@@ -174,6 +174,45 @@ TEST(Csv, AStreamWithNulBytesFailsAtItsFirstChunk) {
   EXPECT_LT(written.load(), size_t{1} << 20) << "the reader kept reading after a NUL byte";
 }
 
+TEST(Csv, ANulByteInALaterChunkNamesItsLine) {
+  // The line is counted from the start of the file once the NUL is found,
+  // across the reader's 64 KiB chunks and the bytes consumed before it.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  std::string rest = "y\n";
+  for (int i = 0; i < 30000; ++i) rest += "1,2\n";  // lines 2 to 30001, 120 KB
+  rest += std::string("3,\0\n", 5);
+  std::thread writer([&] {
+    for (size_t done = 0; done < rest.size();) {
+      const ssize_t n = ::write(fds[1], rest.data() + done, rest.size() - done);
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    ::close(fds[1]);
+  });
+  try {
+    CsvFile::read(fds[0], "late.csv", "x,");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("late.csv: line 30002: a NUL byte at byte offset 120006"),
+              std::string::npos)
+        << e.what();
+  }
+  ::close(fds[0]);
+  writer.join();
+}
+
+TEST(Csv, MaxRowsIsAtLeastTheDataRows) {
+  // Every line after the header; blank lines and line breaks inside quotes
+  // make it more than the rows, never fewer.
+  EXPECT_EQ(CsvFile("x,y\n1,2\n3,4\n", "t.csv").max_rows(), 3u);
+  EXPECT_EQ(CsvFile("x,y\n1,2\n3,4", "t.csv").max_rows(), 2u);
+  EXPECT_EQ(CsvFile("\n\nx,y\r\n\n1,2\r\n\n", "t.csv").max_rows(), 4u);
+  EXPECT_EQ(CsvFile("\"a\nb\",y\n\"1\n2\",3\n", "t.csv").max_rows(), 3u);
+  EXPECT_EQ(CsvFile("x,y\n", "t.csv").max_rows(), 1u);
+  EXPECT_EQ(CsvFile("x,y", "t.csv").max_rows(), 1u);
+}
+
 TEST(Csv, ReadsAStreamWhoseFirstBytesWereConsumed) {
   int fds[2];
   ASSERT_EQ(::pipe(fds), 0);

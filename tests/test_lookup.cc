@@ -296,6 +296,23 @@ TEST(Lookup, KeysThatRepeatAnNgramManyTimes) {
   }
 }
 
+TEST(Lookup, RepeatedNgramsInSmallTables) {
+  // The norms count each key's repeats of an n-gram, which the index tells
+  // as it fills the n-gram's list: keys with and without repeats, alone and
+  // after others, against the plain loop.
+  for (const std::vector<Record>& records :
+       {std::vector<Record>{{"ab", "1"}}, std::vector<Record>{{"abab", "1"}},
+        std::vector<Record>{{"x", "1"}, {"aaaa", "2"}, {"ab", "3"}},
+        std::vector<Record>{{"ba", "1"}, {"abba", "2"}, {"baab", "3"}, {"", "4"}}}) {
+    const KeyValueDatabase db(records);
+    for (const std::string query : {"ab", "a", "aaa", "abba", "zz"}) {
+      SCOPED_TRACE("query \"" + query + "\", " + std::to_string(db.size()) + " records");
+      ASSERT_TRUE(
+          same_bits(db.approximate(query, 0.1).weights, ref::approximate(db, query, 0.1).weights));
+    }
+  }
+}
+
 TEST(Lookup, CopiesHaveTheirOwnIndex) {
   KeyValueDatabase db;
   KeyValueDatabase copy = db;

@@ -308,6 +308,51 @@ class BasicsTest(CliTest):
         r = self.ok("--version")
         self.assertRegex(r.stdout.strip(), r"^qkv \d+\.\d+\.\d+$")
 
+    def test_runs_itself_once_with_openblas_single_threaded(self):
+        """qkv runs itself again with OPENBLAS_NUM_THREADS=1 before any library
+        starts (cli/main.cc): seen from outside while it waits on a FIFO, the
+        running image has that setting (replacing another value, or added),
+        the rest of the environment as given, and one thread (no OpenBLAS
+        pool); then it finishes its work."""
+        fifo = self.path("table.csv")
+        os.mkfifo(fifo)
+        for setting in (None, "4", "1"):
+            with self.subTest(OPENBLAS_NUM_THREADS=setting):
+                env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+                env["QKV_TEST_MARK"] = "a=b"
+                if setting is not None:
+                    env["OPENBLAS_NUM_THREADS"] = setting
+                p = subprocess.Popen([QKV, "lookup", "--table", fifo, "--query", "Li"], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                try:
+                    # /proc/PID/environ is the environment the image started
+                    # with: the first image's until the restart.
+                    deadline = time.monotonic() + 30
+                    while True:
+                        with open(f"/proc/{p.pid}/environ", "rb") as f:
+                            seen = [e.decode() for e in f.read().split(b"\0") if e]
+                        if "OPENBLAS_NUM_THREADS=1" in seen or time.monotonic() > deadline:
+                            break
+                        time.sleep(0.01)
+                    expected = dict(env, OPENBLAS_NUM_THREADS="1")
+                    self.assertEqual(dict(e.split("=", 1) for e in seen), expected)
+                    self.assertEqual(len(seen), len(expected), "one entry per name")
+                    self.assertEqual(os.listdir(f"/proc/{p.pid}/task"), [str(p.pid)])
+                finally:
+                    # Without blocking on a FIFO nobody will open (qkv gone).
+                    while p.poll() is None:
+                        try:
+                            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                        except OSError:  # ENXIO: qkv has not opened it yet
+                            time.sleep(0.01)
+                            continue
+                        os.write(fd, b"key,value\nLi,Mu\nLipton,Zachary\n")
+                        os.close(fd)
+                        break
+                    out, err = p.communicate(timeout=60)
+                self.assertEqual((p.returncode, err), (0, ""))
+                self.assertIn("1     Li      Mu", out)
+
     def test_help(self):
         r = self.ok("--help")
         for command in ("softmax", "attend", "demo"):
