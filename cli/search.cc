@@ -45,8 +45,9 @@ void print_ranking(const search::SearchIndex& index, const search::Ranking& r,
                    std::string_view query, const std::string& engine, bool json) {
   const auto& packages = index.packages();
   if (json) {
-    std::cout << "{\"query\": " << json_string(query) << ", \"engine\": \"" << engine
-              << "\", \"results\": [";
+    std::cout << "{\"query\": " << json_string(query);
+    if (!r.corrected.empty()) std::cout << ", \"corrected\": " << json_string(r.corrected);
+    std::cout << ", \"engine\": \"" << engine << "\", \"results\": [";
     for (size_t i = 0; i < r.hits.size(); ++i) {
       const auto& p = packages[static_cast<size_t>(r.hits[i].doc)];
       std::cout << (i ? ", " : "") << "{\"package\": " << json_string(p.name)
@@ -66,6 +67,9 @@ void print_ranking(const search::SearchIndex& index, const search::Ranking& r,
     std::cout << "}\n";
     return;
   }
+  if (!r.corrected.empty())
+    std::printf("(a word of the query is in no package; results for the nearest name: %s)\n",
+                r.corrected.c_str());
   const char* what = engine == "learned" ? "weight" : "score";
   std::printf("%-4s %-32s %-9s %s\n", "rank", "package", what, "description");
   for (size_t i = 0; i < r.hits.size(); ++i) {

@@ -449,6 +449,24 @@ std::vector<Hit> Bm25::search(std::string_view query, int64_t k) const {
   return hits;
 }
 
+bool Bm25::has_word(std::string_view word) const {
+  constexpr std::string_view kFn = "Bm25::has_word";
+  Statement stmt;
+  if (sqlite3_prepare_v2(db_, "SELECT 1 FROM qkv_postings WHERE term = ?1", -1, &stmt.stmt,
+                         nullptr) != SQLITE_OK)
+    fail_io(kFn, sqlite3_errmsg(db_));
+  for (const std::string& term : query_terms(word)) {
+    sqlite3_reset(stmt.stmt);
+    if (sqlite3_bind_text(stmt.stmt, 1, term.data(), static_cast<int>(term.size()),
+                          SQLITE_STATIC) != SQLITE_OK)
+      fail_io(kFn, sqlite3_errmsg(db_));
+    const int rc = sqlite3_step(stmt.stmt);
+    if (rc == SQLITE_ROW) return true;
+    if (rc != SQLITE_DONE) fail_io(kFn, "term \"" + term + "\": " + sqlite3_errmsg(db_));
+  }
+  return false;
+}
+
 std::vector<Hit> Bm25::search_fts5(std::string_view query, int64_t k) const {
   constexpr std::string_view kFn = "Bm25::search_fts5";
   if (k < 0) fail(kFn, "k is " + std::to_string(k) + "; expected k >= 0");

@@ -52,6 +52,10 @@ class Bm25 {
   // query with common words over the ~63,000 packages, against ~1 ms.
   std::vector<Hit> search_fts5(std::string_view query, int64_t k) const;
 
+  // Whether some document holds a term of `word` (as search() cuts it):
+  // one lookup of each term's postings row, not a search.
+  bool has_word(std::string_view word) const;
+
   int64_t size() const;  // documents
 
  private:

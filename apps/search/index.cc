@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
@@ -17,6 +18,7 @@
 #include <xxhash.h>
 
 #include "qkv/error.h"
+#include "qkv/lookup.h"
 #include "qkv/npy.h"
 #include "qkv/staged_file.h"
 #include "qkv/store_attention.h"
@@ -482,6 +484,49 @@ void SearchIndex::build(const std::string& dir, const std::vector<Package>& pack
   staged.commit();
 }
 
+struct SearchIndex::Names {
+  std::once_flag made;
+  std::unique_ptr<KeyValueDatabase> table;  // key: a package's name
+};
+
+std::string SearchIndex::corrected(const std::string& query) const {
+  // The query's words as BM25 reads them, each looked up among the
+  // documents' terms.
+  std::vector<std::pair<std::string, std::string>> replace;
+  for (const std::string& word : words(query)) {
+    if (word.size() < 4 || bm25_->has_word(word)) continue;
+    std::call_once(names_->made, [&] {
+      std::vector<Record> records;
+      for (const IndexedPackage& p : packages_) records.push_back({p.name, ""});
+      names_->table = std::make_unique<KeyValueDatabase>(std::move(records));
+    });
+    const TopK top = names_->table->top(word, LookupMode::kApproximate, 1);
+    if (top.records.empty()) continue;
+    const std::string& name = names_->table->records()[top.records[0].index].key;
+    if (key_similarity(word, name) >= kCorrectionSimilarity) replace.push_back({word, name});
+  }
+  if (replace.empty()) return "";
+  // Each word replaced where it stands, matched as words() reads it
+  // (case-insensitively, between characters that are not letters or digits).
+  std::string out = query;
+  for (const auto& [word, name] : replace) {
+    const std::string lower = lower_trimmed(out);
+    size_t at = 0;
+    while ((at = lower.find(word, at)) != std::string::npos) {
+      const bool starts = at == 0 || !std::isalnum(static_cast<unsigned char>(lower[at - 1]));
+      const size_t end = at + word.size();
+      const bool ends =
+          end == lower.size() || !std::isalnum(static_cast<unsigned char>(lower[end]));
+      if (starts && ends) break;
+      ++at;
+    }
+    if (at == std::string::npos) continue;
+    const size_t lead = out.find_first_not_of(" \t\r\n");
+    out.replace(lead + at, word.size(), name);
+  }
+  return out;
+}
+
 std::string SearchIndex::path(const std::string& name) const {
   return (fs::path(dir_) / name).string();
 }
@@ -529,6 +574,7 @@ SearchIndex SearchIndex::open(const std::string& dir) {
                               std::to_string(docs.key_dim()) + " and values of " +
                               std::to_string(docs.value_dim()));
   }
+  index.names_ = std::make_shared<Names>();
   check_regular(kFn, index.path("bm25.sqlite"));
   index.bm25_ = std::make_shared<const Bm25>(index.path("bm25.sqlite"));
   if (index.bm25_->size() != static_cast<int64_t>(index.packages_.size())) {
@@ -584,14 +630,17 @@ Engine parse_engine(std::string_view text, std::string_view function) {
 std::vector<Ranking> SearchIndex::search(const std::vector<std::string>& queries, Engine engine,
                                          int64_t k) const {
   std::vector<Ranking> out(queries.size());
-  std::vector<size_t> asked;  // the queries with words
-  for (size_t i = 0; i < queries.size(); ++i) {
-    if (!words(queries[i]).empty()) asked.push_back(i);
-  }
-  if (engine == Engine::kBm25) {
-    for (const size_t i : asked)
-      out[i].hits = named_first(bm25_->search(queries[i], k), named(queries[i]), 0.0, k);
+  std::vector<size_t> asked;                     // the queries with words
+  std::vector<std::string> run(queries.size());  // each as the engines run it
+  if (engine == Engine::kBm25) {                 // FTS5's ranking, the baseline, as it is
+    for (size_t i = 0; i < queries.size(); ++i) out[i].hits = bm25_->search(queries[i], k);
     return out;
+  }
+  for (size_t i = 0; i < queries.size(); ++i) {
+    if (words(queries[i]).empty()) continue;
+    asked.push_back(i);
+    out[i].corrected = corrected(queries[i]);
+    run[i] = out[i].corrected.empty() ? queries[i] : out[i].corrected;
   }
   const LearnedScorer scorer{encoder_.get(), &query_weight_, documents_.get(),
                              manifest_.score_scale};
@@ -601,7 +650,7 @@ std::vector<Ranking> SearchIndex::search(const std::vector<std::string>& queries
   for (size_t first = 0; first < asked.size(); first += kBlock) {
     const size_t count = std::min(kBlock, asked.size() - first);
     std::vector<std::string> texts;
-    for (size_t j = 0; j < count; ++j) texts.push_back(queries[asked[first + j]]);
+    for (size_t j = 0; j < count; ++j) texts.push_back(run[asked[first + j]]);
     const Tensor<float> q = scorer.encode(texts);
     const int64_t d = q.size(1);
     const StoreAttentionResult r = scorer.attend(q, engine == Engine::kLearned ? k : kCandidates);

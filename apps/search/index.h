@@ -53,6 +53,12 @@ struct IndexOptions {
   HeadOptions head;
 };
 
+// The least similarity (qkv/lookup.h's key_similarity, the cosine of
+// character bigram and trigram counts) of an unknown word to the name that
+// replaces it: one typo in a name of 6 or more letters scores 0.67 to 0.86
+// ("gnuplt" and gnuplot 0.72), an unrelated name 0.4 or less.
+inline constexpr double kCorrectionSimilarity = 0.6;
+
 // Where a query's text is cut: the short descriptions the head is trained
 // on have at most 40 tokens but for a few dozen of 63,681.
 inline constexpr int64_t kQueryTokens = 64;
@@ -63,6 +69,9 @@ const char* engine_name(Engine engine);
 Engine parse_engine(std::string_view text, std::string_view function);
 
 struct Ranking {
+  // The query as the engines ran it, if a word of it was corrected (below);
+  // empty otherwise.
+  std::string corrected;
   std::vector<Hit> hits;  // best first; score: the learned engine's softmax weight over every
                           // document, BM25's score, or the hybrid's mixed score
   std::vector<std::pair<std::string, double>> sections;  // learned: the pooled value, largest first
@@ -96,8 +105,13 @@ class SearchIndex {
   // The top `k` documents for free text `query`: by attention over every
   // document (learned), by BM25, or by the hybrid (BM25's top 100 and the
   // learned top 100, their scores or ranks mixed as the validation queries
-  // chose: index.cc's Fusion). In every engine a package whose name is the
-  // whole query (ignoring case and the spaces around it) comes first.
+  // chose: index.cc's Fusion). BM25 is FTS5's ranking as it is (the
+  // baseline); in the other two a package whose name is the whole query
+  // (ignoring case and the spaces around it) comes first, and a word
+  // of 4 or more letters that no document has ("gnuplt") is first replaced
+  // by the package name nearest to it by character n-grams (qkv lookup's
+  // approximate key matching, qkv/lookup.h), if their similarity is at
+  // least kCorrectionSimilarity; Ranking::corrected then says so.
   Ranking learned(std::string_view query, int64_t k) const;
   Ranking bm25(std::string_view query, int64_t k) const;
   Ranking hybrid(std::string_view query, int64_t k) const;
@@ -122,8 +136,13 @@ class SearchIndex {
  private:
   SearchIndex() = default;
   std::string path(const std::string& name) const;
-  // The packages named by the whole of `query`, if any.
+  // The package named by the whole of `query`, or -1.
   int64_t named(std::string_view query) const;
+  // `query` with each unknown word replaced by the nearest name (above), or
+  // "" if none was.
+  std::string corrected(const std::string& query) const;
+  // The package names as a lookup table, made when a query first needs it.
+  struct Names;
 
   std::string dir_, manifest_text_;
   IndexManifest manifest_;
@@ -132,6 +151,7 @@ class SearchIndex {
   Tensor<float> query_weight_;
   std::shared_ptr<const KeyValueStore> documents_;
   std::shared_ptr<const Bm25> bm25_;
+  std::shared_ptr<Names> names_;
 };
 
 }  // namespace qkv::search

@@ -259,7 +259,9 @@ of weights and documents (verify() checks every file's checksum). The
 index ranks packages for free text with three engines: "hybrid" (the
 default, the best measured), "learned" (the head on all-MiniLM-L6-v2's
 embeddings, attention over every package) and "bm25" (SQLite FTS5's
-BM25); a query that is a package's name puts it first in every one.
+BM25, as FTS5 ranks); in the first two a query that is a package's name
+puts it first, and a word no package has ("gnuplt") is replaced by the
+nearest package name first.
 
 Arguments:
     path: the index's directory (str or os.PathLike).

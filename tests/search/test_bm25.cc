@@ -287,6 +287,12 @@ TEST(Bm25, GnuplotRanksGnuplotPackagesFirst) {
                                         "gnuplot-qt", "gnuplot-x11"}));
   for (size_t i = 1; i < hits.size(); ++i) EXPECT_GE(hits[i - 1].score, hits[i].score);
   EXPECT_GT(hits[0].score, 0);
+  // has_word: exactly the words search() finds a document for.
+  for (const char* word : {"gnuplot", "GNUPLOT", "plotting", "gnuplt", "qqqzzz", "the", "c++"}) {
+    EXPECT_EQ(bm25.has_word(word), !bm25.search(word, 1).empty()) << word;
+  }
+  EXPECT_TRUE(bm25.has_word("gnuplot"));
+  EXPECT_FALSE(bm25.has_word("gnuplt"));
 }
 
 TEST(Bm25, QuerySyntaxIsNeverInterpreted) {

@@ -204,13 +204,39 @@ TEST_F(SearchIndexTest, AQueryThatNamesAPackageFindsItFirst) {
         std::pair{"coreutils", "coreutils"}}) {
     SCOPED_TRACE(query);
     for (const Ranking& r :
-         {index.learned(query, 3), index.bm25(query, 3), index.hybrid(query, 3)}) {
+         {index.learned(query, 3), index.hybrid(query, 3)}) {  // BM25: FTS5's, as it is
       ASSERT_FALSE(r.hits.empty());
       EXPECT_EQ(packages[static_cast<size_t>(r.hits[0].doc)].name, name);
       EXPECT_LE(r.hits.size(), 3u);
       for (size_t i = 1; i < r.hits.size(); ++i) EXPECT_NE(r.hits[i].doc, r.hits[0].doc);
     }
   }
+}
+
+// A word no document has is replaced by the nearest package name (by
+// character n-grams) before the learned and hybrid engines run, if it is
+// near enough.
+TEST_F(SearchIndexTest, AnUnknownWordFallsBackToTheNearestName) {
+  const SearchIndex index = SearchIndex::open(index_dir());
+  const auto& packages = index.packages();
+  const std::vector<std::string> queries = {"gnuplt",  "  GNUPLT ", "plot with gnuplt",
+                                            "gnuplot", "plot it",   "qqqzzzxxx"};
+  for (const Engine engine : {Engine::kHybrid, Engine::kLearned}) {
+    SCOPED_TRACE(engine_name(engine));
+    const std::vector<Ranking> r = index.search(queries, engine, 3);
+    EXPECT_EQ(r[0].corrected, "gnuplot");
+    ASSERT_FALSE(r[0].hits.empty());
+    EXPECT_EQ(packages[static_cast<size_t>(r[0].hits[0].doc)].name, "gnuplot");
+    EXPECT_EQ(r[1].corrected, "  gnuplot ");
+    EXPECT_EQ(r[2].corrected, "plot with gnuplot");
+    EXPECT_EQ(r[3].corrected, "");  // a name: nothing to correct
+    EXPECT_EQ(r[4].corrected, "");  // known words, and "it" is too short to correct
+    EXPECT_EQ(r[5].corrected, "");  // unknown, but no name is near
+  }
+  // BM25 is FTS5's ranking as it is: nothing corrected, no name first.
+  const std::vector<Ranking> r = index.search(queries, Engine::kBm25, 3);
+  EXPECT_EQ(r[0].corrected, "");
+  EXPECT_TRUE(r[0].hits.empty());
 }
 
 TEST_F(SearchIndexTest, EvaluatesTheHeldOutQueries) {
