@@ -8,7 +8,7 @@ package without its name, a query from a fresh process and many from one
 (--queries-file), and typo'd names through `qkv lookup`; the results go
 into docs/perf-runs/search.json and docs/search.md's generated section.
 
-Usage: search.py --qkv PATH --index DIR [--reuse] [--replay]
+Usage: search.py --qkv PATH --index DIR --encoder-check FILE [--reuse] | --replay
 """
 
 import argparse
@@ -143,7 +143,24 @@ def query_json(binary, index, text, *extra):
     return json.loads(qkv(binary, "search", "query", "--index", index, text, "--json", *extra))
 
 
-def measure(binary, index, reuse):
+def encoder_agreement(path):
+    """The peer test's lines "WHAT: N texts, worst |difference| X ..."."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if "worst |difference|" in line:
+                what, rest = line.split(":", 1)
+                texts = int(rest.split("texts")[0].strip().replace(",", ""))
+                worst = float(rest.split("worst |difference|")[1].split()[0])
+                # unittest's progress dots may lead the line.
+                rows.append({"what": what.strip().lstrip(".").strip(), "texts": texts,
+                             "worst": worst})
+    if not rows:
+        sys.exit(f"{path}: no figures from tests/search/test_encoder_peer.py")
+    return rows
+
+
+def measure(binary, index, reuse, encoder_check):
     if not reuse:
         if os.path.exists(index):
             shutil.rmtree(index)
@@ -226,6 +243,7 @@ def measure(binary, index, reuse):
         "batch": {"queries": len(held), "seconds": batch_seconds},
         "verify_seconds": verify_seconds,
         "recall_at_k": {"k": KS, **recall},
+        "encoder_agreement": encoder_agreement(encoder_check),
     }
 
 
@@ -290,6 +308,11 @@ def render(run):
               f"`--queries-file` take {batch['seconds']:.1f} s "
               f"({batch['queries'] / batch['seconds']:.0f} queries/s); `qkv search verify` "
               f"(every file's checksum) {run['verify_seconds']:.1f} s.",
+              "", "The sentence encoder through qkv against sentence-transformers (torch "
+              "2.13, the same model files; tests/search/test_encoder_peer.py in this run): "
+              "the worst |difference| of a unit-length embedding's component, "
+              + "; ".join(f"{r['what']} ({r['texts']:,} texts) {r['worst']:.1e}"
+                          for r in run["encoder_agreement"]) + ".",
               "", "![recall@k of each engine](search-recall.png)", "",
               "The \"before\" column is the first design's (index format 1, hashed word "
               "features trained from scratch; its run of 2026-11-28 with the same split and "
@@ -337,13 +360,16 @@ def main():
     p.add_argument("--index")
     p.add_argument("--reuse", action="store_true",
                    help="measure the index at --index as it is (built with the defaults)")
+    p.add_argument("--encoder-check", help="tests/search/test_encoder_peer.py's stderr")
     p.add_argument("--replay", action="store_true")
     a = p.parse_args()
     if a.replay:
         with open(RUN) as f:
             run = json.load(f)
     else:
-        run = measure(a.qkv, a.index, a.reuse)
+        if not a.encoder_check:
+            sys.exit("--encoder-check FILE (the peer test's stderr) is needed to measure")
+        run = measure(a.qkv, a.index, a.reuse, a.encoder_check)
         os.makedirs(os.path.dirname(RUN), exist_ok=True)
         with open(RUN, "w") as f:
             json.dump(run, f, indent=2)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one command behind docs/search.md's measurements: builds the qkv
 # command (Release, build/perf unless --build DIR), builds a search index of
-# this machine's package lists with the default options (timed: the training
-# time is the manifest's), runs `qkv search eval` on it and a few example
-# queries, and writes docs/search.md's generated section and
+# this machine's package lists with the default options (its times are the
+# manifest's), runs the encoder's peer test (tests/search/test_encoder_peer.py,
+# against sentence-transformers in the venv), `qkv search eval` and example
+# queries, and writes docs/search.md's generated section, its figure and
 # docs/perf-runs/search.json. Leave the machine otherwise idle while it runs.
 #   bench/search.sh [--build DIR] [--index DIR [--reuse]]   (--build: a Release tree, e.g.
 #                   build/test-release; --reuse: measure the index at DIR as it is)
@@ -21,11 +22,21 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
+encoder_check=()
 if [ "${args[*]:-}" != --replay ]; then
   if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=ON \
       >/dev/null
   fi
-  cmake --build "$build" -j "$(nproc)" --target qkv_cli
+  cmake --build "$build" -j "$(nproc)" --target qkv_cli qkv_python
+  # The encoder against its reference implementation (sentence-transformers
+  # in the venv): the peer test's figures, for the page.
+  python=$(scripts/make-venv.sh)
+  check=$(mktemp)
+  PYTHONPATH=$(pwd)/$build/python HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    "$python" tests/search/test_encoder_peer.py 2>"$check" >/dev/null ||
+    { cat "$check" >&2; exit 1; }
+  encoder_check=(--encoder-check "$check")
 fi
-exec /usr/bin/python3 bench/search.py --qkv "$build/qkv" --index "$index" "${args[@]}"
+exec /usr/bin/python3 bench/search.py --qkv "$build/qkv" --index "$index" "${encoder_check[@]}" \
+  "${args[@]}"
