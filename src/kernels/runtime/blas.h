@@ -25,27 +25,10 @@ const char* blas_config();
 // full rate, small enough that 2 threads balance on a few hundred rows.
 inline constexpr int64_t kGemmRowBlock = 64;
 
-// Columns of C per parallel_gemm task when C has one row block: a query of
-// 8 tokens through the sentence encoder's layers is 8-row products whose
-// time is reading the weights (42 MB a query); split by columns, both
-// cores read them (5.3 ms a query on one thread).
-inline constexpr int64_t kGemmColumnBlock = 64;
-
-// The same, with the rows of C split into fixed blocks computed in
-// parallel, or, for at most kGemmRowBlock rows, its columns. The blocks
-// depend on the shape alone: the same bits at any thread count.
+// The same, with the rows of C split into fixed blocks computed in parallel.
 template <class T>
 void parallel_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
                    int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  if (m <= kGemmRowBlock && n > kGemmColumnBlock) {
-    parallel_for((n + kGemmColumnBlock - 1) / kGemmColumnBlock, [&](int64_t blk) {
-      const int64_t c0 = blk * kGemmColumnBlock;
-      const int64_t cols = n - c0 < kGemmColumnBlock ? n - c0 : kGemmColumnBlock;
-      const T* b_blk = trans_b ? b + c0 * ldb : b + c0;
-      gemm(trans_a, trans_b, m, cols, k, alpha, a, lda, b_blk, ldb, beta, c + c0, ldc);
-    });
-    return;
-  }
   const int64_t blocks = (m + kGemmRowBlock - 1) / kGemmRowBlock;
   parallel_for(blocks, [&](int64_t blk) {
     const int64_t r0 = blk * kGemmRowBlock;
