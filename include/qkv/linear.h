@@ -3,10 +3,8 @@
 //   y = x weightᵀ + bias
 // The matrix products of the modules (qkv/modules.h) and of the search
 // engine's transformer encoder go through it: the BLAS, single-threaded,
-// on blocks of 64 rows split over qkv's threads, or for at most 64 rows on
-// blocks of 64 output features (a search query's 8 tokens: both cores read
-// the weights). The cut depends on the shapes alone, so the bits do not
-// depend on the thread count.
+// on blocks of 64 rows split over qkv's threads (the cut depends on the
+// shapes alone, so the bits do not depend on the thread count).
 #pragma once
 
 #include "qkv/tensor.h"
