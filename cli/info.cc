@@ -47,7 +47,8 @@ void run_info(const InfoArgs& args) {
   const std::string model = cpu_model();
   const unsigned cores = std::thread::hardware_concurrency();
   std::vector<std::string> has, lacks;
-  for (const auto& [feature, present] : info.cpu_features) (present ? has : lacks).push_back(feature);
+  for (const auto& [feature, present] : info.cpu_features)
+    (present ? has : lacks).push_back(feature);
   const std::string chosen_why =
       info.cap.empty() ? "the best this CPU supports"
                        : "capped at " + info.cap + " (QKV_SIMD_TARGET or set_simd_target)";
@@ -61,8 +62,12 @@ void run_info(const InfoArgs& args) {
         << ", \"simd_target\": " << json_string(info.chosen)
         << ", \"simd_cap\": " << (info.cap.empty() ? "null" : json_string(info.cap))
         << ", \"bf16_products\": " << json_string(info.bf16_products)
+        << ", \"bf16_products_why\": " << json_string(info.bf16_products_why)
         << ", \"threads\": " << num_threads() << ", \"blas\": " << json_string(info.blas)
-        << "}\n";
+        << ", \"blas_core\": " << json_string(info.blas_core)
+        << ", \"blas_core_found\": " << json_string(info.blas_core_found)
+        << ", \"blas_core_from\": " << json_string(info.blas_core_from)
+        << ", \"blas_core_action\": " << json_string(info.blas_core_action) << "}\n";
   } else {
     out << "qkv " << kVersion << "\n"
         << "CPU:                    " << (model.empty() ? "(unknown)" : model) << ", " << cores
@@ -73,11 +78,14 @@ void run_info(const InfoArgs& args) {
         << "  this CPU runs:        " << join(info.supported) << "\n"
         << "  chosen:               " << info.chosen << " (" << chosen_why << ")\n"
         << "bf16 products:          " << info.bf16_products
-        << (info.bf16_products == "widen" ? " (bf16 widened to float32 for the float32 kernels)"
-                                          : "")
-        << "\n"
+        << (info.bf16_products == "widen" ? " (bf16 widened to float32 for the float32 kernels: "
+                                          : " (")
+        << info.bf16_products_why << ")\n"
         << "threads:                " << num_threads() << "\n"
-        << "BLAS:                   " << info.blas << "\n";
+        << "BLAS:                   " << info.blas << "\n"
+        << "BLAS kernels:           " << info.blas_core << " (OpenBLAS chose "
+        << info.blas_core_found << ", from " << info.blas_core_from << "; qkv "
+        << info.blas_core_action << ")\n";
   }
   std::cout << out.str();
 }

@@ -6,11 +6,18 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "kernels/runtime/blas.h"
 #include "kernels/runtime/dispatch.h"
 #include "kernels/simd/gemm_bf16.h"
 #include "qkv/masked_softmax.h"
@@ -216,6 +223,135 @@ TEST(Simd, EnvironmentVariable) {
   set_simd_target_from_env();  // unset: nothing happens
   EXPECT_EQ(simd_target(), simd_targets().front());
   if (saved) ::setenv("QKV_SIMD_TARGET", restore.c_str(), 1);
+}
+
+// ---- OpenBLAS's core type (SimdInfo::blas_core, kernels/runtime/blas.h) ----
+
+// The CPU's flags as the kernel reports them (/proc/cpuinfo), not as qkv
+// probes them.
+std::set<std::string> cpu_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+  }
+  return {};
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// Restores QKV_BLAS_CORE and OpenBLAS's core type when a test ends.
+struct RestoreBlasCore {
+  const char* saved = std::getenv("QKV_BLAS_CORE");
+  std::string value = saved ? saved : "";
+  ~RestoreBlasCore() {
+    if (saved) {
+      ::setenv("QKV_BLAS_CORE", value.c_str(), 1);
+    } else {
+      ::unsetenv("QKV_BLAS_CORE");
+    }
+    set_simd_target("");
+  }
+};
+
+// A product through kernels::gemm (OpenBLAS) against a float64 loop, after
+// a switch of core type: the new kernels compute, and compute right.
+void expect_gemm_right(const std::string& core) {
+  std::mt19937 gen(std::random_device{}());
+  std::uniform_real_distribution<float> dist(-1, 1);
+  const int64_t m = 37, n = 45, k = 70;
+  std::vector<float> a(m * k), b(n * k), c(m * n, 7.0f);
+  for (float& x : a) x = dist(gen);
+  for (float& x : b) x = dist(gen);
+  kernels::gemm(false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+  double worst = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double want = 0;
+      for (int64_t p = 0; p < k; ++p) want += double(a[i * k + p]) * b[j * k + p];
+      worst = std::max(worst, std::abs(want - c[i * n + j]));
+    }
+  }
+  // 70 products of |x| <= 1 in float: each rounding at most 2^-24 of a sum <= 70.
+  EXPECT_LT(worst, 70 * 70 * 6e-8) << core;
+}
+
+TEST(Simd, OpenBlasRunsTheBestCoreTypeThisCpuRuns) {
+  LiftCapAtEnd lift;
+  RestoreBlasCore restore;
+  const std::set<std::string> flags = cpu_flags();
+  ASSERT_FALSE(flags.empty()) << "no flags line in /proc/cpuinfo";
+  const auto has = [&](const char* f) { return flags.count(f) != 0; };
+  const bool avx512 = has("avx512f") && has("avx512bw") && has("avx512dq") && has("avx512vl");
+  const bool avx2 = has("avx2") && has("fma");
+  // The best core type of Debian's OpenBLAS 0.3.21 for this CPU.
+  const std::set<std::string> best = avx512 ? std::set<std::string>{"skylakex", "cooperlake"}
+                                     : avx2 ? std::set<std::string>{"haswell", "zen"}
+                                            : std::set<std::string>{};
+
+  // What OpenBLAS chose as it loaded, and from what.
+  const SimdInfo at_load = simd_info();
+  const char* env = std::getenv("OPENBLAS_CORETYPE");
+  EXPECT_EQ(at_load.blas_core_from, env && *env ? std::string("OPENBLAS_CORETYPE=") + env
+                                                : std::string("OpenBLAS's CPU detection"));
+
+  // Forced to the oldest kernels (a CPU OpenBLAS misreads), then chosen again.
+  ::setenv("QKV_BLAS_CORE", "Prescott", 1);
+  kernels::choose_blas_core("");
+  SimdInfo info = simd_info();
+  EXPECT_EQ(info.blas_core, "Prescott");
+  EXPECT_NE(info.blas.find("Prescott"), std::string::npos) << info.blas;
+  EXPECT_EQ(info.blas_core_action, "switched to Prescott (QKV_BLAS_CORE)");
+  expect_gemm_right("Prescott");
+
+  ::unsetenv("QKV_BLAS_CORE");
+  kernels::choose_blas_core("");
+  info = simd_info();
+  if (best.empty()) {
+    EXPECT_EQ(info.blas_core, "Prescott") << "nothing better on this CPU";
+  } else {
+    EXPECT_EQ(best.count(lower(info.blas_core)), 1u) << info.blas_core;
+    EXPECT_EQ(info.blas_core_action.rfind("switched from Prescott to " + info.blas_core, 0), 0u)
+        << info.blas_core_action;
+  }
+  EXPECT_EQ(info.blas_core_found, at_load.blas_core_found) << "found is the load-time choice";
+  expect_gemm_right(info.blas_core);
+  const std::string chosen = info.blas_core;
+
+  // A cap at avx2 caps OpenBLAS at Haswell; lifting it restores the best.
+  if (avx2 &&
+      std::find(simd_targets().begin(), simd_targets().end(), "avx2") != simd_targets().end()) {
+    set_simd_target("avx2");
+    info = simd_info();
+    EXPECT_EQ(lower(info.blas_core) == "haswell" || lower(info.blas_core) == "zen", true)
+        << info.blas_core;
+    set_simd_target("");
+    EXPECT_EQ(simd_info().blas_core, chosen);
+  }
+
+  // keep: no switch, even from the oldest kernels.
+  ::setenv("QKV_BLAS_CORE", "Prescott", 1);
+  kernels::choose_blas_core("");
+  ::setenv("QKV_BLAS_CORE", "keep", 1);
+  kernels::choose_blas_core("");
+  EXPECT_EQ(simd_info().blas_core, "Prescott");
+  EXPECT_EQ(simd_info().blas_core_action, "kept (QKV_BLAS_CORE=keep)");
+
+  // A name this OpenBLAS lacks: nothing changes, and the variable is an error.
+  ::setenv("QKV_BLAS_CORE", "Pentium9", 1);
+  kernels::choose_blas_core("");
+  EXPECT_EQ(simd_info().blas_core, "Prescott");
+  expect_error([] { set_simd_target_from_env(); },
+               {"set_simd_target_from_env", "QKV_BLAS_CORE", "\"Pentium9\"",
+                "not a core type of this OpenBLAS"});
+  ::unsetenv("QKV_BLAS_CORE");
+  kernels::choose_blas_core("");
+  EXPECT_EQ(simd_info().blas_core, chosen);
 }
 
 }  // namespace

@@ -23,7 +23,8 @@ std::string simd_target();
 
 // Caps the kernels at `name` (one of simd_targets()) and the targets below
 // it; "" lifts the cap. At a cap below avx512 the hand-written AVX-512 paths
-// (the bf16 products and conversions) are off too. Call it while no qkv op
+// (the bf16 products and conversions) are off too, and OpenBLAS's kernels
+// are capped alike (SimdInfo::blas_core). Call it while no qkv op
 // runs on another thread. Throws Error for a name not in simd_targets(),
 // listing them, and saying so when the build has the target but this CPU
 // cannot run it.
@@ -43,12 +44,23 @@ struct SimdInfo {
   // widened to float32 for the float32 kernels: no BF16 instructions, or a
   // cap below avx512).
   std::string bf16_products;
-  std::string blas;  // the BLAS's own description (OpenBLAS's build configuration)
+  std::string bf16_products_why;  // why that path, e.g. "no BF16 instructions"
+  std::string blas;               // the BLAS's own description (OpenBLAS's build configuration)
+  // OpenBLAS's kernels ("core type"). OpenBLAS picks them as it loads and
+  // does not know CPUs newer than itself (Debian 12's runs its SSE3 kernels,
+  // 3-4x slow, on recent Xeons); qkv switches it to the best core type this
+  // CPU runs when OpenBLAS's is older (QKV_BLAS_CORE=keep: never; =NAME: that
+  // one), and a SIMD cap caps it (avx2: Haswell). docs/performance.md.
+  std::string blas_core_found;   // what OpenBLAS chose as it loaded
+  std::string blas_core_from;    // why: "OPENBLAS_CORETYPE=..." or "OpenBLAS's CPU detection"
+  std::string blas_core;         // what runs now
+  std::string blas_core_action;  // what qkv did, one sentence
 };
 SimdInfo simd_info();
 
 // set_simd_target($QKV_SIMD_TARGET) when that variable is set and not empty;
-// a bad value is an Error naming the variable. The qkv command, the
+// a bad value is an Error naming the variable, and so is a QKV_BLAS_CORE
+// that names no core type of the OpenBLAS loaded (SimdInfo::blas_core). The qkv command, the
 // benchmarks and the tests call it at start-up.
 void set_simd_target_from_env();
 

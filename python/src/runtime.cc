@@ -124,7 +124,12 @@ Raises:
         for (const auto& [name, present] : info.cpu_features) features[py::str(name)] = present;
         d["cpu_features"] = features;
         d["bf16_products"] = info.bf16_products;
+        d["bf16_products_why"] = info.bf16_products_why;
         d["blas"] = info.blas;
+        d["blas_core"] = info.blas_core;
+        d["blas_core_found"] = info.blas_core_found;
+        d["blas_core_from"] = info.blas_core_from;
+        d["blas_core_action"] = info.blas_core_action;
         return d;
       },
       R"(What this build and this CPU offer, and what the kernels run on (as `qkv info`).
@@ -134,7 +139,11 @@ Returns:
     simd_target (the one in use), simd_cap (None without a cap),
     cpu_features ({name: bool} for the features the kernels look for, e.g.
     'avx2', 'avx512f', 'avx512bf16'), bf16_products ('amx', 'avx512_bf16' or
-    'widen') and blas (OpenBLAS's configuration).
+    'widen') and bf16_products_why (the reason, in words), blas (OpenBLAS's configuration), and OpenBLAS's kernels:
+    blas_core (the core type running), blas_core_found and blas_core_from
+    (what OpenBLAS chose as it loaded, and from what) and blas_core_action
+    (what qkv did: it switches OpenBLAS to the best core type this CPU runs
+    when OpenBLAS's is older; QKV_BLAS_CORE=keep keeps it).
 
 >>> info = qkv.simd_info()
 >>> info['simd_target'] == qkv.simd_target()

@@ -27,6 +27,7 @@ std::string joined_targets() {
 void cap(std::string_view function, std::string_view what, std::string_view name) {
   if (name.empty()) {
     kernels::cap_at(0);
+    kernels::choose_blas_core("");
     return;
   }
   const int64_t target = kernels::target_by_name(std::string(name));
@@ -39,6 +40,7 @@ void cap(std::string_view function, std::string_view what, std::string_view name
                        "; expected one of: " + joined_targets() + " (the targets this CPU runs)");
   }
   kernels::cap_at(target);
+  kernels::choose_blas_core(name);
 }
 
 }  // namespace
@@ -69,7 +71,13 @@ SimdInfo simd_info() {
   };
 #endif
   info.bf16_products = kernels::fast::bf16_path();
+  info.bf16_products_why = kernels::fast::bf16_path_reason();
   info.blas = kernels::blas_config();
+  const kernels::BlasCoreChoice blas = kernels::blas_core_choice();
+  info.blas_core_found = blas.found;
+  info.blas_core_from = blas.found_from;
+  info.blas_core = blas.running;
+  info.blas_core_action = blas.action;
   return info;
 }
 
@@ -79,8 +87,15 @@ void set_simd_target(std::string_view name) { cap("set_simd_target", "name", nam
 
 void set_simd_target_from_env() {
   const char* value = std::getenv("QKV_SIMD_TARGET");
-  if (value == nullptr) return;
-  cap("set_simd_target_from_env", "QKV_SIMD_TARGET", value);
+  if (value != nullptr) cap("set_simd_target_from_env", "QKV_SIMD_TARGET", value);
+  // QKV_BLAS_CORE was read when the library loaded, where nothing can throw.
+  const std::string unknown = kernels::blas_core_choice().unknown;
+  if (!unknown.empty()) {
+    fail("set_simd_target_from_env",
+         "QKV_BLAS_CORE is \"" + unknown +
+             "\", which is not a core type of this OpenBLAS; expected keep or one of its core "
+             "types, e.g. SkylakeX, Haswell, Prescott");
+  }
 }
 
 }  // namespace qkv

@@ -236,6 +236,15 @@ def cpu_flags():
     return set()
 
 
+def cpu_vendor():
+    """The CPU's vendor_id from /proc/cpuinfo (GenuineIntel, AuthenticAMD)."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 class InfoTest(CliTest):
     """`qkv info`: the CPU's features, the SIMD targets compiled and supported, the
     one chosen (QKV_SIMD_TARGET caps it), the bf16 path; text and --json."""
@@ -267,8 +276,17 @@ class InfoTest(CliTest):
         self.assertEqual("avx2" in supported, "avx2" in compiled and {"avx2", "fma"} <= flags)
         self.assertEqual(info["simd_target"], supported[0])
         self.assertIsNone(info["simd_cap"])
-        native = "avx512_bf16" in flags and "avx512" in supported
-        self.assertEqual(info["bf16_products"] != "widen", native)
+        # bf16 products: AMX where the CPU has it; VDPBF16PS only off Intel,
+        # whose cores issue it at half the FMA rate (slower than float32).
+        intel = cpu_vendor() == "GenuineIntel"
+        amx = {"amx_tile", "amx_bf16"} <= flags and "avx512" in supported
+        dot = "avx512_bf16" in flags and "avx512" in supported and not intel
+        expected = "amx" if amx else "avx512_bf16" if dot else "widen"
+        self.assertEqual(info["bf16_products"], expected)
+        if "avx512_bf16" in flags and intel and not amx:
+            self.assertIn("Intel cores issue VDPBF16PS at half the FMA rate",
+                          info["bf16_products_why"])
+        self.assertTrue(info["bf16_products_why"])
         self.assertTrue(info["blas"].startswith("OpenBLAS"), info["blas"])
         self.assertGreaterEqual(info["threads"], 1)
 
@@ -288,6 +306,50 @@ class InfoTest(CliTest):
             self.assertIn(label, r.stdout)
         chosen = next(line for line in r.stdout.splitlines() if "chosen:" in line)
         self.assertIn("the best this CPU supports", chosen)
+
+    def test_openblas_runs_the_best_core_type_this_cpu_runs(self):
+        """OpenBLAS's kernels: started on the oldest (OPENBLAS_CORETYPE=Prescott,
+        what Debian's OpenBLAS runs on a CPU it does not know), qkv switches it
+        to the best this CPU runs (per /proc/cpuinfo); QKV_BLAS_CORE=keep keeps
+        Prescott, a cap at avx2 gives Haswell, and an unknown QKV_BLAS_CORE is
+        a usage error."""
+        flags = cpu_flags()
+        if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+            best = {"SkylakeX", "Cooperlake"}
+        elif {"avx2", "fma"} <= flags:
+            best = {"Haswell", "Zen"}
+        else:
+            best = {"Prescott"}
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("QKV_BLAS_CORE", "QKV_SIMD_TARGET")}
+        base["OPENBLAS_CORETYPE"] = "Prescott"
+
+        def info(**extra):
+            r = run("info", "--json", env=dict(base, **extra))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            return __import__("json").loads(r.stdout)
+
+        chosen = info()
+        self.assertEqual(chosen["blas_core_found"], "Prescott")
+        self.assertEqual(chosen["blas_core_from"], "OPENBLAS_CORETYPE=Prescott")
+        self.assertIn(chosen["blas_core"], best)
+        self.assertIn(chosen["blas_core"], chosen["blas"])
+        if chosen["blas_core"] != "Prescott":
+            self.assertTrue(chosen["blas_core_action"].startswith(
+                "switched from Prescott to " + chosen["blas_core"]), chosen["blas_core_action"])
+        kept = info(QKV_BLAS_CORE="keep")
+        self.assertEqual(kept["blas_core"], "Prescott")
+        self.assertEqual(kept["blas_core_action"], "kept (QKV_BLAS_CORE=keep)")
+        if "avx2" in chosen["simd_targets_supported"] and {"avx2", "fma"} <= flags:
+            self.assertEqual(info(QKV_SIMD_TARGET="avx2")["blas_core"], "Haswell")
+        text = run("info", env=base).stdout
+        self.assertIn("BLAS kernels:           " + chosen["blas_core"] +
+                      " (OpenBLAS chose Prescott, from OPENBLAS_CORETYPE=Prescott; qkv ", text)
+        r = run("info", env=dict(base, QKV_BLAS_CORE="Pentium9"))
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn('QKV_BLAS_CORE is "Pentium9", which is not a core type of this OpenBLAS',
+                      r.stderr)
+        self.assertEqual(r.stdout, "")
 
     def test_an_unknown_target_is_a_usage_error(self):
         for target in ("avx3", "neon", "AVX2"):

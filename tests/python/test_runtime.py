@@ -178,6 +178,35 @@ def test_set_simd_target_caps_and_lifts(restore_runtime):
     assert qkv.simd_target() == targets[0]
 
 
+def test_openblas_core_type_is_chosen_when_the_module_loads():
+    """Importing qkv switches its OpenBLAS (loaded RTLD_LOCAL with the
+    extension) from the oldest kernels, OPENBLAS_CORETYPE=Prescott, to the
+    best core type this CPU runs (per /proc/cpuinfo); QKV_BLAS_CORE=keep
+    keeps Prescott. simd_info() says both."""
+    with open("/proc/cpuinfo") as f:
+        flags = next(set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags"))
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        best = {"SkylakeX", "Cooperlake"}
+    elif {"avx2", "fma"} <= flags:
+        best = {"Haswell", "Zen"}
+    else:
+        best = {"Prescott"}
+    script = ("import json, qkv; i = qkv.simd_info(); print(json.dumps([i['blas_core'], "
+              "i['blas_core_found'], i['blas_core_from'], i['blas_core_action']]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("QKV_BLAS_CORE", "QKV_SIMD_TARGET")}
+    env["OPENBLAS_CORETYPE"] = "Prescott"
+    for keep in (False, True):
+        run_env = dict(env, QKV_BLAS_CORE="keep") if keep else env
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env=run_env, timeout=120, check=True).stdout
+        core, found, found_from, action = json.loads(out)
+        assert (found, found_from) == ("Prescott", "OPENBLAS_CORETYPE=Prescott")
+        if keep:
+            assert (core, action) == ("Prescott", "kept (QKV_BLAS_CORE=keep)")
+        else:
+            assert core in best, (core, best)
+
+
 def test_simd_info_is_the_commands(qkv_cli, restore_runtime):
     """qkv.simd_info() says what `qkv info --json` says (one library call behind both),
     and follows the cap."""
@@ -186,7 +215,8 @@ def test_simd_info_is_the_commands(qkv_cli, restore_runtime):
                                         text=True, check=True, env=env).stdout)
     info = qkv.simd_info()
     for key in ("simd_targets_compiled", "simd_targets_supported", "simd_target", "simd_cap",
-                "bf16_products", "blas"):
+                "bf16_products", "bf16_products_why", "blas", "blas_core", "blas_core_found",
+                "blas_core_from", "blas_core_action"):
         assert info[key] == command[key], key
     assert sorted(n for n, on in info["cpu_features"].items() if on) == sorted(
         command["cpu_features"])

@@ -46,8 +46,8 @@
 
 #include "kernels/runtime/blas.h"
 #include "kernels/runtime/dispatch.h"
-#include "kernels/simd/vecmath.h"
 #include "kernels/runtime/workspace.h"
+#include "kernels/simd/vecmath.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -490,9 +490,32 @@ QKV_AMX void gemm_amx(const AmxProduct& g) {
   _tile_release();
 }
 
+// Whether VDPBF16PS outruns the float path on this CPU: a vendor rule, not a
+// calibration, so every run takes the same path (and gives the same bits).
+// Intel's cores (Cooper Lake, Sapphire and Emerald Rapids) issue it at half
+// their FMA rate: on an Emerald Rapids Xeon without AMX the avx512_bf16 path
+// ran bf16 SDPA at 0.6x qkv's float32. AMD's Zen 4 issues it at twice the
+// float rate: bf16 SDPA there runs at 1.77x float32 (docs/performance.md).
+bool bf16_dot_beats_float() { return !__builtin_cpu_is("intel"); }
+
 Path best_path() {
   const Support s = support();
-  return s.amx ? Path::kAmx : s.avx512_bf16 ? Path::kAvx512Bf16 : Path::kWiden;
+  return s.amx                                     ? Path::kAmx
+         : s.avx512_bf16 && bf16_dot_beats_float() ? Path::kAvx512Bf16
+                                                   : Path::kWiden;
+}
+
+const char* why_path(Path path) {
+  const Support s = support();
+  if (path == Path::kWiden && s.avx512_bf16) {
+    return "AVX512_BF16 is present, but Intel cores issue VDPBF16PS at half the FMA rate, so the "
+           "float32 kernels are faster";
+  }
+  if (path == Path::kWiden) {
+    return kernels::avx512_allowed() ? "no BF16 instructions" : "the SIMD cap is below avx512";
+  }
+  if (path == Path::kAvx512Bf16) return "VDPBF16PS: not an Intel core, so it outruns float32 FMAs";
+  return "AMX tiles";
 }
 
 // Whether the CPU runs `path`, whatever the cap: for the tests' per-path hooks.
@@ -512,6 +535,7 @@ bool available(Path path) {
 
 Path best_path() { return Path::kWiden; }
 bool available(Path path) { return path == Path::kWiden; }
+const char* why_path(Path) { return "no BF16 instructions"; }
 
 #endif
 
@@ -723,6 +747,8 @@ void to_bf16(const float* x, bfloat16* out, int64_t n) {
 bool bf16_native() { return best_path() != Path::kWiden; }
 
 const char* bf16_path() { return path_name(best_path()); }
+
+const char* bf16_path_reason() { return why_path(best_path()); }
 
 // For tests and benchmarks: every path this CPU can run, on demand, whatever
 // the SIMD cap.

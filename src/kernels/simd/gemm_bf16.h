@@ -55,5 +55,8 @@ bool bf16_native();
 // The path the bf16 products take now: "amx", "avx512_bf16" or "widen"
 // (bf16 widened to float32 for the float32 kernels).
 const char* bf16_path();
+// Why that path, in a few words (qkv info): e.g. on an Intel CPU with
+// AVX512_BF16 but no AMX the float32 kernels are faster than VDPBF16PS.
+const char* bf16_path_reason();
 
 }  // namespace qkv::kernels::fast
