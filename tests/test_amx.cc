@@ -148,10 +148,10 @@ TEST(AmxEmulatorTiles, PartialTilesLoadAndStoreExactlyTheirBytes) {
   Released released;
   const emu::TileConfig c = config({{16, 64}, {5, 12}});
   emu::ldtilecfg(&c);
-  constexpr int64_t kStride = 40;  // bytes, not a multiple of 64
-  std::vector<uint8_t> src(16 * kStride);
+  constexpr int64_t kStride = 40;               // bytes, not a multiple of 64
+  std::vector<uint8_t> src(15 * kStride + 64);  // tile 0's last row reads 64 bytes
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
-  emu::tileloadd(0, src.data(), kStride);  // fills tile 0 whole (rows past 40 bytes: from src)
+  emu::tileloadd(0, src.data(), kStride);  // tile 0 whole: its rows overlap at this stride
   emu::tileloadd(1, src.data(), kStride);
   const auto& data = emu::state().data;
   for (int r = 0; r < 16; ++r) {
