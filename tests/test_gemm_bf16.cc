@@ -3,13 +3,17 @@
 // the sanitizers and without AVX-512), the round trip through vecmath.h's
 // to_float (tested on every bf16 value and SIMD target in
 // test_row_products.cc), and gemm on every path this machine runs ("amx",
-// "avx512_bf16", "widen") against a float64 loop over the widened inputs.
+// "avx512_bf16", "widen") and on the AMX kernel run on the tile emulator
+// ("amx_emulated", every machine) against a float64 loop over the widened
+// inputs; on an AMX machine, the native AMX kernel against the emulated one
+// bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -498,6 +502,12 @@ INSTANTIATE_TEST_SUITE_P(Paths, Bf16Gemm, ::testing::ValuesIn(kernels::fast::bf1
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
+// The AMX kernel on the tile emulator (kernels/simd/amx_emulator.h), on any
+// CPU: the same source as "amx", scalar packing and epilogue.
+INSTANTIATE_TEST_SUITE_P(Emulated, Bf16Gemm, ::testing::Values(std::string("amx_emulated")),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 // The public gemm runs the best available path the SIMD cap allows (under
 // QKV_SIMD_TARGET below avx512 only the widening one), and native() says
@@ -545,6 +555,51 @@ TEST(Bf16GemmDispatch, NativePathsFoundWhereTheCpuHasThem) {
                             __builtin_cpu_supports("amx-bf16") && tiles);
 }
 #endif
+
+// On a CPU with AMX: the native kernel and the emulated one give the same
+// bits (the emulator follows the SDM's definition of TDPBF16PS; this is
+// where silicon is held to it). On a CPU without AMX the native half cannot
+// run: the test then checks that the dispatcher does not offer it, and says
+// that only the emulated half ran (Bf16Gemm/Emulated.*).
+TEST(Bf16GemmDispatch, NativeAmxMatchesEmulatedBitForBit) {
+  const std::vector<std::string> paths = kernels::fast::bf16_paths();
+  const bool offered = std::find(paths.begin(), paths.end(), "amx") != paths.end();
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool cpu_has_amx = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+#else
+  const bool cpu_has_amx = false;
+#endif
+  if (!cpu_has_amx) {
+    EXPECT_FALSE(offered) << "the native AMX path is offered on a CPU without AMX";
+    EXPECT_NE(std::string(kernels::fast::bf16_path()), "amx");
+    RecordProperty("amx", "absent: only the emulated AMX kernel ran (Bf16Gemm/Emulated.*)");
+    std::printf(
+        "[   NOTE   ] this CPU has no AMX: the native AMX kernel was not run, only the "
+        "emulated one; native-vs-emulated needs an AMX machine\n");
+    return;
+  }
+  ASSERT_TRUE(offered) << "the CPU has AMX but the path is not offered (tile state refused?)";
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  struct Shape3 {
+    bool ta, tb;
+    int64_t m, n, k;
+    float alpha, beta;
+  };
+  const Shape3 shapes[] = {
+      {false, true, 128, 256, 64, 0.125f, 0.0f}, {false, false, 128, 64, 256, 1.0f, 1.0f},
+      {true, false, 256, 64, 128, 1.0f, 1.0f},   {false, true, 48, 80, 64, 1.0f, 0.0f},
+      {true, true, 37, 45, 70, -0.5f, 1.5f},     {false, false, 1, 64, 300, 1.0f, 0.0f},
+  };
+  for (const Shape3& s : shapes) {
+    const Problem p = make_problem(rng, s.ta, s.tb, s.m, s.n, s.k, s.alpha, s.beta, 3);
+    SCOPED_TRACE(p.str());
+    const std::vector<float> native = run("amx", p), emulated = run("amx_emulated", p);
+    EXPECT_EQ(std::memcmp(native.data(), emulated.data(), native.size() * sizeof(float)), 0);
+  }
+}
 
 TEST(Bf16GemmDispatch, UnknownPathThrows) {
   float c = 0;

@@ -21,6 +21,13 @@
 #include "test_util.h"
 #include "tolerances.h"
 
+// Test hook defined in kernels/simd/gemm_bf16.cc: every bf16 product on one
+// path ("" for the CPU's best).
+namespace qkv::kernels::fast {
+void force_bf16_path_for_testing(const std::string& path);
+const char* bf16_path();
+}  // namespace qkv::kernels::fast
+
 namespace qkv::test {
 namespace {
 
@@ -253,8 +260,8 @@ std::vector<CausalCase> causal_cases() {
   // Square, fewer queries than keys (a query block after a key cache), more
   // queries than keys (bottom-right: the first Nq - Nk see nothing), one
   // query against many keys (the decoding path's key chunks).
-  const int64_t shapes[][3] = {{2, 300, 300}, {1, 5, 700}, {2, 700, 300}, {1, 1, 5000},
-                               {3, 40, 41}};
+  const int64_t shapes[][3] = {
+      {2, 300, 300}, {1, 5, 700}, {2, 700, 300}, {1, 1, 5000}, {3, 40, 41}};
   int n = 0;
   for (const auto& shape : shapes) {
     for (const Causal causal : {Causal::kTopLeft, Causal::kBottomRight}) {
@@ -517,7 +524,8 @@ GradTermSizes bf16_grad_term_sizes(const Tensor<float>& weights, const Tensor<fl
       double pa = 0;
       for (int64_t j = 0; j < nk; ++j) {
         double a = 0;
-        for (int64_t c = 0; c < dv; ++c) a += std::abs(g[c]) * std::abs(v.data()[(b * nk + j) * dv + c]);
+        for (int64_t c = 0; c < dv; ++c)
+          a += std::abs(g[c]) * std::abs(v.data()[(b * nk + j) * dv + c]);
         e[j] = a;
         pa += std::abs(p[j]) * inv_keep * a;
       }
@@ -542,28 +550,9 @@ Tol bf16_grad_tol(const Tensor<float>& ref_grad, double term_size) {
   return Tol{.atol = 2e-2 * std::max(max_abs(ref_grad), term_size) + 1e-6, .rtol = 0};
 }
 
-TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
-  const uint64_t seed = test_seed();
-  SCOPED_TRACE(seed_note(seed));
-  Rng rng(seed);
-  const FlashCase cases[] = {
-      {2, 130, 600, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, true},
-      {1, 300, 1100, 16, 24, LensForm::kPerBatch, Trend::kRising, 0.0, false},
-      {2, 129, 513, 64, 9, LensForm::kPerQuery, Trend::kFalling, 0.2, true},
-      {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
-      {1, 1, 1, 1, 1, LensForm::kNone, Trend::kRandom, 0.0, true},
-      // Several query blocks: K and V packed once per key block and shared,
-      // the last key block shorter for some query blocks than for the batch
-      // (per-query lengths), with and without dropout.
-      {2, 600, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
-      {1, 520, 900, 32, 32, LensForm::kPerBatch, Trend::kRandom, 0.3, true},
-      // Decoding-like: up to 4 queries read bf16 keys and values in place,
-      // over key chunks; 16 queries take the tiles (widened to float where
-      // the CPU or the SIMD cap lacks the BF16 instructions).
-      {1, 1, 5000, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
-      {2, 4, 3000, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.2, false},
-      {2, 16, 2000, 128, 64, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
-  };
+// bf16 attention, forward and backward, on each case against the float
+// reference on the widened inputs.
+void check_bf16_cases(Rng& rng, const std::vector<FlashCase>& cases) {
   for (const FlashCase& c : cases) {
     SCOPED_TRACE(describe(c));
     const FlashInputs<float> in = make_inputs<float>(rng, c);
@@ -574,8 +563,7 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
     const AttentionResult<float> fast = scaled_dot_product_attention(qb, kb, vb, lens, o);
     const AttentionResult<float> ref = ref::scaled_dot_product_attention(qw, kw, vw, lens, o);
     expect_exact_masking(fast.output, fast.weights, fast.lse, in.lens, c.nk, "bf16");
-    if (!expect_close(fast.output, ref.output, bf16_output_tol(vw, o),
-                      "output") ||
+    if (!expect_close(fast.output, ref.output, bf16_output_tol(vw, o), "output") ||
         !expect_close(fast.lse, ref.lse, kSdpaLse, "lse")) {
       return;
     }
@@ -596,6 +584,55 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
       return;
     }
   }
+}
+
+TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const std::vector<FlashCase> cases = {
+      {2, 130, 600, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, true},
+      {1, 300, 1100, 16, 24, LensForm::kPerBatch, Trend::kRising, 0.0, false},
+      {2, 129, 513, 64, 9, LensForm::kPerQuery, Trend::kFalling, 0.2, true},
+      {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {1, 1, 1, 1, 1, LensForm::kNone, Trend::kRandom, 0.0, true},
+      // Several query blocks: K and V packed once per key block and shared,
+      // the last key block shorter for some query blocks than for the batch
+      // (per-query lengths), with and without dropout.
+      {2, 600, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {1, 520, 900, 32, 32, LensForm::kPerBatch, Trend::kRandom, 0.3, true},
+      // Decoding-like: up to 4 queries read bf16 keys and values in place,
+      // over key chunks; 16 queries take the tiles (widened to float where
+      // the CPU or the SIMD cap lacks the BF16 instructions).
+      {1, 1, 5000, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {2, 4, 3000, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.2, false},
+      {2, 16, 2000, 128, 64, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
+  };
+  check_bf16_cases(rng, cases);
+}
+
+// The AMX kernel on the tile emulator (kernels/simd/amx_emulator.h) for
+// every bf16 product of Flash<bfloat16>, forward and backward, on any CPU:
+// the path forced for the test's length (the dispatcher never picks it).
+// Shapes kept modest (the emulator does ~8,000 scalar FMAs per tile
+// product) but with several query and key blocks, ragged tiles, masks and
+// dropout.
+TEST(FlashBf16, EmulatedAmxMatchesFloatReference) {
+  struct ForcedPath {
+    ForcedPath() { kernels::fast::force_bf16_path_for_testing("amx_emulated"); }
+    ~ForcedPath() { kernels::fast::force_bf16_path_for_testing(""); }
+  } forced;
+  ASSERT_EQ(std::string(kernels::fast::bf16_path()), "amx_emulated");
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  check_bf16_cases(rng, {
+                            {2, 130, 300, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, true},
+                            {2, 129, 270, 64, 9, LensForm::kPerQuery, Trend::kRandom, 0.2, true},
+                            {3, 17, 5, 3, 2, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+                            {1, 300, 400, 32, 48, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
+                            {2, 16, 600, 128, 64, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
+                        });
 }
 
 TEST(FlashBf16, SameBitsForAnyThreadCount) {
@@ -699,9 +736,9 @@ KernelRun<In> run_kernels(const Tensor<In>& q, const Tensor<In>& k, const Tensor
                   Tensor<Acc>(v.shape())};
   using kernels::as_heads;
   const ConstView<In> qh = as_heads(q.view()), kh = as_heads(k.view()), vh = as_heads(v.view());
-  const kernels::ForwardViews<Acc> out{
-      as_heads(r.output.view()), return_weights ? r.weights.view() : TensorView<Acc>(),
-      r.lse.view()};
+  const kernels::ForwardViews<Acc> out{as_heads(r.output.view()),
+                                       return_weights ? r.weights.view() : TensorView<Acc>(),
+                                       r.lse.view()};
   GuardedWorkspace fwd(kernels::fast::sdpa_workspace_size(qh, kh, vh, config, out, slots));
   kernels::fast::sdpa(qh, kh, vh, config, out, {.data = fwd.data(), .num_threads = slots});
   fwd.expect_guards_intact("forward");

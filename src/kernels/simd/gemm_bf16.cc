@@ -5,6 +5,10 @@
 //   amx          AMX tiles: TDPBF16PS does a 16 x 16 x 32 product per instruction
 //   avx512_bf16  VDPBF16PS register tiles: two bf16 products per float lane
 //   widen        bf16 -> float copies, then OpenBLAS sgemm
+// and one the dispatcher never picks: amx_emulated, the AMX kernel's very
+// source run on kernels/simd/amx_emulator.h (scalar packing and epilogue),
+// so that every machine's tests run the AMX code, and an AMX machine checks
+// its native kernel against it bit for bit (tests/test_amx.cc).
 // Why AMX first: on Sapphire Rapids VDPBF16PS zmm issues one per 2 cycles,
 // 103 GFLOP/s per core, half the 205 GFLOP/s of float FMAs, so it cannot
 // beat sgemm; TDPBF16PS peaks at 3.3 TFLOP/s. Measured with
@@ -21,7 +25,9 @@
 #include "kernels/simd/gemm_bf16.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
+#include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -47,12 +53,14 @@
 #include "kernels/runtime/blas.h"
 #include "kernels/runtime/dispatch.h"
 #include "kernels/runtime/workspace.h"
+#include "kernels/simd/amx_emulator.h"
 #include "kernels/simd/vecmath.h"
 
 namespace qkv::kernels::fast {
 namespace {
 
-enum class Path { kAmx, kAvx512Bf16, kWiden };
+enum class Path { kAmx, kAvx512Bf16, kWiden, kAmxEmulated };
+constexpr Path kAllPaths[] = {Path::kAmx, Path::kAvx512Bf16, Path::kWiden, Path::kAmxEmulated};
 
 const char* path_name(Path path) {
   switch (path) {
@@ -62,6 +70,8 @@ const char* path_name(Path path) {
       return "avx512_bf16";
     case Path::kWiden:
       return "widen";
+    case Path::kAmxEmulated:
+      return "amx_emulated";
   }
   return "?";
 }
@@ -78,6 +88,234 @@ void scale_c(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 // op(A) and op(B) widened to float and multiplied by sgemm (multiply() below).
 // The products of two bf16 values are exact in float, so this differs from
 // the native paths only in summation order (and in keeping denormal inputs).
+
+// ---- packed operands ----------------------------------------------------------
+//
+// Both BF16 instructions multiply pairs of adjacent k: a 32-bit word holds
+// (x[2p], x[2p + 1]) in its low and high half. The packed operands:
+//   A: m_pad rows of kp words; word (r, p) = (op(A)[r][2p], op(A)[r][2p + 1])
+//   B: n_pad / 16 panels of kp rows of 16 words;
+//      word (p, j) of panel q = (op(B)[2p][16q + j], op(B)[2p + 1][16q + j])
+// m_pad and n_pad are multiples of 16, kp a multiple of 16 (k up to a multiple
+// of 32), and the padding is zero, so the kernels run whole 16 x 16 tiles
+// (an AMX tile row is 16 words, 64 bytes) and never test bounds. Packing is
+// O((m + n) k) against O(m n k) products: 12 % of the AMX time of S = Q Kᵀ
+// (128 x 256, k = 64; K transposed, Q read in place), less for longer k.
+
+constexpr int64_t kTile = 16;
+
+int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// One operand as words w(r, p): r runs over the m rows of op(A) or the n
+// columns of op(B), p over the pairs along k. k_contiguous: the operand is
+// stored with k along its rows (A as is, or B transposed), so a word is one
+// 32-bit load; otherwise its two halves come from two rows.
+struct Operand {
+  const uint16_t* x;
+  int64_t ld;
+  int64_t rows;
+  int64_t k;
+  bool k_contiguous;
+
+  uint16_t at(int64_t r, int64_t kk) const {
+    return k_contiguous ? x[r * ld + kk] : x[kk * ld + r];
+  }
+  // Zero outside the operand: padding rows, and pairs at or past k.
+  uint32_t word(int64_t r, int64_t p) const {
+    if (r >= rows) return 0;
+    const uint32_t lo = 2 * p < k ? at(r, 2 * p) : 0;
+    const uint32_t hi = 2 * p + 1 < k ? at(r, 2 * p + 1) : 0;
+    return lo | hi << 16;
+  }
+};
+
+// The packed index of word (r, p): r_major (the A layout) or in panels (B).
+size_t packed_index(int64_t r, int64_t p, int64_t kp, bool r_major) {
+  return static_cast<size_t>(r_major ? r * kp + p
+                                     : (r / kTile) * kp * kTile + p * kTile + r % kTile);
+}
+
+// Packs an operand word by word: the portable packing (the AMX emulated
+// path's), and the edges of the vector one.
+void pack_scalar(const Operand& op, int64_t r_pad, int64_t kp, bool r_major, uint32_t* dst) {
+  for (int64_t r = 0; r < r_pad; ++r) {
+    for (int64_t p = 0; p < kp; ++p) dst[packed_index(r, p, kp, r_major)] = op.word(r, p);
+  }
+}
+
+// The packed layouts' k: pairs of k, padded to whole 16-word tile rows.
+int64_t packed_kp(int64_t k) { return round_up(k, 2 * kTile) / 2; }
+
+// ---- amx: tile products, on the tiles or on the emulator ----------------------
+
+// The tile registers: 0-3 accumulate a 32 x 32 block of C (2 x 2 tiles of
+// 16 x 16 floats), 4-5 hold two 16-row A tiles, 6-7 two 16-column B tiles,
+// each 16 rows of 64 bytes. One k step (32 k) is 4 loads and 4 TDPBF16PS
+// (16 cycles each), so every loaded tile is used twice.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+// Static storage: LDTILECFG reads all 64 bytes, which the compiler does not
+// know (the intrinsic's asm names only the first 8), so no local copy.
+const TileConfig kTileConfig{};
+
+// One product on the tiles. A is either the packed A or, when op(A) is A
+// itself with whole tiles (m % 16 == 0, k % 32 == 0), A in place: row r of
+// A tiles at a + r * a_stride bytes either way.
+struct AmxProduct {
+  const char* a;
+  int64_t a_stride;
+  const uint32_t* b;  // packed B
+  int64_t kp;
+  int64_t m, n;
+  float alpha, beta;
+  float* c;
+  int64_t ldc;
+};
+
+// A 32 x 32 block of C whose tiles are in a buffer, waiting for its epilogue.
+struct Pending {
+  const float* tiles = nullptr;  // 32 x 32, row stride 32
+  float* c = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
+// The kernel below is written once against a Tiles policy: the tile
+// instructions with the tile names as template arguments, configure and
+// release, and the epilogue finish(pending, alpha, beta, ldc). Two policies:
+// NativeTiles (the instructions; the AVX-512 epilogue) and EmulatedTiles
+// (amx_emulator.h; a scalar epilogue with the same roundings).
+
+// The 16*RowTiles x 16*ColTiles block of C at (r0, c0). With alpha = 1,
+// beta in {0, 1} and whole tiles, the accumulators start from C (beta = 1)
+// or zero and are stored straight into C. Otherwise they go to `buffer`, and
+// alpha * sum + beta * C is applied while the next block's products run
+// (done right after the tile stores, it waited on them: a third of the
+// time of S = scale Q Kᵀ).
+template <class Tiles, int RowTiles, int ColTiles>
+void amx_block(const AmxProduct& g, int64_t r0, int64_t c0, float* buffer, Pending& pending) {
+  const int64_t rows = std::min<int64_t>(16 * RowTiles, g.m - r0);
+  const int64_t cols = std::min<int64_t>(16 * ColTiles, g.n - c0);
+  const bool in_place = g.alpha == 1.0f && (g.beta == 0.0f || g.beta == 1.0f) &&
+                        rows == 16 * RowTiles && cols == 16 * ColTiles;
+  float* const c = g.c + r0 * g.ldc + c0;
+  const int64_t c_stride = g.ldc * 4;
+  if (in_place && g.beta == 1.0f) {
+    Tiles::template load<0>(c, c_stride);
+    if constexpr (ColTiles == 2) Tiles::template load<1>(c + 16, c_stride);
+    if constexpr (RowTiles == 2) Tiles::template load<2>(c + 16 * g.ldc, c_stride);
+    if constexpr (RowTiles == 2 && ColTiles == 2)
+      Tiles::template load<3>(c + 16 * g.ldc + 16, c_stride);
+  } else {
+    Tiles::template zero<0>();
+    if constexpr (ColTiles == 2) Tiles::template zero<1>();
+    if constexpr (RowTiles == 2) Tiles::template zero<2>();
+    if constexpr (RowTiles == 2 && ColTiles == 2) Tiles::template zero<3>();
+  }
+  const char* a = g.a + r0 * g.a_stride;
+  const uint32_t* b = g.b + (c0 / kTile) * g.kp * kTile;
+  const int64_t b_panel = g.kp * kTile;
+  for (int64_t p = 0; p < g.kp; p += kTile) {
+    Tiles::template load<4>(a + p * 4, g.a_stride);
+    Tiles::template load<6>(b + p * kTile, 64);
+    if constexpr (ColTiles == 2) Tiles::template load<7>(b + b_panel + p * kTile, 64);
+    Tiles::template dpbf16ps<0, 4, 6>();
+    if constexpr (ColTiles == 2) Tiles::template dpbf16ps<1, 4, 7>();
+    if constexpr (RowTiles == 2) {
+      Tiles::template load<5>(a + kTile * g.a_stride + p * 4, g.a_stride);
+      Tiles::template dpbf16ps<2, 5, 6>();
+      if constexpr (ColTiles == 2) Tiles::template dpbf16ps<3, 5, 7>();
+    }
+  }
+  // The previous block's epilogue, on the vector units while the tiles work.
+  if (pending.c != nullptr) Tiles::finish(pending, g.alpha, g.beta, g.ldc);
+  pending = Pending{};
+  float* out = in_place ? c : buffer;
+  const int64_t out_stride = in_place ? c_stride : 32 * 4;
+  const int64_t out_rows = in_place ? g.ldc : 32;
+  Tiles::template store<0>(out, out_stride);
+  if constexpr (ColTiles == 2) Tiles::template store<1>(out + 16, out_stride);
+  if constexpr (RowTiles == 2) Tiles::template store<2>(out + 16 * out_rows, out_stride);
+  if constexpr (RowTiles == 2 && ColTiles == 2)
+    Tiles::template store<3>(out + 16 * out_rows + 16, out_stride);
+  if (!in_place) pending = Pending{buffer, c, rows, cols};
+}
+
+template <class Tiles>
+void gemm_amx(const AmxProduct& g) {
+  // The packed operands were written by ordinary stores, which the tile
+  // loads' asm does not declare it reads: keep them before the loads.
+  __asm__ volatile("" ::: "memory");
+  Tiles::configure(&kTileConfig);
+  alignas(64) float buffers[2][32 * 32];
+  Pending pending;
+  int next = 0;
+  const auto block = [&](int64_t r0, int64_t c0) {
+    const bool two_rows = g.m - r0 > kTile, two_cols = g.n - c0 > kTile;
+    float* buffer = buffers[next];
+    next ^= 1;  // the other buffer may still be pending
+    if (two_rows && two_cols) {
+      amx_block<Tiles, 2, 2>(g, r0, c0, buffer, pending);
+    } else if (two_rows) {
+      amx_block<Tiles, 2, 1>(g, r0, c0, buffer, pending);
+    } else if (two_cols) {
+      amx_block<Tiles, 1, 2>(g, r0, c0, buffer, pending);
+    } else {
+      amx_block<Tiles, 1, 1>(g, r0, c0, buffer, pending);
+    }
+  };
+  // Row blocks outer: sweeping columns inner (B from L1 or L2, rows of C in
+  // order) measured 1.4x faster at S = Q Kᵀ (128 x 256, k = 64) than
+  // sweeping rows inner (A in L1, C written in 2 KiB strides).
+  for (int64_t r0 = 0; r0 < g.m; r0 += 2 * kTile) {
+    for (int64_t c0 = 0; c0 < g.n; c0 += 2 * kTile) block(r0, c0);
+  }
+  if (pending.c != nullptr) Tiles::finish(pending, g.alpha, g.beta, g.ldc);
+  // Frees the tile state so context switches stop saving 8 KiB for us.
+  Tiles::release();
+}
+
+// The emulated tiles: any CPU. The epilogue rounds as store_row does
+// (alpha * acc, then one fused multiply-add with beta * c).
+struct EmulatedTiles {
+  static void configure(const TileConfig* config) { amx_emulator::ldtilecfg(config); }
+  static void release() { amx_emulator::tilerelease(); }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    amx_emulator::tileloadd(T, base, stride);
+  }
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    amx_emulator::tilestored(T, base, stride);
+  }
+  template <int T>
+  static void zero() {
+    amx_emulator::tilezero(T);
+  }
+  template <int Dst, int Src1, int Src2>
+  static void dpbf16ps() {
+    amx_emulator::tdpbf16ps(Dst, Src1, Src2);
+  }
+  static void finish(Pending p, float alpha, float beta, int64_t ldc) {
+    for (int64_t i = 0; i < p.rows; ++i) {
+      for (int64_t j = 0; j < p.cols; ++j) {
+        float& c = p.c[i * ldc + j];
+        const float r = alpha * p.tiles[i * 32 + j];
+        c = beta == 0.0f ? r : std::fma(beta, c, r);
+      }
+    }
+  }
+};
+
+// Packing, defined below (vectors on the native paths).
+void pack_b_words(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
+                  int64_t kp, uint32_t* dst);
+const uint32_t* pack_a_words(Path path, bool trans_a, int64_t m, int64_t k, const bfloat16* a,
+                             int64_t lda, int64_t kp, uint32_t* dst);
 
 #if defined(__x86_64__)
 
@@ -154,46 +392,6 @@ QKV_AVX512 void to_bf16_avx512(const float* x, bfloat16* out, int64_t n) {
   }
 }
 
-// ---- packed operands ----------------------------------------------------------
-//
-// Both BF16 instructions multiply pairs of adjacent k: a 32-bit word holds
-// (x[2p], x[2p + 1]) in its low and high half. The packed operands:
-//   A: m_pad rows of kp words; word (r, p) = (op(A)[r][2p], op(A)[r][2p + 1])
-//   B: n_pad / 16 panels of kp rows of 16 words;
-//      word (p, j) of panel q = (op(B)[2p][16q + j], op(B)[2p + 1][16q + j])
-// m_pad and n_pad are multiples of 16, kp a multiple of 16 (k up to a multiple
-// of 32), and the padding is zero, so the kernels run whole 16 x 16 tiles
-// (an AMX tile row is 16 words, 64 bytes) and never test bounds. Packing is
-// O((m + n) k) against O(m n k) products: 12 % of the AMX time of S = Q Kᵀ
-// (128 x 256, k = 64; K transposed, Q read in place), less for longer k.
-
-constexpr int64_t kTile = 16;
-
-int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
-
-// One operand as words w(r, p): r runs over the m rows of op(A) or the n
-// columns of op(B), p over the pairs along k. k_contiguous: the operand is
-// stored with k along its rows (A as is, or B transposed), so a word is one
-// 32-bit load; otherwise its two halves come from two rows.
-struct Operand {
-  const uint16_t* x;
-  int64_t ld;
-  int64_t rows;
-  int64_t k;
-  bool k_contiguous;
-
-  uint16_t at(int64_t r, int64_t kk) const {
-    return k_contiguous ? x[r * ld + kk] : x[kk * ld + r];
-  }
-  // Zero outside the operand: padding rows, and pairs at or past k.
-  uint32_t word(int64_t r, int64_t p) const {
-    if (r >= rows) return 0;
-    const uint32_t lo = 2 * p < k ? at(r, 2 * p) : 0;
-    const uint32_t hi = 2 * p + 1 < k ? at(r, 2 * p + 1) : 0;
-    return lo | hi << 16;
-  }
-};
-
 // Transposes a 16 x 16 block of 32-bit words held one row per vector.
 QKV_AVX512 void transpose16(__m512i v[16]) {
   __m512i t[16];
@@ -226,9 +424,10 @@ QKV_AVX512 void transpose16(__m512i v[16]) {
 // 16 x 16 word blocks inside the operand are moved with vectors (loaded as
 // rows w(r, .) or as pairs w(., p), whichever the storage gives, and
 // transposed when the layout wants the other); edge blocks word by word.
-QKV_AVX512 void pack(const Operand& op, int64_t r_pad, int64_t kp, bool r_major, uint32_t* dst) {
+QKV_AVX512 void pack_avx512(const Operand& op, int64_t r_pad, int64_t kp, bool r_major,
+                            uint32_t* dst) {
   const auto dst_word = [&](int64_t r, int64_t p) -> uint32_t& {
-    return r_major ? dst[r * kp + p] : dst[(r / kTile) * kp * kTile + p * kTile + r % kTile];
+    return dst[packed_index(r, p, kp, r_major)];
   };
   for (int64_t r0 = 0; r0 < r_pad; r0 += kTile) {
     for (int64_t p0 = 0; p0 < kp; p0 += kTile) {
@@ -259,25 +458,6 @@ QKV_AVX512 void pack(const Operand& op, int64_t r_pad, int64_t kp, bool r_major,
       }
     }
   }
-}
-
-// The packed layouts' k: pairs of k, padded to whole 16-word tile rows.
-int64_t packed_kp(int64_t k) { return round_up(k, 2 * kTile) / 2; }
-
-// op(B) (k x n) into the panel layout with kp words per panel row.
-void pack_b_words(bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb, int64_t kp,
-                  uint32_t* dst) {
-  const Operand op_b{reinterpret_cast<const uint16_t*>(b), ldb, n, k, trans_b};
-  pack(op_b, round_up(n, kTile), kp, /*r_major=*/false, dst);
-}
-
-// op(A) (m x k) into the row layout with kp words per row, in `dst`
-// (round_up(m, kTile) * kp words, a_storage below).
-const uint32_t* pack_a_words(bool trans_a, int64_t m, int64_t k, const bfloat16* a, int64_t lda,
-                             int64_t kp, uint32_t* dst) {
-  const Operand op_a{reinterpret_cast<const uint16_t*>(a), lda, m, k, !trans_a};
-  pack(op_a, round_up(m, kTile), kp, /*r_major=*/true, dst);
-  return dst;
 }
 
 // op(A) as stored is already the row layout (word p of row r = the pair
@@ -335,8 +515,9 @@ QKV_AVX512_BF16 void gemm_avx512_bf16(bool trans_a, int64_t m, int64_t n, int64_
                                       const bfloat16* a, int64_t lda, const uint32_t* b, int64_t kp,
                                       float beta, float* c, int64_t ldc, uint32_t* a_words) {
   const bool in_place = a_is_row_layout(trans_a, k, a, lda) && m % 8 == 0;
-  const uint32_t* pa = in_place ? reinterpret_cast<const uint32_t*>(a)
-                                : pack_a_words(trans_a, m, k, a, lda, kp, a_words);
+  const uint32_t* pa = in_place
+                           ? reinterpret_cast<const uint32_t*>(a)
+                           : pack_a_words(Path::kAvx512Bf16, trans_a, m, k, a, lda, kp, a_words);
   const int64_t a_stride = in_place ? lda / 2 : kp;
   const int64_t pairs = in_place ? k / 2 : kp;
   for (int64_t r0 = 0; r0 < m; r0 += 8) {
@@ -353,47 +534,11 @@ QKV_AVX512_BF16 void gemm_avx512_bf16(bool trans_a, int64_t m, int64_t n, int64_
   }
 }
 
-// ---- amx: tile products ------------------------------------------------------
-
-// The tile registers: 0-3 accumulate a 32 x 32 block of C (2 x 2 tiles of
-// 16 x 16 floats), 4-5 hold two 16-row A tiles, 6-7 two 16-column B tiles,
-// each 16 rows of 64 bytes. One k step (32 k) is 4 loads and 4 TDPBF16PS
-// (16 cycles each), so every loaded tile is used twice.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-// Static storage: LDTILECFG reads all 64 bytes, which the compiler does not
-// know (the intrinsic's asm names only the first 8), so no local copy.
-const TileConfig kTileConfig{};
-
-// One product on the tiles. A is either the packed A or, when op(A) is A
-// itself with whole tiles (m % 16 == 0, k % 32 == 0), A in place: row r of
-// A tiles at a + r * a_stride bytes either way.
-struct AmxProduct {
-  const char* a;
-  int64_t a_stride;
-  const uint32_t* b;  // packed B
-  int64_t kp;
-  int64_t m, n;
-  float alpha, beta;
-  float* c;
-  int64_t ldc;
-};
-
-// A 32 x 32 block of C whose tiles are in a buffer, waiting for its epilogue.
-struct Pending {
-  const float* tiles = nullptr;  // 32 x 32, row stride 32
-  float* c = nullptr;
-  int64_t rows = 0, cols = 0;
-};
+// ---- amx: the native tiles ----------------------------------------------------
 
 // By value: stores through c could alias a referenced Pending, which made
 // the compiler reload its fields after every row.
-QKV_AMX void finish(Pending p, float alpha, float beta, int64_t ldc) {
+QKV_AMX void finish_avx512(Pending p, float alpha, float beta, int64_t ldc) {
   for (int64_t i = 0; i < p.rows; ++i) {
     float* ci = p.c + i * ldc;
     store_row(ci, _mm512_load_ps(p.tiles + i * 32), p.cols, alpha, beta);
@@ -402,92 +547,58 @@ QKV_AMX void finish(Pending p, float alpha, float beta, int64_t ldc) {
   }
 }
 
-// The 16*RowTiles x 16*ColTiles block of C at (r0, c0). With alpha = 1,
-// beta in {0, 1} and whole tiles, the accumulators start from C (beta = 1)
-// or zero and are stored straight into C. Otherwise they go to `buffer`, and
-// alpha * sum + beta * C is applied while the next block's products run
-// (done right after the tile stores, it waited on them: a third of the
-// time of S = scale Q Kᵀ).
-template <int RowTiles, int ColTiles>
-QKV_AMX void amx_block(const AmxProduct& g, int64_t r0, int64_t c0, float* buffer,
-                       Pending& pending) {
-  const int64_t rows = std::min<int64_t>(16 * RowTiles, g.m - r0);
-  const int64_t cols = std::min<int64_t>(16 * ColTiles, g.n - c0);
-  const bool in_place = g.alpha == 1.0f && (g.beta == 0.0f || g.beta == 1.0f) &&
-                        rows == 16 * RowTiles && cols == 16 * ColTiles;
-  float* const c = g.c + r0 * g.ldc + c0;
-  const int64_t c_stride = g.ldc * 4;
-  if (in_place && g.beta == 1.0f) {
-    _tile_loadd(0, c, c_stride);
-    if constexpr (ColTiles == 2) _tile_loadd(1, c + 16, c_stride);
-    if constexpr (RowTiles == 2) _tile_loadd(2, c + 16 * g.ldc, c_stride);
-    if constexpr (RowTiles == 2 && ColTiles == 2) _tile_loadd(3, c + 16 * g.ldc + 16, c_stride);
-  } else {
-    _tile_zero(0);
-    if constexpr (ColTiles == 2) _tile_zero(1);
-    if constexpr (RowTiles == 2) _tile_zero(2);
-    if constexpr (RowTiles == 2 && ColTiles == 2) _tile_zero(3);
-  }
-  const char* a = g.a + r0 * g.a_stride;
-  const uint32_t* b = g.b + (c0 / kTile) * g.kp * kTile;
-  const int64_t b_panel = g.kp * kTile;
-  for (int64_t p = 0; p < g.kp; p += kTile) {
-    _tile_loadd(4, a + p * 4, g.a_stride);
-    _tile_loadd(6, b + p * kTile, 64);
-    if constexpr (ColTiles == 2) _tile_loadd(7, b + b_panel + p * kTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (ColTiles == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (RowTiles == 2) {
-      _tile_loadd(5, a + kTile * g.a_stride + p * 4, g.a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (ColTiles == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  // The previous block's epilogue, on the vector units while the tiles work.
-  if (pending.c != nullptr) finish(pending, g.alpha, g.beta, g.ldc);
-  pending = Pending{};
-  float* out = in_place ? c : buffer;
-  const int64_t out_stride = in_place ? c_stride : 32 * 4;
-  const int64_t out_rows = in_place ? g.ldc : 32;
-  _tile_stored(0, out, out_stride);
-  if constexpr (ColTiles == 2) _tile_stored(1, out + 16, out_stride);
-  if constexpr (RowTiles == 2) _tile_stored(2, out + 16 * out_rows, out_stride);
-  if constexpr (RowTiles == 2 && ColTiles == 2)
-    _tile_stored(3, out + 16 * out_rows + 16, out_stride);
-  if (!in_place) pending = Pending{buffer, c, rows, cols};
-}
+QKV_AMX void load_tile_config(const TileConfig* config) { _tile_loadconfig(config); }
+QKV_AMX void release_tiles() { _tile_release(); }
 
-QKV_AMX void gemm_amx(const AmxProduct& g) {
-  // The packed operands were written by ordinary stores, which the tile
-  // loads' asm does not declare it reads: keep them before the loads.
-  __asm__ volatile("" ::: "memory");
-  _tile_loadconfig(&kTileConfig);
-  alignas(64) float buffers[2][32 * 32];
-  Pending pending;
-  int next = 0;
-  const auto block = [&](int64_t r0, int64_t c0) {
-    const bool two_rows = g.m - r0 > kTile, two_cols = g.n - c0 > kTile;
-    float* buffer = buffers[next];
-    next ^= 1;  // the other buffer may still be pending
-    if (two_rows && two_cols) {
-      amx_block<2, 2>(g, r0, c0, buffer, pending);
-    } else if (two_rows) {
-      amx_block<2, 1>(g, r0, c0, buffer, pending);
-    } else if (two_cols) {
-      amx_block<1, 2>(g, r0, c0, buffer, pending);
-    } else {
-      amx_block<1, 1>(g, r0, c0, buffer, pending);
-    }
-  };
-  // Row blocks outer: sweeping columns inner (B from L1 or L2, rows of C in
-  // order) measured 1.4x faster at S = Q Kᵀ (128 x 256, k = 64) than
-  // sweeping rows inner (A in L1, C written in 2 KiB strides).
-  for (int64_t r0 = 0; r0 < g.m; r0 += 2 * kTile) {
-    for (int64_t c0 = 0; c0 < g.n; c0 += 2 * kTile) block(r0, c0);
+// The instructions. GCC's _tile_loadd, _tile_stored, _tile_zero and
+// _tile_dpbf16ps are macros that paste their tile numbers into the asm
+// text, so they take only literal numbers; these are the same asm
+// statements (immintrin.h's, both syntaxes) with the numbers as immediate
+// operands ("%c": printed bare), so the kernel can name tiles by template
+// arguments. Like the intrinsics they declare no memory effects (hence the
+// barrier in gemm_amx), and need no target attribute: they are only asm.
+struct NativeTiles {
+  static void configure(const TileConfig* config) { load_tile_config(config); }
+  static void release() { release_tiles(); }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm%c2|tileloadd\t%%tmm%c2, [%0+%1*1]}" ::"r"(base),
+                     "r"(static_cast<long>(stride)), "i"(T));
   }
-  if (pending.c != nullptr) finish(pending, g.alpha, g.beta, g.ldc);
-  // Frees the tile state so context switches stop saving 8 KiB for us.
-  _tile_release();
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    __asm__ volatile(
+        "{tilestored\t%%tmm%c2, (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm%c2}" ::"r"(base),
+        "r"(static_cast<long>(stride)), "i"(T));
+  }
+  template <int T>
+  static void zero() {
+    __asm__ volatile("tilezero\t%%tmm%c0" ::"i"(T));
+  }
+  template <int Dst, int Src1, int Src2>
+  static void dpbf16ps() {
+    __asm__ volatile(
+        "{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\t%%tmm%c0, %%tmm%c1, %%tmm%c2}" ::"i"(
+            Dst),
+        "i"(Src1), "i"(Src2));
+  }
+  static void finish(Pending p, float alpha, float beta, int64_t ldc) {
+    finish_avx512(p, alpha, beta, ldc);
+  }
+};
+
+// Whether the CPU runs `path`, whatever the cap: for the tests' per-path hooks.
+bool available(Path path) {
+  switch (path) {
+    case Path::kAmx:
+      return cpu_support().amx;
+    case Path::kAvx512Bf16:
+      return cpu_support().avx512_bf16;
+    case Path::kWiden:
+    case Path::kAmxEmulated:
+      return true;
+  }
+  return false;
 }
 
 // Whether VDPBF16PS outruns the float path on this CPU: a vendor rule, not a
@@ -498,7 +609,7 @@ QKV_AMX void gemm_amx(const AmxProduct& g) {
 // float rate: bf16 SDPA there runs at 1.77x float32 (docs/performance.md).
 bool bf16_dot_beats_float() { return !__builtin_cpu_is("intel"); }
 
-Path best_path() {
+Path best_native_path() {
   const Support s = support();
   return s.amx                                     ? Path::kAmx
          : s.avx512_bf16 && bf16_dot_beats_float() ? Path::kAvx512Bf16
@@ -515,29 +626,52 @@ const char* why_path(Path path) {
     return kernels::avx512_allowed() ? "no BF16 instructions" : "the SIMD cap is below avx512";
   }
   if (path == Path::kAvx512Bf16) return "VDPBF16PS: not an Intel core, so it outruns float32 FMAs";
+  if (path == Path::kAmxEmulated) return "the AMX tile emulator (forced by a test)";
   return "AMX tiles";
 }
 
-// Whether the CPU runs `path`, whatever the cap: for the tests' per-path hooks.
-bool available(Path path) {
-  switch (path) {
-    case Path::kAmx:
-      return cpu_support().amx;
-    case Path::kAvx512Bf16:
-      return cpu_support().avx512_bf16;
-    case Path::kWiden:
-      return true;
-  }
-  return false;
-}
+#else  // not x86-64: the widening path (and the emulated AMX one, for tests)
 
-#else  // not x86-64: only the widening path
-
-Path best_path() { return Path::kWiden; }
-bool available(Path path) { return path == Path::kWiden; }
+Path best_native_path() { return Path::kWiden; }
+bool available(Path path) { return path == Path::kWiden || path == Path::kAmxEmulated; }
 const char* why_path(Path) { return "no BF16 instructions"; }
 
 #endif
+
+// The tests' override of the path (test_amx.cc runs bf16 attention on the
+// emulated AMX path): -1, none, or a Path. Set only between calls.
+std::atomic<int> forced_path{-1};
+
+Path best_path() {
+  const int forced = forced_path.load(std::memory_order_relaxed);
+  return forced >= 0 ? static_cast<Path>(forced) : best_native_path();
+}
+
+// Packs for `path`: with vectors on the native paths, word by word on the
+// emulated one (which runs on any CPU).
+void pack(Path path, const Operand& op, int64_t r_pad, int64_t kp, bool r_major, uint32_t* dst) {
+#if defined(__x86_64__)
+  if (path != Path::kAmxEmulated) return pack_avx512(op, r_pad, kp, r_major, dst);
+#endif
+  assert(path == Path::kAmxEmulated);
+  pack_scalar(op, r_pad, kp, r_major, dst);
+}
+
+// op(B) (k x n) into the panel layout with kp words per panel row.
+void pack_b_words(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16* b, int64_t ldb,
+                  int64_t kp, uint32_t* dst) {
+  const Operand op_b{reinterpret_cast<const uint16_t*>(b), ldb, n, k, trans_b};
+  pack(path, op_b, round_up(n, kTile), kp, /*r_major=*/false, dst);
+}
+
+// op(A) (m x k) into the row layout with kp words per row, in `dst`
+// (round_up(m, kTile) * kp words, a_storage below).
+const uint32_t* pack_a_words(Path path, bool trans_a, int64_t m, int64_t k, const bfloat16* a,
+                             int64_t lda, int64_t kp, uint32_t* dst) {
+  const Operand op_a{reinterpret_cast<const uint16_t*>(a), lda, m, k, !trans_a};
+  pack(path, op_a, round_up(m, kTile), kp, /*r_major=*/true, dst);
+  return dst;
+}
 
 // op(B) ready for a path: the panel words of the native paths, or op(B)
 // widened to float (k x n) for the widening path.
@@ -571,14 +705,13 @@ AStorage a_storage(Path path, int64_t m, int64_t k, Slicer& slicer) {
 void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float alpha,
               const bfloat16* a, int64_t lda, const ReadyB& b, float beta, float* c, int64_t ldc,
               const AStorage& a_st) {
-#if defined(__x86_64__)
-  if (path == Path::kAmx) {
+  if (path == Path::kAmx || path == Path::kAmxEmulated) {
     // A as stored already has the A-tile layout when its rows hold whole
     // 64-byte tile rows and whole tiles: no packing (the common case, Q or P
     // with k = 64, 128, 256).
     const bool a_in_place = !trans_a && m % kTile == 0 && k % (2 * kTile) == 0;
     const uint32_t* pa =
-        a_in_place ? nullptr : pack_a_words(trans_a, m, k, a, lda, b.kp, a_st.words);
+        a_in_place ? nullptr : pack_a_words(path, trans_a, m, k, a, lda, b.kp, a_st.words);
     const AmxProduct g{
         a_in_place ? reinterpret_cast<const char*>(a) : reinterpret_cast<const char*>(pa),
         a_in_place ? lda * 2 : b.kp * 4,
@@ -590,9 +723,12 @@ void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float al
         beta,
         c,
         ldc};
-    gemm_amx(g);
-    return;
+#if defined(__x86_64__)
+    if (path == Path::kAmx) return gemm_amx<NativeTiles>(g);
+#endif
+    return gemm_amx<EmulatedTiles>(g);
   }
+#if defined(__x86_64__)
   if (path == Path::kAvx512Bf16) {
     gemm_avx512_bf16(trans_a, m, n, k, alpha, a, lda, b.words, b.kp, beta, c, ldc, a_st.words);
     return;
@@ -630,7 +766,7 @@ ReadyB make_ready(Path path, bool trans_b, int64_t n, int64_t k, const bfloat16*
     return ready;
   }
   ready.kp = packed_kp(k);
-  pack_b_words(trans_b, n, k, b, ldb, ready.kp, words);
+  pack_b_words(path, trans_b, n, k, b, ldb, ready.kp, words);
   ready.words = words;
   return ready;
 }
@@ -751,7 +887,8 @@ const char* bf16_path() { return path_name(best_path()); }
 const char* bf16_path_reason() { return why_path(best_path()); }
 
 // For tests and benchmarks: every path this CPU can run, on demand, whatever
-// the SIMD cap.
+// the SIMD cap. bf16_paths lists the ones the dispatcher may pick;
+// "amx_emulated" runs everywhere and is named explicitly.
 
 std::vector<std::string> bf16_paths() {
   std::vector<std::string> names;
@@ -764,7 +901,7 @@ std::vector<std::string> bf16_paths() {
 void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int64_t m, int64_t n,
                        int64_t k, float alpha, const bfloat16* a, int64_t lda, const bfloat16* b,
                        int64_t ldb, float beta, float* c, int64_t ldc) {
-  for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
+  for (Path p : kAllPaths) {
     if (path == path_name(p) && available(p)) {
       // A test and benchmark hook, not a kernel: it keeps the product's
       // scratch itself, grown once per thread, so timed loops do not allocate.
@@ -781,13 +918,32 @@ void gemm_bf16_on_path(const std::string& path, bool trans_a, bool trans_b, int6
 
 PackedBf16 pack_b_bf16_on_path(const std::string& path, bool trans_b, int64_t n, int64_t k,
                                const bfloat16* b, int64_t ldb, std::vector<double>& storage) {
-  for (Path p : {Path::kAmx, Path::kAvx512Bf16, Path::kWiden}) {
+  for (Path p : kAllPaths) {
     if (path == path_name(p) && available(p)) {
       storage.assign(pack_b_words_on(p, n, k), 0.0);
       return pack_b_on(p, trans_b, n, k, b, ldb, storage.data());
     }
   }
   throw std::invalid_argument("fast::pack_b_bf16_on_path: path '" + path +
+                              "' is not available on this machine");
+}
+
+// Every bf16 product (gemm_bf16, pack_b_bf16, bf16_path, bf16_native) takes
+// `path` from now on, whatever the CPU offers; "" goes back to the CPU's
+// best. For tests that run a whole kernel on one path (bf16 attention on
+// "amx_emulated"): set between calls, never while a product runs.
+void force_bf16_path_for_testing(const std::string& path) {
+  if (path.empty()) {
+    forced_path.store(-1);
+    return;
+  }
+  for (Path p : kAllPaths) {
+    if (path == path_name(p) && available(p)) {
+      forced_path.store(static_cast<int>(p));
+      return;
+    }
+  }
+  throw std::invalid_argument("fast::force_bf16_path_for_testing: path '" + path +
                               "' is not available on this machine");
 }
 
