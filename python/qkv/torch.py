@@ -186,6 +186,19 @@ def _attn_mask(fn, attn_mask, query):
     return attn_mask.numpy(), None
 
 
+def _check_attn_mask_shape(fn, attn_mask, query, key):
+    """torch's broadcasting rule for attn_mask, checked here so that the
+    message names attn_mask (the kernels' own check names options.mask or
+    options.bias, the C++ names): against the scores (..., Nq, Nk), aligned
+    from the right, each axis 1 or the scores' size."""
+    scores = [*query.shape[:-1], key.shape[-2]]
+    shape = list(attn_mask.shape)
+    if len(shape) > len(scores) or any(m not in (1, s) for m, s in zip(shape[::-1], scores[::-1])):
+        raise _qkv.Error(f"{fn}: attn_mask has shape {shape}, which does not broadcast to the "
+                         f"scores {scores} (..., Nq, Nk): aligned from the right, each axis 1 "
+                         f"or the scores' size")
+
+
 def _draw_seed():
     """A dropout seed from torch's default generator: torch.manual_seed makes runs repeatable."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
@@ -351,6 +364,8 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
     if rank > 4 and attn_mask is not None:
         raise ValueError(f"{fn}: attn_mask takes inputs of rank 2 to 4; got query "
                          f"{list(query.shape)}")
+    if attn_mask is not None:
+        _check_attn_mask_shape(fn, attn_mask, query, key)
     if rank > 4:
         lead = query.shape[:-3]
         if key.shape[:-3] != lead or value.shape[:-3] != lead:
@@ -396,13 +411,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             bias added to the scaled scores (ALiBi, relative positions; -inf
             leaves a key out), differentiable (its gradient is summed over
             the axes it broadcasts along). Combined with is_causal and
-            valid_lens (a key takes part where all let it); a query left
-            with no key gives 0 where torch gives NaN.
+            valid_lens (a key takes part where all let it; torch 2 refuses
+            attn_mask with is_causal); a query left with no key gives 0 and
+            zero gradients, as torch 2.13 does.
         is_causal: query i sees keys j <= i (torch's top-left alignment;
             with Nq > Nk the later queries see every key). Combined with
             valid_lens by taking the smaller length; key blocks no query may
-            see are skipped. Where torch's math path gives NaN (a query with
-            no key left), qkv gives 0.
+            see are skipped. A query left with no key gives 0 (where the
+            formula in torch's documentation gives NaN).
         dropout_p: drop probability on the weights, applied whenever > 0 (as
             in torch); kept weights scaled by 1/(1 - p).
         scale: multiplies Q K^T; default 1/sqrt(D).

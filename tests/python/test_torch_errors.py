@@ -104,14 +104,14 @@ def test_mixed_dtypes_are_type_errors(op):
 
 def test_attn_mask_errors():
     q, k, v = (t for _, t in good_args("sdpa"))
-    with pytest.raises(qkv.Error, match=re.escape("options.bias has shape [4, 5], which does "
+    with pytest.raises(qkv.Error, match=re.escape("attn_mask has shape [4, 5], which does "
                                                   "not broadcast to the scores")):
         sdpa(q, k, v, attn_mask=torch.zeros(4, 5))
     with pytest.raises(TypeError, match="attn_mask has dtype int64; expected bool or a float"):
         sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.int64))
     with pytest.raises(TypeError, match="attn_mask is a list"):
         sdpa(q, k, v, attn_mask=[[True]])
-    with pytest.raises(qkv.Error, match=re.escape("options.mask has shape [4, 5], which does not "
+    with pytest.raises(qkv.Error, match=re.escape("attn_mask has shape [4, 5], which does not "
                                                   "broadcast to the scores")):
         sdpa(q, k, v, attn_mask=torch.ones(4, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask takes inputs of rank 2 to 4"):
