@@ -1,8 +1,12 @@
-// The performance suite's qkv side: every row of issue 5's targets table,
-// qkv's fast kernels at 2 threads, an unfused sgemm + masked softmax + sgemm
-// composition beside fused SDPA, and the SDPA scaling sweep. bench/performance.py
-// runs it together with bench/roofline.cc and bench/perf_torch.py (the d2l
-// PyTorch side, same names) and writes docs/performance.md.
+// The performance suite's qkv side: qkv's fast kernels at 2 threads on every
+// row of docs/performance.md (one-head SDPA, heads with masks, a window, a
+// bias, bf16, forward + backward at d = 64 and 128, decoding, grouped-query
+// decoding, additive attention, masked softmax, Nadaraya-Watson), an unfused
+// sgemm + masked softmax + sgemm composition beside fused SDPA, and the SDPA
+// scaling sweep. bench/performance.py runs it together with bench/roofline.cc
+// (the machine's roofs), bench/perf_torch.py (the book's PyTorch code, same
+// names) and bench/perf_torch2.py (torch 2's SDPA, same names) and writes
+// docs/performance.md.
 //
 //   build/perf/bench/bench_perf --perf_sdpa_lens=L0,L1 --perf_softmax_lens=L0,...,L31
 //
@@ -34,8 +38,8 @@
 #include <vector>
 
 #include "qkv/kernel_regression.h"
-#include "qkv/simd.h"
 #include "qkv/qkv.h"
+#include "qkv/simd.h"
 
 namespace {
 
@@ -207,9 +211,9 @@ void sdpa_forward_bf16(const Runner& run, int64_t batch, int64_t n,
   const Lens lens = make_lens(lens_values);
   const ValidLens valid_lens = lens.valid();
   auto call = [&] {
-    const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
-        ConstView<qkv::bfloat16>(q), ConstView<qkv::bfloat16>(k), ConstView<qkv::bfloat16>(v),
-        valid_lens);
+    const qkv::AttentionResult<float> r =
+        qkv::scaled_dot_product_attention(ConstView<qkv::bfloat16>(q), ConstView<qkv::bfloat16>(k),
+                                          ConstView<qkv::bfloat16>(v), valid_lens);
     benchmark::DoNotOptimize(r.output.data());
     return bytes_of(r.output);
   };
@@ -240,12 +244,12 @@ void sdpa_decode(const Runner& run) {
 
 // The forms of issue 15's rows, B = 2, H = 8, N = 4096, d = 64, float32 (or bf16).
 enum class Heads {
-  kPlain,      // (B, H, N, d), no mask
-  kStrided,    // the same read from (B, N, H, d) memory, viewed as heads
-  kCausal,     // is_causal (top-left)
-  kMask,       // a random boolean (N, N) mask of half the keys (key 0 kept)
-  kWindow,     // a causal sliding window of 256 keys (window_left 255, right 0)
-  kBias,       // a float (N, N) bias, N(0, 1), broadcast over B and H
+  kPlain,    // (B, H, N, d), no mask
+  kStrided,  // the same read from (B, N, H, d) memory, viewed as heads
+  kCausal,   // is_causal (top-left)
+  kMask,     // a random boolean (N, N) mask of half the keys (key 0 kept)
+  kWindow,   // a causal sliding window of 256 keys (window_left 255, right 0)
+  kBias,     // a float (N, N) bias, N(0, 1), broadcast over B and H
 };
 
 // (query, key) pairs each form keeps: the work it cannot skip.
@@ -266,25 +270,26 @@ double kept_pairs(Heads form, int64_t batch, int64_t heads, int64_t n) {
   }
 }
 
-// Forward (or forward + backward) of one form. FLOPs: 4 d (forward) or 14 d
-// (forward + backward) per kept pair.
+// Forward (or forward + backward) of one form, d = 64 (issue 15's rows) or
+// 128 (the head size of most 7B-70B models; issue 31's peer rows). FLOPs: 4 d
+// (forward) or 14 d (forward + backward) per kept pair.
 template <class In>
-void heads_attention(const Runner& run, Heads form, bool backward) {
-  constexpr int64_t kBatch = 2, kHeads = 8, kN = 4096, kDim = 64;
+void heads_attention(const Runner& run, Heads form, bool backward, int64_t dim = 64) {
+  constexpr int64_t kBatch = 2, kHeads = 8, kN = 4096;
   qkv::set_num_threads(2);
   // (B, N, H, d) memory for the strided form, (B, H, N, d) otherwise.
   const bool strided = form == Heads::kStrided;
   const qkv::Shape shape =
-      strided ? qkv::Shape{kBatch, kN, kHeads, kDim} : qkv::Shape{kBatch, kHeads, kN, kDim};
+      strided ? qkv::Shape{kBatch, kN, kHeads, dim} : qkv::Shape{kBatch, kHeads, kN, dim};
   const Tensor<In> q = random_input<In>(shape, 1);
   const Tensor<In> k = random_input<In>(shape, 2);
   const Tensor<In> v = random_input<In>(shape, 3);
   const auto heads_view = [&](const Tensor<In>& t) {
-    return strided ? ConstView<In>(t.data(), {kBatch, kHeads, kN, kDim},
-                                   {kN * kHeads * kDim, kDim, kHeads * kDim, 1})
+    return strided ? ConstView<In>(t.data(), {kBatch, kHeads, kN, dim},
+                                   {kN * kHeads * dim, dim, kHeads * dim, 1})
                    : ConstView<In>(t);
   };
-  const Tensor<float> d_out = random_normal({kBatch, kHeads, kN, kDim}, 4);
+  const Tensor<float> d_out = random_normal({kBatch, kHeads, kN, dim}, 4);
   Tensor<uint8_t> mask;
   Tensor<float> bias;
   qkv::AttentionOptions options;
@@ -319,7 +324,7 @@ void heads_attention(const Runner& run, Heads form, bool backward) {
     }
     return returned;
   };
-  run(call, (backward ? 14.0 : 4.0) * kDim * kept_pairs(form, kBatch, kHeads, kN), 0);
+  run(call, (backward ? 14.0 : 4.0) * dim * kept_pairs(form, kBatch, kHeads, kN), 0);
 }
 
 // Decoding with grouped heads: one query per head, B = 1, H = 32, Hkv = 8,
@@ -363,8 +368,8 @@ void sgemm_rows(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, cons
 // each batch element's scores are formed and multiplied, as a careful BLAS
 // user would. The scores buffer is allocated per call, uninitialised (like
 // torch.empty): that is the memory fusing saves.
-void sdpa_forward_unfused(const Runner& run, int64_t batch,
-                          int64_t n, const std::vector<int64_t>* lens_values) {
+void sdpa_forward_unfused(const Runner& run, int64_t batch, int64_t n,
+                          const std::vector<int64_t>* lens_values) {
   constexpr int64_t kDim = 64;
   qkv::set_num_threads(2);
   const Tensor<float> q = random_normal({batch, n, kDim}, 1);
@@ -378,8 +383,8 @@ void sdpa_forward_unfused(const Runner& run, int64_t batch,
     Tensor<float> out({batch, n, kDim});
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = lens.lens.empty() ? n : lens.lens(b);
-      sgemm_rows(true, n, len, kDim, scale, q.data() + b * n * kDim, kDim,
-                 k.data() + b * n * kDim, kDim, scores.get() + b * n * n, n);
+      sgemm_rows(true, n, len, kDim, scale, q.data() + b * n * kDim, kDim, k.data() + b * n * kDim,
+                 kDim, scores.get() + b * n * n, n);
     }
     const qkv::TensorView<float> scores_view(scores.get(), {batch, n, n});
     qkv::masked_softmax(scores_view, valid_lens, scores_view);
@@ -397,8 +402,8 @@ void sdpa_forward_unfused(const Runner& run, int64_t batch,
 // Forward (with lse) then backward, d_output fixed and random. Returns
 // output, lse, dQ, dK, dV. FLOPs: 14 D per valid pair (forward 4 D; backward
 // recomputes Q Kᵀ, then dV, dW, dQ, dK: 10 D).
-void sdpa_forward_backward(const Runner& run, int64_t batch,
-                           int64_t n, const std::vector<int64_t>* lens_values) {
+void sdpa_forward_backward(const Runner& run, int64_t batch, int64_t n,
+                           const std::vector<int64_t>* lens_values) {
   constexpr int64_t kDim = 64;
   qkv::set_num_threads(2);
   const Tensor<float> q = random_normal({batch, n, kDim}, 1);
@@ -432,8 +437,7 @@ void sdpa_forward_backward(const Runner& run, int64_t batch,
 //   backward B N² (11H + 4Dv) + 4 B (Nq + Nk) D H  (recompute add + tanh, score;
 //            dW = dO·V, dV; dS; d features (1 - t²) w_v dS; their sums per query
 //            and per key; dw_v; dW_q, dq, dW_k, dk)
-void additive(const Runner& run, int64_t batch, int64_t n,
-              bool backward) {
+void additive(const Runner& run, int64_t batch, int64_t n, bool backward) {
   constexpr int64_t kDim = 64, kHidden = 64;
   qkv::set_num_threads(2);
   const Tensor<float> q = random_normal({batch, n, kDim}, 1);
@@ -512,7 +516,10 @@ void nadaraya_watson(const Runner& run, int64_t n) {
     benchmark::DoNotOptimize(p.values.data());
     return bytes_of(p.values);
   };
-  run(call, 0, 0);
+  // 6 flops per (query, key) pair: the difference, its square, the exp
+  // (counted as 1, as tanh is in additive), the sum of weights, the weighted
+  // sum (2). float64, so rated against the float64 FMA peak.
+  run(call, 6.0 * static_cast<double>(n) * static_cast<double>(n), 0);
 }
 
 // ---- registration ------------------------------------------------------------------------
@@ -524,13 +531,16 @@ std::vector<std::pair<std::string, Op>> g_ops;  // in registration order
 // (out of memory, say) becomes an error row on the page, not the end of the run.
 void add(const std::string& name, Op op) {
   g_ops.emplace_back(name, op);
-  benchmark::RegisterBenchmark(name.c_str(), [op](benchmark::State& state) {
-    try {
-      op([&](const OpCall& call, double flops, double bytes) { time_op(state, call, flops, bytes); });
-    } catch (const std::exception& e) {
-      state.SkipWithError(e.what());
-    }
-  })
+  benchmark::RegisterBenchmark(name.c_str(),
+                               [op](benchmark::State& state) {
+                                 try {
+                                   op([&](const OpCall& call, double flops, double bytes) {
+                                     time_op(state, call, flops, bytes);
+                                   });
+                                 } catch (const std::exception& e) {
+                                   state.SkipWithError(e.what());
+                                 }
+                               })
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
 }
@@ -540,7 +550,8 @@ void register_all() {
   for (const bool masked : {false, true}) {
     const std::vector<int64_t>* lens = masked ? &g_sdpa_lens : nullptr;
     const std::string suffix = masked ? "B2_N4096_lens" : "B2_N4096_nomask";
-    add("sdpa_fwd/fused/" + suffix, [=](const Runner& run) { sdpa_forward(run, 2, 4096, lens, 2); });
+    add("sdpa_fwd/fused/" + suffix,
+        [=](const Runner& run) { sdpa_forward(run, 2, 4096, lens, 2); });
     add("sdpa_fwd/unfused_blas/" + suffix,
         [=](const Runner& run) { sdpa_forward_unfused(run, 2, 4096, lens); });
     add("sdpa_fwd/bf16/" + suffix,
@@ -553,24 +564,37 @@ void register_all() {
   add("sdpa_decode/bf16/B8_Nk131072", [](const Runner& run) { sdpa_decode<qkv::bfloat16>(run); });
   // Issue 15: heads (B=2, H=8, N=4096, d=64) with masks, a window, a bias,
   // a strided layout; bf16 causal; grouped-query decoding.
-  const std::pair<Heads, const char*> forms[] = {
-      {Heads::kPlain, "B2_H8_N4096"},          {Heads::kStrided, "B2_H8_N4096_bnhd"},
-      {Heads::kCausal, "B2_H8_N4096_causal"},  {Heads::kMask, "B2_H8_N4096_mask"},
-      {Heads::kWindow, "B2_H8_N4096_window256"}, {Heads::kBias, "B2_H8_N4096_bias"}};
+  const std::pair<Heads, const char*> forms[] = {{Heads::kPlain, "B2_H8_N4096"},
+                                                 {Heads::kStrided, "B2_H8_N4096_bnhd"},
+                                                 {Heads::kCausal, "B2_H8_N4096_causal"},
+                                                 {Heads::kMask, "B2_H8_N4096_mask"},
+                                                 {Heads::kWindow, "B2_H8_N4096_window256"},
+                                                 {Heads::kBias, "B2_H8_N4096_bias"}};
   for (const auto& [form, shape] : forms) {
     const Heads f = form;
     add(std::string("mha_fwd/fused/") + shape,
         [=](const Runner& run) { heads_attention<float>(run, f, false); });
   }
-  add("mha_fwdbwd/fused/B2_H8_N4096", [](const Runner& run) {
-    heads_attention<float>(run, Heads::kPlain, true);
-  });
-  add("mha_fwdbwd/fused/B2_H8_N4096_causal", [](const Runner& run) {
-    heads_attention<float>(run, Heads::kCausal, true);
-  });
-  add("mha_fwd/bf16/B2_H8_N4096_causal", [](const Runner& run) {
-    heads_attention<qkv::bfloat16>(run, Heads::kCausal, false);
-  });
+  add("mha_fwdbwd/fused/B2_H8_N4096",
+      [](const Runner& run) { heads_attention<float>(run, Heads::kPlain, true); });
+  add("mha_fwdbwd/fused/B2_H8_N4096_causal",
+      [](const Runner& run) { heads_attention<float>(run, Heads::kCausal, true); });
+  add("mha_fwd/bf16/B2_H8_N4096_causal",
+      [](const Runner& run) { heads_attention<qkv::bfloat16>(run, Heads::kCausal, false); });
+  // Issue 31's prefill rows against torch 2's SDPA (bench/perf_torch2.py):
+  // bf16 unmasked, forward + backward in bf16, and d = 128 in both types.
+  add("mha_fwd/bf16/B2_H8_N4096",
+      [](const Runner& run) { heads_attention<qkv::bfloat16>(run, Heads::kPlain, false); });
+  add("mha_fwdbwd/bf16/B2_H8_N4096",
+      [](const Runner& run) { heads_attention<qkv::bfloat16>(run, Heads::kPlain, true); });
+  add("mha_fwd/fused/B2_H8_N4096_d128",
+      [](const Runner& run) { heads_attention<float>(run, Heads::kPlain, false, 128); });
+  add("mha_fwd/bf16/B2_H8_N4096_d128",
+      [](const Runner& run) { heads_attention<qkv::bfloat16>(run, Heads::kPlain, false, 128); });
+  add("mha_fwdbwd/fused/B2_H8_N4096_d128",
+      [](const Runner& run) { heads_attention<float>(run, Heads::kPlain, true, 128); });
+  add("mha_fwdbwd/bf16/B2_H8_N4096_d128",
+      [](const Runner& run) { heads_attention<qkv::bfloat16>(run, Heads::kPlain, true, 128); });
   add("gqa_decode/fused/B1_H32_Hkv8_Nk65536", [](const Runner& run) { gqa_decode<float>(run); });
   add("gqa_decode/bf16/B1_H32_Hkv8_Nk65536",
       [](const Runner& run) { gqa_decode<qkv::bfloat16>(run); });
@@ -639,6 +663,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   benchmark::AddCustomContext("simd_target", qkv::simd_target());
+  // The bf16 products' path ("amx", "avx512_bf16" or "widen"): which peak the
+  // bf16 rows are rated against.
+  benchmark::AddCustomContext("bf16_products", qkv::simd_info().bf16_products);
   std::string memory_op;
   for (int i = 1; i < argc; ++i) {
     const std::string memory_flag = "--perf_memory=";
@@ -651,9 +678,10 @@ int main(int argc, char** argv) {
     }
   }
   if (g_sdpa_lens.size() != 2 || g_softmax_lens.size() != 32) {
-    std::fprintf(stderr,
-                 "bench_perf: needs --perf_sdpa_lens (2 lengths in [1, 4096]) and "
-                 "--perf_softmax_lens (32 lengths in [1, 512]); bench/performance.py passes them\n");
+    std::fprintf(
+        stderr,
+        "bench_perf: needs --perf_sdpa_lens (2 lengths in [1, 4096]) and "
+        "--perf_softmax_lens (32 lengths in [1, 512]); bench/performance.py passes them\n");
     return 1;
   }
   // qkv makes OpenBLAS single-threaded on its first parallel call; the

@@ -15,7 +15,11 @@ bench_perf.cc (malloc_trim, write 5 to /proc/self/clear_refs, run, read VmHWM;
 extra = VmHWM - RSS at the reset - bytes of the returned tensors) and the
 median reported. Case names match bench_perf.cc's, with implementation
 "d2l_torch". Writes JSON (--out). bench/performance.py runs it; run it under
-Debian's /usr/bin/python3 (python3-torch).
+Debian's /usr/bin/python3 (python3-torch, torch 1.13). The rows with a heads
+layout (issue 15's) use torch 2's documented math for
+scaled_dot_product_attention, which torch 1.13 lacks; torch 2.13's own
+scaled_dot_product_attention is timed by bench/perf_torch2.py in the
+project's venv (the two torches never share a process).
 """
 
 import argparse

@@ -1,16 +1,31 @@
-// Roofline: this machine's ceilings, measured in the same run as the ops
+// Roofline: this machine's own ceilings, measured in the same run as the ops
 // (bench/bench_perf.cc; bench/performance.py runs both and writes
-// docs/performance.md): OpenBLAS sgemm GFLOP/s at 1 and 2 threads, at the
-// square and the attention shapes, and stream copy and triad bandwidth.
+// docs/performance.md), at 1 and 2 threads:
+//   - compute peaks from register-resident loops (no memory traffic): float32
+//     FMA (AVX-512, else AVX2 + FMA), float64 FMA, the bf16 dot product
+//     `vdpbf16ps` (AVX512_BF16 only) and AMX `tdpbf16ps` (AMX-TILE + AMX-BF16
+//     only); on a CPU without an instruction the benchmark reports the error
+//     "absent: ..." and the page shows "absent";
+//   - memory bandwidth over arrays far beyond the last-level cache: reading
+//     alone (a sum), copy (two forms) and the STREAM triad;
+//   - OpenBLAS sgemm at the square and the attention shapes: a second,
+//     labelled reference (a library's rate, not the machine's ceiling: an
+//     OpenBLAS that misreads the CPU runs far below the FMA peak).
+// One binary runs everywhere: each peak loop is compiled for its instruction
+// set with a target attribute and runs only where __builtin_cpu_supports
+// says so.
 //
 //   build/perf/bench/roofline --benchmark_format=json
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -26,7 +41,223 @@ std::vector<float> random_uniform(int64_t count, uint32_t seed) {
   return values;
 }
 
-// ---- sgemm -------------------------------------------------------------------
+// ---- compute peaks: register-resident loops --------------------------------------
+
+// Each loop updates kAccumulators independent vector accumulators once per
+// step, one instruction each, from operands that stay in registers: no loads
+// or stores, only the arithmetic units. The accumulators must cover latency
+// times issue rate: an FMA takes 4 cycles on 2 ports (Intel since Skylake,
+// AMD Zen 4/5), so 8 in flight keep both busy; 16 (AVX-512, 32 registers) or
+// 12 (AVX2, 16 registers less the two operands) leave margin. The values stay
+// normal floats: acc = acc a + b with a < 1 tends to b / (1 - a), no overflow,
+// no denormals; the dot products add a small positive step and stay far below
+// float's range over one call.
+constexpr int64_t kFmaSteps = int64_t{1} << 22;  // ~8 ms a call per thread at 4 GHz
+// A tdpbf16ps takes 16 cycles on Sapphire/Emerald Rapids: fewer steps.
+constexpr int64_t kAmxSteps = int64_t{1} << 18;
+
+__attribute__((target("avx512f"))) float fma32_avx512(int64_t steps) {
+  constexpr int kAccumulators = 16;
+  __m512 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.001f);
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
+  }
+  for (int j = 1; j < kAccumulators; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+  alignas(64) float lanes[16];  // not _mm512_reduce_add_ps: GCC 12 warns inside it
+  _mm512_store_ps(lanes, acc[0]);
+  return std::accumulate(lanes, lanes + 16, 0.0f);
+}
+
+__attribute__((target("avx2,fma"))) float fma32_avx2(int64_t steps) {
+  constexpr int kAccumulators = 12;
+  __m256 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j));
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(0.001f);
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+  }
+  for (int j = 1; j < kAccumulators; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0]);
+  return std::accumulate(lanes, lanes + 8, 0.0f);
+}
+
+__attribute__((target("avx512f"))) float fma64_avx512(int64_t steps) {
+  constexpr int kAccumulators = 16;
+  __m512d acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_set1_pd(static_cast<double>(j));
+  const __m512d a = _mm512_set1_pd(0.999), b = _mm512_set1_pd(0.001);
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_fmadd_pd(acc[j], a, b);
+  }
+  for (int j = 1; j < kAccumulators; ++j) acc[0] = _mm512_add_pd(acc[0], acc[j]);
+  alignas(64) double lanes[8];
+  _mm512_store_pd(lanes, acc[0]);
+  return static_cast<float>(std::accumulate(lanes, lanes + 8, 0.0));
+}
+
+__attribute__((target("avx2,fma"))) float fma64_avx2(int64_t steps) {
+  constexpr int kAccumulators = 12;
+  __m256d acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_set1_pd(static_cast<double>(j));
+  const __m256d a = _mm256_set1_pd(0.999), b = _mm256_set1_pd(0.001);
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_fmadd_pd(acc[j], a, b);
+  }
+  for (int j = 1; j < kAccumulators; ++j) acc[0] = _mm256_add_pd(acc[0], acc[j]);
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc[0]);
+  return static_cast<float>(lanes[0] + lanes[1] + lanes[2] + lanes[3]);
+}
+
+// vdpbf16ps: acc (16 floats) += the products of 16 pairs of bf16 pairs.
+// 1/64 is exact in bf16; each step adds 2/4096 to a lane.
+__attribute__((target("avx512f,avx512bf16"))) float bf16_dot_avx512(int64_t steps) {
+  constexpr int kAccumulators = 16;
+  __m512 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_setzero_ps();
+  const __m512 x = _mm512_set1_ps(1.0f / 64);
+  const __m512bh a = _mm512_cvtne2ps_pbh(x, x);
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, a);
+  }
+  for (int j = 1; j < kAccumulators; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+  alignas(64) float lanes[16];  // not _mm512_reduce_add_ps: GCC 12 warns inside it
+  _mm512_store_ps(lanes, acc[0]);
+  return std::accumulate(lanes, lanes + 16, 0.0f);
+}
+
+// AMX palette 1 (Intel SDM vol. 1 §18.2, the intrinsics guide's
+// _tile_loadconfig): 8 tiles of up to 16 rows x 64 bytes, configured by this
+// 64-byte block.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row, tiles 0-15 (palette 1 has 8)
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// Linux hands out the 8 KiB of tile state only on request (once per process,
+// for all its threads; src/kernels/simd/gemm_bf16.cc does the same): without
+// it the first tile instruction faults.
+bool request_amx_state() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// tdpbf16ps C (16 x 16 float32) += A (16 rows x 32 bf16) B (16 rows of 16
+// bf16 pairs): 16 * 16 * 32 multiply-adds, 16384 flops. Four accumulator
+// tiles (0-3) fed by two A tiles (4, 5) and two B tiles (6, 7), the 2 x 2
+// blocking a gemm uses: four independent products cover the instruction's
+// latency. 1/64 in every bf16: each step adds 32/4096 to an element.
+__attribute__((target("amx-tile,amx-bf16"))) float amx_bf16(int64_t steps) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  alignas(64) uint16_t operand[16 * 32];
+  std::fill(operand, operand + 16 * 32, uint16_t{0x3c80});  // bf16 1/64
+  alignas(64) float result[16 * 16];
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  float sum = 0;
+  _tile_stored(0, result, 64);
+  sum += result[0];
+  _tile_stored(1, result, 64);
+  sum += result[0];
+  _tile_stored(2, result, 64);
+  sum += result[0];
+  _tile_stored(3, result, 64);
+  sum += result[0];
+  _tile_release();
+  return sum;
+}
+
+using PeakLoop = float (*)(int64_t steps);
+
+// Runs loop(steps) on every one of `threads` OpenMP threads at once;
+// FLOP/s counts all threads' work. The label names the instruction set.
+void run_peak(benchmark::State& state, PeakLoop loop, int64_t steps, double flops_per_step,
+              const char* label) {
+  const int threads = static_cast<int>(state.range(0));
+  float sink = 0;
+  for (auto _ : state) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += loop(steps);
+  }
+  benchmark::DoNotOptimize(sink);
+  state.SetLabel(label);
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops_per_step * static_cast<double>(steps) * threads *
+                             static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
+}
+
+bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
+bool has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// float32 FMA: 16 (AVX-512) or 8 (AVX2) lanes x 2 flops per accumulator and step.
+void BM_PeakFma32(benchmark::State& state) {
+  if (has_avx512()) return run_peak(state, fma32_avx512, kFmaSteps, 16 * 2 * 16, "avx512");
+  if (has_avx2_fma()) return run_peak(state, fma32_avx2, kFmaSteps, 12 * 2 * 8, "avx2+fma");
+  state.SkipWithError("absent: the CPU has neither AVX-512F nor AVX2 + FMA");
+}
+
+// float64 FMA (the Nadaraya-Watson kernel's arithmetic): half the lanes.
+void BM_PeakFma64(benchmark::State& state) {
+  if (has_avx512()) return run_peak(state, fma64_avx512, kFmaSteps, 16 * 2 * 8, "avx512");
+  if (has_avx2_fma()) return run_peak(state, fma64_avx2, kFmaSteps, 12 * 2 * 4, "avx2+fma");
+  state.SkipWithError("absent: the CPU has neither AVX-512F nor AVX2 + FMA");
+}
+
+// vdpbf16ps: 16 lanes x 2 products x 2 flops = 64 flops per accumulator and step.
+void BM_PeakBf16Dot(benchmark::State& state) {
+  if (!has_avx512() || !__builtin_cpu_supports("avx512bf16")) {
+    state.SkipWithError("absent: the CPU has no AVX512_BF16");
+    return;
+  }
+  run_peak(state, bf16_dot_avx512, kFmaSteps, 16 * 64, "avx512bf16");
+}
+
+// tdpbf16ps: 4 per step, 16 * 16 * 32 * 2 flops each.
+void BM_PeakAmxBf16(benchmark::State& state) {
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
+    state.SkipWithError("absent: the CPU has no AMX-TILE + AMX-BF16");
+    return;
+  }
+  static const bool granted = request_amx_state();
+  if (!granted) {
+    state.SkipWithError("absent: Linux refused the AMX tile state (arch_prctl)");
+    return;
+  }
+  run_peak(state, amx_bf16, kAmxSteps, 4 * 16 * 16 * 32 * 2, "amx");
+}
+
+BENCHMARK(BM_PeakFma32)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(BM_PeakFma64)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(BM_PeakBf16Dot)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(BM_PeakAmxBf16)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime();
+
+// ---- sgemm: a second, labelled reference ----------------------------------------
 
 // Row-major C (m x n) = A (m x k) op(B), op(B) = Bᵀ with B stored n x k when
 // trans_b (the scores Q Kᵀ), else B stored k x n (the weighted sum W V).
@@ -78,8 +309,8 @@ const std::vector<std::string> kSgemmArgNames = {"m", "n", "k", "trans_b", "thre
 void sgemm_shapes(benchmark::internal::Benchmark* bench) {
   for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
            {2048, 2048, 2048, 0}, {2048, 2048, 64, 1}, {2048, 64, 2048, 0}}) {
-    for (const std::vector<int64_t>& how : std::vector<std::vector<int64_t>>{
-             {1, 0}, {2, 0}, {2, 1}}) {
+    for (const std::vector<int64_t>& how :
+         std::vector<std::vector<int64_t>>{{1, 0}, {2, 0}, {2, 1}}) {
       bench->Args({shape[0], shape[1], shape[2], shape[3], how[0], how[1]});
     }
   }
@@ -92,31 +323,38 @@ BENCHMARK(BM_Sgemm)
 
 // ---- memory bandwidth ---------------------------------------------------------
 
-// 512 MiB per array: far beyond any cache this (virtual) CPU reports (L3 480
-// MiB), so every byte comes from DRAM. Each thread streams one contiguous
-// slice, the way qkv's kernels split rows.
-constexpr int64_t kStreamFloats = int64_t{512} << 20 >> 2;
+// Per array: 512 MiB, or 4 times the last-level cache the CPU reports where
+// that is larger (one AVX-512 machine reported 480 MiB of L3), so nearly every
+// byte comes from DRAM. Each thread streams one contiguous slice, the way
+// qkv's kernels split rows.
+int64_t stream_floats() {
+  static const int64_t floats = [] {
+    const int64_t l3 = std::max<long>(sysconf(_SC_LEVEL3_CACHE_SIZE), 0);
+    return std::max<int64_t>(int64_t{512} << 20, 4 * l3) / 4;
+  }();
+  return floats;
+}
 
 // dst = src with std::copy (glibc memmove). Bytes: read + write, 8 per float
 // (the write-allocate read of dst, if the CPU does one, is not counted — as in
 // STREAM).
 void BM_StreamCopy(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  const std::vector<float> src(static_cast<size_t>(kStreamFloats), 2.0f);
-  std::vector<float> dst(static_cast<size_t>(kStreamFloats), 1.0f);
+  const int64_t floats = stream_floats();
+  const std::vector<float> src(static_cast<size_t>(floats), 2.0f);
+  std::vector<float> dst(static_cast<size_t>(floats), 1.0f);
 
   for (auto _ : state) {
 #pragma omp parallel num_threads(threads)
     {
       const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-      const int64_t i0 = kStreamFloats * t / parts, i1 = kStreamFloats * (t + 1) / parts;
+      const int64_t i0 = floats * t / parts, i1 = floats * (t + 1) / parts;
       std::copy(src.data() + i0, src.data() + i1, dst.data() + i0);
     }
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(2 * kStreamFloats * static_cast<int64_t>(sizeof(float)) *
-                          state.iterations());
+  state.SetBytesProcessed(2 * floats * static_cast<int64_t>(sizeof(float)) * state.iterations());
 }
 BENCHMARK(BM_StreamCopy)
     ->ArgName("threads")
@@ -132,19 +370,19 @@ BENCHMARK(BM_StreamCopy)
 // 2-thread read ran at 27-30 GB/s against a 40-44 GB/s copy.
 void BM_StreamRead(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  const std::vector<uint32_t> src(static_cast<size_t>(kStreamFloats), 3u);
+  const int64_t floats = stream_floats();
+  const std::vector<uint32_t> src(static_cast<size_t>(floats), 3u);
   for (auto _ : state) {
     uint32_t total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
       const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-      const int64_t i0 = kStreamFloats * t / parts, i1 = kStreamFloats * (t + 1) / parts;
+      const int64_t i0 = floats * t / parts, i1 = floats * (t + 1) / parts;
       total += std::accumulate(src.data() + i0, src.data() + i1, uint32_t{0});
     }
     benchmark::DoNotOptimize(total);
   }
-  state.SetBytesProcessed(kStreamFloats * static_cast<int64_t>(sizeof(uint32_t)) *
-                          state.iterations());
+  state.SetBytesProcessed(floats * static_cast<int64_t>(sizeof(uint32_t)) * state.iterations());
 }
 BENCHMARK(BM_StreamRead)
     ->ArgName("threads")
@@ -172,21 +410,21 @@ void BM_StreamCopyNonTemporal(benchmark::State& state) {
     return;
   }
   const int threads = static_cast<int>(state.range(0));
-  const std::vector<float> src(static_cast<size_t>(kStreamFloats), 2.0f);
-  std::vector<float> dst(static_cast<size_t>(kStreamFloats), 1.0f);
+  const int64_t floats = stream_floats();
+  const std::vector<float> src(static_cast<size_t>(floats), 2.0f);
+  std::vector<float> dst(static_cast<size_t>(floats), 1.0f);
 
   for (auto _ : state) {
 #pragma omp parallel num_threads(threads)
     {
       const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-      const int64_t i0 = kStreamFloats * t / parts, i1 = kStreamFloats * (t + 1) / parts;
+      const int64_t i0 = floats * t / parts, i1 = floats * (t + 1) / parts;
       copy_streaming(src.data() + i0, dst.data() + i0, i1 - i0);
     }
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(2 * kStreamFloats * static_cast<int64_t>(sizeof(float)) *
-                          state.iterations());
+  state.SetBytesProcessed(2 * floats * static_cast<int64_t>(sizeof(float)) * state.iterations());
 }
 BENCHMARK(BM_StreamCopyNonTemporal)
     ->ArgName("threads")
@@ -198,19 +436,19 @@ BENCHMARK(BM_StreamCopyNonTemporal)
 // STREAM triad a = b + s c. Bytes: 12 per float (two reads, one write).
 void BM_StreamTriad(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  const std::vector<float> b(static_cast<size_t>(kStreamFloats), 2.0f);
-  const std::vector<float> c(static_cast<size_t>(kStreamFloats), 0.5f);
-  std::vector<float> a(static_cast<size_t>(kStreamFloats), 1.0f);
+  const int64_t floats = stream_floats();
+  const std::vector<float> b(static_cast<size_t>(floats), 2.0f);
+  const std::vector<float> c(static_cast<size_t>(floats), 0.5f);
+  std::vector<float> a(static_cast<size_t>(floats), 1.0f);
   const float s = 3.0f;
 
   for (auto _ : state) {
 #pragma omp parallel for simd num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < kStreamFloats; ++i) a[i] = b[i] + s * c[i];
+    for (int64_t i = 0; i < floats; ++i) a[i] = b[i] + s * c[i];
     benchmark::DoNotOptimize(a.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(3 * kStreamFloats * static_cast<int64_t>(sizeof(float)) *
-                          state.iterations());
+  state.SetBytesProcessed(3 * floats * static_cast<int64_t>(sizeof(float)) * state.iterations());
 }
 BENCHMARK(BM_StreamTriad)
     ->ArgName("threads")
