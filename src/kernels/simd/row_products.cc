@@ -4,6 +4,7 @@
 #define HWY_TARGET_INCLUDE "kernels/simd/row_products.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Highway's own headers must follow foreach_target.h.
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -80,9 +81,9 @@ HWY_INLINE hn::Vec<hn::Full128<float>> SumsOf4(D d, hn::Vec<D> a, hn::Vec<D> b, 
   const auto ab = hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));
   const auto ce = hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
   // Per block: the block's sums of a, b, c, e.
-  const auto sums = hn::Add(
-      hn::BitCast(d, hn::InterleaveLower(dd, hn::BitCast(dd, ab), hn::BitCast(dd, ce))),
-      hn::BitCast(d, hn::InterleaveUpper(dd, hn::BitCast(dd, ab), hn::BitCast(dd, ce))));
+  const auto sums =
+      hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, hn::BitCast(dd, ab), hn::BitCast(dd, ce))),
+              hn::BitCast(d, hn::InterleaveUpper(dd, hn::BitCast(dd, ab), hn::BitCast(dd, ce))));
   return FoldBlocks(d, sums);
 }
 
@@ -107,6 +108,22 @@ HWY_INLINE void LaneSums(D d, hn::Vec<D> a, hn::Vec<D> b, hn::Vec<D> c, hn::Vec<
   sums[3] = hn::GetLane(hn::SumOfLanes(d, e));
 }
 
+// Rows this far ahead of the one being read are asked into the cache
+// (PrefetchRows).
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks the cache for `rows` rows of `len` elements, `ld` apart, from `p`:
+// prefetches past the end of a tensor are harmless (never fault).
+template <class In>
+HWY_INLINE void PrefetchRows(const In* p, int64_t rows, int64_t ld, int64_t len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * ld);
+    for (int64_t b = 0; b < len * static_cast<int64_t>(sizeof(In)); b += 64) {
+      hwy::Prefetch(row + b);
+    }
+  }
+}
+
 // s[r * lds + j] = alpha q_r . k_j for R rows, two keys at a time (2R
 // independent FMA chains: one key alone would leave d/Lanes FMAs in a chain).
 // The d % Lanes last elements are summed in scalar code after the lanes. Up
@@ -121,6 +138,7 @@ void ScoresR(int64_t cols, int64_t d_len, T alpha, const T* HWY_RESTRICT q, int6
   for (; j + 2 <= cols; j += 2) {
     const In* k0 = k + j * ldk;
     const In* k1 = k0 + ldk;
+    PrefetchRows(k0 + kPrefetchRows * ldk, 2, ldk, d_len);
     hn::Vec<decltype(d)> acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = hn::Zero(d);
     for (int64_t e = 0; e < vec_end; e += lanes) {
@@ -155,8 +173,7 @@ void ScoresR(int64_t cols, int64_t d_len, T alpha, const T* HWY_RESTRICT q, int6
     for (int r = 0; r < R; ++r) acc0[r] = hn::Zero(d);
     for (int64_t e = 0; e < vec_end; e += lanes) {
       const auto kv0 = LoadRow(d, k0 + e);
-      for (int r = 0; r < R; ++r)
-        acc0[r] = hn::MulAdd(hn::LoadU(d, q + r * ldq + e), kv0, acc0[r]);
+      for (int r = 0; r < R; ++r) acc0[r] = hn::MulAdd(hn::LoadU(d, q + r * ldq + e), kv0, acc0[r]);
     }
     for (int r = 0; r < R; r += 2) {
       const int r1 = r + 1 < R ? r + 1 : r;
@@ -236,6 +253,7 @@ void ScoresGrouped(int64_t rows, int64_t cols, int64_t d_len, float alpha,
   for (int64_t j = 0; j < cols; j += 4) {
     const In* kr[4];
     for (int g = 0; g < 4; ++g) kr[g] = k + std::min<int64_t>(j + g, cols - 1) * ldk;
+    PrefetchRows(k + (j + kPrefetchRows) * ldk, 4, ldk, d_len);
     const int64_t keys = std::min<int64_t>(4, cols - j);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const float* q_blk = q + r0 * ldq;
@@ -313,6 +331,7 @@ HWY_INLINE void AccumulateColumns(int64_t cols, int64_t c0, const T* HWY_RESTRIC
     for (int c = 0; c < NV; ++c) acc[r][c] = hn::LoadU(d, o + r * ldo + c0 + c * lanes);
   }
   for (int64_t j = 0; j < cols; ++j) {
+    PrefetchRows(v + (j + kPrefetchRows) * ldv + c0, 1, ldv, NV * lanes);
     hn::Vec<decltype(d)> vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = LoadRow(d, v + j * ldv + c0 + c * lanes);
     for (int r = 0; r < R; ++r) {
@@ -363,7 +382,8 @@ void AccumulateR(int64_t cols, int64_t dv, const T* p, int64_t ldp, const In* v,
   for (int64_t c0 = vectors * lanes; c0 < dv; ++c0) {
     for (int r = 0; r < R; ++r) {
       T sum = o[r * ldo + c0];
-      for (int64_t j = 0; j < cols; ++j) sum = MulAddLane(p[r * ldp + j], Widen(v[j * ldv + c0]), sum);
+      for (int64_t j = 0; j < cols; ++j)
+        sum = MulAddLane(p[r * ldp + j], Widen(v[j * ldv + c0]), sum);
       o[r * ldo + c0] = sum;
     }
   }
@@ -434,17 +454,17 @@ HWY_EXPORT(RowAccumulateF);
 HWY_EXPORT(RowAccumulateB);
 HWY_EXPORT(RowAccumulateD);
 
-void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q,
-                int64_t ldq, const float* k, int64_t ldk, float* s, int64_t lds) {
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, int64_t ldq,
+                const float* k, int64_t ldk, float* s, int64_t lds) {
   HWY_DYNAMIC_DISPATCH(RowScoresF)(rows, cols, d, alpha, q, ldq, k, ldk, s, lds);
 }
-void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q,
-                int64_t ldq, const bfloat16* k, int64_t ldk, float* s, int64_t lds) {
+void row_scores(int64_t rows, int64_t cols, int64_t d, float alpha, const float* q, int64_t ldq,
+                const bfloat16* k, int64_t ldk, float* s, int64_t lds) {
   HWY_DYNAMIC_DISPATCH(RowScoresB)
   (rows, cols, d, alpha, q, ldq, reinterpret_cast<const uint16_t*>(k), ldk, s, lds);
 }
-void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const double* q,
-                int64_t ldq, const double* k, int64_t ldk, double* s, int64_t lds) {
+void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const double* q, int64_t ldq,
+                const double* k, int64_t ldk, double* s, int64_t lds) {
   HWY_DYNAMIC_DISPATCH(RowScoresD)(rows, cols, d, alpha, q, ldq, k, ldk, s, lds);
 }
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
