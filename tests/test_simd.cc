@@ -324,8 +324,8 @@ TEST(Simd, OpenBlasRunsTheBestCoreTypeThisCpuRuns) {
   const std::string chosen = info.blas_core;
 
   // A cap at avx2 caps OpenBLAS at Haswell; lifting it restores the best.
-  if (avx2 &&
-      std::find(simd_targets().begin(), simd_targets().end(), "avx2") != simd_targets().end()) {
+  const std::vector<std::string> targets = simd_targets();
+  if (avx2 && std::find(targets.begin(), targets.end(), "avx2") != targets.end()) {
     set_simd_target("avx2");
     info = simd_info();
     EXPECT_EQ(lower(info.blas_core) == "haswell" || lower(info.blas_core) == "zen", true)
