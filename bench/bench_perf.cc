@@ -665,7 +665,13 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("simd_target", qkv::simd_target());
   // The bf16 products' path ("amx", "avx512_bf16" or "widen"): which peak the
   // bf16 rows are rated against.
-  benchmark::AddCustomContext("bf16_products", qkv::simd_info().bf16_products);
+  const qkv::SimdInfo simd = qkv::simd_info();
+  benchmark::AddCustomContext("bf16_products", simd.bf16_products);
+  // OpenBLAS's kernels: what it chose as it loaded, from what, and what runs
+  // (qkv's choice, or QKV_BLAS_CORE's).
+  benchmark::AddCustomContext("blas_core", simd.blas_core);
+  benchmark::AddCustomContext("blas_core_found", simd.blas_core_found);
+  benchmark::AddCustomContext("blas_core_from", simd.blas_core_from);
   std::string memory_op;
   for (int i = 1; i < argc; ++i) {
     const std::string memory_flag = "--perf_memory=";

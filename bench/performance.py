@@ -115,6 +115,13 @@ ROOF_SHORT = {"fma32": "FMA peak", "fma64": "float64 FMA peak", "bf16_dot": "vdp
 BF16_ROOF = {"amx": "amx", "avx512_bf16": "bf16_dot", "widen": "fma32"}
 # The project's venv with the pinned torch 2 (scripts/make-venv.sh).
 VENV_PYTHON = os.path.join(ROOT, "build", "venv", "bin", "python")
+# The ops whose time goes through OpenBLAS (the float32 backward's products,
+# float64 Nadaraya-Watson, the additive backward's projections), measured once
+# per OpenBLAS core type (QKV_BLAS_CORE): the oldest kernels (what Debian's
+# OpenBLAS runs on a CPU it does not know), Haswell's (AVX2), and qkv's choice.
+BLAS_FILTER = ("^(sdpa_fwdbwd/fused/B2_N4096_nomask|mha_fwdbwd/fused/B2_H8_N4096|"
+               "additive_fwdbwd/fused/B4_N512|nw_exact/fused/N30000)/")
+BLAS_CORES = ("Prescott", "Haswell", None)
 POLICY_FILTER = ("^(sdpa_fwd/fused/B2_N4096_nomask|additive_fwd/fused/B4_N512|"
                  "softmax_fwd/fused/B32_N512_lens)/")
 
@@ -129,11 +136,13 @@ def log(message):
 SIMD_CAP = None
 
 
-def measuring_env(policy):
+def measuring_env(policy, blas_core=None):
     env = dict(os.environ)
     for name in ("OMP_WAIT_POLICY", "QKV_NUM_THREADS", "QKV_SIMD_TARGET", "OPENBLAS_CORETYPE",
-                 "ATEN_CPU_CAPABILITY"):
+                 "ATEN_CPU_CAPABILITY", "QKV_BLAS_CORE"):
         env.pop(name, None)
+    if blas_core:
+        env["QKV_BLAS_CORE"] = blas_core
     if policy:
         env["OMP_WAIT_POLICY"] = policy
     if SIMD_CAP:
@@ -144,15 +153,16 @@ def measuring_env(policy):
     return env
 
 
-def run_gbench(binary, extra_args, repetitions, min_time, policy, work, tag):
+def run_gbench(binary, extra_args, repetitions, min_time, policy, work, tag, blas_core=None):
     """Runs a Google Benchmark binary; returns {name: median run} and its context."""
     out = os.path.join(work, f"{tag}.json")
     args = [binary, f"--benchmark_out={out}", "--benchmark_out_format=json",
             f"--benchmark_repetitions={repetitions}", "--benchmark_report_aggregates_only=true",
             f"--benchmark_min_time={min_time}"] + extra_args
     log(" ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in args)
-        + f"   (OMP_WAIT_POLICY={policy or 'unset'})")
-    subprocess.run(args, check=True, env=measuring_env(policy), stdout=sys.stderr)
+        + f"   (OMP_WAIT_POLICY={policy or 'unset'}"
+        + (f", QKV_BLAS_CORE={blas_core})" if blas_core else ")"))
+    subprocess.run(args, check=True, env=measuring_env(policy, blas_core), stdout=sys.stderr)
     with open(out) as f:
         data = json.load(f)
     medians, errors = {}, {}
@@ -1199,6 +1209,36 @@ unset multiplot
     return True
 
 
+def blas_section(blas_runs, info):
+    """The ops that go through OpenBLAS, at each of its core types (QKV_BLAS_CORE)."""
+    if not blas_runs:
+        return []
+    cores = list(blas_runs)
+    chosen = info.get("blas_core", "?")
+    lines = ["## OpenBLAS's kernels", "",
+             "OpenBLAS picks its kernels (a core type) once, as it loads; Debian 12's 0.3.21 "
+             "does not know CPUs newer than itself and runs its SSE3 kernels (Prescott) on "
+             "them. qkv switches OpenBLAS to the best core type the CPU runs when OpenBLAS "
+             "chose an older one (`qkv info`, docs/cli.md). The ops whose time goes through "
+             "OpenBLAS, in this run, with OpenBLAS held at each core type by `QKV_BLAS_CORE` "
+             f"(qkv's choice on this machine: **{chosen}**; "
+             f"OpenBLAS itself chose {info.get('blas_core_found', '?')}, from "
+             f"{info.get('blas_core_from', '?')}):", "",
+             "| op | " + " | ".join(cores) + " | " + " | ".join(
+                 f"{c} / qkv's choice" for c in cores[:-1]) + " |",
+             "|---|" + "---|" * (2 * len(cores) - 1)]
+    names = sorted(set().union(*(set(r) for r in blas_runs.values())))
+    for name in names:
+        runs = [blas_runs[c].get(name) for c in cores]
+        if any(r is None or "error" in r for r in runs):
+            continue
+        times = [seconds_of(r) for r in runs]
+        lines.append(f"| {name} | " + " | ".join(fmt_s(t) for t in times) + " | "
+                     + " | ".join(f"{t / times[-1]:.2f}×" for t in times[:-1]) + " |")
+    lines.append("")
+    return lines
+
+
 def policy_section(policy_runs):
     lines = ["## OMP_WAIT_POLICY", "",
              f"Every measured process ran with `OMP_WAIT_POLICY={OMP_WAIT_POLICY}` (qkv and "
@@ -1625,6 +1665,7 @@ def write_page(path, run, cases, have_figure, figure):
     lines += sweep_section(cases, roofs, sgemm_rate, os.path.basename(figure))
     if not have_figure:
         lines += ["(No figure: no sweep point was measured.)", ""]
+    lines += blas_section(run.get("blas_runs"), run.get("blas_core") or {})
     lines += policy_section(policy_runs)
     lines += method_section(sdpa_lens, softmax_lens, repetitions)
     with open(path, "w") as f:
@@ -1710,6 +1751,13 @@ def measure(args):
                 run_gbench(bench_perf, lens_args + [f"--benchmark_filter={POLICY_FILTER}"],
                            args.repetitions, args.min_time, policy, work, f"policy_{policy}")[0]
                 for policy in (None, "passive")]
+        with Phase("OpenBLAS core types (QKV_BLAS_CORE)", phases):
+            blas_runs = {
+                core or "qkv's choice": run_gbench(
+                    bench_perf, lens_args + [f"--benchmark_filter={BLAS_FILTER}"],
+                    args.repetitions, args.min_time, OMP_WAIT_POLICY, work,
+                    f"blas_{core or 'auto'}", blas_core=core)[0]
+                for core in BLAS_CORES}
         with Phase("roofline", phases):
             roof, roof_context = run_gbench(roofline, [], args.repetitions, args.min_time,
                                             OMP_WAIT_POLICY, work, "roofline")
@@ -1733,6 +1781,9 @@ def measure(args):
 
     return {"info": info, "roof_context": roof_context, "roof": roof, "roof_end": roof_end,
             "qkv": qkv, "torch": torch, "torch2": torch2, "policy_runs": policy_runs,
+            "blas_runs": blas_runs,
+            "blas_core": {key: qkv_context.get(key)
+                          for key in ("blas_core", "blas_core_found", "blas_core_from")},
             "sdpa_lens": sdpa_lens, "bf16_products": qkv_context.get("bf16_products"),
             "softmax_lens": softmax_lens, "repetitions": args.repetitions,
             "started": started.isoformat(), "finished": datetime.datetime.now().isoformat(),
