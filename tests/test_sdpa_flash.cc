@@ -1136,6 +1136,15 @@ TEST(FlashWorkspace, ExactQueriedSizeGuardedAndSameBits) {
     SCOPED_TRACE("bfloat16");
     check_workspace_contract<bfloat16>(rng);
   }
+  {
+    // The fused AMX forward's scratch (and its key blocks packed for every
+    // shape) cut from the same workspace, on the emulated tiles.
+    SCOPED_TRACE("bfloat16 on emulated AMX tiles");
+    const EmulatedAmx amx;
+    const FusedTasks tasks;
+    check_workspace_contract<bfloat16>(rng);
+    EXPECT_GT(tasks.ran(), 0);
+  }
 }
 
 TEST(FlashCausal, Bf16AndAdditiveAreTheLengthsTheyImply) {

@@ -37,7 +37,11 @@
 // (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16 for
 // their products, everything else in float; the forward packs each key
 // block's K and V for the products once per call, not once per query block,
-// and the softmax writes P straight in bf16 when there is no dropout. Without
+// and the softmax writes P straight in bf16 when there is no dropout. Where
+// the bf16 products run on AMX tiles, a task's whole key loop runs fused on
+// the tiles instead (kernels/simd/amx_attention.h: one tile configuration per
+// task, S at scale 1 with the scale in the softmax, P V added per key block),
+// unless masks, a bias, dropout or the weights ask for the loop here. Without
 // the BF16 instructions the bf16 forward widens each tile of Q, K and V to
 // float and runs block_gemm on it (P stays float), and the backward runs on
 // float copies of the inputs (attention.cc).
