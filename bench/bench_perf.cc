@@ -220,6 +220,25 @@ void sdpa_forward_bf16(const Runner& run, int64_t batch, int64_t n,
   run(call, 4.0 * kDim * lens.pairs(batch, n, n), 0);
 }
 
+// Issue 31's AMX rows: bf16 forward, B = 2, H = 1, N = 4096, no lengths, at
+// d = Dv = `dim` (64 or 128), 2 threads; rated against the AMX bf16 peak on
+// a CPU whose bf16 products run on AMX (the fused key loop,
+// kernels/simd/amx_attention.h), against the path's own peak elsewhere.
+void sdpa_forward_bf16_amx_shape(const Runner& run, int64_t dim) {
+  constexpr int64_t kBatch = 2, kN = 4096;
+  qkv::set_num_threads(2);
+  const Tensor<qkv::bfloat16> q = to_bf16(random_normal({kBatch, kN, dim}, 1));
+  const Tensor<qkv::bfloat16> k = to_bf16(random_normal({kBatch, kN, dim}, 2));
+  const Tensor<qkv::bfloat16> v = to_bf16(random_normal({kBatch, kN, dim}, 3));
+  auto call = [&] {
+    const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
+        ConstView<qkv::bfloat16>(q), ConstView<qkv::bfloat16>(k), ConstView<qkv::bfloat16>(v));
+    benchmark::DoNotOptimize(r.output.data());
+    return bytes_of(r.output);
+  };
+  run(call, 4.0 * static_cast<double>(dim * kBatch * kN * kN), 0);
+}
+
 // Decoding: one query per sequence against a long cache of keys and values,
 // B = 8, Nk = 131072, d = Dv = 64, float32 or bf16 inputs (converted once,
 // outside the timing), 2 threads. Memory-bound: the bytes counted are those
@@ -598,6 +617,10 @@ void register_all() {
   add("gqa_decode/fused/B1_H32_Hkv8_Nk65536", [](const Runner& run) { gqa_decode<float>(run); });
   add("gqa_decode/bf16/B1_H32_Hkv8_Nk65536",
       [](const Runner& run) { gqa_decode<qkv::bfloat16>(run); });
+  // Issue 31, item 4: the fused AMX forward's rows (AMX to a quarter of its peak).
+  add("amx_fwd/bf16/B2_N4096_d64", [](const Runner& run) { sdpa_forward_bf16_amx_shape(run, 64); });
+  add("amx_fwd/bf16/B2_N4096_d128",
+      [](const Runner& run) { sdpa_forward_bf16_amx_shape(run, 128); });
   // The same at 1 thread: how well the 2 threads scale.
   add("sdpa_fwd/fused_1thread/B2_N4096_nomask",
       [](const Runner& run) { sdpa_forward(run, 2, 4096, nullptr, 1); });

@@ -17,6 +17,7 @@
 
 #include "attention_testing.h"
 #include "kernels/kernels.h"
+#include "kernels/simd/amx_attention.h"
 #include "qkv/qkv.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -616,12 +617,20 @@ TEST(FlashBf16, MatchesFloatReferenceOnWidenedInputs) {
 // the path forced for the test's length (the dispatcher never picks it).
 // Shapes kept modest (the emulator does ~8,000 scalar FMAs per tile
 // product) but with several query and key blocks, ragged tiles, masks and
-// dropout.
+// dropout. The forward's fused AMX key loop is switched off here, so every
+// product goes through gemm_bf16 one by one (FusedAmx below tests the loop).
 TEST(FlashBf16, EmulatedAmxMatchesFloatReference) {
   struct ForcedPath {
-    ForcedPath() { kernels::fast::force_bf16_path_for_testing("amx_emulated"); }
-    ~ForcedPath() { kernels::fast::force_bf16_path_for_testing(""); }
+    ForcedPath() {
+      kernels::fast::force_bf16_path_for_testing("amx_emulated");
+      kernels::fast::set_amx_attention_for_testing(false);
+    }
+    ~ForcedPath() {
+      kernels::fast::force_bf16_path_for_testing("");
+      kernels::fast::set_amx_attention_for_testing(true);
+    }
   } forced;
+  const int64_t fused_before = kernels::fast::amx_attention_tasks_for_testing();
   ASSERT_EQ(std::string(kernels::fast::bf16_path()), "amx_emulated");
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
@@ -633,6 +642,292 @@ TEST(FlashBf16, EmulatedAmxMatchesFloatReference) {
                             {1, 300, 400, 32, 48, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
                             {2, 16, 600, 128, 64, LensForm::kPerBatch, Trend::kRandom, 0.0, false},
                         });
+  EXPECT_EQ(kernels::fast::amx_attention_tasks_for_testing(), fused_before);
+}
+
+// ---- the fused AMX forward (kernels/simd/amx_attention.h) ------------------------
+//
+// bf16 attention's forward with its key loop fused on AMX tiles, run on the
+// tile emulator on every machine (the dispatcher picks the fused loop only
+// where the bf16 products run on native AMX): against the reference on the
+// widened inputs with FlashBf16's tolerances (docs/semantics.md's bf16
+// bounds), over partial tiles, odd D and Dv, lengths, causal, grouped-query
+// heads, key chunks, non-finite scores and thread counts; and the cases it
+// leaves to the block products (masks, a bias, dropout, weights, a scale
+// <= 0) must take them and still be right.
+
+// The bf16 products on the emulator and the fused loop on (or off) for a
+// test's length.
+class EmulatedAmx {
+ public:
+  explicit EmulatedAmx(bool fused = true) {
+    kernels::fast::force_bf16_path_for_testing("amx_emulated");
+    kernels::fast::set_amx_attention_for_testing(fused);
+  }
+  ~EmulatedAmx() {
+    kernels::fast::force_bf16_path_for_testing("");
+    kernels::fast::set_amx_attention_for_testing(true);
+  }
+  EmulatedAmx(const EmulatedAmx&) = delete;
+  EmulatedAmx& operator=(const EmulatedAmx&) = delete;
+};
+
+// Fused tasks run since construction.
+class FusedTasks {
+ public:
+  int64_t ran() const { return kernels::fast::amx_attention_tasks_for_testing() - start_; }
+
+ private:
+  int64_t start_ = kernels::fast::amx_attention_tasks_for_testing();
+};
+
+// The bf16 forward on (q, k, v) rounded to bf16 (3-D or 4-D) against the
+// reference on the widened inputs; returns the fused tasks it ran.
+int64_t expect_bf16_forward(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+                            const ValidLens& lens, const AttentionOptions& o) {
+  const Tensor<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v);
+  const Tensor<float> qw = widen(qb), kw = widen(kb), vw = widen(vb);
+  const FusedTasks tasks;
+  const AttentionResult<float> fast = scaled_dot_product_attention(qb, kb, vb, lens, o);
+  const int64_t ran = tasks.ran();
+  const AttentionResult<float> ref = ref::scaled_dot_product_attention(qw, kw, vw, lens, o);
+  expect_close(fast.output, ref.output, bf16_output_tol(vw, o), "output");
+  if (o.return_lse) expect_close(fast.lse, ref.lse, kSdpaLse, "lse");
+  if (o.return_weights) expect_close(fast.weights, ref.weights, kSoftmax, "weights");
+  return ran;
+}
+
+TEST(FusedAmx, ForwardMatchesReference) {
+  const EmulatedAmx amx;
+  ASSERT_TRUE(kernels::fast::amx_attention_enabled());
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  // Nq and Nk off the multiples of 16, 32 and 256 (the key block) but for
+  // the first; D = 64 and 128 (whole tile rows), odd D and Dv (padded pairs,
+  // padded columns); 17 rows (a whole row tile and one row of the next:
+  // fewer go to the row products, not the tiles); rising scores rescale the
+  // output at every key block.
+  const std::vector<FlashCase> cases = {
+      {1, 256, 512, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {2, 130, 300, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      {1, 257, 531, 128, 128, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {2, 45, 77, 33, 17, LensForm::kPerBatch, Trend::kRising, 0.0, false},
+      {1, 300, 800, 16, 24, LensForm::kPerQuery, Trend::kRising, 0.0, false},
+      {3, 20, 513, 7, 5, LensForm::kNone, Trend::kFalling, 0.0, false},
+      {1, 600, 700, 64, 48, LensForm::kPerQuery, Trend::kRandom, 0.0, false},
+      {2, 17, 40, 64, 64, LensForm::kNone, Trend::kRandom, 0.0, false},
+      // 16 tasks, so no key chunks: each task's rows go through 3 key blocks
+      // (with fewer tasks the keys are cut into chunks of one block each,
+      // and the chunks' merge does the rescaling).
+      {16, 20, 600, 16, 24, LensForm::kPerQuery, Trend::kRising, 0.0, false},
+      {16, 20, 600, 16, 24, LensForm::kNone, Trend::kRandom, 0.0, false},
+  };
+  int n = 0;
+  for (const FlashCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const FlashInputs<float> in = make_inputs<float>(rng, c);
+    AttentionOptions o = options_for(c, rng.next());
+    const int64_t ran = expect_bf16_forward(in.q, in.k, in.v, in.lens.get(), o);
+    // Every length 0 (random lengths may give it): no key, no task.
+    bool any_key = false;
+    for (int64_t b = 0; b < c.batch; ++b) {
+      for (int64_t i = 0; i < c.nq; ++i) any_key = any_key || in.lens.at(b, i, c.nk) > 0;
+    }
+    if (any_key) EXPECT_GT(ran, 0) << "the fused loop did not run";
+    // Causal (a cap on the lengths: key blocks past a strip's rows skipped)
+    // and a scale of our own, on every other case.
+    if (n++ % 2 == 0) {
+      o.causal = n % 4 == 1 ? Causal::kTopLeft : Causal::kBottomRight;
+      o.scale = 0.3;
+      SCOPED_TRACE("causal " + std::to_string(static_cast<int>(o.causal)) + ", scale 0.3");
+      const int64_t causal_ran = expect_bf16_forward(in.q, in.k, in.v, in.lens.get(), o);
+      if (any_key) EXPECT_GT(causal_ran, 0);
+    }
+  }
+}
+
+// Grouped-query heads (B, H, N, D) with H / Hkv query heads per key head:
+// each key head's blocks are packed once and shared by its query heads.
+TEST(FusedAmx, GroupedQueryHeads) {
+  const EmulatedAmx amx;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<float> q = random_tensor<float>(rng, {2, 4, 40, 64});
+  const Tensor<float> k = random_tensor<float>(rng, {2, 2, 300, 64});
+  const Tensor<float> v = random_tensor<float>(rng, {2, 2, 300, 32});
+  const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, false, 2, 40, 300, 0.1);
+  AttentionOptions o;
+  o.return_lse = true;
+  EXPECT_GT(expect_bf16_forward(q, k, v, lens.get(), o), 0);
+  o.causal = Causal::kBottomRight;
+  EXPECT_GT(expect_bf16_forward(q, k, v, {}, o), 0);
+}
+
+// Rows with a NaN or +inf score leave the fused loop as special rows and
+// take the exact path (DESIGN.md §3); the others are unaffected. 140 queries
+// against 700 keys run one pass; 20 against 1500 run in key chunks, and the
+// row is non-finite in one chunk only.
+TEST(FusedAmx, NonFiniteRowsTakeTheExactPath) {
+  const EmulatedAmx amx;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  struct Shape {
+    int64_t nq, nk, inf_key;
+  };
+  for (const Shape& shape : {Shape{140, 700, 600}, Shape{20, 1500, 1300}}) {
+    const int64_t nq = shape.nq, nk = shape.nk;
+    SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk));
+    Tensor<float> q = random_tensor<float>(rng, {1, nq, 32});
+    Tensor<float> k = random_tensor<float>(rng, {1, nk, 32});
+    const Tensor<float> v = random_tensor<float>(rng, {1, nk, 16});
+    // q0 > 0 sees +inf at the key (a NaN row), q0 < 0 -inf (weight 0), q0 = 0 NaN.
+    k(0, shape.inf_key, 0) = std::numeric_limits<float>::infinity();
+    q(0, 1, 0) = 0.0f;
+    q(0, 2, 0) = -0.5f;
+    AttentionOptions o;
+    o.return_lse = true;
+    const FusedTasks tasks;
+    const AttentionResult<float> fast =
+        scaled_dot_product_attention(to_bf16(q), to_bf16(k), to_bf16(v), {}, o);
+    EXPECT_GT(tasks.ran(), 0);
+    const AttentionResult<float> ref = ref::scaled_dot_product_attention(
+        widen(to_bf16(q)), widen(to_bf16(k)), widen(to_bf16(v)), {}, o);
+    int nan_rows = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const bool expect_nan = !(q(0, i, 0) < 0.0f);
+      ASSERT_EQ(std::isnan(fast.lse(0, i)), expect_nan) << "query " << i;
+      nan_rows += expect_nan;
+    }
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, nq);
+    expect_close(fast.output, ref.output, bf16_output_tol(widen(to_bf16(v)), o), "output");
+    expect_close(fast.lse, ref.lse, kSdpaLse, "lse");
+  }
+}
+
+// What the fused loop does not cover goes to the block products (on the
+// emulated tiles too), and is still right: masks, a window, a bias,
+// dropout, the weights, a scale <= 0. The first call, with none of them,
+// shows that the shape itself takes the fused loop.
+TEST(FusedAmx, DeclinesMasksBiasDropoutWeights) {
+  const EmulatedAmx amx;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = 2, nq = 40, nk = 300, d = 64;
+  const Tensor<float> q = random_tensor<float>(rng, {batch, nq, d});
+  const Tensor<float> k = random_tensor<float>(rng, {batch, nk, d});
+  const Tensor<float> v = random_tensor<float>(rng, {batch, nk, d});
+  Tensor<uint8_t> mask(Shape{batch, nq, nk}), key_mask(Shape{batch, nk});
+  for (int64_t i = 0; i < mask.numel(); ++i) mask.data()[i] = rng.bernoulli(0.8) ? 1 : 0;
+  for (int64_t i = 0; i < key_mask.numel(); ++i) key_mask.data()[i] = rng.bernoulli(0.8) ? 1 : 0;
+  const Tensor<float> bias = random_tensor<float>(rng, {nq, nk});
+  AttentionOptions plain;
+  plain.return_lse = true;
+  EXPECT_GT(expect_bf16_forward(q, k, v, {}, plain), 0) << "the shape should take the fused loop";
+  struct Declined {
+    const char* what;
+    AttentionOptions o;
+  };
+  std::vector<Declined> declined;
+  for (int what = 0; what < 7; ++what) {
+    AttentionOptions o = plain;
+    const char* name = "";
+    switch (what) {
+      case 0:
+        o.mask = mask.view(), name = "mask";
+        break;
+      case 1:
+        o.key_mask = key_mask.view(), name = "key_mask";
+        break;
+      case 2:
+        o.window_left = 50, o.window_right = 0, name = "window";
+        break;
+      case 3:
+        o.bias = ConstView<float>(bias.view()), name = "bias";
+        break;
+      case 4:
+        o.dropout_p = 0.25, o.training = true, o.seed = rng.next(), name = "dropout";
+        break;
+      case 5:
+        o.return_weights = true, name = "weights";
+        break;
+      default:
+        o.scale = -0.2, name = "negative scale";
+        break;
+    }
+    SCOPED_TRACE(name);
+    EXPECT_EQ(expect_bf16_forward(q, k, v, {}, o), 0) << "the fused loop took a case it declines";
+  }
+}
+
+// The fused loop's results do not depend on the thread count (the tasks and
+// key chunks depend on the shapes only), and match the per-product path's
+// within the bf16 bounds (the loop rounds a block's P V once into the output;
+// the per-product path accumulates it on the tiles from the output).
+TEST(FusedAmx, SameBitsForAnyThreadCount) {
+  const EmulatedAmx amx;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<bfloat16> q = to_bf16(random_tensor<float>(rng, {1, 300, 64}));
+  const Tensor<bfloat16> k = to_bf16(random_tensor<float>(rng, {1, 600, 64}));
+  const Tensor<bfloat16> v = to_bf16(random_tensor<float>(rng, {1, 600, 64}));
+  const Tensor<bfloat16> q4 = to_bf16(random_tensor<float>(rng, {1, 4, 70, 64}));
+  const Tensor<bfloat16> k4 = to_bf16(random_tensor<float>(rng, {1, 2, 300, 64}));
+  const Tensor<bfloat16> v4 = to_bf16(random_tensor<float>(rng, {1, 2, 300, 32}));
+  const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, true, 1, 300, 600, 0.05);
+  AttentionOptions o;
+  o.return_lse = true;
+  const FusedTasks tasks;
+  expect_same_for_thread_counts([&] {
+    const AttentionResult<float> r = scaled_dot_product_attention(q, k, v, lens.get(), o);
+    const AttentionResult<float> r4 = scaled_dot_product_attention(q4, k4, v4, {}, o);
+    return std::vector<Tensor<float>>{r.output, r.lse, r4.output, r4.lse};
+  });
+  EXPECT_GT(tasks.ran(), 0);
+  const AttentionResult<float> fused = scaled_dot_product_attention(q, k, v, lens.get(), o);
+  kernels::fast::set_amx_attention_for_testing(false);
+  const AttentionResult<float> blocks = scaled_dot_product_attention(q, k, v, lens.get(), o);
+  kernels::fast::set_amx_attention_for_testing(true);
+  expect_close(fused.output, blocks.output, bf16_output_tol(widen(v), o), "output");
+  expect_close(fused.lse, blocks.lse, kSdpaLse, "lse");
+}
+
+// On a CPU with AMX: the fused loop on the instructions and on the emulator
+// give the same bits (the softmax and the rescale are the same vector code in
+// both; the tiles are held to the SDM's definition). Without AMX the native
+// half cannot run: the test then checks that the dispatcher does not pick the
+// fused loop natively, and says so.
+TEST(FusedAmx, NativeMatchesEmulatedBitForBit) {
+  if (std::string(kernels::fast::bf16_path()) != "amx") {
+    EXPECT_FALSE(kernels::fast::amx_attention_enabled())
+        << "the fused AMX loop is picked without native AMX products";
+    std::printf(
+        "[   NOTE   ] the bf16 products do not run on native AMX here: the fused AMX forward ran "
+        "only on the emulator; native-vs-emulated needs an AMX machine\n");
+    return;
+  }
+  ASSERT_TRUE(kernels::fast::amx_attention_enabled());
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const Tensor<bfloat16> q = to_bf16(random_tensor<float>(rng, {2, 130, 64}));
+  const Tensor<bfloat16> k = to_bf16(random_tensor<float>(rng, {2, 531, 64}));
+  const Tensor<bfloat16> v = to_bf16(random_tensor<float>(rng, {2, 531, 33}));
+  const OwnedLens lens = make_lens(rng, LensForm::kPerQuery, false, 2, 130, 531, 0.05);
+  AttentionOptions o;
+  o.return_lse = true;
+  FusedTasks tasks;
+  const AttentionResult<float> native = scaled_dot_product_attention(q, k, v, lens.get(), o);
+  EXPECT_GT(tasks.ran(), 0);
+  const EmulatedAmx amx;
+  const AttentionResult<float> emulated = scaled_dot_product_attention(q, k, v, lens.get(), o);
+  expect_bitwise_equal(native.output, emulated.output, "output");
+  expect_bitwise_equal(native.lse, emulated.lse, "lse");
 }
 
 TEST(FlashBf16, SameBitsForAnyThreadCount) {
@@ -840,6 +1135,15 @@ TEST(FlashWorkspace, ExactQueriedSizeGuardedAndSameBits) {
   {
     SCOPED_TRACE("bfloat16");
     check_workspace_contract<bfloat16>(rng);
+  }
+  {
+    // The fused AMX forward's scratch (and its key blocks packed for every
+    // shape) cut from the same workspace, on the emulated tiles.
+    SCOPED_TRACE("bfloat16 on emulated AMX tiles");
+    const EmulatedAmx amx;
+    const FusedTasks tasks;
+    check_workspace_contract<bfloat16>(rng);
+    EXPECT_GT(tasks.ran(), 0);
   }
 }
 

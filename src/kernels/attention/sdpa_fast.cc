@@ -37,7 +37,11 @@
 // (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16 for
 // their products, everything else in float; the forward packs each key
 // block's K and V for the products once per call, not once per query block,
-// and the softmax writes P straight in bf16 when there is no dropout. Without
+// and the softmax writes P straight in bf16 when there is no dropout. Where
+// the bf16 products run on AMX tiles, a task's whole key loop runs fused on
+// the tiles instead (kernels/simd/amx_attention.h: one tile configuration per
+// task, S at scale 1 with the scale in the softmax, P V added per key block),
+// unless masks, a bias, dropout or the weights ask for the loop here. Without
 // the BF16 instructions the bf16 forward widens each tile of Q, K and V to
 // float and runs block_gemm on it (P stays float), and the backward runs on
 // float copies of the inputs (attention.cc).
@@ -45,6 +49,7 @@
 // Rows whose valid scores are not all finite (NaN, ±inf) take an exact
 // single-row path that applies DESIGN.md §3's rules.
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -52,6 +57,7 @@
 
 #include "kernels/attention/attention_common.h"
 #include "kernels/runtime/blas.h"
+#include "kernels/simd/amx_attention.h"
 #include "kernels/simd/block_gemm.h"
 #include "kernels/simd/gemm_bf16.h"
 #include "kernels/kernels.h"
@@ -157,9 +163,7 @@ struct Flash<bfloat16> {
   // K and V of one key block packed for the products once, not once per
   // query block: packing was ~6 % of the bf16 forward, and with the products
   // at ~2x the float rate every other pass counts double.
-  struct KeyBlock {
-    fast::PackedBf16 k, v;  // Kᵀ (d x cols) and V (cols x dv) as B operands
-  };
+  using KeyBlock = fast::PackedKeyBlock;  // Kᵀ (d x cols) and V (cols x dv) as B operands
   // Doubles of storage a block of up to `cols` keys packs into.
   static size_t prepare_words(int64_t cols, int64_t d, int64_t dv) {
     return fast::pack_b_bf16_words(cols, d) + fast::pack_b_bf16_words(dv, cols);
@@ -276,6 +280,7 @@ struct ForwardScratch {
   In* q_gather;
   Acc* out_rows;
   double* gemm;  // the block products' own scratch (forward_gemm_words)
+  double* amx;   // bf16 on AMX tiles: the fused key loop's scratch (null otherwise)
 };
 
 template <class In>
@@ -313,6 +318,11 @@ ForwardScratch<In> forward_scratch(Slicer& slicer, int64_t nk, int64_t d, int64_
   sc.out_rows = slicer.take<Acc>(kRowProductRows * dv);
   const size_t gemm = Flash<In>::forward_gemm_words(nk, d, dv);
   sc.gemm = gemm > 0 ? slicer.take<double>(static_cast<int64_t>(gemm)) : nullptr;
+  sc.amx = nullptr;
+  if (kConverts && fast::amx_attention_enabled()) {
+    sc.amx = slicer.take<double>(
+        static_cast<int64_t>(fast::amx_attention_scratch_words(kQueryBlock, kKeyBlock, d, dv)));
+  }
   return sc;
 }
 
@@ -487,7 +497,25 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
   }
   fill_rows(out, ldo, rows, dv, Acc(0));
 
-  for (int64_t j0 = key_begin; j0 < std::min(key_end, n_eff); j0 += kKeyBlock) {
+  // bf16 on AMX tiles: the whole key loop fused on the tiles
+  // (kernels/simd/amx_attention.h), when the keys are packed and nothing
+  // but the lengths (and causal, a cap on them) decides which keys a row
+  // sees. Masks, a bias, dropout and the weights take the loop below, one
+  // block product at a time (on the tiles too); so does a scale <= 0.
+  const bool fused = sc.amx && products == Products::kPacked && key_blocks && !dropout &&
+                     !config.adjusts_scores() && !weights && scale > Acc(0) &&
+                     scale < std::numeric_limits<Acc>::infinity();
+  if constexpr (std::is_same_v<In, bfloat16>) {
+    if (fused && key_begin < std::min(key_end, n_eff)) {
+      assert(std::min(key_end, n_eff) <= prepared_keys);
+      const fast::AmxAttentionRows task{q_blk, ldq,  rows, d,          dv,  sc.len,
+                                        scale, sc.m, sc.l, sc.special, out, ldo};
+      fast::amx_attention_rows(task, key_blocks, kKeyBlock, key_begin, std::min(key_end, n_eff),
+                               sc.amx);
+    }
+  }
+
+  for (int64_t j0 = fused ? key_end : key_begin; j0 < std::min(key_end, n_eff); j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n_eff - j0);
     const In* k_blk = k_b + j0 * ldk;
     const In* v_blk = v_b + j0 * ldv;
@@ -664,7 +692,9 @@ ForwardWorkspace<In> forward_workspace(Slicer& slicer, int64_t heads, int64_t kv
   // each task widens its own tiles (packing would widen K and V whole).
   if constexpr (!std::is_empty_v<KeyBlock>) {
     const int64_t group = heads / std::max<int64_t>(kv_heads, 1);
-    if (nq > kRowProductRows && ceil_div(nq, kQueryBlock) * group > 1 && fast::bf16_native()) {
+    // On AMX tiles always: the fused key loop reads packed blocks only.
+    const bool shared = ceil_div(nq, kQueryBlock) * group > 1 || fast::amx_attention_enabled();
+    if (nq > kRowProductRows && shared && fast::bf16_native()) {
       const int64_t blocks = kv_heads * ceil_div(nk, kKeyBlock);
       ws.prepared = slicer.take<KeyBlock>(blocks);
       ws.prepared_keys = slicer.take<int64_t>(kv_heads);

@@ -53,7 +53,7 @@
 #include "kernels/runtime/blas.h"
 #include "kernels/runtime/dispatch.h"
 #include "kernels/runtime/workspace.h"
-#include "kernels/simd/amx_emulator.h"
+#include "kernels/simd/amx_tiles.h"
 #include "kernels/simd/vecmath.h"
 
 namespace qkv::kernels::fast {
@@ -148,20 +148,10 @@ int64_t packed_kp(int64_t k) { return round_up(k, 2 * kTile) / 2; }
 
 // ---- amx: tile products, on the tiles or on the emulator ----------------------
 
-// The tile registers: 0-3 accumulate a 32 x 32 block of C (2 x 2 tiles of
-// 16 x 16 floats), 4-5 hold two 16-row A tiles, 6-7 two 16-column B tiles,
-// each 16 rows of 64 bytes. One k step (32 k) is 4 loads and 4 TDPBF16PS
-// (16 cycles each), so every loaded tile is used twice.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-// Static storage: LDTILECFG reads all 64 bytes, which the compiler does not
-// know (the intrinsic's asm names only the first 8), so no local copy.
-const TileConfig kTileConfig{};
+// The tile registers (all 16 rows of 64 bytes, amx::kAllTiles16x64): 0-3
+// accumulate a 32 x 32 block of C (2 x 2 tiles of 16 x 16 floats), 4-5 hold
+// two 16-row A tiles, 6-7 two 16-column B tiles. One k step (32 k) is 4
+// loads and 4 TDPBF16PS (16 cycles each), so every loaded tile is used twice.
 
 // One product on the tiles. A is either the packed A or, when op(A) is A
 // itself with whole tiles (m % 16 == 0, k % 32 == 0), A in place: row r of
@@ -184,11 +174,11 @@ struct Pending {
   int64_t rows = 0, cols = 0;
 };
 
-// The kernel below is written once against a Tiles policy: the tile
-// instructions with the tile names as template arguments, configure and
-// release, and the epilogue finish(pending, alpha, beta, ldc). Two policies:
-// NativeTiles (the instructions; the AVX-512 epilogue) and EmulatedTiles
-// (amx_emulator.h; a scalar epilogue with the same roundings).
+// The kernel below is written once against a Tiles policy: amx_tiles.h's
+// instructions, and the epilogue finish(pending, alpha, beta, ldc). Two
+// policies: NativeGemmTiles (the instructions; the AVX-512 epilogue) and
+// EmulatedGemmTiles (amx_emulator.h; a scalar epilogue with the same
+// roundings).
 
 // The 16*RowTiles x 16*ColTiles block of C at (r0, c0). With alpha = 1,
 // beta in {0, 1} and whole tiles, the accumulators start from C (beta = 1)
@@ -249,8 +239,8 @@ template <class Tiles>
 void gemm_amx(const AmxProduct& g) {
   // The packed operands were written by ordinary stores, which the tile
   // loads' asm does not declare it reads: keep them before the loads.
-  __asm__ volatile("" ::: "memory");
-  Tiles::configure(&kTileConfig);
+  amx::compiler_barrier();
+  Tiles::configure(&amx::kAllTiles16x64);
   alignas(64) float buffers[2][32 * 32];
   Pending pending;
   int next = 0;
@@ -281,25 +271,7 @@ void gemm_amx(const AmxProduct& g) {
 
 // The emulated tiles: any CPU. The epilogue rounds as store_row does
 // (alpha * acc, then one fused multiply-add with beta * c).
-struct EmulatedTiles {
-  static void configure(const TileConfig* config) { amx_emulator::ldtilecfg(config); }
-  static void release() { amx_emulator::tilerelease(); }
-  template <int T>
-  static void load(const void* base, int64_t stride) {
-    amx_emulator::tileloadd(T, base, stride);
-  }
-  template <int T>
-  static void store(void* base, int64_t stride) {
-    amx_emulator::tilestored(T, base, stride);
-  }
-  template <int T>
-  static void zero() {
-    amx_emulator::tilezero(T);
-  }
-  template <int Dst, int Src1, int Src2>
-  static void dpbf16ps() {
-    amx_emulator::tdpbf16ps(Dst, Src1, Src2);
-  }
+struct EmulatedGemmTiles : amx::EmulatedTiles {
   static void finish(Pending p, float alpha, float beta, int64_t ldc) {
     for (int64_t i = 0; i < p.rows; ++i) {
       for (int64_t j = 0; j < p.cols; ++j) {
@@ -547,41 +519,8 @@ QKV_AMX void finish_avx512(Pending p, float alpha, float beta, int64_t ldc) {
   }
 }
 
-QKV_AMX void load_tile_config(const TileConfig* config) { _tile_loadconfig(config); }
-QKV_AMX void release_tiles() { _tile_release(); }
-
-// The instructions. GCC's _tile_loadd, _tile_stored, _tile_zero and
-// _tile_dpbf16ps are macros that paste their tile numbers into the asm
-// text, so they take only literal numbers; these are the same asm
-// statements (immintrin.h's, both syntaxes) with the numbers as immediate
-// operands ("%c": printed bare), so the kernel can name tiles by template
-// arguments. Like the intrinsics they declare no memory effects (hence the
-// barrier in gemm_amx), and need no target attribute: they are only asm.
-struct NativeTiles {
-  static void configure(const TileConfig* config) { load_tile_config(config); }
-  static void release() { release_tiles(); }
-  template <int T>
-  static void load(const void* base, int64_t stride) {
-    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm%c2|tileloadd\t%%tmm%c2, [%0+%1*1]}" ::"r"(base),
-                     "r"(static_cast<long>(stride)), "i"(T));
-  }
-  template <int T>
-  static void store(void* base, int64_t stride) {
-    __asm__ volatile(
-        "{tilestored\t%%tmm%c2, (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm%c2}" ::"r"(base),
-        "r"(static_cast<long>(stride)), "i"(T));
-  }
-  template <int T>
-  static void zero() {
-    __asm__ volatile("tilezero\t%%tmm%c0" ::"i"(T));
-  }
-  template <int Dst, int Src1, int Src2>
-  static void dpbf16ps() {
-    __asm__ volatile(
-        "{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\t%%tmm%c0, %%tmm%c1, %%tmm%c2}" ::"i"(
-            Dst),
-        "i"(Src1), "i"(Src2));
-  }
+// The instructions (amx_tiles.h) with the AVX-512 epilogue.
+struct NativeGemmTiles : amx::NativeTiles {
   static void finish(Pending p, float alpha, float beta, int64_t ldc) {
     finish_avx512(p, alpha, beta, ldc);
   }
@@ -724,9 +663,9 @@ void multiply(Path path, bool trans_a, int64_t m, int64_t n, int64_t k, float al
         c,
         ldc};
 #if defined(__x86_64__)
-    if (path == Path::kAmx) return gemm_amx<NativeTiles>(g);
+    if (path == Path::kAmx) return gemm_amx<NativeGemmTiles>(g);
 #endif
-    return gemm_amx<EmulatedTiles>(g);
+    return gemm_amx<EmulatedGemmTiles>(g);
   }
 #if defined(__x86_64__)
   if (path == Path::kAvx512Bf16) {
@@ -883,6 +822,20 @@ void to_bf16(const float* x, bfloat16* out, int64_t n) {
 bool bf16_native() { return best_path() != Path::kWiden; }
 
 const char* bf16_path() { return path_name(best_path()); }
+
+namespace {
+AmxTiles amx_tiles(Path path) {
+  return path == Path::kAmx           ? AmxTiles::kNative
+         : path == Path::kAmxEmulated ? AmxTiles::kEmulated
+                                      : AmxTiles::kNone;
+}
+}  // namespace
+
+AmxTiles bf16_amx_tiles() { return amx_tiles(best_path()); }
+
+AmxTiles amx_tiles_of(const PackedBf16& packed) {
+  return packed.words ? amx_tiles(static_cast<Path>(packed.path)) : AmxTiles::kNone;
+}
 
 const char* bf16_path_reason() { return why_path(best_path()); }
 

@@ -50,6 +50,15 @@ void gemm_bf16(int64_t m, float alpha, const bfloat16* a, int64_t lda, const Pac
 // vecmath.h's to_float.
 void to_bf16(const float* x, bfloat16* out, int64_t n);
 
+// The AMX tiles the bf16 products run on now: none, the instructions (bf16_path
+// "amx") or the tile emulator ("amx_emulated", forced by a test); and those an
+// operand packed by pack_b_bf16 was made for (its words are then panels of 16
+// columns, kp rows of 16 words: a tile row per pair of k, as
+// amx_attention.cc loads them).
+enum class AmxTiles { kNone, kNative, kEmulated };
+AmxTiles bf16_amx_tiles();
+AmxTiles amx_tiles_of(const PackedBf16& packed);
+
 // True when gemm_bf16 runs on the AVX-512 BF16 instructions.
 bool bf16_native();
 // The path the bf16 products take now: "amx", "avx512_bf16" or "widen"

@@ -237,6 +237,27 @@ float ExpShiftSumF32(const float* x, float s, float* o, int64_t n) {
 double ExpShiftSumF64(const double* x, double s, double* o, int64_t n) {
   return ExpShiftSum(x, s, o, n);
 }
+// x[r][j] = x[r][j] * factor[r] + y[r][j]: one MulAdd in every lane, the
+// tail included (so a column's result does not depend on where it falls).
+void ScaleAddRowsF32(float* x, int64_t ldx, const float* factor, const float* y, int64_t ldy,
+                     int64_t rows, int64_t n_signed) {
+  const hn::ScalableTag<float> d;
+  const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * ldx;
+    const float* yr = y + r * ldy;
+    const auto f = hn::Set(d, factor[r]);
+    size_t i = 0;
+    for (; i + lanes <= n; i += lanes) {
+      hn::StoreU(hn::MulAdd(hn::LoadU(d, xr + i), f, hn::LoadU(d, yr + i)), d, xr + i);
+    }
+    if (i < n) {
+      const auto v = hn::MulAdd(LoadTail(d, xr + i, n - i), f, LoadTail(d, yr + i, n - i));
+      StoreTail(d, v, xr + i, n - i);
+    }
+  }
+}
+
 void ScaleF32(float* x, float s, int64_t n) { Scale(x, s, n); }
 void ScaleF64(double* x, double s, int64_t n) { Scale(x, s, n); }
 void AddF32(float* x, const float* y, int64_t n) { Add(x, y, n); }
@@ -275,6 +296,7 @@ HWY_EXPORT(MaxOfF32);
 HWY_EXPORT(MaxOfF64);
 HWY_EXPORT(ExpShiftSumF32);
 HWY_EXPORT(ExpShiftSumF64);
+HWY_EXPORT(ScaleAddRowsF32);
 HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
 HWY_EXPORT(AddF32);
@@ -320,6 +342,10 @@ float exp_shift_sum(const float* x, float s, float* o, int64_t n) {
 }
 double exp_shift_sum(const double* x, double s, double* o, int64_t n) {
   return HWY_DYNAMIC_DISPATCH(ExpShiftSumF64)(x, s, o, n);
+}
+void scale_add_rows(float* x, int64_t ldx, const float* factor, const float* y, int64_t ldy,
+                    int64_t rows, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ScaleAddRowsF32)(x, ldx, factor, y, ldy, rows, n);
 }
 void scale(float* x, float s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF32)(x, s, n); }
 void scale(double* x, double s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF64)(x, s, n); }

@@ -28,6 +28,12 @@ double exp_shift_sum(const double* x, double shift, double* out, int64_t n);
 void scale(float* x, float s, int64_t n);
 void scale(double* x, double s, int64_t n);
 
+// x[r][j] = x[r][j] * factor[r] + y[r][j] for rows r < rows, j < n (rows
+// ldx and ldy apart): an online softmax's output rescaled and a block's sum
+// added, one multiply-add per element (fused where the target has FMA).
+void scale_add_rows(float* x, int64_t ldx, const float* factor, const float* y, int64_t ldy,
+                    int64_t rows, int64_t n);
+
 // x[j] += y[j] (a bias row added to a row of scores).
 void add(float* x, const float* y, int64_t n);
 void add(double* x, const double* y, int64_t n);

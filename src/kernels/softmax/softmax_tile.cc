@@ -45,20 +45,25 @@ HWY_INLINE void StoreBf16(D d, hn::Vec<D> v, uint16_t* out, size_t n) {
 // Zeroes out[0, n).
 HWY_INLINE void ZeroBf16(uint16_t* out, int64_t n) { std::fill(out, out + n, uint16_t{0}); }
 
-template <class T>
-void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T* m, T* l,
-                       T* correction, uint8_t* special, uint16_t* p16) {
+// kScaled (the fused AMX forward): s holds unscaled scores and the softmax
+// runs on scale * s; P goes to p16 with its own leading dimension and
+// zero-padded width (softmax_tile.h).
+template <class T, bool kScaled = false>
+void SoftmaxTileUpdate(T* s, int64_t lds, int64_t rows, int64_t cols, const int64_t* valid, T* m,
+                       T* l, T* correction, uint8_t* special, uint16_t* p16, T scale, int64_t ldp,
+                       int64_t p_cols) {
+  static_assert(!kScaled || sizeof(T) == 4, "the scaled form writes bf16 P");
   const hn::ScalableTag<T> d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   constexpr T kInf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    T* row = s + r * cols;
-    uint16_t* row16 = p16 ? p16 + r * cols : nullptr;
+    T* row = s + r * lds;
+    uint16_t* row16 = p16 ? p16 + r * ldp : nullptr;
     const int64_t n = valid[r];
     correction[r] = T(1);
     if (n == 0 || special[r]) {
       if (row16) {
-        ZeroBf16(row16, cols);
+        ZeroBf16(row16, p_cols);
       } else {
         std::fill(row, row + cols, T(0));
       }
@@ -66,11 +71,18 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     }
     // Pass 1: max, and whether some x is NaN or +inf (row_max-inl.h).
     bool bad = false;
-    const T row_max = RowMax(d, row, static_cast<size_t>(n), &bad);
+    T row_max = RowMax(d, row, static_cast<size_t>(n), &bad);
+    // scale > 0: the max of scale * x is scale * (max of x), bit for bit (x ->
+    // scale * x rounded is monotone); it overflows only when the scores are
+    // enormous, and such a row takes the exact path like a +inf score.
+    if constexpr (kScaled) {
+      row_max *= scale;
+      bad = bad || row_max == kInf;
+    }
     if (bad) {
       special[r] = 1;
       if (row16) {
-        ZeroBf16(row16, cols);
+        ZeroBf16(row16, p_cols);
       } else {
         std::fill(row, row + cols, T(0));
       }
@@ -79,7 +91,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     const T m_new = std::max(m[r], row_max);
     if (m_new == -kInf) {  // every score so far is -inf: nothing to add yet
       if (row16) {
-        ZeroBf16(row16, cols);
+        ZeroBf16(row16, p_cols);
       } else {
         std::fill(row, row + cols, T(0));
       }
@@ -93,12 +105,23 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     // 4096), d = 64, one thread, capped at avx2, 102-106 -> 98-103 ms; at
     // AVX-512 one vector a step was 2 % slower.
     const auto shift = hn::Set(d, m_new);
+    const auto scale_v = hn::Set(d, scale);
+    // The exp's argument: x - m, or with the scale folded in, scale x - m
+    // (one fused multiply-subtract where the target has FMA).
+    const auto arg = [&](auto x) {
+      if constexpr (kScaled) {
+        return hn::MulSub(x, scale_v, shift);
+      } else {
+        (void)scale_v;
+        return hn::Sub(x, shift);
+      }
+    };
     auto sum0 = hn::Zero(d), sum1 = hn::Zero(d);
     int64_t j = 0;
     if constexpr (hn::MaxLanes(d) * sizeof(T) >= 64) {
       for (; j + 2 * lanes <= n; j += 2 * lanes) {
-        const auto e0 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
-        const auto e1 = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j + lanes), shift));
+        const auto e0 = ExpNonPositive<true>(d, arg(hn::LoadU(d, row + j)));
+        const auto e1 = ExpNonPositive<true>(d, arg(hn::LoadU(d, row + j + lanes)));
         if constexpr (sizeof(T) == 4) {
           if (row16) {
             StoreBf16(d, e0, row16 + j, static_cast<size_t>(lanes));
@@ -114,7 +137,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       }
     }
     for (; j + lanes <= n; j += lanes) {
-      const auto e = ExpNonPositive<true>(d, hn::Sub(hn::LoadU(d, row + j), shift));
+      const auto e = ExpNonPositive<true>(d, arg(hn::LoadU(d, row + j)));
       if constexpr (sizeof(T) == 4) {
         if (row16) StoreBf16(d, e, row16 + j, static_cast<size_t>(lanes));
       }
@@ -123,9 +146,8 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
     }
     if (j < n) {
       const auto count = static_cast<size_t>(n - j);
-      const auto e =
-          hn::IfThenElseZero(hn::FirstN(d, count),
-                             ExpNonPositive<true>(d, hn::Sub(LoadTail(d, row + j, count), shift)));
+      const auto e = hn::IfThenElseZero(hn::FirstN(d, count),
+                                        ExpNonPositive<true>(d, arg(LoadTail(d, row + j, count))));
       if constexpr (sizeof(T) == 4) {
         if (row16) StoreBf16(d, e, row16 + j, count);
       }
@@ -133,7 +155,7 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
       sum1 = hn::Add(sum1, e);
     }
     if (row16) {
-      ZeroBf16(row16 + n, cols - n);
+      ZeroBf16(row16 + n, p_cols - n);
     } else {
       std::fill(row + n, row + cols, T(0));
     }
@@ -146,12 +168,20 @@ void SoftmaxTileUpdate(T* s, int64_t rows, int64_t cols, const int64_t* valid, T
 
 void SoftmaxTileUpdateF(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
                         float* l, float* correction, uint8_t* special, uint16_t* p16) {
-  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special, p16);
+  SoftmaxTileUpdate(s, cols, rows, cols, valid, m, l, correction, special, p16, 1.0f, cols, cols);
+}
+void SoftmaxTileUpdateScaledF(const float* s, int64_t lds, int64_t rows, int64_t cols,
+                              const int64_t* valid, float scale, float* m, float* l,
+                              float* correction, uint8_t* special, uint16_t* p16, int64_t ldp,
+                              int64_t p_cols) {
+  // s is only read: P goes to p16.
+  SoftmaxTileUpdate<float, true>(const_cast<float*>(s), lds, rows, cols, valid, m, l, correction,
+                                 special, p16, scale, ldp, p_cols);
 }
 void SoftmaxTileUpdateD(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                         double* l, double* correction, uint8_t* special) {
-  SoftmaxTileUpdate(s, rows, cols, valid, m, l, correction, special,
-                    static_cast<uint16_t*>(nullptr));
+  SoftmaxTileUpdate(s, cols, rows, cols, valid, m, l, correction, special,
+                    static_cast<uint16_t*>(nullptr), 1.0, cols, cols);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -162,11 +192,20 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::kernels::fast {
 HWY_EXPORT(SoftmaxTileUpdateF);
 HWY_EXPORT(SoftmaxTileUpdateD);
+HWY_EXPORT(SoftmaxTileUpdateScaledF);
 
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
                          float* l, float* correction, uint8_t* special, bfloat16* p_bf16) {
   HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateF)
   (s, rows, cols, valid, m, l, correction, special, reinterpret_cast<uint16_t*>(p_bf16));
+}
+void softmax_tile_update_scaled(const float* s, int64_t lds, int64_t rows, int64_t cols,
+                                const int64_t* valid, float scale, float* m, float* l,
+                                float* correction, uint8_t* special, bfloat16* p_bf16, int64_t ldp,
+                                int64_t p_cols) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxTileUpdateScaledF)
+  (s, lds, rows, cols, valid, scale, m, l, correction, special, reinterpret_cast<uint16_t*>(p_bf16),
+   ldp, p_cols);
 }
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special) {

@@ -25,6 +25,18 @@ namespace qkv::kernels::fast {
 void softmax_tile_update(float* s, int64_t rows, int64_t cols, const int64_t* valid, float* m,
                          float* l, float* correction, uint8_t* special,
                          bfloat16* p_bf16 = nullptr);
+// The fused AMX forward's step (kernels/simd/amx_attention.cc): s holds
+// the unscaled scores Q Kᵀ, rows lds apart (only read), and the update above
+// runs on scale * s, scale > 0 and finite: the products run at scale 1 and
+// the scale is folded into the softmax, the exp's argument being scale x - m
+// (one fused multiply-subtract where the target has FMA); a row whose scaled
+// max overflows to +inf is special. P goes to p_bf16, rows ldp apart, each
+// zero from its valid columns up to p_cols (>= cols; the tile operand's
+// padding).
+void softmax_tile_update_scaled(const float* s, int64_t lds, int64_t rows, int64_t cols,
+                                const int64_t* valid, float scale, float* m, float* l,
+                                float* correction, uint8_t* special, bfloat16* p_bf16, int64_t ldp,
+                                int64_t p_cols);
 void softmax_tile_update(double* s, int64_t rows, int64_t cols, const int64_t* valid, double* m,
                          double* l, double* correction, uint8_t* special);
 
