@@ -847,6 +847,46 @@ def torch2_targets_section(cases, roofs, torch2_info):
     return lines
 
 
+# Issue 31's AMX targets: the fused AMX forward of bf16 attention (B=2, one
+# head, N=4096) against the 2-thread AMX bf16 peak measured in the same run.
+AMX_TARGETS = (("bf16 forward, B=2, N=4096, d=128", ("amx_fwd", "bf16", "B2_N4096_d128"), 0.25),
+               ("bf16 forward, B=2, N=4096, d=64", ("amx_fwd", "bf16", "B2_N4096_d64"), 0.18))
+
+
+def amx_section(cases, roofs):
+    """The fused AMX forward against the AMX peak; on a CPU without AMX, what ran instead."""
+    peak = roofs["values"].get("amx")
+    path = roofs.get("bf16_path") or "?"
+    lines = ["## AMX", ""]
+    if peak:
+        lines += ["bf16 attention's forward with its key loop fused on AMX tiles "
+                  "(src/kernels/simd/amx_attention.cc) against this run's AMX bf16 peak "
+                  f"({fmt_rate(peak, 'flops')}, 2 threads):", "",
+                  "| row | bound | qkv | % of the AMX peak | met? |", "|---|---|---|---|---|"]
+        for label, key, bound in AMX_TARGETS:
+            case = cases.get(key, Case(None, None))
+            fraction = case.flops / peak if case.flops else None
+            ok = None if fraction is None else fraction >= bound
+            lines.append(f"| {label} | ≥ {bound:.0%} | {qkv_time(case)} | {fmt_pct(fraction)} | "
+                         f"{verdict(ok)} |")
+    else:
+        absent = roofs["missing"].get("amx", "absent")
+        lines += [("This run did not measure an AMX peak"
+                   if absent.startswith("not measured")
+                   else f"This CPU has no AMX (the roofline's AMX loop: {absent})") + ", "
+                  "so the AMX targets (the fused forward at ≥ 25 % of the AMX peak at d = 128, "
+                  "≥ 18 % at d = 64) wait for a run on a CPU that has it. The AMX kernels run "
+                  "in every machine's tests on the tile emulator (src/kernels/simd/"
+                  f"amx_emulator.h). The same rows here ran the **{path}** path:", "",
+                  "| row | qkv | rate | % of its path's roof |", "|---|---|---|---|"]
+        for label, key, _ in AMX_TARGETS:
+            case = cases.get(key, Case(None, None))
+            lines.append(f"| {label} | {qkv_time(case)} | {fmt_rate(case.flops, 'flops')} | "
+                         f"{fmt_roof(*case_roof(case, key[0], key[1], roofs))} |")
+    lines.append("")
+    return lines
+
+
 def torch2_section(cases, roofs):
     """Every row with a torch 2 counterpart: both times, both against the row's roof."""
     lines = ["## Against torch 2.13's SDPA: every comparable row", "",
@@ -1654,6 +1694,7 @@ def write_page(path, run, cases, have_figure, figure):
     lines += ["Command (configures and builds a Release tree in build/perf, then runs the "
               "driver):", "", "```", command, "```", ""]
     lines += torch2_section(cases, roofs)
+    lines += amx_section(cases, roofs)
     lines += targets_section(cases, roofs, sgemm_rate, copy_rate, sdpa_lens, softmax_lens,
                              simd_target)[0]
     # The hand-written findings were measured at avx512: on that page only.

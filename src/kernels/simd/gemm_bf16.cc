@@ -566,7 +566,7 @@ const char* why_path(Path path) {
   }
   if (path == Path::kAvx512Bf16) return "VDPBF16PS: not an Intel core, so it outruns float32 FMAs";
   if (path == Path::kAmxEmulated) return "the AMX tile emulator (forced by a test)";
-  return "AMX tiles";
+  return "AMX tiles; bf16 attention's forward runs its key loop fused on them";
 }
 
 #else  // not x86-64: the widening path (and the emulated AMX one, for tests)
