@@ -873,7 +873,7 @@ def amx_section(cases, roofs):
         absent = roofs["missing"].get("amx", "absent")
         lines += [("This run did not measure an AMX peak"
                    if absent.startswith("not measured")
-                   else f"This CPU has no AMX (the roofline's AMX loop: {absent})") + ", "
+                   else "This CPU has no AMX (AMX-TILE and AMX-BF16)") + ", "
                   "so the AMX targets (the fused forward at ≥ 25 % of the AMX peak at d = 128, "
                   "≥ 18 % at d = 64) wait for a run on a CPU that has it. The AMX kernels run "
                   "in every machine's tests on the tile emulator (src/kernels/simd/"
