@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +31,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -83,8 +85,25 @@ using OpCall = std::function<int64_t()>;
 // memory. flops and bytes are per call (0: not rated that way).
 using Runner = std::function<void(const OpCall& call, double flops, double bytes)>;
 
-// Google Benchmark's timed loop.
+// What a paired op (gqa_decode_paired) timed inside each call: the seconds of
+// a plain read of its bytes and of the op itself on the same bytes.
+struct PairedTimes {
+  double bytes = 0;
+  std::vector<double> read_seconds, op_seconds;
+};
+PairedTimes g_paired;
+
+template <class T>
+double median_of(std::vector<T> x) {
+  std::sort(x.begin(), x.end());
+  return x.empty() ? 0.0 : static_cast<double>(x[x.size() / 2]);
+}
+
+// Google Benchmark's timed loop. A paired op also gets its medians as
+// counters: read_bytes_per_second, op_bytes_per_second and read_fraction
+// (the median over calls of read seconds / op seconds).
 void time_op(benchmark::State& state, const OpCall& call, double flops, double bytes) {
+  g_paired = PairedTimes{};
   for (auto _ : state) {
     call();
     benchmark::ClobberMemory();
@@ -92,6 +111,15 @@ void time_op(benchmark::State& state, const OpCall& call, double flops, double b
   const auto iterations = static_cast<double>(state.iterations());
   state.counters["FLOP/s"] = benchmark::Counter(flops * iterations, benchmark::Counter::kIsRate);
   if (bytes > 0) state.SetBytesProcessed(static_cast<int64_t>(bytes * iterations));
+  if (!g_paired.op_seconds.empty()) {
+    std::vector<double> fractions;
+    for (size_t i = 0; i < g_paired.op_seconds.size(); ++i) {
+      fractions.push_back(g_paired.read_seconds[i] / g_paired.op_seconds[i]);
+    }
+    state.counters["read_bytes_per_second"] = g_paired.bytes / median_of(g_paired.read_seconds);
+    state.counters["op_bytes_per_second"] = g_paired.bytes / median_of(g_paired.op_seconds);
+    state.counters["read_fraction"] = median_of(fractions);
+  }
 }
 
 // Peak memory of one call beyond its inputs and outputs, in a process that
@@ -350,19 +378,73 @@ void heads_attention(const Runner& run, Heads form, bool backward, int64_t dim =
 // Nk = 65536, d = 128 (issue 15's shape, llama-style), float32 or bf16.
 // Memory-bound: the bytes counted are those of K and V, read once per call.
 template <class In>
-void gqa_decode(const Runner& run) {
-  constexpr int64_t kHeads = 32, kKvHeads = 8, kKeys = 65536, kDim = 128;
-  qkv::set_num_threads(2);
+struct GqaDecode {
+  static constexpr int64_t kHeads = 32, kKvHeads = 8, kKeys = 65536, kDim = 128;
+  static constexpr double kFlops = 4.0 * kDim * kHeads * kKeys;
+  static constexpr double kBytes = 2.0 * kDim * kKvHeads * kKeys * sizeof(In);
   const Tensor<In> q = random_input<In>({1, kHeads, 1, kDim}, 1);
   const Tensor<In> k = random_input<In>({1, kKvHeads, kKeys, kDim}, 2);
   const Tensor<In> v = random_input<In>({1, kKvHeads, kKeys, kDim}, 3);
-  auto call = [&] {
+
+  // One call; returns the bytes of the output.
+  int64_t operator()() const {
     const qkv::AttentionResult<float> r = qkv::scaled_dot_product_attention(
         ConstView<In>(q), ConstView<In>(k), ConstView<In>(v), ValidLens{});
     benchmark::DoNotOptimize(r.output.data());
     return bytes_of(r.output);
+  }
+};
+
+template <class In>
+void gqa_decode(const Runner& run) {
+  qkv::set_num_threads(2);
+  const GqaDecode<In> decode;
+  run([&] { return decode(); }, decode.kFlops, decode.kBytes);
+}
+
+// The roofline's read (bench/roofline.cc, BM_StreamRead) over the given
+// arrays: each of 2 threads sums its slice of every array as 32-bit words.
+uint32_t read_words(const std::vector<std::pair<const uint32_t*, int64_t>>& arrays) {
+  uint32_t total = 0;
+#pragma omp parallel num_threads(2) reduction(+ : total)
+  {
+    const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+    for (const auto& [words, count] : arrays) {
+      total +=
+          std::accumulate(words + count * t / parts, words + count * (t + 1) / parts, uint32_t{0});
+    }
+  }
+  return total;
+}
+
+// gqa_decode's shape against the read roof, paired: each call first reads K
+// and V with the roofline's plain read, then decodes the same K and V, and
+// times both (time_op's counters). This machine's read bandwidth drifts by
+// tens of percent within minutes (a virtual machine on shared memory: 43.6,
+// 60 and 80 GB/s on one day), so a roof measured minutes apart from the op,
+// on other pages of memory, does not bound it; this one is measured on the
+// op's own bytes, a few milliseconds before it.
+template <class In>
+void gqa_decode_paired(const Runner& run) {
+  qkv::set_num_threads(2);
+  const GqaDecode<In> decode;
+  const auto words = [](const Tensor<In>& t) {
+    return std::make_pair(reinterpret_cast<const uint32_t*>(t.data()),
+                          static_cast<int64_t>(t.values().size() * sizeof(In) / 4));
   };
-  run(call, 4.0 * kDim * kHeads * kKeys, 2.0 * kDim * kKvHeads * kKeys * sizeof(In));
+  auto call = [&] {
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    benchmark::DoNotOptimize(read_words({words(decode.k), words(decode.v)}));
+    const auto t1 = Clock::now();
+    const int64_t returned = decode();
+    const auto t2 = Clock::now();
+    g_paired.bytes = decode.kBytes;
+    g_paired.read_seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+    g_paired.op_seconds.push_back(std::chrono::duration<double>(t2 - t1).count());
+    return returned;
+  };
+  run(call, 0, 0);
 }
 
 // Row-major C (m x n) = alpha A (m x k) op(B), the rows of C split into one
@@ -617,6 +699,10 @@ void register_all() {
   add("gqa_decode/fused/B1_H32_Hkv8_Nk65536", [](const Runner& run) { gqa_decode<float>(run); });
   add("gqa_decode/bf16/B1_H32_Hkv8_Nk65536",
       [](const Runner& run) { gqa_decode<qkv::bfloat16>(run); });
+  add("gqa_decode_paired/fused/B1_H32_Hkv8_Nk65536",
+      [](const Runner& run) { gqa_decode_paired<float>(run); });
+  add("gqa_decode_paired/bf16/B1_H32_Hkv8_Nk65536",
+      [](const Runner& run) { gqa_decode_paired<qkv::bfloat16>(run); });
   // Issue 31, item 4: the fused AMX forward's rows (AMX to a quarter of its peak).
   add("amx_fwd/bf16/B2_N4096_d64", [](const Runner& run) { sdpa_forward_bf16_amx_shape(run, 64); });
   add("amx_fwd/bf16/B2_N4096_d128",
