@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -1190,6 +1191,90 @@ TEST(FlashCausal, Bf16AndAdditiveAreTheLengthsTheyImply) {
       }
     }
   }
+}
+
+// Decoding's sums over long caches (issue 33, from FlashAttention's tests): a
+// float32 result whose error does not fall with Nk carries one float sum over
+// every key. Against a float64 loop, the mean error at 131072 keys must fall
+// to half its value at 1024 keys and stay within 2x that of a float32
+// reference that sums pairwise (the float32 scores, exp(s - max), and every
+// sum over the keys pairwise). Measured over 11 seeds: qkv / pairwise at
+// 131072 keys 1.04-1.35; one float sum carried over the keys, as before,
+// stayed near its error at 1024 keys, about 10x the pairwise one.
+float pairwise_sum(const float* x, int64_t n) {
+  if (n <= 8) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += x[i];
+    return s;
+  }
+  return pairwise_sum(x, n / 2) + pairwise_sum(x + n / 2, n - n / 2);
+}
+
+struct DecodeErrors {
+  double qkv, pairwise;  // mean |error| against float64
+};
+
+DecodeErrors decode_errors(Rng& rng, int64_t nk) {
+  const int64_t batch = 4, d = 64;
+  const Tensor<float> q = random_tensor<float>(rng, {batch, 1, d});
+  const Tensor<float> k = random_tensor<float>(rng, {batch, nk, d});
+  const Tensor<float> v = random_tensor<float>(rng, {batch, nk, d});
+  const float scale = 1.0f / 8.0f;
+  const AttentionResult<float> got = scaled_dot_product_attention(q, k, v, {});
+  DecodeErrors e{0.0, 0.0};
+  std::vector<double> s64(static_cast<size_t>(nk));
+  std::vector<float> s32(static_cast<size_t>(nk)), terms(static_cast<size_t>(nk));
+  for (int64_t b = 0; b < batch; ++b) {
+    double m64 = -INFINITY;
+    float m32 = -INFINITY;
+    for (int64_t j = 0; j < nk; ++j) {
+      double x = 0.0;
+      float y = 0.0f;
+      for (int64_t i = 0; i < d; ++i) {
+        x += static_cast<double>(q(b, 0, i)) * k(b, j, i);
+        y += q(b, 0, i) * k(b, j, i);
+      }
+      s64[j] = x * scale;
+      s32[j] = y * scale;
+      m64 = std::max(m64, s64[j]);
+      m32 = std::max(m32, s32[j]);
+    }
+    double l64 = 0.0;
+    for (int64_t j = 0; j < nk; ++j) {
+      s64[j] = std::exp(s64[j] - m64);
+      l64 += s64[j];
+      s32[j] = std::exp(s32[j] - m32);
+    }
+    const float l32 = pairwise_sum(s32.data(), nk);
+    for (int64_t c = 0; c < d; ++c) {
+      double o64 = 0.0;
+      for (int64_t j = 0; j < nk; ++j) {
+        o64 += s64[j] * v(b, j, c);
+        terms[j] = s32[j] * v(b, j, c);
+      }
+      o64 /= l64;
+      const float o32 = pairwise_sum(terms.data(), nk) / l32;
+      e.qkv += std::abs(got.output(b, 0, c) - o64);
+      e.pairwise += std::abs(o32 - o64);
+    }
+  }
+  e.qkv /= static_cast<double>(batch * d);
+  e.pairwise /= static_cast<double>(batch * d);
+  return e;
+}
+
+TEST(FlashDecoding, LongSumsFallWithTheKeysLikePairwiseFloat) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const DecodeErrors short_cache = decode_errors(rng, 1024);
+  const DecodeErrors long_cache = decode_errors(rng, 131072);
+  std::printf(
+      "decoding's mean error at Nk = 1024: qkv %.3g, pairwise float32 %.3g; at 131072: "
+      "qkv %.3g, pairwise float32 %.3g\n",
+      short_cache.qkv, short_cache.pairwise, long_cache.qkv, long_cache.pairwise);
+  EXPECT_LE(long_cache.qkv, 0.5 * short_cache.qkv);
+  EXPECT_LE(long_cache.qkv, 2.0 * long_cache.pairwise);
 }
 
 TEST(FlashCausal, UnknownCausalValueIsAnError) {

@@ -56,17 +56,17 @@
 #include <type_traits>
 
 #include "kernels/attention/attention_common.h"
+#include "kernels/attention/small_dim_attention.h"
+#include "kernels/kernels.h"
 #include "kernels/runtime/blas.h"
+#include "kernels/runtime/philox.h"
+#include "kernels/runtime/workspace.h"
 #include "kernels/simd/amx_attention.h"
 #include "kernels/simd/block_gemm.h"
 #include "kernels/simd/gemm_bf16.h"
-#include "kernels/kernels.h"
-#include "kernels/runtime/philox.h"
 #include "kernels/simd/row_products.h"
-#include "kernels/attention/small_dim_attention.h"
-#include "kernels/softmax/softmax_tile.h"
 #include "kernels/simd/vecmath.h"
-#include "kernels/runtime/workspace.h"
+#include "kernels/softmax/softmax_tile.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -272,13 +272,16 @@ struct ForwardScratch {
   // block_gemm's panels (null otherwise)
   Acc *k_wide, *v_wide;
   float* block_pack;
-  Acc* row;       // exact_row: one row of Nk scores
+  Acc* row;  // exact_row: one row of Nk scores
   uint8_t* row_keep;
   In* row_operand;  // bf16: that row rounded for the product (null otherwise)
   // A task over the query rows of several heads (grouped_rows_per_task):
   // its queries gathered, and its output rows before they go to their heads.
   In* q_gather;
   Acc* out_rows;
+  // A task of row products (at most kRowProductRows rows): one key block's
+  // P V, summed apart from the output, and what adding it lost (Kahan).
+  Acc *block_out, *lost;
   double* gemm;  // the block products' own scratch (forward_gemm_words)
   double* amx;   // bf16 on AMX tiles: the fused key loop's scratch (null otherwise)
 };
@@ -316,6 +319,8 @@ ForwardScratch<In> forward_scratch(Slicer& slicer, int64_t nk, int64_t d, int64_
   sc.row_operand = kConverts ? slicer.take<In>(row) : nullptr;
   sc.q_gather = slicer.take<In>(kRowProductRows * d);
   sc.out_rows = slicer.take<Acc>(kRowProductRows * dv);
+  sc.block_out = slicer.take<Acc>(kRowProductRows * dv);
+  sc.lost = slicer.take<Acc>(kRowProductRows * dv);
   const size_t gemm = Flash<In>::forward_gemm_words(nk, d, dv);
   sc.gemm = gemm > 0 ? slicer.take<double>(static_cast<int64_t>(gemm)) : nullptr;
   sc.amx = nullptr;
@@ -401,8 +406,8 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, con
   Flash<In>::gemm(false, true, 1, len, d, static_cast<Acc>(config.scale), q_i, d, k_b, ldk, Acc(0),
                   w, len, sc.gemm);
   if (config.adjusts_scores()) {
-    adjust_scores(config, w, len, 1, len, 0, nq, nk, [&](int64_t) { return bh; },
-                  [&](int64_t) { return i; });
+    adjust_scores(
+        config, w, len, 1, len, 0, nq, nk, [&](int64_t) { return bh; }, [&](int64_t) { return i; });
   }
   const Acc lse = softmax_row(w, len, len, w);
   if (weights_row) {
@@ -496,6 +501,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
     n_eff = std::max(n_eff, sc.len[r]);
   }
   fill_rows(out, ldo, rows, dv, Acc(0));
+  if (products == Products::kRows) fill_rows(sc.lost, dv, rows, dv, Acc(0));
 
   // bf16 on AMX tiles: the whole key loop fused on the tiles
   // (kernels/simd/amx_attention.h), when the keys are packed and nothing
@@ -553,7 +559,10 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       softmax_tile_update(s, rows, cols, sc.valid, sc.m, sc.l, sc.correction, sc.special);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      if (sc.correction[r] != Acc(1)) fast::scale(out + r * ldo, sc.correction[r], dv);
+      if (sc.correction[r] != Acc(1)) {
+        fast::scale(out + r * ldo, sc.correction[r], dv);
+        if (products == Products::kRows) fast::scale(sc.lost + r * dv, sc.correction[r], dv);
+      }
       if (dropout && sc.valid[r] > 0 && !sc.special[r]) {
         kernels::dropout_row_mask(config.seed, config.dropout, row_head(r), row_query(r), j0,
                                   sc.valid[r], sc.keep);
@@ -561,7 +570,22 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
       }
     }
     if (products == Products::kRows) {
-      fast::row_accumulate(rows, cols, dv, s, cols, v_blk, ldv, out, ldo);
+      // The block's P V summed from 0, then added to the output with Kahan's
+      // compensation: a decoding task's output is a sum over up to 32768 keys
+      // (Nk = 65536 in 2 chunks), and one float sum carried over every key
+      // left its mean error near 1.5e-8 at any Nk, where a float32 reference's
+      // falls (issue 33). Now each group of 32 keys is summed from 0
+      // (row_accumulate), 8 groups make a block, and the blocks' sums are added
+      // without loss. B=8, Nq=1, Nk=131072, d=64, normal inputs, mean error
+      // against float64: 1.5e-8 with one sum, 1.2e-9 with the groups and
+      // blocks summed apart, 0.85e-9 with the compensation too, where a float32
+      // sum done pairwise gets 0.83e-9 (tests: FlashDecoding.*). Instructions
+      // per call (valgrind, H=32, Hkv=8, Nk=2048, d=128, AVX2): +1.1 %.
+      fill_rows(sc.block_out, dv, rows, dv, Acc(0));
+      fast::row_accumulate(rows, cols, dv, s, cols, v_blk, ldv, sc.block_out, dv);
+      for (int64_t r = 0; r < rows; ++r) {
+        fast::add_compensated(out + r * ldo, sc.lost + r * dv, sc.block_out + r * dv, dv);
+      }
     } else if (products == Products::kPacked) {
       const In* p_operand = p_fused ? p_fused : Flash<In>::operand(s, rows * cols, sc.p_operand);
       Flash<In>::accumulate(prepared, rows, dv, cols, p_operand, cols, v_blk, ldv, out, ldo,
@@ -613,9 +637,9 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
 
   for (int64_t r = 0; r < rows; ++r) {
     if (!sc.special[r]) continue;
-    const Acc row_lse = exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nq, nk,
-                                  row_head(r), row_query(r), config, out + r * ldo,
-                                  weights ? weights + r * nk : nullptr, sc);
+    const Acc row_lse =
+        exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nq, nk, row_head(r),
+                  row_query(r), config, out + r * ldo, weights ? weights + r * nk : nullptr, sc);
     if (lse) lse[r] = row_lse;
   }
 }
@@ -719,8 +743,8 @@ template <class In>
 size_t forward_workspace_size(ConstView<In> q, ConstView<In> k, ConstView<In> v, bool weights,
                               int num_threads) {
   return counted_words([&](Slicer& count) {
-    forward_workspace<In>(count, q.size(0) * q.size(1), k.size(0) * k.size(1), q.size(2),
-                          k.size(2), q.size(3), v.size(3), weights, num_threads);
+    forward_workspace<In>(count, q.size(0) * q.size(1), k.size(0) * k.size(1), q.size(2), k.size(2),
+                          q.size(3), v.size(3), weights, num_threads);
   });
 }
 
@@ -748,8 +772,7 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     const int64_t bkv = kv_head(bh, q.size(1), k.size(1));
     const Acc row_lse = exact_row(head_rows(q, bh) + i * q.stride(2), head_rows(k, bkv),
                                   k.stride(2), head_rows(v, bkv), v.stride(2), d, dv,
-                                  config.len(bh, i, nk), nq, nk, bh, i, config, out, nullptr,
-                                  sc);
+                                  config.len(bh, i, nk), nq, nk, bh, i, config, out, nullptr, sc);
     if (lse) *lse = row_lse;
     return;
   }
@@ -784,9 +807,8 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
   const int64_t blocks = ceil_div(nq, kQueryBlock);
   const int64_t key_blocks = ceil_div(nk, kKeyBlock);
   Slicer slicer(workspace.data);
-  const ForwardWorkspace<In> ws =
-      forward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv, weights.data() != nullptr,
-                            workspace.num_threads);
+  const ForwardWorkspace<In> ws = forward_workspace<In>(
+      slicer, heads, kv_heads, nq, nk, d, dv, weights.data() != nullptr, workspace.num_threads);
   // Key blocks prepared once for all query blocks and heads of a group (bf16:
   // packed K and V), up to the longest valid length of the batch element:
   // keys no query may see are never read.
@@ -800,9 +822,9 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
         const int64_t bkv = task / key_blocks, j0 = (task % key_blocks) * kKeyBlock;
         if (j0 >= ws.prepared_keys[bkv]) return;
         const int64_t cols = std::min(kKeyBlock, ws.prepared_keys[bkv] - j0);
-        ws.prepared[task] = Flash<In>::prepare(
-            head_rows(k, bkv) + j0 * k.stride(2), k.stride(2), head_rows(v, bkv) + j0 * v.stride(2),
-            v.stride(2), cols, d, dv, ws.packed + task * ws.packed_words);
+        ws.prepared[task] = Flash<In>::prepare(head_rows(k, bkv) + j0 * k.stride(2), k.stride(2),
+                                               head_rows(v, bkv) + j0 * v.stride(2), v.stride(2),
+                                               cols, d, dv, ws.packed + task * ws.packed_words);
       });
     }
   }
@@ -921,12 +943,12 @@ struct BackwardProblem {
   using Acc = typename Flash<In>::Acc;
   ConstView<In> q, k, v;
   const AttentionConfig* config;
-  const Acc* lse;          // (B H, Nq)
-  ConstView<Acc> d_out;    // (B, H, Nq, Dv)
-  const Acc* delta;        // (B H, Nq): dO_i . O_i
-  int64_t groups;          // key groups per key head
+  const Acc* lse;        // (B H, Nq)
+  ConstView<Acc> d_out;  // (B, H, Nq, Dv)
+  const Acc* delta;      // (B H, Nq): dO_i . O_i
+  int64_t groups;        // key groups per key head
   int64_t blocks_per_group;
-  Acc* d_queries_parts;    // (groups, B H, Nq, D), or null when groups == 1
+  Acc* d_queries_parts;       // (groups, B H, Nq, D), or null when groups == 1
   TensorView<Acc> d_queries;  // written straight when groups == 1
   TensorView<Acc> d_keys;     // (B, Hkv, Nk, D)
   TensorView<Acc> d_values;   // (B, Hkv, Nk, Dv)
@@ -967,8 +989,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
       if (longest_len(config.valid_lens, b, i0, i0 + rows, nk) <= j0) continue;
       const auto row_head = [&](int64_t) { return bh; };
       const auto row_query = [&](int64_t r) { return i0 + r; };
-      if (config.masked() &&
-          !tile_has_keys(config, rows, cols, j0, nq, nk, row_head, row_query)) {
+      if (config.masked() && !tile_has_keys(config, rows, cols, j0, nq, nk, row_head, row_query)) {
         continue;  // no key of this tile is seen: no gradient
       }
       const In* q_blk = head_rows(pb.q, bh) + i0 * ldq;
@@ -1016,8 +1037,8 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
         std::fill(dp_row + valid, dp_row + cols, Acc(0));
         if (pb.d_bias.data() != nullptr) {  // dS is the gradient of the biased score
           const TensorView<Acc>& db = pb.d_bias;
-          Acc* g = db.data() + b * db.stride(0) + (bh % heads) * db.stride(1) +
-                   i * db.stride(2) + j0 * db.stride(3);
+          Acc* g = db.data() + b * db.stride(0) + (bh % heads) * db.stride(1) + i * db.stride(2) +
+                   j0 * db.stride(3);
           for (int64_t c = 0; c < valid; ++c) g[c * db.stride(3)] += dp_row[c];
         }
         if (dropout) apply_dropout(p_row, sc.keep, inv_keep, valid);
@@ -1076,8 +1097,8 @@ struct BackwardWorkspace {
 // heads = B H, kv_heads = B Hkv.
 template <class In>
 BackwardWorkspace<In> backward_workspace(Slicer& slicer, int64_t heads, int64_t kv_heads,
-                                         int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                                         bool shared, int num_threads) {
+                                         int64_t nq, int64_t nk, int64_t d, int64_t dv, bool shared,
+                                         int num_threads) {
   using Acc = typename Flash<In>::Acc;
   BackwardWorkspace<In> ws;
   const int64_t groups = backward_groups(task_heads(kv_heads, shared), nk);
@@ -1110,8 +1131,8 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   const bool bias_grad = grads.d_bias.data() != nullptr;
   const bool shared = shared_bias_grad(grads.d_bias, k.size(1));
   Slicer slicer(workspace.data);
-  const BackwardWorkspace<In> ws = backward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv,
-                                                          shared, workspace.num_threads);
+  const BackwardWorkspace<In> ws =
+      backward_workspace<In>(slicer, heads, kv_heads, nq, nk, d, dv, shared, workspace.num_threads);
   // Keys no query sees get no gradient, and dQ is accumulated into.
   fill_heads(grads.d_queries, Acc(0));
   fill_heads(grads.d_keys, Acc(0));
@@ -1156,23 +1177,23 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
 
   // Task (key head, group), or with a shared bias gradient (group) over every key head.
   const int64_t heads_per_task = shared ? kv_heads : 1;
-  kernels::parallel_for_slots(tasks_per_group * groups, workspace.num_threads,
-                              [&](int64_t task, int slot) {
-    Slicer slot_slicer(ws.slots + slot * ws.slot_words);
-    const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
-    const int64_t g = task % groups;
-    for (int64_t bkv = (task / groups) * heads_per_task;
-         bkv < (task / groups + 1) * heads_per_task; ++bkv) {
-      const int64_t seen = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
-      const int64_t first = g * blocks_per_group;
-      const int64_t last = std::min(key_blocks, first + blocks_per_group);
-      for (int64_t kb = first; kb < last; ++kb) {
-        const int64_t j0 = kb * kBackKeyBlock;
-        if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
-        backward_key_block(pb, bkv, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
-      }
-    }
-  });
+  kernels::parallel_for_slots(
+      tasks_per_group * groups, workspace.num_threads, [&](int64_t task, int slot) {
+        Slicer slot_slicer(ws.slots + slot * ws.slot_words);
+        const BackwardScratch<In> scratch = backward_scratch<In>(slot_slicer, d, dv);
+        const int64_t g = task % groups;
+        for (int64_t bkv = (task / groups) * heads_per_task;
+             bkv < (task / groups + 1) * heads_per_task; ++bkv) {
+          const int64_t seen = longest_len(config.valid_lens, bkv / k.size(1), 0, nq, nk);
+          const int64_t first = g * blocks_per_group;
+          const int64_t last = std::min(key_blocks, first + blocks_per_group);
+          for (int64_t kb = first; kb < last; ++kb) {
+            const int64_t j0 = kb * kBackKeyBlock;
+            if (j0 >= seen) break;  // keys no query may see: never read, gradient 0
+            backward_key_block(pb, bkv, g, j0, std::min(kBackKeyBlock, seen - j0), scratch);
+          }
+        }
+      });
 
   if (groups > 1) {
     // dQ = sum over groups, in group order, row by row into d_queries.
@@ -1226,9 +1247,9 @@ template <class T>
 void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig& config,
           const ForwardViews<T>& out, Workspace workspace) {
   if (small_head(q, k, v, config, out)) {
-    const TensorView<T> lse =
-        out.lse.data() ? TensorView<T>(out.lse.data(), Shape{q.size(0), q.size(2)})
-                       : TensorView<T>();
+    const TensorView<T> lse = out.lse.data()
+                                  ? TensorView<T>(out.lse.data(), Shape{q.size(0), q.size(2)})
+                                  : TensorView<T>();
     small_dim_forward(one_head(q), one_head(k), one_head(v), static_cast<const T*>(nullptr),
                       ScoreKind::kDotProduct, config, one_head(out.output), lse, workspace);
     return;

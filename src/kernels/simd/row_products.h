@@ -39,7 +39,8 @@ void row_scores(int64_t rows, int64_t cols, int64_t d, double alpha, const doubl
 
 // o_r += sum_j p[r * ldp + j] * v_j for r < rows <= kRowProductRows: v is
 // cols x dv (rows ldv apart), o is rows x dv (rows ldo apart). The sum over j
-// runs in increasing j.
+// runs in increasing j in groups of 32 keys from the first, each group summed
+// from 0 and then added to o.
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,
                     const float* v, int64_t ldv, float* o, int64_t ldo);
 void row_accumulate(int64_t rows, int64_t cols, int64_t dv, const float* p, int64_t ldp,

@@ -95,6 +95,29 @@ void Add(T* x, const T* y, int64_t n_signed) {
   for (; i < n; ++i) x[i] += y[i];
 }
 
+// Kahan's step per element: the same four IEEE operations in the lanes and
+// in the tail, so an element's bits do not depend on its position.
+template <class T>
+void AddCompensated(T* HWY_RESTRICT sum, T* HWY_RESTRICT lost, const T* HWY_RESTRICT x,
+                    int64_t n_signed) {
+  const hn::ScalableTag<T> d;
+  const size_t n = static_cast<size_t>(n_signed), lanes = hn::Lanes(d);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto s = hn::LoadU(d, sum + i);
+    const auto y = hn::Sub(hn::LoadU(d, x + i), hn::LoadU(d, lost + i));
+    const auto t = hn::Add(s, y);
+    hn::StoreU(hn::Sub(hn::Sub(t, s), y), d, lost + i);
+    hn::StoreU(t, d, sum + i);
+  }
+  for (; i < n; ++i) {
+    const T y = x[i] - lost[i];
+    const T t = sum[i] + y;
+    lost[i] = (t - sum[i]) - y;
+    sum[i] = t;
+  }
+}
+
 template <class T>
 T Dot(const T* a, const T* b, int64_t n_signed) {
   const hn::ScalableTag<T> d;
@@ -262,6 +285,12 @@ void ScaleF32(float* x, float s, int64_t n) { Scale(x, s, n); }
 void ScaleF64(double* x, double s, int64_t n) { Scale(x, s, n); }
 void AddF32(float* x, const float* y, int64_t n) { Add(x, y, n); }
 void AddF64(double* x, const double* y, int64_t n) { Add(x, y, n); }
+void AddCompensatedF32(float* sum, float* lost, const float* x, int64_t n) {
+  AddCompensated(sum, lost, x, n);
+}
+void AddCompensatedF64(double* sum, double* lost, const double* x, int64_t n) {
+  AddCompensated(sum, lost, x, n);
+}
 float DotF32(const float* a, const float* b, int64_t n) { return Dot(a, b, n); }
 double DotF64(const double* a, const double* b, int64_t n) { return Dot(a, b, n); }
 void SoftmaxGradF32(const float* w, const float* g, float c, float* o, int64_t n) {
@@ -301,6 +330,8 @@ HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
 HWY_EXPORT(AddF32);
 HWY_EXPORT(AddF64);
+HWY_EXPORT(AddCompensatedF32);
+HWY_EXPORT(AddCompensatedF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(SoftmaxGradF32);
@@ -351,6 +382,12 @@ void scale(float* x, float s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF32)(x, s, 
 void scale(double* x, double s, int64_t n) { HWY_DYNAMIC_DISPATCH(ScaleF64)(x, s, n); }
 void add(float* x, const float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(AddF32)(x, y, n); }
 void add(double* x, const double* y, int64_t n) { HWY_DYNAMIC_DISPATCH(AddF64)(x, y, n); }
+void add_compensated(float* sum, float* lost, const float* x, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AddCompensatedF32)(sum, lost, x, n);
+}
+void add_compensated(double* sum, double* lost, const double* x, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AddCompensatedF64)(sum, lost, x, n);
+}
 float dot(const float* a, const float* b, int64_t n) {
   return HWY_DYNAMIC_DISPATCH(DotF32)(a, b, n);
 }

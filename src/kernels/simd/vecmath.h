@@ -38,6 +38,11 @@ void scale_add_rows(float* x, int64_t ldx, const float* factor, const float* y, 
 void add(float* x, const float* y, int64_t n);
 void add(double* x, const double* y, int64_t n);
 
+// sum[j] += x[j] with Kahan's compensation: lost[j] keeps what each addition
+// lost (start it at 0; scale it with sum) and gives it back at the next.
+void add_compensated(float* sum, float* lost, const float* x, int64_t n);
+void add_compensated(double* sum, double* lost, const double* x, int64_t n);
+
 // sum_j a[j] * b[j].
 float dot(const float* a, const float* b, int64_t n);
 double dot(const double* a, const double* b, int64_t n);
