@@ -59,10 +59,10 @@ struct MaskCase {
 std::string describe(const MaskCase& c) {
   return "B=" + std::to_string(c.batch) + " H=" + std::to_string(c.heads) +
          " Hkv=" + std::to_string(c.kv_heads) + " Nq=" + std::to_string(c.nq) +
-         " Nk=" + std::to_string(c.nk) + " D=" + std::to_string(c.d) + " Dv=" + std::to_string(c.dv) +
-         " mask=" + std::to_string(static_cast<int>(c.mask)) +
-         " key_mask=" + std::to_string(c.key_mask) + " window=(" +
-         std::to_string(c.window_left) + ", " + std::to_string(c.window_right) +
+         " Nk=" + std::to_string(c.nk) + " D=" + std::to_string(c.d) +
+         " Dv=" + std::to_string(c.dv) + " mask=" + std::to_string(static_cast<int>(c.mask)) +
+         " key_mask=" + std::to_string(c.key_mask) + " window=(" + std::to_string(c.window_left) +
+         ", " + std::to_string(c.window_right) +
          ") lens=" + std::to_string(static_cast<int>(c.lens)) +
          " causal=" + std::to_string(static_cast<int>(c.causal)) +
          " dropout=" + std::to_string(c.dropout) + " weights=" + std::to_string(c.weights) +
@@ -122,8 +122,7 @@ MaskProblem<T> make_problem(Rng& rng, const MaskCase& c) {
 // Whether query i of head (b, h) sees key j: the lengths, causal, window and
 // both masks, written out from their definitions.
 template <class T>
-bool sees(const MaskCase& c, const MaskProblem<T>& p, int64_t b, int64_t h, int64_t i,
-          int64_t j) {
+bool sees(const MaskCase& c, const MaskProblem<T>& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   int64_t len = p.lens.at(b, i, c.nk);
   if (c.causal == Causal::kTopLeft) len = std::min(len, std::clamp<int64_t>(i + 1, 0, c.nk));
   if (c.causal == Causal::kBottomRight) {
@@ -137,15 +136,14 @@ bool sees(const MaskCase& c, const MaskProblem<T>& p, int64_t b, int64_t h, int6
   if (c.mask != MaskForm::kNone) {
     const Shape s = p.mask.shape();
     const auto at = [&](int64_t idx, int axis) { return s[axis] == 1 ? 0 : idx; };
-    const uint8_t m = s.rank() == 2 ? p.mask(i, j)
-                                    : p.mask(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
+    const uint8_t m = s.rank() == 2 ? p.mask(i, j) : p.mask(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
     if (m == 0) return false;
   }
   if (c.bias != MaskForm::kNone) {  // a -inf bias leaves the key out too
     const Shape s = p.bias.shape();
     const auto at = [&](int64_t idx, int axis) { return s[axis] == 1 ? 0 : idx; };
-    const T x = s.rank() == 2 ? p.bias(at(i, 0), at(j, 1))
-                              : p.bias(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
+    const T x =
+        s.rank() == 2 ? p.bias(at(i, 0), at(j, 1)) : p.bias(at(b, 0), at(h, 1), at(i, 2), at(j, 3));
     if (x == -std::numeric_limits<T>::infinity()) return false;
   }
   return true;
@@ -171,8 +169,8 @@ void check_case(Rng& rng, const MaskCase& c) {
           const bool seen = sees(c, p, b, h, i, j);
           any = any || seen;
           if (c.weights && !seen) {
-            ASSERT_EQ(got.weights(b, h, i, j), T(0)) << "masked weight b=" << b << " h=" << h
-                                                     << " i=" << i << " j=" << j;
+            ASSERT_EQ(got.weights(b, h, i, j), T(0))
+                << "masked weight b=" << b << " h=" << h << " i=" << i << " j=" << j;
           }
         }
         if (!any) {
@@ -181,13 +179,12 @@ void check_case(Rng& rng, const MaskCase& c) {
         }
       }
   if (c.weights) {
-    ASSERT_TRUE(expect_close(got.weights, ref.weights, kFloat ? kSoftmax : kSoftmaxDouble,
-                             "weights"));
+    ASSERT_TRUE(
+        expect_close(got.weights, ref.weights, kFloat ? kSoftmax : kSoftmaxDouble, "weights"));
   }
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
-  const DotProductGrads<T> g =
-      scaled_dot_product_attention_backward(p.q, p.k, p.v, lens, p.options, {got.output, got.lse},
-                                            d_out);
+  const DotProductGrads<T> g = scaled_dot_product_attention_backward(p.q, p.k, p.v, lens, p.options,
+                                                                     {got.output, got.lse}, d_out);
   const DotProductGrads<T> r = ref::scaled_dot_product_attention_backward(
       p.q, p.k, p.v, lens, p.options, {ref.output, ref.lse}, d_out);
   const Tol back = kFloat ? kSdpaBackward : kSdpaBackwardDouble;
@@ -207,23 +204,23 @@ MaskCase random_case(Rng& rng) {
   const int64_t nk = rng.uniform_int(1, 700);
   static const int64_t kDims[] = {1, 8, 16, 64};
   const bool window = rng.bernoulli(0.4);
-  return MaskCase{rng.uniform_int(1, 2),
-                  g[0],
-                  g[1],
-                  nq,
-                  nk,
-                  kDims[rng.uniform_int(0, 3)],
-                  kDims[rng.uniform_int(0, 3)],
-                  static_cast<MaskForm>(rng.uniform_int(0, 5)),
-                  rng.bernoulli(0.4),
-                  window ? rng.uniform_int(-1, 300) : -1,
-                  window ? rng.uniform_int(-1, 40) : -1,
-                  static_cast<LensForm>(rng.uniform_int(0, 2)),
-                  static_cast<Causal>(rng.uniform_int(0, 2)),
-                  rng.bernoulli(0.3) ? 0.2 : 0.0,
-                  rng.bernoulli(0.3),
-                  rng.bernoulli(0.5) ? static_cast<MaskForm>(rng.uniform_int(1, 5))
-                                     : MaskForm::kNone};
+  return MaskCase{
+      rng.uniform_int(1, 2),
+      g[0],
+      g[1],
+      nq,
+      nk,
+      kDims[rng.uniform_int(0, 3)],
+      kDims[rng.uniform_int(0, 3)],
+      static_cast<MaskForm>(rng.uniform_int(0, 5)),
+      rng.bernoulli(0.4),
+      window ? rng.uniform_int(-1, 300) : -1,
+      window ? rng.uniform_int(-1, 40) : -1,
+      static_cast<LensForm>(rng.uniform_int(0, 2)),
+      static_cast<Causal>(rng.uniform_int(0, 2)),
+      rng.bernoulli(0.3) ? 0.2 : 0.0,
+      rng.bernoulli(0.3),
+      rng.bernoulli(0.5) ? static_cast<MaskForm>(rng.uniform_int(1, 5)) : MaskForm::kNone};
 }
 
 template <class T>
@@ -250,8 +247,8 @@ TYPED_TEST(Masks, MatchTheReferenceForwardAndBackward) {
       {1, 8, 2, 1, 3000, 64, 64, MaskForm::kPerHeadKeys, true, -1, -1, LensForm::kPerBatch,
        Causal::kNone, 0.0, false},
       // Masks that leave some queries no key at all.
-      {2, 2, 1, 50, 30, 8, 4, MaskForm::kFull, true, 2, 1, LensForm::kPerQuery, Causal::kNone,
-       0.0, true},
+      {2, 2, 1, 50, 30, 8, 4, MaskForm::kFull, true, 2, 1, LensForm::kPerQuery, Causal::kNone, 0.0,
+       true},
       // Biases: full; (Nq, Nk) shared by batch elements and grouped heads,
       // with causal and dropout; per head and key against a long cache
       // (decoding); constant along the keys (no effect, gradient 0).
@@ -259,8 +256,8 @@ TYPED_TEST(Masks, MatchTheReferenceForwardAndBackward) {
        0.0, true, MaskForm::kFull},
       {2, 4, 2, 520, 520, 16, 16, MaskForm::kNone, false, -1, -1, LensForm::kPerQuery,
        Causal::kTopLeft, 0.2, false, MaskForm::kQueriesKeys},
-      {2, 8, 2, 1, 3000, 64, 64, MaskForm::kNone, true, -1, -1, LensForm::kPerBatch,
-       Causal::kNone, 0.0, false, MaskForm::kPerHeadKeys},
+      {2, 8, 2, 1, 3000, 64, 64, MaskForm::kNone, true, -1, -1, LensForm::kPerBatch, Causal::kNone,
+       0.0, false, MaskForm::kPerHeadKeys},
       {2, 2, 1, 50, 300, 8, 4, MaskForm::kQueriesKeys, false, -1, -1, LensForm::kNone,
        Causal::kNone, 0.2, true, MaskForm::kPerQuery},
   };
@@ -292,12 +289,6 @@ TYPED_TEST(Masks, EqualTheLengthsAndCausalTheyRestate) {
   causal.causal = Causal::kTopLeft;
   expect_close(scaled_dot_product_attention(q, k, v, {}, masked).output,
                scaled_dot_product_attention(q, k, v, {}, causal).output, tol, "tril mask");
-  // window (-1, 0) == Causal::kBottomRight.
-  AttentionOptions window, bottom_right;
-  window.window_right = 0;
-  bottom_right.causal = Causal::kBottomRight;
-  expect_close(scaled_dot_product_attention(q, k, v, {}, window).output,
-               scaled_dot_product_attention(q, k, v, {}, bottom_right).output, tol, "window");
   // A key mask of prefixes == valid_lens (B).
   const Tensor<int64_t> lens(Shape{batch}, std::vector<int64_t>{137, 444});
   Tensor<uint8_t> prefixes(Shape{batch, nk});
@@ -309,13 +300,88 @@ TYPED_TEST(Masks, EqualTheLengthsAndCausalTheyRestate) {
                scaled_dot_product_attention(q, k, v, ValidLens(lens)).output, tol, "key mask");
 }
 
+// window (-1, 0) is Causal::kBottomRight, bit for bit (the window's right
+// side is a cap on the lengths: pipeline.h's kernel_lens), forward and
+// backward, for Nq below, at and above Nk and with lengths; window (-1, r) is
+// the cap at Nk - Nq + r, and with causal the tighter of the two caps.
+TYPED_TEST(Masks, WindowRightSideIsTheCausalCapBitForBit) {
+  using T = TypeParam;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{300, 500}, {257, 257}, {500, 300}}) {
+    SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nk=" + std::to_string(nk));
+    const int64_t batch = 2, heads = 2, d = 16;
+    const Tensor<T> q = random_tensor<T>(rng, {batch, heads, nq, d});
+    const Tensor<T> k = random_tensor<T>(rng, {batch, heads, nk, d});
+    const Tensor<T> v = random_tensor<T>(rng, {batch, heads, nk, d});
+    const Tensor<T> d_out = random_tensor<T>(rng, {batch, heads, nq, d});
+    const Tensor<int64_t> lens(Shape{batch}, std::vector<int64_t>{nk - 37, nk});
+    const auto same = [&](AttentionOptions a, AttentionOptions b, const char* what) {
+      SCOPED_TRACE(what);
+      a.return_lse = b.return_lse = true;  // the backward reads it
+      for (const bool with_lens : {false, true}) {
+        const ValidLens vl = with_lens ? ValidLens(lens) : ValidLens();
+        const AttentionResult<T> ra = scaled_dot_product_attention(q, k, v, vl, a);
+        const AttentionResult<T> rb = scaled_dot_product_attention(q, k, v, vl, b);
+        expect_bitwise_equal(ra.output, rb.output, "output");
+        expect_bitwise_equal(ra.lse, rb.lse, "lse");
+        const DotProductGrads<T> ga =
+            scaled_dot_product_attention_backward(q, k, v, vl, a, {ra.output, ra.lse}, d_out);
+        const DotProductGrads<T> gb =
+            scaled_dot_product_attention_backward(q, k, v, vl, b, {rb.output, rb.lse}, d_out);
+        expect_bitwise_equal(ga.d_queries, gb.d_queries, "d_queries");
+        expect_bitwise_equal(ga.d_keys, gb.d_keys, "d_keys");
+        expect_bitwise_equal(ga.d_values, gb.d_values, "d_values");
+      }
+    };
+    AttentionOptions window, bottom_right;
+    window.window_right = 0;
+    bottom_right.causal = Causal::kBottomRight;
+    same(window, bottom_right, "window (-1, 0) against kBottomRight");
+    // window (-1, 7) against a mask of the same keys (another path: close).
+    AttentionOptions right7, mask7;
+    right7.window_right = 7;
+    Tensor<uint8_t> band(Shape{nq, nk});
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t j = 0; j < nk; ++j) band(i, j) = j <= i + nk - nq + 7 ? 1 : 0;
+    mask7.mask = band.view();
+    expect_close(scaled_dot_product_attention(q, k, v, {}, right7).output,
+                 scaled_dot_product_attention(q, k, v, {}, mask7).output,
+                 tol_for<T>(kSdpa, kSdpaDouble), "window (-1, 7) against its mask");
+    // Both caps: the tighter wins.
+    AttentionOptions both = bottom_right;
+    both.window_right = 7;
+    same(both, bottom_right, "kBottomRight with window (-1, 7) against kBottomRight");
+    AttentionOptions top_left = both;
+    top_left.causal = Causal::kTopLeft;
+    AttentionOptions top_left_only;
+    top_left_only.causal = Causal::kTopLeft;
+    if (nq <= nk) same(top_left, top_left_only, "kTopLeft with window (-1, 7) against kTopLeft");
+  }
+}
+
 TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
   using T = TypeParam;
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));
   Rng rng(seed);
-  const MaskCase c{2, 4, 2, 300, 700, 32, 32, MaskForm::kFull, true, 200, 10,
-                   LensForm::kPerBatch, Causal::kNone, 0.3, false, MaskForm::kQueriesKeys};
+  const MaskCase c{2,
+                   4,
+                   2,
+                   300,
+                   700,
+                   32,
+                   32,
+                   MaskForm::kFull,
+                   true,
+                   200,
+                   10,
+                   LensForm::kPerBatch,
+                   Causal::kNone,
+                   0.3,
+                   false,
+                   MaskForm::kQueriesKeys};
   const MaskProblem<T> p = make_problem<T>(rng, c);
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
   const int before = num_threads();
@@ -400,8 +466,8 @@ TEST(MasksBf16, MatchTheFloatReferenceOnWidenedInputs) {
        0.0, false},
       {1, 8, 1, 1, 2000, 64, 64, MaskForm::kPerHeadKeys, true, 500, 0, LensForm::kNone,
        Causal::kNone, 0.0, false, MaskForm::kPerHeadKeys},
-      {1, 4, 4, 200, 300, 64, 64, MaskForm::kNone, false, -1, -1, LensForm::kNone,
-       Causal::kTopLeft, 0.0, false, MaskForm::kQueriesKeys},
+      {1, 4, 4, 200, 300, 64, 64, MaskForm::kNone, false, -1, -1, LensForm::kNone, Causal::kTopLeft,
+       0.0, false, MaskForm::kQueriesKeys},
   };
   for (const MaskCase& c : cases) {
     SCOPED_TRACE(describe(c));
@@ -443,7 +509,7 @@ TEST(BiasGradient, EmptyBatchGivesZeros) {
       const DotProductGrads<float> g =
           fast ? scaled_dot_product_attention_backward(q, k, v, {}, o, {r.output, r.lse}, d_out)
                : ref::scaled_dot_product_attention_backward(q, k, v, {}, o, {r.output, r.lse},
-                                                             d_out);
+                                                            d_out);
       ASSERT_EQ(g.d_bias.shape(), bias.shape());
       for (const float x : g.d_bias.values()) EXPECT_EQ(x, 0.0f) << "fast " << fast;
     }
@@ -477,9 +543,12 @@ TEST(MasksErrors, NameTheShapes) {
   o.want_bias_grad = true;
   {
     const Tensor<float> out(Shape{2, 4, 5, 3}), lse(Shape{2, 4, 5});
-    expect_error([&] { scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out); },
-                 {"scaled_dot_product_attention_backward",
-                  "options.want_bias_grad is set but options.bias is empty"});
+    expect_error(
+        [&] {
+          scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out);
+        },
+        {"scaled_dot_product_attention_backward",
+         "options.want_bias_grad is set but options.bias is empty"});
   }
   o = AttentionOptions{};
   o.window_left = -2;
@@ -495,19 +564,28 @@ TEST(MasksErrors, NameTheShapes) {
   o = AttentionOptions{};
   o.mask = wrong.view();
   const Tensor<float> out(Shape{2, 4, 5, 3}), lse(Shape{2, 4, 5});
-  expect_error([&] { scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out); },
-               {"scaled_dot_product_attention_backward", "options.mask"});
+  expect_error(
+      [&] {
+        scaled_dot_product_attention_backward(q, k, v, {}, o, {out, lse}, out);
+      },
+      {"scaled_dot_product_attention_backward", "options.mask"});
   // Additive attention takes none of them.
   const Tensor<float> w_q(Shape{4, 8}), w_k(Shape{4, 8}), w_v(Shape{4});
   o = AttentionOptions{};
   o.mask = good.view();
-  expect_error([&] { additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o); },
-               {"additive_attention", "are for scaled dot-product attention"});
+  expect_error(
+      [&] {
+        additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o);
+      },
+      {"additive_attention", "are for scaled dot-product attention"});
   const Tensor<float> bias_good(Shape{5, 7});
   o = AttentionOptions{};
   o.bias = ConstView<float>(bias_good.view());
-  expect_error([&] { additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o); },
-               {"additive_attention", "are for scaled dot-product attention"});
+  expect_error(
+      [&] {
+        additive_attention(q3, k3, v3, {w_q, w_k, w_v}, {}, o);
+      },
+      {"additive_attention", "are for scaled dot-product attention"});
 }
 
 }  // namespace

@@ -30,11 +30,12 @@ class ValidLens {
   // The same lengths with a causal cap: query i also sees no key past
   // i + offset, so its valid length is min(length, clamp(i + 1 + offset, 0,
   // Nk)). offset 0 is torch's is_causal (top-left); Nk - Nq aligns the last
-  // query with the last key (queries that continue a key cache).
+  // query with the last key (queries that continue a key cache). On lengths
+  // that already have a cap, the tighter of the two.
   ValidLens causal(int64_t offset) const {
     ValidLens out = *this;
+    out.causal_offset_ = causal_ ? std::min(causal_offset_, offset) : offset;
     out.causal_ = true;
-    out.causal_offset_ = offset;
     return out;
   }
 

@@ -179,16 +179,23 @@ bool no_overlap(TensorView<T> x) {
 }
 
 // The lengths the kernels see: the given ones, capped by the causal mask
-// when options.causal asks for one.
+// when options.causal asks for one, and by a window's right side: query i
+// sees no key past i + Nk - Nq + window_right, a causal cap with that offset
+// (check_masks leaves the window's left side to the masks). So window
+// (-1, 0) is Causal::kBottomRight on the same path, bit for bit, and a
+// window's keys past the cap are never read.
 inline ValidLens kernel_lens(std::string_view fn, const Dims& dims, const ValidLens& valid_lens,
                              const AttentionOptions& options) {
+  const ValidLens lens = options.window_right >= 0
+                             ? valid_lens.causal(dims.nk - dims.nq + options.window_right)
+                             : valid_lens;
   switch (options.causal) {
     case Causal::kNone:
-      return valid_lens;
+      return lens;
     case Causal::kTopLeft:
-      return valid_lens.causal(0);
+      return lens.causal(0);
     case Causal::kBottomRight:
-      return valid_lens.causal(dims.nk - dims.nq);
+      return lens.causal(dims.nk - dims.nq);
   }
   fail(fn, "options.causal = " + std::to_string(static_cast<int>(options.causal)) +
                " is not a qkv::Causal value");
@@ -239,7 +246,8 @@ inline void check_masks(std::string_view fn, const Dims& dims, const AttentionOp
     if (value < -1) fail(fn, std::string(name) + " = " + std::to_string(value) + " is below -1");
   }
   config.window_left = options.window_left;
-  config.window_right = options.window_right;
+  // The right side is a cap on the lengths (kernel_lens).
+  config.window_right = -1;
 }
 
 inline const char* type_name(float) { return "float32"; }
