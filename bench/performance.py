@@ -1739,7 +1739,10 @@ def write_page(path, run, cases, have_figure, figure):
     lines += run_section(phases)
     command = "bench/performance.sh" + (f" --simd-target {simd_cap}" if simd_cap else "")
     lines += ["Command (configures and builds a Release tree in build/perf, then runs the "
-              "driver):", "", "```", command, "```", ""]
+              "driver):", "",
+              "<!-- not run: runs every benchmark above and regenerates this page; "
+              "tests/docs/test_doc_examples.py does not time things -->",
+              "```", command, "```", ""]
     lines += torch2_section(cases, roofs)
     lines += decode_roof_section(cases, roofs)
     lines += amx_section(cases, roofs)

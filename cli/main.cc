@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
                    ": attention pooling (masked softmax, scaled dot-product and additive "
                    "attention) on .npy files",
                "qkv");
-  app.set_version_flag("--version", std::string("qkv ") + qkv::kVersion);
+  app.set_version_flag("--version",
+                       std::string("qkv ") + qkv::kVersion + " (" + qkv::kLicense + " license)");
   app.require_subcommand(0, 1);
   const Command commands[] = {
       qkv::cli::add_softmax_command(app), qkv::cli::add_attend_command(app),

@@ -41,6 +41,8 @@ if int(_numpy.__version__.split(".")[0]) >= 2:
         f"Python has NumPy {_numpy.__version__} ({_numpy.__file__}); install NumPy 1.x beside "
         f"it (pip install 'numpy<2'), or use Debian's /usr/bin/python3 with python3-numpy")
 
+__license__ = "MIT"  # SPDX identifier, as LICENSE, the package metadata and `qkv --version` say
+
 from . import _arguments  # noqa: E402
 from ._qkv import (  # noqa: F401, E402  (the public API, re-exported)
     AdditiveAttentionGrads,

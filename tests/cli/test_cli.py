@@ -368,7 +368,11 @@ class InfoTest(CliTest):
 class BasicsTest(CliTest):
     def test_version(self):
         r = self.ok("--version")
-        self.assertRegex(r.stdout.strip(), r"^qkv \d+\.\d+\.\d+$")
+        self.assertRegex(r.stdout.strip(), r"^qkv \d+\.\d+\.\d+ \(MIT license\)$")
+        # The license it names is the one the sources ship.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(root, "LICENSE")) as f:
+            self.assertEqual(f.readline().strip(), "MIT License")
 
     def test_runs_itself_once_with_openblas_single_threaded(self):
         """qkv runs itself again with OPENBLAS_NUM_THREADS=1 before any library

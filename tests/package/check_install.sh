@@ -38,6 +38,8 @@ if [ -n "$(find "$work/prefix" -name 'libqkv_mpi.a' -o -name 'libqkv_mpi.so*')" 
   fi
 fi
 [ -x "$work/prefix/bin/qkv" ] || { echo "check_install: qkv was not installed" >&2; exit 1; }
+grep -qx 'MIT License' "$work/prefix/share/doc/qkv/LICENSE" ||
+  { echo "check_install: share/doc/qkv/LICENSE (the MIT license) was not installed" >&2; exit 1; }
 # The core library (static or shared) defines no plot or lookup function and
 # refers to no process spawning; the chapter's library does.
 core=$(find "$work/prefix" -name 'libqkv.a' -o -name 'libqkv.so*' | head -1)

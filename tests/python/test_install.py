@@ -81,6 +81,23 @@ def build_dir():
     return BUILD
 
 
+def test_license(tmp_path):
+    """MIT, said the same way by LICENSE, qkv.__license__ and the package metadata that
+    pip would install (setup.py's egg_info writes it without building anything)."""
+    import qkv
+    assert qkv.__license__ == "MIT"
+    with open(os.path.join(SOURCE, "LICENSE")) as f:
+        text = f.read()
+    assert text.startswith("MIT License\n") and "the qkv authors" in text
+    proc = subprocess.run(["/usr/bin/python3", "setup.py", "-q", "egg_info", "--egg-base",
+                           str(tmp_path)], capture_output=True, text=True, cwd=SOURCE, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    metadata = (tmp_path / "qkv.egg-info" / "PKG-INFO").read_text().splitlines()
+    for line in ("License: MIT", "Classifier: License :: OSI Approved :: MIT License",
+                 "License-File: LICENSE"):
+        assert line in metadata, f"{line!r} not in PKG-INFO:\n" + "\n".join(metadata[:20])
+
+
 def test_build_tree(build_dir):
     path, version = run_check(sys.executable,
                               clean_env(PYTHONPATH=os.path.join(build_dir, "python")))
@@ -145,6 +162,13 @@ def test_pip_install_in_a_venv(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     assert path.startswith(site) and site.startswith(str(venv)), (path, site)
     assert version == cmake_version()
+    # The installed distribution's metadata and files carry the license.
+    license = subprocess.run([python, "-c", "import importlib.metadata as m; d = m.distribution('qkv'); "
+                              "print(d.metadata['License']); "
+                              "print(any(f.name == 'LICENSE' for f in d.files))"],
+                             capture_output=True, text=True, check=True, cwd="/",
+                             env=clean_env()).stdout.split()
+    assert license == ["MIT", "True"], license
     # Debian's numpy and torch, not copies: the venv sees the system's site packages.
     where = subprocess.run([python, "-c", "import numpy, torch; print(numpy.__file__, torch.__file__)"],
                            capture_output=True, text=True, check=True, cwd="/").stdout.split()
