@@ -12,7 +12,7 @@ an example, and every example runs and prints what it shows.
   store, index) defined by earlier ones: python/src/softmax.cc, attention.cc,
   pooling.cc, merge.cc, regression.cc, runtime.cc, store.cc (the order of
   their m.def / py::class_ registrations, a class's methods after it), then
-  python/qkv/torch.py, all in one globals dict holding np, torch and qkv
+  python/qkv/torch.py and python/qkv/_mha.py, all in one globals dict holding np, torch and qkv
   (with qkv.torch imported). Each docstring is one test.
 - The submodules' bindings (python/src/search.cc: qkv.search) the same way,
   every method of their classes included, after the rest.
@@ -85,10 +85,15 @@ def submodule_order():
 
 
 def torch_order():
-    """qkv.torch's public functions and classes in the order of python/qkv/torch.py."""
-    with open(os.path.join(SOURCE, "python", "qkv", "torch.py")) as f:
-        text = f.read()
-    return [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M) if not n.startswith("_")]
+    """qkv.torch's public functions and classes in the order of python/qkv/torch.py,
+    then python/qkv/_mha.py's (MultiheadAttention, which qkv.torch re-exports)."""
+    names = []
+    for name in ("torch.py", "_mha.py"):
+        with open(os.path.join(SOURCE, "python", "qkv", name)) as f:
+            text = f.read()
+        names += [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M)
+                  if not n.startswith("_")]
+    return names
 
 
 ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()] + \
