@@ -231,10 +231,5 @@ class Vmap(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if "--torch" in sys.argv:
-        at = sys.argv.index("--torch")
-        EXPECTED_TORCH = sys.argv[at + 1]
-        del sys.argv[at:at + 2]
-    print(f"seed {SEED}; replay: QKV_TEST_SEED={SEED} {sys.executable} {__file__} "
-          f"--torch {EXPECTED_TORCH}")
-    unittest.main(verbosity=2)
+    import torch_versions
+    torch_versions.main(sys.modules[__name__])
