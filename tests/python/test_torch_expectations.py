@@ -152,6 +152,29 @@ class Float16(Held, unittest.TestCase):
         want = sdpa_formula(q.double(), k.double(), v.double(), lens=torch.tensor([6, 2]))
         self.check(out, want, torch.float16, 4 + 6, "DotProductAttention")
 
+    def test_multihead_attention(self):
+        """A float16 module: torch 2's float16 projections, qkv's attention in
+        float32. torch 1.13 has no float16 matrix product on the CPU, for its
+        own module as for this one."""
+        rng = rng_for(self)
+        theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+        ours = qkv.torch.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float16)
+        ours.load_state_dict(theirs.state_dict())
+        theirs.load_state_dict(ours.state_dict())  # the float16 values, in float64
+        x = randn(rng, 2, 5, 8).half()
+        if EXPECTED_TORCH.startswith("1."):
+            for module in (ours, torch.nn.MultiheadAttention(8, 2, dtype=torch.float16)):
+                with self.assertRaisesRegex(RuntimeError, "not implemented for 'Half'"):
+                    module(x, x, x)
+            return
+        output, weights = ours(x, x, x)
+        want, want_weights = theirs(x.double(), x.double(), x.double())
+        self.assertEqual((output.dtype, weights.dtype), (torch.float16, torch.float16))
+        # Each float16 product of E = 8 terms rounds: n u16 for three of them in a row.
+        bound = 4 * 3 * (8 + 5) * ROUNDOFF[torch.float16] * max(want.abs().max().item(), 1.0)
+        self.assertLessEqual((output.double() - want).abs().max().item(), bound)
+        self.assertLessEqual((weights.double() - want_weights).abs().max().item(), bound)
+
     def test_mixed_with_float16_is_a_type_error(self):
         q = torch.randn(2, 3, 4)
         with self.assertRaisesRegex(TypeError, "key has dtype float16 but query has float32"):

@@ -273,6 +273,25 @@ class Module(unittest.TestCase):
         torch.manual_seed(5)
         self.assertTrue(torch.equal(again, ours(x, x, x)[0]))
 
+    def test_dropout_is_unbiased(self):
+        """The output is linear in the dropped weights, so its mean over many
+        training calls is the eval output: within 5 standard errors of the
+        sample mean, per element (drawn fresh each run; a mask that kept
+        too much or too little, or scaled kept weights wrongly, moves the mean
+        by far more)."""
+        rng = rng_for(self)
+        ours = qkv.torch.MultiheadAttention(4, 2, dropout=0.3, batch_first=True,
+                                            dtype=torch.float64)
+        x = tensor(rng, (1, 3, 4), torch.float64)
+        with torch.no_grad():
+            expected = ours.eval()(x, x, x)[0]
+            ours.train()
+            draws = torch.stack([ours(x, x, x)[0] for _ in range(2000)])
+        error = (draws.mean(0) - expected).abs()
+        standard_error = draws.std(0) / len(draws) ** 0.5
+        self.assertTrue(bool((error <= 5 * standard_error + 1e-12).all()),
+                        f"mean over draws off by {error.max().item():.3e}; seed {SEED}")
+
     def test_fully_masked_query_gives_zero(self):
         """Where torch gives NaN (every key masked), qkv's attention gives 0: the
         output is out_proj's bias."""
