@@ -72,8 +72,8 @@ __all__ = [
 ]
 
 # float16 is taken and computed in float32 (_half_as_float): qkv has no
-# float16 kernels, and float16's 11-bit significand gains nothing from them
-# on a CPU without float16 arithmetic.
+# float16 kernels, and float32 then one rounding to float16 stays within
+# 2^-11 |ref| of float64 (tests/python/test_torch_expectations.py).
 _FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
@@ -271,7 +271,8 @@ def masked_softmax(X, valid_lens=None):
     is all zeros). Differentiable in X.
 
     Arguments:
-        X: the scores, (B, Nq, Nk) or (Nq, Nk), float32 or float64, CPU.
+        X: the scores, (B, Nq, Nk) or (Nq, Nk), float32, float64 or float16
+            (computed in float32), CPU.
         valid_lens: None, (B) or (B, Nq) integers (tensor, array or list).
 
     Returns:
@@ -446,8 +447,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Arguments:
         query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
-            tensors of one dtype: float32, float64 or bfloat16 (bf16 computes
-            in float32 and rounds the result). Any strides: 4-D heads
+            tensors of one dtype: float32, float64, bfloat16 or float16
+            (bf16 and float16 compute in float32 and round the result). Any strides: 4-D heads
             (B, H, N, D) are read in place, so q.view(B, N, H, D).transpose(1, 2)
             costs no copy.
         attn_mask: None, or a tensor broadcast against the scores
@@ -574,7 +575,8 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
     Arguments:
         queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
             2-D, a batch of one); W_q (H, Dq), W_k (H, Dk), w_v (1, H) or (H):
-            nn.Linear weights. float32 or float64 CPU tensors, one dtype.
+            nn.Linear weights. float32, float64 or float16 (computed in
+            float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         dropout_p: drop probability on the weights, applied whenever > 0.
         seed: the dropout mask's seed; None draws one from torch's generator.
@@ -602,8 +604,8 @@ def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0
 
     Arguments:
         queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
-            2-D, a batch of one); W (Dq, Dk). float32 or float64 CPU tensors,
-            one dtype.
+            2-D, a batch of one); W (Dq, Dk). float32, float64 or float16
+            (computed in float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         dropout_p: drop probability on the weights, applied whenever > 0.
         seed: the dropout mask's seed; None draws one from torch's generator.
@@ -634,7 +636,8 @@ def distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dr
 
     Arguments:
         queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv) (or all
-            2-D, a batch of one). float32 or float64 CPU tensors, one dtype.
+            2-D, a batch of one). float32, float64 or float16 (computed in
+            float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         scale: > 0; None means 1.
         dropout_p, seed, causal, return_weights: as in bilinear_attention.

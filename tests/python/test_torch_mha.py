@@ -71,7 +71,9 @@ def draw_case(rng, dtype):
     head_dim = int(rng.choice([1, 2, 4, 8, 16]))
     embed = heads * head_dim
     separate = rng.random() < 0.3
-    kdim, vdim = (int(rng.choice([3, 5, 12])), int(rng.choice([2, 7, 12]))) if separate else (None, None)
+    kdim, vdim = None, None
+    if separate:
+        kdim, vdim = int(rng.choice([3, 5, 12])), int(rng.choice([2, 7, 12]))
     config = dict(embed_dim=embed, num_heads=heads, bias=bool(rng.random() < 0.7),
                   add_bias_kv=bool(rng.random() < 0.25), add_zero_attn=bool(rng.random() < 0.25),
                   kdim=kdim, vdim=vdim, batch_first=bool(rng.random() < 0.5))
