@@ -10,6 +10,7 @@ are read in place, never copied) and return new arrays:
     distance_attention, distance_attention_backward
     attention_pooling, average_pooling, one_hot_lookup, one_hot_weights, uniform_weights
     merge_attention (attention over parts of a key set, merged by their lse)
+    show_heatmaps (d2l's: attention weights drawn to a PNG, SVG or PDF file)
     KeyValueStore (an on-disk key-value store: create, open, append, verify,
         keys, values, attend) and Index (an index over one: build, open,
         verify, check_built_over, attend, certified or exact)
@@ -44,6 +45,7 @@ if int(_numpy.__version__.split(".")[0]) >= 2:
 __license__ = "MIT"  # SPDX identifier, as LICENSE, the package metadata and `qkv --version` say
 
 from . import _arguments  # noqa: E402
+from ._heatmaps import show_heatmaps  # noqa: E402
 from ._qkv import (  # noqa: F401, E402  (the public API, re-exported)
     AdditiveAttentionGrads,
     BilinearAttentionGrads,
@@ -120,6 +122,7 @@ __all__ = [
     "scott_bandwidth",
     "set_num_threads",
     "set_simd_target",
+    "show_heatmaps",
     "silverman_bandwidth",
     "simd_info",
     "simd_target",

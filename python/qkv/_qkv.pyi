@@ -76,7 +76,7 @@ def scaled_dot_product_attention(
     *,
     scale: Optional[float] = None,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
@@ -98,7 +98,7 @@ def scaled_dot_product_attention_backward(
     *,
     scale: Optional[float] = None,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     causal: Optional[str] = None,
     mask: Optional[ArrayLike] = None,
     key_mask: Optional[ArrayLike] = None,
@@ -117,7 +117,7 @@ def additive_attention(
     valid_lens: ValidLens = None,
     *,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
@@ -136,7 +136,7 @@ def additive_attention_backward(
     valid_lens: ValidLens = None,
     *,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     causal: Optional[str] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> AdditiveAttentionGrads: ...
@@ -148,7 +148,7 @@ def bilinear_attention(
     valid_lens: ValidLens = None,
     *,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
@@ -165,7 +165,7 @@ def bilinear_attention_backward(
     valid_lens: ValidLens = None,
     *,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     causal: Optional[str] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> BilinearAttentionGrads: ...
@@ -177,7 +177,7 @@ def distance_attention(
     *,
     scale: Optional[float] = None,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     return_weights: bool = False,
     return_lse: bool = False,
     causal: Optional[str] = None,
@@ -194,7 +194,7 @@ def distance_attention_backward(
     *,
     scale: Optional[float] = None,
     dropout_p: Optional[float] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     causal: Optional[str] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> ScaledDotProductAttentionGrads: ...

@@ -16,10 +16,13 @@ d2l's attention modules on them:
                        seed=None, causal=None, return_weights=False)
     DotProductAttention(dropout), AdditiveAttention(key_size, query_size, num_hiddens, dropout)
     MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False, num_kv_heads=None)
+    MultiheadAttention(embed_dim, num_heads, ...): torch.nn.MultiheadAttention's
 
 CPU tensors, float32 and float64 (and torch.bfloat16 for scaled dot-product
-attention). Tensors reach the kernels as views of their memory; results are
-new tensors. docs/python.md maps this module to the book's code.
+attention); float16 computes in float32 and returns float16. Tensors reach
+the kernels as views of their memory; results are new tensors. Not under
+torch.func transforms (vmap, grad): a clear RuntimeError. docs/python.md
+maps this module to the book's code.
 """
 
 import functools
@@ -60,6 +63,7 @@ __all__ = [
     "AdditiveAttention",
     "DotProductAttention",
     "MultiHeadAttention",
+    "MultiheadAttention",
     "additive_attention",
     "bilinear_attention",
     "distance_attention",
@@ -67,7 +71,10 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-_FLOATS = (torch.float32, torch.float64)
+# float16 is taken and computed in float32 (_half_as_float): qkv has no
+# float16 kernels, and float32 then one rounding to float16 stays within
+# 2^-11 |ref| of float64 (tests/python/test_torch_expectations.py).
+_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
 def _not_traced(name):
@@ -116,6 +123,14 @@ def _check(fn, name, tensor, dtypes=_FLOATS):
     """A CPU tensor of one of `dtypes`, or a clear error naming it."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{fn}: {name} is a {type(tensor).__name__}; expected a torch.Tensor")
+    # A tensor of torch.func.vmap (or grad, jacrev, ...) has no memory of its
+    # own: reading it failed with "Cannot access data pointer of Tensor that
+    # doesn't have storage", naming neither qkv nor the op.
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        raise RuntimeError(
+            f"{fn}: {name} is a tensor of a torch.func transform (vmap, grad, jacrev, ...), "
+            f"which qkv.torch does not support: its kernels read a tensor's memory, and such "
+            f"tensors have none; fold the mapped axis into the batch axis, or loop over it")
     if not tensor.is_cpu:
         raise ValueError(f"{fn}: {name} is on {tensor.device}; qkv computes on the CPU "
                          f"(move the tensors there with .cpu())")
@@ -124,6 +139,28 @@ def _check(fn, name, tensor, dtypes=_FLOATS):
         raise TypeError(f"{fn}: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}; "
                         f"expected {names}")
     return tensor
+
+
+def _half_as_float(tensors):
+    """float16 tensors as float32 (a differentiable .float(), so gradients come
+    back in float16), and whether they were float16: the result is then
+    rounded back with .half()."""
+    half = tensors[0].dtype == torch.float16
+    return (tuple(t.float() for t in tensors) if half else tuple(tensors)), half
+
+
+def _broadcast_batch(query, key, value, enable_gqa):
+    """torch's rule for the batch axes of query, key and value (all but the
+    last two; with enable_gqa and heads, all but the last three): broadcast,
+    as expand views (stride 0, no copy; autograd sums the gradients back).
+    Shapes that do not broadcast are left for the checks and their messages."""
+    lead = -3 if enable_gqa and query.dim() >= 4 else -2
+    try:
+        shape = torch.broadcast_shapes(query.shape[:lead], key.shape[:lead], value.shape[:lead])
+    except RuntimeError:
+        return query, key, value
+    return tuple(t if t.shape[:lead] == shape else t.expand(*shape, *t.shape[lead:])
+                 for t in (query, key, value))
 
 
 def _same_dtype(fn, first, tensors):
@@ -234,7 +271,8 @@ def masked_softmax(X, valid_lens=None):
     is all zeros). Differentiable in X.
 
     Arguments:
-        X: the scores, (B, Nq, Nk) or (Nq, Nk), float32 or float64, CPU.
+        X: the scores, (B, Nq, Nk) or (Nq, Nk), float32, float64 or float16
+            (computed in float32), CPU.
         valid_lens: None, (B) or (B, Nq) integers (tensor, array or list).
 
     Returns:
@@ -251,7 +289,9 @@ def masked_softmax(X, valid_lens=None):
              [0.3333, 0.3333, 0.3333, 0.0000]]])
     """
     _check("masked_softmax", "X", X)
-    return _MaskedSoftmax.apply(X, _lens("masked_softmax", valid_lens))
+    (X,), half = _half_as_float((X,))
+    weights = _MaskedSoftmax.apply(X, _lens("masked_softmax", valid_lens))
+    return weights.half() if half else weights
 
 
 # ---- scaled dot-product attention ------------------------------------------------
@@ -350,6 +390,9 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
         raise ValueError(f"{fn}: query, key and value must have the same rank, at least 2 "
                          f"((..., Nq, D), (..., Nk, D), (..., Nk, Dv)); got shapes "
                          f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    (query, key, value), half = _half_as_float((query, key, value))
+    if rank >= 3:
+        query, key, value = _broadcast_batch(query, key, value, enable_gqa)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     if rank >= 4 and query.shape[-3] != key.shape[-3] and not enable_gqa:
@@ -387,6 +430,9 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
         output = output.reshape(*lead, *output.shape[-3:])
         if want_weights:
             weights = weights.reshape(*lead, *weights.shape[-3:])
+    if half:
+        output = output.half()
+        weights = weights.half() if want_weights else None
     return output, weights if want_weights else None
 
 
@@ -401,8 +447,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Arguments:
         query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
-            tensors of one dtype: float32, float64 or bfloat16 (bf16 computes
-            in float32 and rounds the result). Any strides: 4-D heads
+            tensors of one dtype: float32, float64, bfloat16 or float16
+            (bf16 and float16 compute in float32 and round the result). Any strides: 4-D heads
             (B, H, N, D) are read in place, so q.view(B, N, H, D).transpose(1, 2)
             costs no copy.
         attn_mask: None, or a tensor broadcast against the scores
@@ -495,17 +541,20 @@ def _scored(fn, ops, named, valid_lens, dropout_p, seed, options, want_weights):
     for name, t in named:
         _check(fn, name, t)
     _same_dtype(fn, named[0], named[1:])
+    tensors, half = _half_as_float([t for _, t in named])
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
     options = dict(options, dropout_p=float(dropout_p), seed=seed or 0)
     lens = _lens(fn, valid_lens)
-    tensors = tuple(t for _, t in named)
     if _needs_grad(*tensors):
         output, weights = _Scored.apply(ops, lens, options, want_weights, *tensors)
     else:
         output, weights = _scored_forward(ops[0], tensors, lens, options, want_weights, False)[:2]
+    if half:
+        output = output.half()
+        weights = weights.half() if want_weights else None
     return output, weights if want_weights else None
 
 
@@ -526,7 +575,8 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
     Arguments:
         queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
             2-D, a batch of one); W_q (H, Dq), W_k (H, Dk), w_v (1, H) or (H):
-            nn.Linear weights. float32 or float64 CPU tensors, one dtype.
+            nn.Linear weights. float32, float64 or float16 (computed in
+            float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         dropout_p: drop probability on the weights, applied whenever > 0.
         seed: the dropout mask's seed; None draws one from torch's generator.
@@ -554,8 +604,8 @@ def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0
 
     Arguments:
         queries: (B, Nq, Dq), keys: (B, Nk, Dk), values: (B, Nk, Dv) (or all
-            2-D, a batch of one); W (Dq, Dk). float32 or float64 CPU tensors,
-            one dtype.
+            2-D, a batch of one); W (Dq, Dk). float32, float64 or float16
+            (computed in float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         dropout_p: drop probability on the weights, applied whenever > 0.
         seed: the dropout mask's seed; None draws one from torch's generator.
@@ -586,7 +636,8 @@ def distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dr
 
     Arguments:
         queries: (B, Nq, D), keys: (B, Nk, D), values: (B, Nk, Dv) (or all
-            2-D, a batch of one). float32 or float64 CPU tensors, one dtype.
+            2-D, a batch of one). float32, float64 or float16 (computed in
+            float32) CPU tensors, one dtype.
         valid_lens: None, (B) or (B, Nq) integers.
         scale: > 0; None means 1.
         dropout_p, seed, causal, return_weights: as in bilinear_attention.
@@ -747,3 +798,6 @@ class MultiHeadAttention(nn.Module):
             None if weights is None else weights.reshape(-1, nq, nk))
         # (B, H, Nq, d) over (B, Nq, H, d) memory: the concatenation is a view.
         return self.W_o(output.transpose(1, 2).reshape(batch, nq, -1))
+
+
+from ._mha import MultiheadAttention  # noqa: E402  (torch.nn.MultiheadAttention's; needs the above)

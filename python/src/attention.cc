@@ -67,8 +67,30 @@ double dropout_of(std::string_view fn, std::optional<double> dropout_p, py::hand
   return py::cast<double>(dropout_old);
 }
 
-AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_t seed,
-                            Causal causal = Causal::kNone) {
+enum class Pass { kForward, kBackward };
+
+// The dropout seed of a call. seed=None: a forward draws a fresh one from
+// NumPy's global generator (np.random.seed(...) repeats a run), so two calls
+// drop different weights (with the old default, 0, every call dropped the
+// same ones); a backward replays its forward's mask, so with dropout it
+// needs the forward's seed, given.
+uint64_t dropout_seed(py::handle seed, double dropout, std::string_view fn, Pass pass) {
+  if (!seed.is_none()) return seed_of(seed, fn);
+  // No dropout, or a p the library refuses with its own message.
+  if (!(dropout > 0.0 && dropout <= 1.0)) return 0;
+  if (pass == Pass::kBackward) {
+    throw Error(std::string(fn) +
+                ": dropout_p = " + py::str(py::float_(dropout)).cast<std::string>() +
+                " needs seed=, the forward's: the backward replays the forward's dropout mask "
+                "from it (a forward given no seed draws a fresh one and does not return it)");
+  }
+  return py::module_::import("numpy.random")
+      .attr("randint")(0, py::int_(1ULL << 62))
+      .cast<uint64_t>();
+}
+
+AttentionOptions options_of(std::optional<double> scale, double dropout, py::handle seed,
+                            std::string_view fn, Pass pass, Causal causal = Causal::kNone) {
   AttentionOptions options;
   options.causal = causal;
   options.scale = scale;
@@ -76,7 +98,7 @@ AttentionOptions options_of(std::optional<double> scale, double dropout, uint64_
   // The functional form has no training mode: dropout applies when p > 0,
   // as in torch.nn.functional.
   options.training = dropout > 0.0;
-  options.seed = seed;
+  options.seed = dropout_seed(seed, dropout, fn, pass);
   return options;
 }
 
@@ -280,8 +302,8 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
                    py::handle dropout_old) {
   Tensors t =
       float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
-  AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old),
-                                        seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+  AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old), seed,
+                                        kSdpa, Pass::kForward, causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpa, bias, t.dtype, options, masks);
@@ -307,8 +329,8 @@ py::object additive_py(py::handle q, py::handle k, py::handle v, py::handle w_q,
       kAdditive, Scoring::kAdditive,
       {{"queries", q}, {"keys", k}, {"values", v}, {"W_q", w_q}, {"W_k", w_k}, {"w_v", w_v}}, 3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kAdditive, dropout_p, dropout_old),
-                 seed_of(seed, kAdditive), causal_of(kAdditive, causal));
+      options_of(std::nullopt, dropout_of(kAdditive, dropout_p, dropout_old), seed, kAdditive,
+                 Pass::kForward, causal_of(kAdditive, causal));
   // The parameters' views made here, with the GIL (view_of may copy).
   const auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -377,8 +399,8 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             {"d_output", d_output}},
                            3);
   AttentionOptions options =
-      options_of(scale, dropout_of(kSdpaBackward, dropout_p, dropout_old),
-                 seed_of(seed, kSdpaBackward), causal_of(kSdpaBackward, causal));
+      options_of(scale, dropout_of(kSdpaBackward, dropout_p, dropout_old), seed, kSdpaBackward,
+                 Pass::kBackward, causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpaBackward, bias, t.dtype, options, masks);
@@ -427,8 +449,8 @@ py::object additive_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kAdditiveBackward, dropout_p, dropout_old),
-                 seed_of(seed, kAdditiveBackward), causal_of(kAdditiveBackward, causal));
+      options_of(std::nullopt, dropout_of(kAdditiveBackward, dropout_p, dropout_old), seed,
+                 kAdditiveBackward, Pass::kBackward, causal_of(kAdditiveBackward, causal));
   return t.dtype == Dtype::kFloat32 ? additive_backward<float>(t, valid_lens, options)
                                     : additive_backward<double>(t, valid_lens, options);
 }
@@ -443,8 +465,8 @@ py::object bilinear_py(py::handle q, py::handle k, py::handle v, py::handle w,
   Tensors t = float_arrays(kBilinear, Scoring::kBilinear,
                            {{"queries", q}, {"keys", k}, {"values", v}, {"W", w}}, 3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kBilinear, dropout_p, dropout_old),
-                 seed_of(seed, kBilinear), causal_of(kBilinear, causal));
+      options_of(std::nullopt, dropout_of(kBilinear, dropout_p, dropout_old), seed, kBilinear,
+                 Pass::kForward, causal_of(kBilinear, causal));
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     const ConstView<T> w = view_of<T>(t.arrays[3]);  // with the GIL (view_of may copy)
@@ -463,8 +485,8 @@ py::object distance_py(py::handle q, py::handle k, py::handle v, py::handle vali
   Tensors t =
       float_arrays(kDistance, Scoring::kDistance, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   const AttentionOptions options =
-      options_of(scale, dropout_of(kDistance, dropout_p, dropout_old), seed_of(seed, kDistance),
-                 causal_of(kDistance, causal));
+      options_of(scale, dropout_of(kDistance, dropout_p, dropout_old), seed, kDistance,
+                 Pass::kForward, causal_of(kDistance, causal));
   const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
     distance_attention(q, k, v, lens, options, outputs);
   };
@@ -519,8 +541,8 @@ py::object bilinear_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(std::nullopt, dropout_of(kBilinearBackward, dropout_p, dropout_old),
-                 seed_of(seed, kBilinearBackward), causal_of(kBilinearBackward, causal));
+      options_of(std::nullopt, dropout_of(kBilinearBackward, dropout_p, dropout_old), seed,
+                 kBilinearBackward, Pass::kBackward, causal_of(kBilinearBackward, causal));
   return t.dtype == Dtype::kFloat32 ? bilinear_backward<float>(t, valid_lens, options)
                                     : bilinear_backward<double>(t, valid_lens, options);
 }
@@ -553,8 +575,8 @@ py::object distance_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                             {"d_output", d_output}},
                            3);
   const AttentionOptions options =
-      options_of(scale, dropout_of(kDistanceBackward, dropout_p, dropout_old),
-                 seed_of(seed, kDistanceBackward), causal_of(kDistanceBackward, causal));
+      options_of(scale, dropout_of(kDistanceBackward, dropout_p, dropout_old), seed,
+                 kDistanceBackward, Pass::kBackward, causal_of(kDistanceBackward, causal));
   return t.dtype == Dtype::kFloat32 ? distance_backward<float>(t, valid_lens, options)
                                     : distance_backward<double>(t, valid_lens, options);
 }
@@ -590,7 +612,7 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
                        py::handle key_mask, py::handle window, py::handle bias) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
-      options_of(scale, dropout, seed_of(seed, kSdpa), causal_of(kSdpa, causal));
+      options_of(scale, dropout, seed, kSdpa, Pass::kForward, causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, in.batch_of_one, options, masks);
   set_bias(kSdpa, bias, Dtype::kFloat32, options, masks);
@@ -623,8 +645,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
     check_same_dtype(saved.back(), Dtype::kFloat32, kSdpaBackward, name, "the bf16 path");
   }
   const bool one = in.batch_of_one;
-  AttentionOptions options =
-      options_of(scale, dropout, seed_of(seed, kSdpaBackward), causal_of(kSdpaBackward, causal));
+  AttentionOptions options = options_of(scale, dropout, seed, kSdpaBackward, Pass::kBackward,
+                                        causal_of(kSdpaBackward, causal));
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
   set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
@@ -671,11 +693,12 @@ void register_attention(py::module_& m) {
 
   m.def("scaled_dot_product_attention", &sdpa_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
-        py::arg("return_weights") = false, py::arg("return_lse") = false,
-        py::arg("causal") = py::none(), py::arg("out") = py::none(), py::arg("mask") = py::none(),
-        py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
-        py::arg("bias") = py::none(), py::arg("dropout") = py::none(),
+        py::arg("scale") = py::none(), py::arg("dropout_p") = py::none(),
+        py::arg("seed") = py::none(), py::arg("return_weights") = false,
+        py::arg("return_lse") = false, py::arg("causal") = py::none(), py::arg("out") = py::none(),
+        py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
+        py::arg("window") = py::none(), py::arg("bias") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -699,7 +722,9 @@ Arguments:
         name, still works for one release with a DeprecationWarning.)
     seed: selects the dropout mask, a pure function of (seed, b, i, j)
         (heads: of (seed, b * H + h, i, j)): the backward given the same
-        seed replays it.
+        seed replays it. None (the default): a fresh seed per call from
+        NumPy's global generator (np.random.seed repeats a run), so two
+        calls drop different weights; the backward needs it given.
     return_weights: also return the weights (B, Nq, Nk), before dropout
         (heads: (B, H, Nq, Nk)).
     return_lse: also return lse (B, Nq) (heads: (B, H, Nq)), the
@@ -754,10 +779,10 @@ array([[[ 2.,  3.,  4.,  5.]],
   m.def("scaled_dot_product_attention_backward", &sdpa_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
-        py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
-        py::arg("window") = py::none(), py::arg("bias") = py::none(), py::arg("bias_grad") = true,
-        py::arg("dropout") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
+        py::arg("causal") = py::none(), py::arg("mask") = py::none(),
+        py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
+        py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
@@ -791,7 +816,7 @@ array([0.5, 0.5, 0. ], dtype=float32)
 
   m.def("additive_attention", &additive_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
         py::arg("W_q"), py::arg("W_k"), py::arg("w_v"), py::arg("valid_lens") = py::none(),
-        py::kw_only(), py::arg("dropout_p") = py::none(), py::arg("seed") = 0,
+        py::kw_only(), py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
         py::arg("return_weights") = false, py::arg("return_lse") = false,
         py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Additive attention: score(q, k) = w_v^T tanh(W_q q + W_k k), masked softmax, times V.
@@ -826,8 +851,8 @@ Raises:
   m.def("additive_attention_backward", &additive_backward_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("W_q"), py::arg("W_k"), py::arg("w_v"), py::arg("output"),
         py::arg("lse"), py::arg("d_output"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
+        py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Gradients of additive_attention with respect to its inputs and parameters.
 
 Arguments:
@@ -851,9 +876,9 @@ Raises:
 
   m.def("bilinear_attention", &bilinear_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
         py::arg("W"), py::arg("valid_lens") = py::none(), py::kw_only(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("return_weights") = false,
-        py::arg("return_lse") = false, py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
+        py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Bilinear attention: score(q, k) = q^T W k, masked softmax, times V.
 
 Queries and keys of different sizes through one matrix. Computed as q W
@@ -884,7 +909,8 @@ Raises:
   m.def("bilinear_attention_backward", &bilinear_backward_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("W"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("dropout_p") = py::none(),
-        py::arg("seed") = 0, py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
+        py::arg("seed") = py::none(), py::arg("causal") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Gradients of bilinear_attention with respect to its inputs and W.
 
 The fused dot-product backward on q W, then dQ = d(qW) W^T and
@@ -911,9 +937,9 @@ Raises:
 
   m.def("distance_attention", &distance_py, py::arg("queries"), py::arg("keys"), py::arg("values"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("return_weights") = false,
-        py::arg("return_lse") = false, py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
+        py::arg("return_weights") = false, py::arg("return_lse") = false,
+        py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Distance attention: score(q, k) = -scale/2 |q - k|^2, masked softmax, times V.
 
 The Gaussian kernel as a scoring function (Nadaraya-Watson with bandwidth
@@ -945,8 +971,8 @@ array([[1. , 0. , 0. ],
   m.def("distance_attention_backward", &distance_backward_py, py::arg("queries"), py::arg("keys"),
         py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
-        py::arg("dropout_p") = py::none(), py::arg("seed") = 0, py::arg("causal") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
+        py::arg("causal") = py::none(), py::arg("dropout") = py::none(),
         R"(Gradients of distance_attention with respect to its inputs.
 
 Arguments:

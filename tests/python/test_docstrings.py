@@ -11,8 +11,8 @@ an example, and every example runs and prints what it shows.
   appear in the sources, since later examples use names (q, k, v, x, y,
   store, index) defined by earlier ones: python/src/softmax.cc, attention.cc,
   pooling.cc, merge.cc, regression.cc, runtime.cc, store.cc (the order of
-  their m.def / py::class_ registrations, a class's methods after it), then
-  python/qkv/torch.py, all in one globals dict holding np, torch and qkv
+  their m.def / py::class_ registrations, a class's methods after it) and
+  python/qkv/_heatmaps.py, then python/qkv/torch.py and python/qkv/_mha.py, all in one globals dict holding np, torch and qkv
   (with qkv.torch imported). Each docstring is one test.
 - The submodules' bindings (python/src/search.cc: qkv.search) the same way,
   every method of their classes included, after the rest.
@@ -84,15 +84,21 @@ def submodule_order():
     return names
 
 
-def torch_order():
-    """qkv.torch's public functions and classes in the order of python/qkv/torch.py."""
-    with open(os.path.join(SOURCE, "python", "qkv", "torch.py")) as f:
-        text = f.read()
-    return [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M) if not n.startswith("_")]
+def python_order(*files):
+    """The public functions and classes of python/qkv/<files>, in their order."""
+    names = []
+    for name in files:
+        with open(os.path.join(SOURCE, "python", "qkv", name)) as f:
+            text = f.read()
+        names += [n for n in re.findall(r"^(?:def|class) (\w+)", text, re.M)
+                  if not n.startswith("_")]
+    return names
 
 
-ORDER = [("qkv", n) for n in binding_order()] + [("qkv.torch", n) for n in torch_order()] + \
-    submodule_order()
+# qkv's: the bindings, then show_heatmaps (python/qkv/_heatmaps.py); qkv.torch's:
+# python/qkv/torch.py, then MultiheadAttention (python/qkv/_mha.py, re-exported).
+ORDER = [("qkv", n) for n in binding_order() + python_order("_heatmaps.py")] + \
+    [("qkv.torch", n) for n in python_order("torch.py", "_mha.py")] + submodule_order()
 IDS = [f"{module}.{name}" for module, name in ORDER]
 TYPES = {"Error", "IoError", "ScaledDotProductAttentionGrads", "ScaledDotProductAttentionBiasGrads",
          "AdditiveAttentionGrads", "BilinearAttentionGrads", "MergedAttention",
