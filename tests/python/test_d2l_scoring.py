@@ -1,7 +1,8 @@
-"""Sections 11.1-11.3 of the book as published (d2l 1.0.3), run with qkv.d2l
+"""Sections 11.1-11.4 of the book as published (d2l 1.0.3), run with qkv.d2l
 in place of `from d2l import torch as d2l`: the cells' own calls (eye
 heatmaps; Nadaraya-Watson; masked_softmax, check_shape, DotProductAttention,
-AdditiveAttention(num_hiddens, dropout) with their shapes and heatmaps), and
+AdditiveAttention(num_hiddens, dropout) with their shapes and heatmaps;
+11.4's Bahdanau decoder, AdditiveAttention one query a step), and
 their outputs and gradients against the book's code with the same
 parameters, by the tolerance in d2l_book.py (qkv's float32 within 4 times
 the book's own float32 error of the book's float64, plus 16 roundings; float64
@@ -201,3 +202,77 @@ def test_the_docstrings_examples_run(name):
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.failures == 0
+
+
+def bahdanau_decoder_class(d2l):
+    """Section 11.4's Seq2SeqAttentionDecoder, the book's notebook code
+    written against the module `d2l` given: AdditiveAttention(num_hiddens,
+    dropout) with one query a step over the encoder's outputs."""
+    from torch import nn
+
+    class Seq2SeqAttentionDecoder(d2l.AttentionDecoder):
+        def __init__(self, vocab_size, embed_size, num_hiddens, num_layers, dropout=0):
+            super().__init__()
+            self.attention = d2l.AdditiveAttention(num_hiddens, dropout)
+            self.embedding = nn.Embedding(vocab_size, embed_size)
+            self.rnn = nn.GRU(embed_size + num_hiddens, num_hiddens, num_layers,
+                              dropout=dropout)
+            self.dense = nn.LazyLinear(vocab_size)
+            self.apply(d2l.init_seq2seq)
+
+        def init_state(self, enc_outputs, enc_valid_lens):
+            outputs, hidden_state = enc_outputs
+            return (outputs.permute(1, 0, 2), hidden_state, enc_valid_lens)
+
+        def forward(self, X, state):
+            enc_outputs, hidden_state, enc_valid_lens = state
+            X = self.embedding(X).permute(1, 0, 2)
+            outputs, self._attention_weights = [], []
+            for x in X:
+                query = torch.unsqueeze(hidden_state[-1], dim=1)
+                context = self.attention(query, enc_outputs, enc_outputs, enc_valid_lens)
+                x = torch.cat((context, torch.unsqueeze(x, dim=1)), dim=-1)
+                out, hidden_state = self.rnn(x.permute(1, 0, 2), hidden_state)
+                outputs.append(out)
+                self._attention_weights.append(self.attention.attention_weights)
+            outputs = self.dense(torch.cat(outputs, dim=0))
+            return outputs.permute(1, 0, 2), [enc_outputs, hidden_state, enc_valid_lens]
+
+        @property
+        def attention_weights(self):
+            return self._attention_weights
+
+    return Seq2SeqAttentionDecoder
+
+
+def test_11_4_bahdanau_decoder_is_the_books(seed):
+    # The section's check: vocab 10, embed 8, 16 hiddens, 2 layers, batch 4,
+    # 7 steps; random tokens and source lengths in place of zeros and None.
+    generator = torch.Generator().manual_seed(seed)
+    inputs = {"X": torch.randint(0, 10, (4, 7), generator=generator),
+              "valid_lens": torch.randint(1, 8, (4,), generator=generator)}
+
+    class Both(torch.nn.Module):
+        def __init__(self, d2l):
+            super().__init__()
+            self.encoder = d2l.Seq2SeqEncoder(10, 8, 16, 2)
+            self.decoder = bahdanau_decoder_class(d2l)(10, 8, 16, 2)
+
+        def forward(self, X, valid_lens):
+            state = self.decoder.init_state(self.encoder(X), valid_lens)
+            return self.decoder(X, state)[0]
+
+    def build(d2l):
+        model = Both(d2l)
+        model.eval()(*inputs.values())
+        return model
+
+    def cell(d2l, model, X, valid_lens):
+        model.eval()
+        output = model(X, valid_lens)
+        d2l.check_shape(output, (4, 7, 10))
+        weights = d2l.concat(model.decoder.attention_weights, 1)
+        d2l.check_shape(weights, (4, 7, 7))
+        return output, {"attention_weights": weights}
+
+    compare(run_both(seed, build, cell, inputs))
