@@ -4,7 +4,7 @@ heatmaps; Nadaraya-Watson; masked_softmax, check_shape, DotProductAttention,
 AdditiveAttention(num_hiddens, dropout) with their shapes and heatmaps;
 11.4's Bahdanau decoder, AdditiveAttention one query a step), and
 their outputs and gradients against the book's code with the same
-parameters, by the tolerance in d2l_book.py (qkv's float32 within 4 times
+parameters, by the tolerance in d2l_book.py (qkv's float32 within 8 times
 the book's own float32 error of the book's float64, plus 16 roundings; float64
 within 1e-12).
 
