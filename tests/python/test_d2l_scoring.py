@@ -276,3 +276,21 @@ def test_11_4_bahdanau_decoder_is_the_books(seed):
         return output, {"attention_weights": weights}
 
     compare(run_both(seed, build, cell, inputs))
+
+
+def test_without_d2l_the_import_says_what_to_install():
+    # Debian's /usr/bin/python3 alone (no venv) has torch but not d2l.
+    import os
+    import subprocess
+
+    import qkv as package
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(package.__file__)))
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import d2l"], env=env, capture_output=True)
+    assert probe.returncode != 0, "this test needs a Python without d2l: /usr/bin/python3"
+    proc = subprocess.run(["/usr/bin/python3", "-c", "import qkv.d2l"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "qkv.d2l: the book's code, d2l 1.0.3, is not installed in /usr/bin/python3" in \
+        proc.stderr, proc.stderr
+    assert "scripts/make-venv.sh --d2l" in proc.stderr
