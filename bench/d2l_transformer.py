@@ -6,7 +6,9 @@ same data shapes (MTFraEng's: 512 training and 128 validation pairs,
 batch 128, 9 steps, vocabularies of 194 and 214 tokens), the book's
 d2l.Trainer(gradient_clip_val=1).fit with its progress board, fewer epochs.
 Runs alternate (book, qkv, then qkv, book, ...); the table gives medians of
-wall and CPU time (the process's, all threads) per epoch. Not a test: docs/
+wall and CPU time (the process's, all threads) per epoch. Then the training
+step alone (fit_epoch's body), the two models taking turns step by step, so
+a busy machine's load reaches both alike: medians per step. Not a test: docs/
 python.md's table "The book's Transformer, trained" comes from it.
 
 The data are random token ids shaped as MTFraEng's (no download; attention's
@@ -15,7 +17,7 @@ that took the most CPU time in one run of each, by cProfile.
 
 Run in the book's venv (scripts/make-venv.sh --d2l), from the repository root:
     PYTHONPATH=build/release/python build/d2l-venv/bin/python bench/d2l_transformer.py
-Usage: d2l_transformer.py [--epochs 10] [--runs 5] [--profile]
+Usage: d2l_transformer.py [--epochs 10] [--runs 5] [--steps 100] [--profile]
 """
 
 import argparse
@@ -76,11 +78,51 @@ def fit(d2l, epochs, profile=None):
     return (time.perf_counter() - wall) / epochs, (time.process_time() - cpu) / epochs
 
 
+def interleaved_steps(steps):
+    """Trainer.fit_epoch's training step (training_step with its plot,
+    zero_grad, backward, clip_gradients, step), the book's model and qkv's
+    taking turns step by step, so that the machine's load reaches both
+    alike: {name: [(wall s, CPU s) per step]}."""
+    models, trainers, optimizers, batches = {}, {}, {}, {}
+    for name, d2l in (("book", BOOK), ("qkv", QKV)):
+        torch.manual_seed(SEED)
+        models[name] = translation_model(d2l, SRC_VOCAB, TGT_VOCAB)
+        trainers[name] = d2l.Trainer(max_epochs=1, gradient_clip_val=1, num_gpus=1)
+        trainers[name].prepare_data(TranslationShapes())
+        trainers[name].prepare_model(models[name])
+        trainers[name].train_batch_idx = 0
+        optimizers[name] = models[name].configure_optimizers()
+        batches[name] = iter(())
+        models[name].train()
+    times = {name: [] for name in models}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for step in range(steps + 1):  # step 0: the lazy layers' values, not timed
+            for name in (("book", "qkv") if step % 2 == 0 else ("qkv", "book")):
+                batch = next(batches[name], None)
+                if batch is None:  # the next epoch's loader
+                    batches[name] = iter(trainers[name].train_dataloader)
+                    batch = next(batches[name])
+                model, optimizer = models[name], optimizers[name]
+                wall, cpu = time.perf_counter(), time.process_time()
+                loss = model.training_step(batch)
+                optimizer.zero_grad()
+                with torch.no_grad():  # as the book's fit_epoch
+                    loss.backward()
+                    trainers[name].clip_gradients(1, model)
+                    optimizer.step()
+                trainers[name].train_batch_idx += 1
+                if step:
+                    times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run (the book: 30)")
     parser.add_argument("--runs", type=int, default=5, help="runs of each")
     parser.add_argument("--profile", action="store_true", help="also profile one run of each")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="training steps of each, taking turns (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     qkv.set_num_threads(2)
@@ -108,6 +150,18 @@ def main():
                         ("qkv", "`from qkv import d2l`")):
         print(f"| {label} | {wall[name]:.3f} | {cpu[name]:.3f} | "
               f"{wall['book'] / wall[name]:.2f}x | {cpu['book'] / cpu[name]:.2f}x |")
+    if args.steps:
+        steps = interleaved_steps(args.steps)
+        wall = {n: statistics.median(t[0] for t in ts) for n, ts in steps.items()}
+        cpu = {n: statistics.median(t[1] for t in ts) for n, ts in steps.items()}
+        print(f"\nThe training step alone, the two models taking turns, {args.steps} steps each "
+              f"(medians; load average {os.getloadavg()[0]:.2f} at the end)\n")
+        print("| module | wall ms/step | CPU ms/step | book's / this (wall) | book's / this (CPU) |")
+        print("|---|---|---|---|---|")
+        for name, label in (("book", "`from d2l import torch as d2l`"),
+                            ("qkv", "`from qkv import d2l`")):
+            print(f"| {label} | {1e3 * wall[name]:.1f} | {1e3 * cpu[name]:.1f} | "
+                  f"{wall['book'] / wall[name]:.2f}x | {cpu['book'] / cpu[name]:.2f}x |")
     if args.profile:
         for name, d2l in modules.items():
             profile = cProfile.Profile(time.process_time)
