@@ -9,7 +9,10 @@
 #   test:  build's, plus GoogleTest, Google Benchmark, clang's libFuzzer, pytest,
 #          venv/pip/setuptools/wheel (the package's pip install is tested) and
 #          the peers the tests compare against (Debian's PyTorch 1.13 and
-#          statsmodels; the registry's, pinned, in build/venv: make-venv.sh)
+#          statsmodels; the registry's, pinned, in build/venv: make-venv.sh;
+#          the book's code, d2l 1.0.3, on Debian's torch 1.13, torchvision
+#          0.14.1, matplotlib, IPython, pandas, SciPy, PIL and requests, in
+#          build/d2l-venv: make-venv.sh --d2l)
 set -euo pipefail
 
 build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-dev gnuplot-nox
@@ -17,7 +20,9 @@ build_packages=(g++ cmake make libopenblas-dev libhwy-dev libcli11-dev libomp-de
                 python3 python3-dev python3-numpy pybind11-dev libapt-pkg-dev libsqlite3-dev)
 test_packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev clang-14 libclang-rt-14-dev
                python3-pytest python3-venv python3-pip python3-setuptools python3-wheel
-               python3-torch python3-statsmodels chromium)
+               python3-torch python3-statsmodels chromium
+               python3-torchvision python3-matplotlib python3-matplotlib-inline python3-ipython
+               python3-pandas python3-scipy python3-pil python3-requests)
 
 packages=("${build_packages[@]}")
 if [ "${1:-build}" = test ]; then packages+=("${test_packages[@]}"); fi
@@ -53,4 +58,10 @@ fi
 # The tests' registry peers (PyTorch 2, the pretrained sentence encoder and
 # its reference implementation, FAISS), pinned, in build/venv: made once,
 # kept while scripts/peers-requirements.txt is unchanged (about 40 s).
-if [ "${1:-build}" = test ]; then "$(dirname "$0")/make-venv.sh" >/dev/null; fi
+# The book's code, d2l 1.0.3 (pinned), in build/d2l-venv beside Debian's
+# torch 1.13 for qkv.d2l's tests: made once, kept while
+# scripts/d2l-requirements.txt is unchanged (about 20 s).
+if [ "${1:-build}" = test ]; then
+  "$(dirname "$0")/make-venv.sh" >/dev/null
+  "$(dirname "$0")/make-venv.sh" --d2l >/dev/null
+fi
