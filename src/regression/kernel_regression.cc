@@ -189,7 +189,8 @@ kernels::NwData nw_data(const Tensor<double>& x, const Tensor<double>& y,
 int64_t predict_exact(const kernels::NwData& d, const Tensor<double>& q, double* out,
                       double* weights) {
   const int threads = num_threads();
-  std::vector<double> workspace(kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
+  std::vector<double> workspace(
+      kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
   return kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out, weights,
                                         {.data = workspace.data(), .num_threads = threads});
 }
@@ -306,6 +307,18 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
 
 // ---- cross-validation ------------------------------------------------------------
 
+// Evaluations of the leave-one-out error cv_bandwidth typically makes after
+// its scan of 49 bandwidths, the last at the result included, for its
+// progress estimate: 1-D Gaussian, 15 (6 BFGS iterations at n = 3000, of
+// values and gradients); compact kernels' line searches, 1 + 33 + 40 per
+// sweep and feature; several features, Nelder-Mead and up to 3 more scans of
+// 48 (a guess on the high side: the estimate only grows if it is short).
+int64_t typical_search_evaluations(Kernel kernel, size_t p) {
+  const int64_t features = static_cast<int64_t>(p);
+  if (kernel == Kernel::kGaussian) return p == 1 ? 15 : 100 + 48 * features;
+  return 74 * features * (p == 1 ? 1 : 2);
+}
+
 // The leave-one-out objective: mean squared error over the defined
 // points (+inf if none) and, for the Gaussian, its gradient. It works on
 // scaled copies: y times 2^-y_exponent() (brought to [1, 2) when its largest
@@ -333,6 +346,10 @@ class LooObjective {
   int y_exponent() const { return y_exp_; }
   int x_exponent(size_t c) const { return x_exp_[c]; }
 
+  // Called with the number of points done after each piece of an
+  // evaluation (cv_bandwidth's progress); unset, an evaluation is one call.
+  void on_points(std::function<void(int64_t)> hook) { on_points_ = std::move(hook); }
+
   // The objective at inverse bandwidths inv_h (in the scaled units of x), and
   // its gradient with respect to log h.
   double operator()(const std::vector<double>& inv_h, std::vector<double>* grad) const {
@@ -341,8 +358,23 @@ class LooObjective {
     std::vector<double> g(grad ? inv_h.size() : 0);
     std::vector<double> workspace(
         kernels::fast::loo_sums_workspace_size(d, grad != nullptr, threads));
-    const kernels::LooSums sums = kernels::fast::loo_sums(
-        d, grad ? g.data() : nullptr, {.data = workspace.data(), .num_threads = threads});
+    const kernels::Workspace ws{.data = workspace.data(), .num_threads = threads};
+    kernels::LooSums sums;
+    if (!on_points_) {
+      sums = kernels::fast::loo_sums(d, grad ? g.data() : nullptr, ws);
+    } else {
+      // Pieces of at least 2^26 kernel evaluations (0.1-0.5 s here), whole
+      // tasks each, so the sums are the same bits as one call's: at
+      // n = 200,000 an evaluation (4e10 pairs, minutes) reports 600 times;
+      // below n = 8192 it is one piece.
+      const int64_t n = d.n, task = kernels::fast::loo_rows_per_task(n);
+      const int64_t piece = std::max<int64_t>(1, ((int64_t{1} << 26) / n) / task) * task;
+      for (int64_t begin = 0; begin < n; begin += piece) {
+        const int64_t end = std::min(n, begin + piece);
+        kernels::fast::loo_sums_rows(d, begin, end, grad ? g.data() : nullptr, sums, ws);
+        on_points_(end - begin);
+      }
+    }
     if (sums.defined == 0) return kInf;
     const double scale = 1.0 / static_cast<double>(sums.defined);
     if (grad) {
@@ -358,6 +390,7 @@ class LooObjective {
   Tensor<double> x_, y_;
   std::vector<int> x_exp_;
   int y_exp_ = 0;
+  std::function<void(int64_t)> on_points_;
 };
 
 }  // namespace
@@ -503,15 +536,28 @@ std::vector<double> scott_bandwidth(ConstView<double> x) {
 // Every candidate goes through BestPoint (src/regression/optimize.h), so the
 // result is never worse than the start. iterations: BFGS iterations, or
 // coordinate line searches.
-CvResult cv_bandwidth(const KernelRegression& model) {
+CvResult cv_bandwidth(const KernelRegression& model, const CvProgress& progress) {
   constexpr std::string_view kFn = "cv_bandwidth";
   if (model.n_ < 2) {
     fail(kFn, "x has shape " + model.x_.shape().str() +
                   "; leave-one-out cross-validation needs at least 2 points");
   }
   const std::vector<double> h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott);
-  const LooObjective scaled(model.x_, model.y_, model.kernel_, true);
+  LooObjective scaled(model.x_, model.y_, model.kernel_, true);
   const size_t p = h0.size();
+  // Progress in points of the leave-one-out evaluations (n each). Their
+  // number is known only as the search ends: the estimate is the scan's 49
+  // plus what the search after it typically takes (kTypicalSearchEvaluations),
+  // raised to one more whenever the search runs past it.
+  const int64_t n = model.n_;
+  int64_t points_done = 0, evaluations_started = 0;
+  int64_t evaluations_expected = 49 + typical_search_evaluations(model.kernel_, p);
+  if (progress) {
+    scaled.on_points([&](int64_t points) {
+      points_done += points;
+      progress(points_done, evaluations_expected * n);
+    });
+  }
   // The search variable is u = log(h / h0), h0 Scott's bandwidth: with x
   // scaled by 2^e, h0 and every 1/h tried scale by 2^-e exactly, so the
   // search visits the same u and returns h times 2^e bit for bit (a search on
@@ -539,6 +585,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
         return kInf;
       }
     }
+    evaluations_expected = std::max(evaluations_expected, ++evaluations_started + 1);
     return scaled(inverse_bandwidths(u), grad);
   };
   const std::vector<double> theta0(p, 0.0);
@@ -618,7 +665,18 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   for (size_t c = 0; c < p; ++c) {
     result.bandwidth[c] = std::ldexp(1.0 / inv_h[c], scaled.x_exponent(c));
   }
-  result.loo_error = model.loo_error(result.bandwidth);
+  // The error at the result, in y's own units (KernelRegression::loo_error),
+  // reporting progress as the search's evaluations did.
+  LooObjective unscaled(model.x_, model.y_, model.kernel_, false);
+  if (progress) {
+    unscaled.on_points([&](int64_t points) {
+      points_done += points;
+      progress(points_done, std::max(evaluations_expected * n, points_done + (points_done < n)));
+    });
+  }
+  result.loo_error =
+      std::ldexp(unscaled(inverse(result.bandwidth), nullptr), 2 * unscaled.y_exponent());
+  if (progress) progress(points_done, points_done);
   return result;
 }
 
