@@ -136,12 +136,14 @@ def test_pip_install_in_a_venv(tmp_path):
                           env=clean_env(CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1),
                                         QKV_CMAKE_ARGS="-DQKV_NATIVE_SIMD_ONLY=ON"))
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    # The build's progress came through pip: CMake's lines, setup.py's with
-    # the time left (the build takes minutes: one at least every 10 s), the end.
-    assert re.search(r"^\s*\[\s*\d+%\] Building CXX object", proc.stdout, re.M), proc.stdout[-4000:]
-    assert re.search(r"^\s*qkv setup\.py: build: \d+ % after .+, about .+ left$", proc.stdout,
-                     re.M), proc.stdout[-4000:]
-    assert re.search(r"^\s*qkv setup\.py: build: done in ", proc.stdout, re.M), proc.stdout[-4000:]
+    # The build's progress came through pip (on its stderr, where pip -v logs
+    # a backend's lines): CMake's lines, setup.py's with the time left (the
+    # build takes minutes: one at least every 10 s), the end.
+    shown = proc.stderr
+    assert re.search(r"^\s*\[\s*\d+%\] Building CXX object", shown, re.M), shown[-4000:]
+    assert re.search(r"^\s*qkv setup\.py: build: \d+ % after .+, about .+ left$", shown,
+                     re.M), shown[-4000:]
+    assert re.search(r"^\s*qkv setup\.py: build: done in ", shown, re.M), shown[-4000:]
     path, version = run_check(python, clean_env())
     info = subprocess.run([python, "-c", "import qkv; i = qkv.simd_info(); "
                            "print(*i['simd_targets_compiled']); print(*i['simd_targets_supported'])"],
