@@ -57,8 +57,8 @@ struct RegressArgs {
 };
 
 const char* const kBandwidthHelp =
-    "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv "
-    "or learn";
+    "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv, "
+    "cv-fast or learn";
 
 std::string quote(const std::string& text) { return "\"" + text + "\""; }
 
@@ -125,7 +125,7 @@ struct Bandwidth {
 };
 
 Bandwidth parse_bandwidth(const std::string& text) {
-  for (const char* rule : {"silverman", "scott", "cv", "learn"}) {
+  for (const char* rule : {"silverman", "scott", "cv", "cv-fast", "learn"}) {
     if (text == rule) return {rule, {}};
   }
   Bandwidth b{"fixed", {}};
@@ -156,6 +156,10 @@ void check_options(const RegressArgs& args, const Bandwidth& bandwidth) {
   }
   if (!args.given("--query") && !args.given("--grid")) {
     throw UsageError("give the points to predict at: --query FILE or --grid start:stop:step");
+  }
+  if (bandwidth.rule == "cv-fast" && kernel_from_name(args.kernel) != Kernel::kGaussian) {
+    throw UsageError("--bandwidth cv-fast is cv through the fast 1-D Gaussian path; --kernel " +
+                     args.kernel + " has none (use --bandwidth cv)");
   }
   if (learn && kernel_from_name(args.kernel) != Kernel::kGaussian) {
     throw UsageError("--bandwidth learn trains the chapter's Gaussian model; --kernel " +
@@ -557,7 +561,12 @@ void warn_if_cv_is_long(int64_t n, int64_t p, Kernel kernel) {
             << " kernel evaluations each: about " << seconds_text(seconds) << " on "
             << num_threads() << (num_threads() == 1 ? " thread" : " threads")
             << " (estimated). A rule of thumb takes milliseconds: --bandwidth scott or "
-               "silverman\n";
+               "silverman"
+            << (p == 1 && kernel == Kernel::kGaussian
+                    ? "; --bandwidth cv-fast minimises the same error through the fast 1-D "
+                      "path in seconds"
+                    : "")
+            << "\n";
 }
 
 // Wall-clock seconds since construction or the last lap.
@@ -619,6 +628,11 @@ void run_regress(const RegressArgs& args) {
                      (p == 1 ? "is 1 x column" : "are " + std::to_string(p) + " x columns") + " (" +
                      join(data.x_names) + "); give one value, or one per x column");
   }
+  if (bandwidth.rule == "cv-fast" && p != 1) {
+    throw UsageError("--bandwidth cv-fast is cv through the fast 1-D Gaussian path; there are " +
+                     std::to_string(p) + " x columns (" + join(data.x_names) +
+                     "): use --bandwidth cv");
+  }
   if (!args.plot.empty() && p != 1) {
     throw UsageError("--plot draws y against one x column; there are " + std::to_string(p) +
                      " x columns (" + join(data.x_names) + "); choose one with --x-cols");
@@ -652,11 +666,13 @@ void run_regress(const RegressArgs& args) {
     model.set_bandwidth(silverman_bandwidth(features(data.x)));
   } else if (bandwidth.rule == "scott") {
     model.set_bandwidth(scott_bandwidth(features(data.x)));
-  } else if (bandwidth.rule == "cv") {
-    progress.say("cv: minimising the leave-one-out error over the bandwidth");
-    warn_if_cv_is_long(n, p, kernel);
-    Progress bar("qkv regress: cv", args.quiet, "points");
-    cv = cv_bandwidth(model, [&](int64_t done, int64_t total) { bar.update(done, total); });
+  } else if (bandwidth.rule == "cv" || bandwidth.rule == "cv-fast") {
+    const bool fast = bandwidth.rule == "cv-fast";
+    progress.say(bandwidth.rule + ": minimising the leave-one-out error over the bandwidth");
+    if (!fast) warn_if_cv_is_long(n, p, kernel);
+    Progress bar("qkv regress: " + bandwidth.rule, args.quiet, "points");
+    const CvProgress report = [&](int64_t done, int64_t total) { bar.update(done, total); };
+    cv = fast ? cv_bandwidth_fast_1d(model, report) : cv_bandwidth(model, report);
     bar.finish();
     model.set_bandwidth(cv->bandwidth);
   } else {
@@ -813,7 +829,7 @@ Command add_regress_command(CLI::App& parent) {
   app->add_option("--bandwidth", args->bandwidth,
                   std::string("h: ") + kBandwidthHelp +
                       " (learn: the chapter's parametric model, h = 1/|w|, Gaussian only)")
-      ->type_name("H|silverman|scott|cv|learn")
+      ->type_name("H|silverman|scott|cv|cv-fast|learn")
       ->required();
   require_integer(
       app->add_option("--epochs", args->epochs, "learn only: SGD epochs, >= 1 (default 5)"))

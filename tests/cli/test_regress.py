@@ -846,9 +846,39 @@ class CvProgressTest(RegressTest):
                                r"evaluates the leave-one-out error about \d+ times, n\^2 = 1.6e\+09 "
                                r"kernel evaluations each: about [0-9a-z ]+ on \d+ threads? "
                                r"\(estimated\)\. A rule of thumb takes milliseconds: "
-                               r"--bandwidth scott or silverman$")
+                               r"--bandwidth scott or silverman; --bandwidth cv-fast minimises "
+                               r"the same error through the fast 1-D path in seconds$")
         self.assertFalse(os.path.exists(self.path("pred.csv")))
         # A short run warns of nothing (above: nothing on stderr with --json).
+
+    def test_cv_fast_finds_cvs_bandwidth(self):
+        train = self.data(1500)
+        out = self.path("pred.csv")
+        args = ["--train", train, "--grid", "0:5:0.5", "--kernel", "gaussian", "--out", out,
+                "--json", "--quiet"]  # no progress lines: cv may pass 5 s on a busy machine
+        _, exact = self.regress(*args, "--bandwidth", "cv")
+        _, fast = self.regress(*args, "--bandwidth", "cv-fast")
+        self.assertEqual(fast["bandwidth_rule"], "cv-fast")
+        self.assertAlmostEqual(fast["bandwidth"][0], exact["bandwidth"][0],
+                               delta=2e-3 * exact["bandwidth"][0])
+        self.assertLessEqual(fast["loo_error"], exact["loo_error"] * (1 + 1e-7))
+        _, got = self.read_predictions(out)
+        data = np.load(train)
+        ref = np_predict(data[:, 0], data[:, 1], np.arange(0, 5, 0.5), fast["bandwidth"][0])
+        np.testing.assert_allclose(got[:, 1], ref, rtol=1e-10, atol=1e-12)
+        # Only where the fast path applies: exit 2 otherwise, nothing written.
+        os.remove(out)
+        boxcar = ["regress", "--train", train, "--grid", "0:5:0.5", "--kernel", "boxcar",
+                  "--bandwidth", "cv-fast", "--out", out]
+        self.expect_error("regress", boxcar, [out],
+                          ["--bandwidth cv-fast is cv through the fast 1-D Gaussian path; "
+                           "--kernel boxcar has none (use --bandwidth cv)"])
+        two = self.save("two.npy", np.column_stack([data[:, 0], data[:, 0] ** 2, data[:, 1]]))
+        query = self.save("q.npy", data[:5, :2])
+        self.expect_error("regress", ["regress", "--train", two, "--query", query, "--kernel",
+                                      "gaussian", "--bandwidth", "cv-fast", "--out", out], [out],
+                          ["--bandwidth cv-fast is cv through the fast 1-D Gaussian path; there "
+                           "are 2 x columns (x0, x1): use --bandwidth cv"])
 
 
 if __name__ == "__main__":
