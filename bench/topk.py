@@ -41,7 +41,8 @@ def main():
         np.save(path("K.npy"), rng.standard_normal((args.rows, 64), dtype=np.float32))
         np.save(path("V.npy"), rng.standard_normal((args.rows, 64), dtype=np.float32))
         subprocess.run([args.qkv, "store", "create", path("S.qkv"), "--keys", path("K.npy"),
-                        "--values", path("V.npy"), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+                        "--values", path("V.npy"), "--quiet"],
+                       check=True, stdout=subprocess.DEVNULL)
         print(f"qkv attend --store over {args.rows} rows, D = Dv = 64, float32; "
               f"medians of {args.repeats} runs")
         print(f"{'queries':>8} {'top-k':>6} {'CPU s':>8} {'wall s':>8} {'x plain CPU':>12}")

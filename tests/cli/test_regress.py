@@ -810,7 +810,8 @@ class PlotTest(RegressTest):
 class CvProgressTest(RegressTest):
     def data(self, n):
         x = self.rng.uniform(0, 5, n)
-        return self.save(f"train{n}.npy", np.column_stack([x, np.sin(x) + self.rng.normal(0, 0.3, n)]))
+        y = np.sin(x) + self.rng.normal(0, 0.3, n)
+        return self.save(f"train{n}.npy", np.column_stack([x, y]))
 
     def test_a_bar_with_the_time_left_on_a_terminal_and_the_same_result(self):
         train = self.data(1500)
@@ -843,8 +844,9 @@ class CvProgressTest(RegressTest):
             proc.terminate()
             proc.communicate(timeout=60)
         self.assertRegex(line, r"^qkv regress: warning: --bandwidth cv on n = 40000 points "
-                               r"evaluates the leave-one-out error about \d+ times, n\^2 = 1.6e\+09 "
-                               r"kernel evaluations each: about [0-9a-z ]+ on \d+ threads? "
+                               r"evaluates the leave-one-out error about \d+ times, "
+                               r"n\^2 = 1.6e\+09 kernel evaluations each: about [0-9a-z ]+ "
+                               r"on \d+ threads? "
                                r"\(estimated\)\. A rule of thumb takes milliseconds: "
                                r"--bandwidth scott or silverman; --bandwidth cv-fast minimises "
                                r"the same error through the fast 1-D path in seconds$")
