@@ -26,20 +26,21 @@ std::string bytes_text(double bytes) {
   return text;
 }
 
+}  // namespace
+
 std::string seconds_text(double s) {
   char text[32];
   if (s < 60) {
     std::snprintf(text, sizeof text, "%.0f s", s);
   } else if (s < 3600) {
-    std::snprintf(text, sizeof text, "%d min %02d s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+    std::snprintf(text, sizeof text, "%d min %02d s", static_cast<int>(s) / 60,
+                  static_cast<int>(s) % 60);
   } else {
     std::snprintf(text, sizeof text, "%d h %02d min", static_cast<int>(s) / 3600,
                   static_cast<int>(s) % 3600 / 60);
   }
   return text;
 }
-
-}  // namespace
 
 Progress::Progress(std::string what, bool quiet, std::string unit)
     : what_(std::move(what)),
@@ -52,7 +53,8 @@ Progress::Progress(std::string what, bool quiet, std::string unit)
 std::string Progress::amount_text(double amount) const {
   if (unit_.empty()) return bytes_text(amount);
   char text[48];
-  std::snprintf(text, sizeof text, amount < 10 && amount != static_cast<int64_t>(amount) ? "%.1f " : "%.0f ", amount);
+  std::snprintf(text, sizeof text,
+                amount < 10 && amount != static_cast<int64_t>(amount) ? "%.1f " : "%.0f ", amount);
   return text + unit_;
 }
 

@@ -32,6 +32,9 @@ class Progress {
   bool printed_ = false;
 };
 
+// A duration as a person reads it: "42 s", "3 min 05 s", "5 h 40 min".
+std::string seconds_text(double seconds);
+
 // The library's progress callback (qkv::StoreProgress) drawing `progress`,
 // which must outlive the work.
 inline StoreProgress report(Progress& progress) {

@@ -5,11 +5,18 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -19,9 +26,12 @@
 
 #include "common.h"
 #include "csv.h"
+#include "progress.h"
 #include "qkv/error.h"
 #include "qkv/kernel_regression.h"
 #include "qkv/npy.h"
+#include "qkv/plot.h"
+#include "qkv/threads.h"
 
 namespace qkv::cli {
 namespace {
@@ -36,19 +46,19 @@ constexpr int64_t kMaxAutoLooPoints = 50000;
 constexpr double kMaxWeights = 5e8;
 
 struct RegressArgs {
-  std::string train, x_cols, y_col, query, grid, kernel, bandwidth, out, weights;
+  std::string train, x_cols, y_col, query, grid, kernel, bandwidth, out, weights, plot;
   std::optional<int> epochs;
   std::optional<double> lr;
   uint64_t seed = 0;
-  bool exact = false, json = false, verbose = false, loo = false;
+  bool exact = false, json = false, verbose = false, quiet = false, loo = false;
   std::optional<int> threads;
   CLI::App* app = nullptr;  // to ask which options were given
   bool given(const char* option) const { return app->count(option) > 0; }
 };
 
 const char* const kBandwidthHelp =
-    "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv "
-    "or learn";
+    "a number > 0, a comma-separated list of them (one per x column), or silverman, scott, cv, "
+    "cv-fast or learn";
 
 std::string quote(const std::string& text) { return "\"" + text + "\""; }
 
@@ -115,7 +125,7 @@ struct Bandwidth {
 };
 
 Bandwidth parse_bandwidth(const std::string& text) {
-  for (const char* rule : {"silverman", "scott", "cv", "learn"}) {
+  for (const char* rule : {"silverman", "scott", "cv", "cv-fast", "learn"}) {
     if (text == rule) return {rule, {}};
   }
   Bandwidth b{"fixed", {}};
@@ -146,6 +156,10 @@ void check_options(const RegressArgs& args, const Bandwidth& bandwidth) {
   }
   if (!args.given("--query") && !args.given("--grid")) {
     throw UsageError("give the points to predict at: --query FILE or --grid start:stop:step");
+  }
+  if (bandwidth.rule == "cv-fast" && kernel_from_name(args.kernel) != Kernel::kGaussian) {
+    throw UsageError("--bandwidth cv-fast is cv through the fast 1-D Gaussian path; --kernel " +
+                     args.kernel + " has none (use --bandwidth cv)");
   }
   if (learn && kernel_from_name(args.kernel) != Kernel::kGaussian) {
     throw UsageError("--bandwidth learn trains the chapter's Gaussian model; --kernel " +
@@ -434,6 +448,127 @@ std::string overflowed_loo_text(const Training& data, Kernel kernel,
          format_number(exponent, "%.0f") + " (beyond the largest double, 1.8e308: null in --json)";
 }
 
+// ---- the figure (--plot) -----------------------------------------------------------
+
+// --plot's format follows its extension, as qkv heatmap's --out.
+void check_plot_path(const std::string& path) {
+  const std::string ext = std::filesystem::path(path).extension().string();
+  if (ext != ".png" && ext != ".svg" && ext != ".pdf") {
+    throw UsageError("--plot " + path + " has extension " + quote(ext) +
+                     "; expected .png, .svg or .pdf (the format follows the extension)");
+  }
+}
+
+// [lo, hi] widened by `margin` of its width on each side (by 0.5 when it is a
+// point), so no dot sits on the frame.
+std::array<double, 2> padded(double lo, double hi, double margin) {
+  const double pad = hi > lo ? margin * (hi - lo) : 0.5;
+  return {lo - pad, hi + pad};
+}
+
+// The fit's figure as bytes: qkv::plot_kernel_regression (gnuplot) draws it
+// into a private temporary directory, and the bytes go out with the other
+// outputs through write_outputs, so all are written or none. The curve joins
+// the defined predictions in order of x (a CSV --query may list them in any
+// order); undefined ones (nan: no key in reach) are left out.
+std::string fit_figure(const Training& data, const Tensor<double>& queries,
+                       const Tensor<double>& predictions, Kernel kernel, double h,
+                       const std::string& path) {
+  std::vector<std::pair<double, double>> curve;
+  for (int64_t i = 0; i < queries.size(0); ++i) {
+    if (std::isfinite(predictions(i))) curve.emplace_back(queries(i, 0), predictions(i));
+  }
+  if (curve.empty()) {
+    throw UsageError("--plot " + path +
+                     ": every prediction is undefined (nan: no training "
+                     "point within reach of any query), so there is no fit to draw");
+  }
+  std::sort(curve.begin(), curve.end());
+  const int64_t t = static_cast<int64_t>(curve.size()), n = data.x.size(0);
+  Tensor<double> xs(Shape{t}), fs(Shape{t});
+  double x_lo = curve.front().first, x_hi = curve.back().first;
+  double y_lo = curve[0].second, y_hi = y_lo;
+  for (int64_t i = 0; i < t; ++i) {
+    xs(i) = curve[i].first;
+    fs(i) = curve[i].second;
+    y_lo = std::min(y_lo, fs(i));
+    y_hi = std::max(y_hi, fs(i));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    x_lo = std::min(x_lo, data.x(i, 0));
+    x_hi = std::max(x_hi, data.x(i, 0));
+    y_lo = std::min(y_lo, data.y(i));
+    y_hi = std::max(y_hi, data.y(i));
+  }
+  RegressionPlotOptions options;
+  options.xlim = padded(x_lo, x_hi, 0.02);
+  options.ylim = padded(y_lo, y_hi, 0.05);
+  options.xlabel = data.x_names[0];
+  options.ylabel = data.y_name;
+  options.labels = {"", "Nadaraya-Watson, " + std::string(kernel_name(kernel)) +
+                            ", h = " + format_number(h, "%.4g")};
+  options.figsize = {6.0, 4.0};  // inches: 600 x 400 pixels in PNG
+
+  std::string dir = (std::filesystem::temp_directory_path() / "qkv-plot-XXXXXX").string();
+  if (::mkdtemp(dir.data()) == nullptr) {
+    throw std::runtime_error("--plot: cannot make a temporary directory " + dir + ": " +
+                             std::strerror(errno));
+  }
+  struct Remove {
+    std::string dir;
+    ~Remove() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } remove{dir};
+  const std::string staged = dir + "/fit" + std::filesystem::path(path).extension().string();
+  plot_kernel_regression(xs.view(), ConstView<double>(nullptr, Shape{0}), fs.view(),
+                         ConstView<double>(data.x.data(), Shape{n}), data.y.view(), staged,
+                         options);
+  std::ifstream in(staged, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) throw std::runtime_error("--plot: cannot read back " + staged);
+  return bytes;
+}
+
+// ---- the cost of --bandwidth cv -------------------------------------------------------
+
+// One evaluation of the Gaussian leave-one-out error (and its gradient, which
+// costs about the same per point) takes this many CPU seconds per pair of
+// points: 3.25 s of user time for the 64 evaluations of cv at n = 3000 on one
+// thread, 5.6 ns a pair (2026-11-30, AVX2 EPYC; the machine was busy, so the
+// wall time was 17 s). cv makes about kCvEvaluations of them for 1-D data:
+// 49 for its scan, 14 for BFGS there (6 iterations), and the error at the
+// result; the estimate counts twice as many for compact kernels and several
+// x columns, whose searches are longer.
+constexpr double kCvSecondsPerPair = 5.6e-9;
+constexpr double kCvEvaluations = 65;
+// Above this estimate, --bandwidth cv warns before it starts: a minute is
+// where a run stops feeling like a command and starts needing a plan.
+constexpr double kCvWarnSeconds = 60;
+
+// The warning, on stderr before the work, when cv will take long.
+void warn_if_cv_is_long(int64_t n, int64_t p, Kernel kernel) {
+  const double pairs = static_cast<double>(n) * static_cast<double>(n);
+  const double evaluations = kCvEvaluations * (p == 1 && kernel == Kernel::kGaussian ? 1 : 2);
+  const double seconds = evaluations * pairs * static_cast<double>(p) * kCvSecondsPerPair /
+                         static_cast<double>(num_threads());
+  if (seconds <= kCvWarnSeconds) return;
+  std::cerr << "qkv regress: warning: --bandwidth cv on n = " << n
+            << " points evaluates the leave-one-out error about "
+            << format_number(evaluations, "%.0f")
+            << " times, n^2 = " << format_number(pairs, "%.3g")
+            << " kernel evaluations each: about " << seconds_text(seconds) << " on "
+            << num_threads() << (num_threads() == 1 ? " thread" : " threads")
+            << " (estimated). A rule of thumb takes milliseconds: --bandwidth scott or "
+               "silverman"
+            << (p == 1 && kernel == Kernel::kGaussian
+                    ? "; --bandwidth cv-fast minimises the same error through the fast 1-D "
+                      "path in seconds"
+                    : "")
+            << "\n";
+}
+
 // Wall-clock seconds since construction or the last lap.
 class Stopwatch {
  public:
@@ -448,10 +583,11 @@ class Stopwatch {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-// Progress lines on stderr: when stderr is a terminal, or with --verbose.
-class Progress {
+// The phases' lines on stderr: when stderr is a terminal, or with --verbose
+// (none with --quiet).
+class PhaseLog {
  public:
-  explicit Progress(bool verbose) : on_(verbose || ::isatty(STDERR_FILENO)) {}
+  PhaseLog(bool verbose, bool quiet) : on_(!quiet && (verbose || ::isatty(STDERR_FILENO))) {}
   void say(const std::string& line) const {
     if (on_) std::cerr << "qkv regress: " << line << std::endl;
   }
@@ -467,9 +603,14 @@ void run_regress(const RegressArgs& args) {
   const Kernel kernel = kernel_from_name(args.kernel);
   std::vector<std::pair<std::string, std::string>> outputs{{"--out", args.out}};
   if (!args.weights.empty()) outputs.emplace_back("--weights", args.weights);
+  if (!args.plot.empty()) {
+    check_plot_path(args.plot);
+    outputs.emplace_back("--plot", args.plot);
+  }
   check_output_paths(outputs);
+  if (!args.plot.empty()) gnuplot_path();  // missing: an Error naming the package, before the work
   apply_threads(args.threads);
-  const Progress progress(args.verbose);
+  const PhaseLog progress(args.verbose, args.quiet);
   Stopwatch clock;
 
   // ---- load
@@ -486,6 +627,15 @@ void run_regress(const RegressArgs& args) {
                      " values but there " +
                      (p == 1 ? "is 1 x column" : "are " + std::to_string(p) + " x columns") + " (" +
                      join(data.x_names) + "); give one value, or one per x column");
+  }
+  if (bandwidth.rule == "cv-fast" && p != 1) {
+    throw UsageError("--bandwidth cv-fast is cv through the fast 1-D Gaussian path; there are " +
+                     std::to_string(p) + " x columns (" + join(data.x_names) +
+                     "): use --bandwidth cv");
+  }
+  if (!args.plot.empty() && p != 1) {
+    throw UsageError("--plot draws y against one x column; there are " + std::to_string(p) +
+                     " x columns (" + join(data.x_names) + "); choose one with --x-cols");
   }
   const Tensor<double> queries = load_queries(args, data);
   const int64_t t = queries.size(0);
@@ -516,9 +666,14 @@ void run_regress(const RegressArgs& args) {
     model.set_bandwidth(silverman_bandwidth(features(data.x)));
   } else if (bandwidth.rule == "scott") {
     model.set_bandwidth(scott_bandwidth(features(data.x)));
-  } else if (bandwidth.rule == "cv") {
-    progress.say("cv: minimising the leave-one-out error over the bandwidth");
-    cv = cv_bandwidth(model);
+  } else if (bandwidth.rule == "cv" || bandwidth.rule == "cv-fast") {
+    const bool fast = bandwidth.rule == "cv-fast";
+    progress.say(bandwidth.rule + ": minimising the leave-one-out error over the bandwidth");
+    if (!fast) warn_if_cv_is_long(n, p, kernel);
+    Progress bar("qkv regress: " + bandwidth.rule, args.quiet, "points");
+    const CvProgress report = [&](int64_t done, int64_t total) { bar.update(done, total); };
+    cv = fast ? cv_bandwidth_fast_1d(model, report) : cv_bandwidth(model, report);
+    bar.finish();
     model.set_bandwidth(cv->bandwidth);
   } else {
     ParametricOptions options;
@@ -588,6 +743,11 @@ void run_regress(const RegressArgs& args) {
   std::vector<OutputFile> files{{"--out", args.out, predictions_csv(data, queries, predictions)}};
   if (!args.weights.empty())
     files.push_back({"--weights", args.weights, npy_bytes(weights.view())});
+  if (!args.plot.empty()) {
+    files.push_back(
+        {"--plot", args.plot,
+         fit_figure(data, queries, predictions, kernel, model.bandwidth()[0], args.plot)});
+  }
   write_outputs(files);
   const double write_s = clock.lap();
 
@@ -669,7 +829,7 @@ Command add_regress_command(CLI::App& parent) {
   app->add_option("--bandwidth", args->bandwidth,
                   std::string("h: ") + kBandwidthHelp +
                       " (learn: the chapter's parametric model, h = 1/|w|, Gaussian only)")
-      ->type_name("H|silverman|scott|cv|learn")
+      ->type_name("H|silverman|scott|cv|cv-fast|learn")
       ->required();
   require_integer(
       app->add_option("--epochs", args->epochs, "learn only: SGD epochs, >= 1 (default 5)"))
@@ -688,12 +848,18 @@ Command add_regress_command(CLI::App& parent) {
                                "Also write the attention weights (t, n), float64, rows summing "
                                "to 1"))
       ->type_name("W.npy");
+  require_path(app->add_option("--plot", args->plot,
+                               "Also draw the fit with gnuplot: the training points and the "
+                               "predictions as a curve over x (one x column); the format "
+                               "follows the extension"))
+      ->type_name("FIG.png|svg|pdf");
   app->add_flag("--loo", args->loo,
                 "Compute the leave-one-out error also for more than 50000 training points "
                 "(n^2 kernel evaluations)");
   app->add_flag("--json", args->json,
                 "Print a JSON summary on stdout (bandwidth, LOO error, epochs, timings)");
-  app->add_flag("--verbose", args->verbose, "Progress on stderr even when it is not a terminal");
+  app->add_flag("--verbose", args->verbose, "Each phase on stderr even when it is not a terminal");
+  app->add_flag("--quiet", args->quiet, "No progress on stderr (warnings stay)");
   add_threads_option(*app, args->threads);
   return {app, [args] { run_regress(*args); }};
 }

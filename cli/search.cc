@@ -24,6 +24,19 @@
 namespace qkv::cli {
 namespace {
 
+// `text` as one word of a POSIX shell command line: as it is when every
+// character is plain, else in single quotes (a quote inside as '\''), so
+// the printed next command can be pasted whatever the index was called.
+std::string shell_word(const std::string& text) {
+  const bool plain = !text.empty() && text.find_first_not_of(
+                                          "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                          "0123456789_./+-=:,@%") == std::string::npos;
+  if (plain) return text;
+  std::string word = "'";
+  for (const char c : text) word += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return word + "'";
+}
+
 struct SearchArgs {
   std::string index, lists, model, query, engine = "hybrid";
   std::string queries_file;        // query: --queries-file (- for stdin)
@@ -191,8 +204,15 @@ void run_index(const SearchArgs& args) {
       });
   if (progress) progress->finish();
   const search::SearchIndex built = search::SearchIndex::open(args.index);
-  std::cout << args.index << ": " << packages.size() << " packages from " << lists << "\n"
-            << built.manifest_text();
+  if (args.json) {
+    std::cout << built.manifest_text();
+    return;
+  }
+  // One line: what was built and the command to run next (the manifest, about
+  // 90 lines of JSON, is behind --json and in INDEX/manifest.json).
+  std::cout << args.index << ": " << packages.size() << " packages from " << lists
+            << "; next: qkv search query --index " << shell_word(args.index)
+            << " \"a text editor\"\n";
 }
 
 void run_query(const SearchArgs& args) {
@@ -306,6 +326,8 @@ Command add_search_command(CLI::App& parent) {
   add_seed_option(*index, args->seed, "Seeds the order of the training queries");
   add_threads_option(*index, args->threads);
   index->add_flag("--quiet", args->quiet, "No progress on stderr");
+  index->add_flag("--json", args->json,
+                  "Print the index's manifest (JSON) on stdout instead of the one-line summary");
 
   CLI::App* query = app->add_subcommand(
       "query", "Rank the packages for a free-text query, or for each line of --queries-file");

@@ -211,6 +211,58 @@ TEST(Gauss1dFast, EveryMethodIsExercised) {
   EXPECT_EQ(check(d, queries, 0.02, 1e-13, "", "tight tolerance"), "exact");
 }
 
+TEST(Gauss1dFast, WeightSumsMatchTheFloat64Sums) {
+  // weight_sums: each query's sum of weights relative to its nearest key,
+  // against long double sums, by every method; queries at the keys (as
+  // KernelRegression's fast cv asks) and between them, +-inf and NaN.
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  Data d = uniform_data(rng, 5000, 2, 0.0, 1.0);
+  std::fill(d.keys.begin() + 100, d.keys.begin() + 110, d.keys[100]);  // copies
+  std::vector<double> queries = uniform_queries(rng, 300, -0.1, 1.1);
+  for (int64_t j = 0; j < 5000; j += 50) queries.push_back(d.keys[j]);
+  for (const auto& [h, want] : {std::pair{1e-5, "window"}, {0.02, "taylor"}, {10.0, "taylor"}}) {
+    for (const bool few : {false, true}) {
+      SCOPED_TRACE("h " + std::to_string(h) + (few ? ", few queries" : ""));
+      const std::vector<double> q(queries.begin(), few ? queries.begin() + 10 : queries.end());
+      const int64_t t = static_cast<int64_t>(q.size());
+      std::vector<double> out(static_cast<size_t>(2 * t)), w(static_cast<size_t>(t));
+      const int threads = num_threads();
+      std::vector<double> workspace(kernels::fast::gauss1d_workspace_size(
+          d.keys.data(), d.n(), 2, q.data(), t, h, 1e-7, threads));
+      const std::string method = kernels::fast::gauss1d(
+          d.keys.data(), d.values.data(), d.n(), 2, q.data(), t, h, 1e-7, out.data(),
+          {.data = workspace.data(), .num_threads = threads}, w.data());
+      EXPECT_EQ(method, few ? "exact" : want);
+      for (int64_t i = 0; i < t; ++i) {
+        const long double qi = q[i];
+        int64_t a = 0;
+        for (int64_t j = 1; j < d.n(); ++j) {
+          if (std::abs(qi - d.keys[j]) < std::abs(qi - d.keys[a])) a = j;
+        }
+        const long double xa = d.keys[a], inv = 1.0L / (2.0L * h * h);
+        long double sum = 0;
+        for (const double x : d.keys) sum += std::exp(-(xa - x) * ((qi - x) + (qi - xa)) * inv);
+        ASSERT_GE(w[i], 1.0);
+        EXPECT_NEAR(w[i], static_cast<double>(sum), 0.5e-7 * static_cast<double>(sum))
+            << "query " << i << " at " << q[i];
+      }
+    }
+  }
+  const std::vector<double> odd{std::numeric_limits<double>::infinity(),
+                                -std::numeric_limits<double>::infinity(),
+                                std::numeric_limits<double>::quiet_NaN()};
+  std::vector<double> out(6), w(3);
+  std::vector<double> workspace(
+      kernels::fast::gauss1d_workspace_size(d.keys.data(), d.n(), 2, odd.data(), 3, 0.1, 1e-7, 1));
+  kernels::fast::gauss1d(d.keys.data(), d.values.data(), d.n(), 2, odd.data(), 3, 0.1, 1e-7,
+                         out.data(), {.data = workspace.data(), .num_threads = 1}, w.data());
+  EXPECT_EQ(w[0], 1.0);  // the largest key, once
+  EXPECT_EQ(w[1], 1.0);
+  EXPECT_TRUE(std::isnan(w[2]));
+}
+
 TEST(Gauss1dFast, DuplicateKeys) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));

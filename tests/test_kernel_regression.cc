@@ -827,6 +827,136 @@ double grid_best(const KernelRegression& model, const std::vector<double>& cente
   return best;
 }
 
+TEST(KernelRegressionLoo, RangesOfRowsAddUpToTheSameBitsAsOneCall) {
+  // loo_sums_rows over consecutive ranges (what cv_bandwidth's progress cuts
+  // an evaluation into) against one loo_sums call: the same bits, gradient too.
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int64_t p : {1, 2}) {
+    const int64_t n = rng.uniform_int(700, 1500);  // tasks of 2^16 / n = 43-93 rows
+    SCOPED_TRACE("n " + std::to_string(n) + " p " + std::to_string(p));
+    const Tensor<double> x = random_tensor<double>(rng, Shape{n, p}, 0, 3);
+    const Tensor<double> y = random_tensor<double>(rng, Shape{n, 2}, -2, 2);
+    const std::vector<double> inv_h(static_cast<size_t>(p), 1.0 / rng.uniform(0.05, 1.0));
+    const kernels::NwData d{.x = x.data(),
+                            .y = y.data(),
+                            .n = n,
+                            .p = p,
+                            .m = 2,
+                            .inv_h = inv_h.data(),
+                            .kernel = Kernel::kGaussian};
+    const LooResult whole = loo_sums(d, true);
+    const int threads = num_threads();
+    std::vector<double> workspace(kernels::fast::loo_sums_workspace_size(d, true, threads));
+    const int64_t task = kernels::fast::loo_rows_per_task(n);
+    ASSERT_GT(n / task, 3);
+    for (int64_t piece : {task, 3 * task, n / task / 2 * task}) {
+      kernels::LooSums sums;
+      std::vector<double> g(static_cast<size_t>(p), 0.0);
+      for (int64_t begin = 0; begin < n; begin += piece) {
+        kernels::fast::loo_sums_rows(d, begin, std::min(n, begin + piece), g.data(), sums,
+                                     kernels::Workspace{workspace.data(), threads});
+      }
+      EXPECT_EQ(sums.sum_sq, whole.sum_sq) << "piece " << piece;
+      EXPECT_EQ(sums.defined, whole.defined);
+      EXPECT_EQ(g, whole.g);
+    }
+  }
+}
+
+TEST(KernelRegressionBandwidth, CrossValidationReportsProgressAndKeepsItsBits) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (const Kernel kernel : {Kernel::kGaussian, Kernel::kEpanechnikov}) {
+    SCOPED_TRACE(name_of(kernel));
+    const Chapter c = chapter_data(rng, 300);
+    const KernelRegression model(c.x, c.y, kernel);
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    const CvResult with =
+        cv_bandwidth(model, [&](int64_t done, int64_t total) { calls.emplace_back(done, total); });
+    const CvResult without = cv_bandwidth(model);
+    EXPECT_EQ(with.bandwidth, without.bandwidth);
+    EXPECT_EQ(with.loo_error, without.loo_error);
+    // One call per evaluation at n = 300 (one piece each): at least the scan's
+    // 49 and the error at the result; done grows by n, never past the total,
+    // which is an estimate that only grows until the last call, which has
+    // done == total (the evaluations' real count).
+    ASSERT_GE(calls.size(), 50u);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      EXPECT_EQ(calls[i].first, 300 * static_cast<int64_t>(i + 1 - (i + 1 == calls.size())))
+          << "call " << i;
+      EXPECT_LE(calls[i].first, calls[i].second) << "call " << i;
+      if (i > 0 && i + 1 < calls.size()) {
+        EXPECT_GE(calls[i].second, calls[i - 1].second) << "call " << i;
+      }
+    }
+    EXPECT_EQ(calls.back().first, calls.back().second);
+  }
+}
+
+TEST(KernelRegressionBandwidth, FastOneDimensionalCrossValidationAgreesWithTheExactPath) {
+  // cv_bandwidth_fast_1d against cv_bandwidth (the O(n^2) exact path): the
+  // chapter's data; with duplicated keys and two points far from the rest
+  // (the exact per-point sums); with y near 1e150 (the scaled objective); y
+  // with two columns. Its reported error is its objective at its bandwidth:
+  // held to the exact error there; its bandwidth to cv's.
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  for (int variant = 0; variant < 4; ++variant) {
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    // The exact search is O(n^2): about 1 s of CPU at n = 1500 in Release; 600 under the
+    // sanitizers (the fast path's Taylor boxes still serve there).
+    const int64_t n = kSanitized ? 600 : 1500;
+    Chapter c = chapter_data(rng, n);
+    Tensor<double> y = c.y;
+    if (variant == 1) {
+      for (int64_t i = 0; i + 1 < n; i += 7) c.x(i + 1) = c.x(i);  // duplicates
+      c.x(0) = -40.0;                                              // far from the rest
+      c.x(n - 1) = 60.0;
+    } else if (variant == 2) {
+      for (double& v : y.values()) v *= 1e150;  // scaled: beyond 2^400
+    } else if (variant == 3) {
+      y = Tensor<double>(Shape{n, 2});
+      for (int64_t i = 0; i < n; ++i) {
+        y(i, 0) = c.y(i);
+        y(i, 1) = std::cos(2 * c.x(i)) + rng.uniform(-0.3, 0.3);
+      }
+    }
+    const KernelRegression model(c.x, y);
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    const CvResult fast = cv_bandwidth_fast_1d(
+        model, [&](int64_t done, int64_t total) { calls.emplace_back(done, total); });
+    const CvResult exact = cv_bandwidth(model);
+    ASSERT_EQ(fast.bandwidth.size(), 1u);
+    const double at_fast = model.loo_error(fast.bandwidth);
+    EXPECT_NEAR(fast.loo_error, at_fast, 1e-8 * at_fast);
+    // Both minimise the same error: the fast one's bandwidth is as good to
+    // 1e-7 (the objective is flat there, so h itself agrees less closely).
+    EXPECT_LE(at_fast, exact.loo_error * (1 + 1e-7));
+    EXPECT_NEAR(fast.bandwidth[0], exact.bandwidth[0], 2e-3 * exact.bandwidth[0]);
+    ASSERT_EQ(calls.size(), 92u);  // 91 evaluations, then done
+    EXPECT_EQ(calls.back(), std::make_pair(91 * n, 91 * n));
+    for (size_t i = 0; i + 1 < calls.size(); ++i) EXPECT_LT(calls[i].first, calls[i].second);
+  }
+  // Other kernels, several features: an Error naming the function.
+  const Chapter c = chapter_data(rng, 20);
+  expect_error([&] { cv_bandwidth_fast_1d(KernelRegression(c.x, c.y, Kernel::kBoxcar)); },
+               {"cv_bandwidth_fast_1d", "boxcar", "use cv_bandwidth"});
+  Tensor<double> x2(Shape{20, 2});
+  for (int64_t i = 0; i < 20; ++i) x2(i, 0) = x2(i, 1) = c.x(i) + 0.01 * static_cast<double>(i % 3);
+  expect_error([&] { cv_bandwidth_fast_1d(KernelRegression(x2, c.y)); },
+               {"cv_bandwidth_fast_1d", "2 features"});
+  expect_error(
+      [&] {
+        cv_bandwidth_fast_1d(
+            KernelRegression(Tensor<double>(Shape{1}, {1.0}), Tensor<double>(Shape{1}, {2.0})));
+      },
+      {"cv_bandwidth_fast_1d", "at least 2 points"});
+}
+
 TEST(KernelRegressionBandwidth, CrossValidationBeatsRulesOfThumbAndAFineGrid) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE(seed_note(seed));

@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <string>
 #include <thread>
 
 #include "qkv/plot.h"
@@ -161,6 +163,24 @@ TEST_F(PlotTest, RegressionAndLossEveryFormat) {
   expect_valid(path("loss-float.png"));
   plot_kernel_regression(e.view(), l.view(), l.view(), e.view(), l.view(), path("reg-float.svg"));
   expect_valid(path("reg-float.svg"));
+  // A truth of shape [0]: only the fit's line (qkv regress --plot), its title
+  // in the legend and the truth's not.
+  RegressionPlotOptions options;
+  options.labels = {"the truth", "the fit"};
+  plot_kernel_regression(x_test.view(), ConstView<double>(nullptr, Shape{0}), pred.view(),
+                         x_train.view(), y_train.view(), path("fit.svg"), options);
+  expect_valid(path("fit.svg"));
+  std::ifstream svg(path("fit.svg"));
+  const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("the fit"), std::string::npos);
+  EXPECT_EQ(text.find("the truth"), std::string::npos);
+  // A truth of another length is still an error.
+  test::expect_error(
+      [&] {
+        plot_kernel_regression(x_test.view(), ConstView<double>(truth.data(), Shape{3}),
+                               pred.view(), x_train.view(), y_train.view(), path("bad.png"));
+      },
+      {"plot_kernel_regression", "truth", "[3]", "[50]"});
 }
 
 // Decodes an 8-bit RGB/RGBA, non-interlaced PNG (what pngcairo writes), finds
@@ -314,7 +334,13 @@ TEST_F(PlotTest, MissingGnuplot) {
                        {"heatmaps", "gnuplot not found: install Debian package gnuplot-nox"});
   }
   EXPECT_FALSE(fs::exists(out));
+  {
+    ScopedPath p((dir_ / "empty").string());
+    test::expect_error([&] { gnuplot_path(); },
+                       {"gnuplot_path", "gnuplot not found: install Debian package gnuplot-nox"});
+  }
   // After PATH is restored gnuplot is found again.
+  EXPECT_EQ(fs::path(gnuplot_path()).filename(), "gnuplot");
   heatmaps(identity(1, 1, 2).view(), out);
   expect_valid(out);
 }

@@ -475,7 +475,10 @@ void regression_impl(ConstView<T> x_test, ConstView<T> truth, ConstView<T> predi
   check_vector(kFn, "prediction", prediction, "(n)");
   check_vector(kFn, "x_train", x_train, "(m)");
   check_vector(kFn, "y_train", y_train, "(m)");
-  detail::check_shape(kFn, "truth", truth, x_test.shape());
+  // truth of shape [0] beside a non-empty x_test: no truth line (qkv regress
+  // --plot draws a fit to data whose truth is unknown).
+  const bool with_truth = !(truth.size(0) == 0 && x_test.size(0) > 0);
+  if (with_truth) detail::check_shape(kFn, "truth", truth, x_test.shape());
   detail::check_shape(kFn, "prediction", prediction, x_test.shape());
   detail::check_shape(kFn, "y_train", y_train, x_train.shape());
   if (!(o.xlim[0] < o.xlim[1]) || !(o.ylim[0] < o.ylim[1])) {
@@ -496,17 +499,22 @@ void regression_impl(ConstView<T> x_test, ConstView<T> truth, ConstView<T> predi
                                 {"y_train", y_train}}) {
     check_finite(kFn, name, v);
   }
-  std::string s = columns_block<T>("$lines", {x_test, truth, prediction}) +
-                  columns_block<T>("$train", {x_train, y_train});
+  std::string s =
+      columns_block<T>("$lines", {x_test, with_truth ? truth : prediction, prediction}) +
+      columns_block<T>("$train", {x_train, y_train});
   s += "set xrange [" + number(o.xlim[0]) + ":" + number(o.xlim[1]) + "]\n";
   s += "set yrange [" + number(o.ylim[0]) + ":" + number(o.ylim[1]) + "]\n";
   s += "set xlabel " + quote(o.xlabel) + "\nset ylabel " + quote(o.ylabel) + "\n";
   s += "set tics out nomirror scale 0.7\nset key top left box opaque\n";
   // matplotlib's first two line colours; the points at alpha 0.5 (gnuplot's
   // ARGB counts the top byte as transparency).
-  s += "plot $lines using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title " + quote(o.labels[0]) +
-       ", \\\n  $lines using 1:3 with lines lw 1.5 dt 2 lc rgb '#bf00bf' title " +
-       quote(o.labels[1]) +
+  s += "plot ";
+  if (with_truth) {
+    s += "$lines using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title " + quote(o.labels[0]) +
+         ", \\\n  ";
+  }
+  s += std::string("$lines using 1:3 with lines lw 1.5 ") + (with_truth ? "dt 2 " : "") +
+       "lc rgb '#bf00bf' title " + quote(o.labels[1]) +
        ", \\\n  $train using 1:2 with points pt 7 ps 0.6 lc rgb '#80ff7f0e' notitle\n";
   render(kFn, path, terminal(kFn, path, o.figsize[0], o.figsize[1]), s);
 }
@@ -532,6 +540,8 @@ void loss_impl(ConstView<T> epochs, ConstView<T> losses, const std::string& path
 }
 
 }  // namespace
+
+std::string gnuplot_path() { return find_gnuplot("gnuplot_path"); }
 
 void heatmaps(ConstView<double> matrices, const std::string& path, const HeatmapOptions& options) {
   heatmaps_impl(matrices, path, options);

@@ -24,6 +24,10 @@ namespace qkv {
 // UTF-8 text: a control character (a line end would end the gnuplot command
 // and run the rest as the next) or bytes that are not UTF-8 are an Error.
 
+// The gnuplot the figures run, the first on PATH (the same Error when there
+// is none): for a program that checks before long work that it can draw.
+std::string gnuplot_path();
+
 struct HeatmapOptions {
   std::string xlabel = "Keys";              // under the bottom row only
   std::string ylabel = "Queries";           // left of the first column only
@@ -53,7 +57,7 @@ struct RegressionPlotOptions {
 
 // d2l §11.2's regression figure: the truth and the prediction as lines over
 // x_test (all three (n)), the training points (x_train, y_train, both (m)) as
-// translucent dots.
+// translucent dots. truth of shape [0] draws no truth line (a fit to data).
 void plot_kernel_regression(ConstView<double> x_test, ConstView<double> truth,
                             ConstView<double> prediction, ConstView<double> x_train,
                             ConstView<double> y_train, const std::string& path,

@@ -189,7 +189,8 @@ kernels::NwData nw_data(const Tensor<double>& x, const Tensor<double>& y,
 int64_t predict_exact(const kernels::NwData& d, const Tensor<double>& q, double* out,
                       double* weights) {
   const int threads = num_threads();
-  std::vector<double> workspace(kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
+  std::vector<double> workspace(
+      kernels::fast::nadaraya_watson_workspace_size(d, q.size(0), threads));
   return kernels::fast::nadaraya_watson(d, q.data(), q.size(0), out, weights,
                                         {.data = workspace.data(), .num_threads = threads});
 }
@@ -306,6 +307,18 @@ std::vector<double> rule_of_thumb(std::string_view fn, const ConstView<double>& 
 
 // ---- cross-validation ------------------------------------------------------------
 
+// Evaluations of the leave-one-out error cv_bandwidth typically makes after
+// its scan of 49 bandwidths, the last at the result included, for its
+// progress estimate: 1-D Gaussian, 15 (6 BFGS iterations at n = 3000, of
+// values and gradients); compact kernels' line searches, 1 + 33 + 40 per
+// sweep and feature; several features, Nelder-Mead and up to 3 more scans of
+// 48 (a guess on the high side: the estimate only grows if it is short).
+int64_t typical_search_evaluations(Kernel kernel, size_t p) {
+  const int64_t features = static_cast<int64_t>(p);
+  if (kernel == Kernel::kGaussian) return p == 1 ? 15 : 100 + 48 * features;
+  return 74 * features * (p == 1 ? 1 : 2);
+}
+
 // The leave-one-out objective: mean squared error over the defined
 // points (+inf if none) and, for the Gaussian, its gradient. It works on
 // scaled copies: y times 2^-y_exponent() (brought to [1, 2) when its largest
@@ -333,6 +346,10 @@ class LooObjective {
   int y_exponent() const { return y_exp_; }
   int x_exponent(size_t c) const { return x_exp_[c]; }
 
+  // Called with the number of points done after each piece of an
+  // evaluation (cv_bandwidth's progress); unset, an evaluation is one call.
+  void on_points(std::function<void(int64_t)> hook) { on_points_ = std::move(hook); }
+
   // The objective at inverse bandwidths inv_h (in the scaled units of x), and
   // its gradient with respect to log h.
   double operator()(const std::vector<double>& inv_h, std::vector<double>* grad) const {
@@ -341,8 +358,23 @@ class LooObjective {
     std::vector<double> g(grad ? inv_h.size() : 0);
     std::vector<double> workspace(
         kernels::fast::loo_sums_workspace_size(d, grad != nullptr, threads));
-    const kernels::LooSums sums = kernels::fast::loo_sums(
-        d, grad ? g.data() : nullptr, {.data = workspace.data(), .num_threads = threads});
+    const kernels::Workspace ws{.data = workspace.data(), .num_threads = threads};
+    kernels::LooSums sums;
+    if (!on_points_) {
+      sums = kernels::fast::loo_sums(d, grad ? g.data() : nullptr, ws);
+    } else {
+      // Pieces of at least 2^26 kernel evaluations (0.1-0.5 s here), whole
+      // tasks each, so the sums are the same bits as one call's: at
+      // n = 200,000 an evaluation (4e10 pairs, minutes) reports 600 times;
+      // below n = 8192 it is one piece.
+      const int64_t n = d.n, task = kernels::fast::loo_rows_per_task(n);
+      const int64_t piece = std::max<int64_t>(1, ((int64_t{1} << 26) / n) / task) * task;
+      for (int64_t begin = 0; begin < n; begin += piece) {
+        const int64_t end = std::min(n, begin + piece);
+        kernels::fast::loo_sums_rows(d, begin, end, grad ? g.data() : nullptr, sums, ws);
+        on_points_(end - begin);
+      }
+    }
     if (sums.defined == 0) return kInf;
     const double scale = 1.0 / static_cast<double>(sums.defined);
     if (grad) {
@@ -357,6 +389,87 @@ class LooObjective {
   int64_t p_;
   Tensor<double> x_, y_;
   std::vector<int> x_exp_;
+  int y_exp_ = 0;
+  std::function<void(int64_t)> on_points_;
+};
+
+// The relative tolerance cv_bandwidth_fast_1d asks of gauss1d: each of its
+// sums is then within 2.5e-10 of exact (a quarter of it; the kernel's
+// guarantee holds from 1e-9), which with kFastLooMinOthers keeps every
+// leave-one-out estimate within about 1e-9 max|y| of the exact path's.
+constexpr double kFastLooRelTol = 1e-9;
+// Points whose other points weigh less than this together, relative to the
+// point's own weight (W_i - 1 from the fast path), are summed exactly: W_i -
+// 1 loses digits as it falls (its error is relative to W_i), and such points,
+// whose nearest neighbour is beyond about 1.2 bandwidths, have few keys in reach.
+constexpr double kFastLooMinOthers = 0.5;
+
+// The 1-D Gaussian leave-one-out objective through the fast path, for
+// cv_bandwidth_fast_1d: one gauss1d call with the sorted keys as the queries
+// gives out_i and W_i for every point, then f_{-i}(x_i) = (out_i W_i - y_i) /
+// (W_i - 1); points with W_i - 1 below kFastLooMinOthers are summed exactly
+// over the keys in reach (the nearest other key, plus 746 e-folds: beyond,
+// float64 weights are 0). y is scaled as LooObjective scales it.
+class FastLooObjective {
+ public:
+  FastLooObjective(const std::vector<double>& sorted_x, const Tensor<double>& sorted_y)
+      : x_(sorted_x), n_(sorted_y.size(0)), m_(sorted_y.size(1)) {
+    y_exp_ = scale_exponent(max_abs(sorted_y.data(), sorted_y.numel()), 400);
+    y_ = scaled_copy(sorted_y, y_exp_);
+  }
+  int y_exponent() const { return y_exp_; }
+
+  // The mean squared leave-one-out error at bandwidth h (of the scaled y).
+  double operator()(double h) const {
+    const int threads = num_threads();
+    std::vector<double> out(static_cast<size_t>(n_ * m_)), w(static_cast<size_t>(n_));
+    std::vector<double> workspace(kernels::fast::gauss1d_workspace_size(
+        x_.data(), n_, m_, x_.data(), n_, h, kFastLooRelTol, threads));
+    kernels::fast::gauss1d(x_.data(), y_.data(), n_, m_, x_.data(), n_, h, kFastLooRelTol,
+                           out.data(), {.data = workspace.data(), .num_threads = threads},
+                           w.data());
+    std::vector<double> f(static_cast<size_t>(m_));
+    double sum_sq = 0.0;
+    for (int64_t i = 0; i < n_; ++i) {
+      const double others = w[i] - 1.0;
+      if (others >= kFastLooMinOthers) {
+        for (int64_t c = 0; c < m_; ++c) f[c] = (out[i * m_ + c] * w[i] - y_(i, c)) / others;
+      } else {
+        exact_point(i, h, f.data());
+      }
+      for (int64_t c = 0; c < m_; ++c) sum_sq += (f[c] - y_(i, c)) * (f[c] - y_(i, c));
+    }
+    return sum_sq / static_cast<double>(n_);
+  }
+
+ private:
+  // f_{-i}(x_i) from the keys in reach, weights relative to the nearest other.
+  void exact_point(int64_t i, double h, double* f) const {
+    const double xi = x_[i], inv_2h2 = 0.5 / h / h;
+    const auto exponent = [&](int64_t j) { return (xi - x_[j]) * (xi - x_[j]) * inv_2h2; };
+    double e_min = std::numeric_limits<double>::infinity();
+    if (i > 0) e_min = exponent(i - 1);
+    if (i + 1 < n_) e_min = std::min(e_min, exponent(i + 1));
+    double total = 0.0;
+    std::fill(f, f + m_, 0.0);
+    const auto add = [&](int64_t j) {
+      const double e = exponent(j) - e_min;
+      if (!(e <= 746.0)) return false;  // sorted: the keys further out weigh 0 too
+      const double wj = std::exp(-e);
+      total += wj;
+      for (int64_t c = 0; c < m_; ++c) f[c] += wj * y_(j, c);
+      return true;
+    };
+    for (int64_t j = i - 1; j >= 0 && add(j); --j) {
+    }
+    for (int64_t j = i + 1; j < n_ && add(j); ++j) {
+    }
+    for (int64_t c = 0; c < m_; ++c) f[c] /= total;
+  }
+
+  const std::vector<double>& x_;
+  int64_t n_, m_;
+  Tensor<double> y_;
   int y_exp_ = 0;
 };
 
@@ -503,15 +616,28 @@ std::vector<double> scott_bandwidth(ConstView<double> x) {
 // Every candidate goes through BestPoint (src/regression/optimize.h), so the
 // result is never worse than the start. iterations: BFGS iterations, or
 // coordinate line searches.
-CvResult cv_bandwidth(const KernelRegression& model) {
+CvResult cv_bandwidth(const KernelRegression& model, const CvProgress& progress) {
   constexpr std::string_view kFn = "cv_bandwidth";
   if (model.n_ < 2) {
     fail(kFn, "x has shape " + model.x_.shape().str() +
                   "; leave-one-out cross-validation needs at least 2 points");
   }
   const std::vector<double> h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott);
-  const LooObjective scaled(model.x_, model.y_, model.kernel_, true);
+  LooObjective scaled(model.x_, model.y_, model.kernel_, true);
   const size_t p = h0.size();
+  // Progress in points of the leave-one-out evaluations (n each). Their
+  // number is known only as the search ends: the estimate is the scan's 49
+  // plus what the search after it typically takes (kTypicalSearchEvaluations),
+  // raised to one more whenever the search runs past it.
+  const int64_t n = model.n_;
+  int64_t points_done = 0, evaluations_started = 0;
+  int64_t evaluations_expected = 49 + typical_search_evaluations(model.kernel_, p);
+  if (progress) {
+    scaled.on_points([&](int64_t points) {
+      points_done += points;
+      progress(points_done, evaluations_expected * n);
+    });
+  }
   // The search variable is u = log(h / h0), h0 Scott's bandwidth: with x
   // scaled by 2^e, h0 and every 1/h tried scale by 2^-e exactly, so the
   // search visits the same u and returns h times 2^e bit for bit (a search on
@@ -539,6 +665,7 @@ CvResult cv_bandwidth(const KernelRegression& model) {
         return kInf;
       }
     }
+    evaluations_expected = std::max(evaluations_expected, ++evaluations_started + 1);
     return scaled(inverse_bandwidths(u), grad);
   };
   const std::vector<double> theta0(p, 0.0);
@@ -618,7 +745,58 @@ CvResult cv_bandwidth(const KernelRegression& model) {
   for (size_t c = 0; c < p; ++c) {
     result.bandwidth[c] = std::ldexp(1.0 / inv_h[c], scaled.x_exponent(c));
   }
-  result.loo_error = model.loo_error(result.bandwidth);
+  // The error at the result, in y's own units (KernelRegression::loo_error),
+  // reporting progress as the search's evaluations did.
+  LooObjective unscaled(model.x_, model.y_, model.kernel_, false);
+  if (progress) {
+    unscaled.on_points([&](int64_t points) {
+      points_done += points;
+      progress(points_done, std::max(evaluations_expected * n, points_done + (points_done < n)));
+    });
+  }
+  result.loo_error =
+      std::ldexp(unscaled(inverse(result.bandwidth), nullptr), 2 * unscaled.y_exponent());
+  if (progress) progress(points_done, points_done);
+  return result;
+}
+
+// The scan of cv_bandwidth (Scott's rule times 2^(k/4), |k| <= 24), then a
+// golden-section search between the best point's neighbours: 49 + 42
+// evaluations of the fast objective, O(n log n) each, no gradient (the fast
+// path gives none).
+CvResult cv_bandwidth_fast_1d(const KernelRegression& model, const CvProgress& progress) {
+  constexpr std::string_view kFn = "cv_bandwidth_fast_1d";
+  if (!kernels::fast::gauss1d_supports(model.kernel_, model.p_)) {
+    fail(kFn, "the fast path takes one feature and the Gaussian kernel; the model has " +
+                  std::to_string(model.p_) + " feature" + (model.p_ == 1 ? "" : "s") + " and the " +
+                  std::string(kernel_name(model.kernel_)) + " kernel (use cv_bandwidth)");
+  }
+  if (model.n_ < 2) {
+    fail(kFn, "x has shape " + model.x_.shape().str() +
+                  "; leave-one-out cross-validation needs at least 2 points");
+  }
+  const double h0 = rule_of_thumb(kFn, model.x_.view(), Rule::kScott)[0];
+  const FastLooObjective loo(model.sorted_x_, model.sorted_y_);
+  const int64_t n = model.n_, total = 91 * n;
+  int64_t done = 0;
+  const Objective f = [&](const std::vector<double>& u, std::vector<double>*) {
+    const double h = h0 * std::exp(u[0]);
+    if (!(h >= kMinBandwidth && h <= std::numeric_limits<double>::max())) return kInf;
+    const double value = loo(h);
+    done += n;
+    if (progress) progress(std::min(done, total - 1), total);
+    return value;
+  };
+  BestPoint best;
+  const double kQuarterLn2 = 0.25 * std::log(2.0);
+  for (int k = -24; k <= 24; ++k) best.offer({k * kQuarterLn2}, f({k * kQuarterLn2}, nullptr));
+  const double mid = best.theta[0];
+  golden_section_search(f, best, 0, mid - kQuarterLn2, mid + kQuarterLn2);
+  CvResult result;
+  result.bandwidth = {h0 * std::exp(best.theta[0])};
+  result.loo_error = std::ldexp(best.f, 2 * loo.y_exponent());
+  result.iterations = 1;
+  if (progress) progress(total, total);
   return result;
 }
 

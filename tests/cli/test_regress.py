@@ -11,7 +11,11 @@ NumPy is required: if it cannot be imported this script fails.
 
 import json
 import os
+import struct
+import subprocess
 import sys
+import xml.dom.minidom
+import zlib
 from fractions import Fraction
 
 import numpy as np
@@ -659,6 +663,224 @@ class ErrorsTest(RegressTest):
         args = self.args()
         args[args.index("--weights") + 1] = nowhere
         self.expect_error("regress", args, [self.out, nowhere], [nowhere])
+
+
+# ---- --plot: the fit drawn -----------------------------------------------------------------
+
+def png_pixels(data):
+    """A PNG's (height, width, 3) RGB pixels, decoded here (zlib and the five
+    scanline filters of the PNG spec), every chunk's CRC checked: 8-bit RGB or
+    RGBA, not interlaced, as gnuplot's pngcairo writes them."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    pos, chunks = 8, []
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        crc, = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in {kind}"
+        chunks.append((kind, body))
+        pos += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1] == (b"IEND", b""), [c[0] for c in chunks]
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert depth == 8 and colour in (2, 6) and interlace == 0, (depth, colour, interlace)
+    channels = 3 if colour == 2 else 4
+    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
+    stride = width * channels
+    rows, previous = [], np.zeros(stride, np.int64)
+    for r in range(height):
+        line = raw[r * (stride + 1):(r + 1) * (stride + 1)]
+        kind, cur = line[0], np.frombuffer(line[1:], np.uint8).astype(np.int64)
+        out = np.zeros(stride, np.int64)
+        for i in range(stride):
+            a = out[i - channels] if i >= channels else 0
+            b, c = previous[i], previous[i - channels] if i >= channels else 0
+            if kind == 0:
+                pred = 0
+            elif kind == 1:
+                pred = a
+            elif kind == 2:
+                pred = b
+            elif kind == 3:
+                pred = (a + b) // 2
+            else:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+            out[i] = (cur[i] + pred) % 256
+        rows.append(out)
+        previous = out
+    return np.array(rows).reshape(height, width, channels)[:, :, :3]
+
+
+class PlotTest(RegressTest):
+    def setUp(self):
+        super().setUp()
+        self.x, self.y = chapter_data(self.rng, n=40)
+        self.train = self.write_csv("train.csv", ["x", "y"], [self.x, self.y])
+        self.out, self.fig = self.path("pred.csv"), self.path("fit.png")
+
+    def test_png_of_the_points_and_the_fitted_curve(self):
+        self.regress("--train", self.train, "--grid", "0:5:0.05", "--kernel", "gaussian",
+                     "--bandwidth", "0.5", "--out", self.out, "--plot", self.fig, "--json")
+        with open(self.fig, "rb") as f:
+            pixels = png_pixels(f.read())
+        self.assertEqual(pixels.shape, (400, 600, 3))  # 6 x 4 in at 100 pixels per inch
+        colours = pixels.reshape(-1, 3)
+        # The curve in magenta (#bf00bf) and the data as orange dots
+        # (#ff7f0e at alpha 0.5 over white, about (255, 191, 134)).
+        curve = np.all(np.abs(colours - [191, 0, 191]) <= 40, axis=1).sum()
+        dots = np.all(np.abs(colours - [255, 191, 134]) <= 40, axis=1).sum()
+        self.assertGreater(curve, 400, "the fitted curve spans the plot")
+        self.assertGreater(dots, 40 * 5, "every training point is drawn")
+        # The legend names the fit (an SVG's text can be read back).
+        svg = self.path("fit.svg")
+        self.regress("--train", self.train, "--grid", "0:5:0.05", "--kernel", "gaussian",
+                     "--bandwidth", "0.5", "--out", self.out, "--plot", svg, "--json")
+        with open(svg, encoding="utf-8") as f:
+            text = f.read()
+        self.assertIn("Nadaraya-Watson, gaussian, h = 0.5", text)
+        self.assertEqual(xml.dom.minidom.parseString(text).documentElement.tagName, "svg")
+
+    def test_queries_in_any_order_and_an_existing_figure_replaced(self):
+        q = self.rng.permutation(np.linspace(0, 5, 30))
+        query = self.write_csv("q.csv", ["x"], [q])
+        with open(self.fig, "wb") as f:
+            f.write(b"old")
+        self.regress("--train", self.train, "--query", query, "--kernel", "gaussian",
+                     "--bandwidth", "cv", "--out", self.out, "--plot", self.fig, "--json")
+        with open(self.fig, "rb") as f:
+            self.assertEqual(png_pixels(f.read()).shape, (400, 600, 3))
+
+    def test_errors_write_nothing(self):
+        base = ["regress", "--train", self.train, "--grid", "0:5:0.5", "--kernel", "gaussian",
+                "--bandwidth", "1", "--out", self.out]
+        outputs = [self.out, self.fig]
+        self.expect_error("regress", base + ["--plot", self.path("fit.jpg")],
+                          [self.out, self.path("fit.jpg")],
+                          ['--plot ' + self.path("fit.jpg") + ' has extension ".jpg"; expected '
+                           '.png, .svg or .pdf'])
+        same = list(base)
+        same[same.index(self.out)] = self.fig
+        self.expect_error("regress", same + ["--plot", self.fig], [self.fig],
+                          ["--out and --plot name the same file"])
+        self.expect_error("regress", base + ["--plot", self.path("no/dir/fit.png")], [self.out],
+                          [self.path("no/dir/fit.png")])
+        two = self.write_csv("two.csv", ["a", "b", "y"], [self.x, self.x, self.y])
+        args = list(base)
+        args[args.index(self.train)] = two
+        args[args.index("--grid"):args.index("--grid") + 2] = ["--query", two]
+        self.expect_error("regress", args + ["--plot", self.fig], outputs,
+                          ["--plot draws y against one x column; there are 2 x columns (a, b)"])
+        # No prediction defined (a compact kernel, queries out of every key's reach).
+        far = list(base)
+        far[far.index("0:5:0.5")] = "100:101:0.5"
+        far[far.index("gaussian")] = "boxcar"
+        self.expect_error("regress", far + ["--plot", self.fig], outputs,
+                          ["--plot " + self.fig + ": every prediction is undefined"])
+
+    def test_missing_or_failing_gnuplot_writes_nothing(self):
+        args = ["--train", self.train, "--grid", "0:5:0.5", "--kernel", "gaussian",
+                "--bandwidth", "1", "--out", self.out, "--plot", self.fig]
+        empty = self.path("empty")
+        os.mkdir(empty)
+        r = test_cli.run("regress", *args, env=dict(os.environ, PATH=empty))
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertEqual(r.stderr, "qkv regress: error: gnuplot_path: gnuplot not found: "
+                                   "install Debian package gnuplot-nox\n")
+        # A gnuplot that stops half-way: no figure, and no --out either (all or none).
+        fake = self.path("bin")
+        os.mkdir(fake)
+        with open(os.path.join(fake, "gnuplot"), "w") as f:
+            f.write("#!/bin/sh\ncat >/dev/null\nprintf '\\211PNG\\r\\n\\032\\n'\n")
+        os.chmod(os.path.join(fake, "gnuplot"), 0o755)
+        with open(self.out, "w") as f:
+            f.write("mine")
+        r = test_cli.run("regress", *args, env=dict(os.environ, PATH=fake + ":/usr/bin:/bin"))
+        self.assertNotEqual(r.returncode, 0, r.stderr)
+        self.assertIn("qkv regress: error: ", r.stderr)
+        self.assertIn("incomplete", r.stderr)
+        self.assertFalse(os.path.exists(self.fig))
+        with open(self.out) as f:
+            self.assertEqual(f.read(), "mine")
+        self.assertEqual(sorted(os.listdir(self.dir)), ["bin", "empty", "pred.csv", "train.csv"])
+
+
+# ---- --bandwidth cv on many points: progress and the warning --------------------------------
+
+class CvProgressTest(RegressTest):
+    def data(self, n):
+        x = self.rng.uniform(0, 5, n)
+        y = np.sin(x) + self.rng.normal(0, 0.3, n)
+        return self.save(f"train{n}.npy", np.column_stack([x, y]))
+
+    def test_a_bar_with_the_time_left_on_a_terminal_and_the_same_result(self):
+        train = self.data(1500)
+        args = ["regress", "--train", train, "--grid", "0:5:1", "--kernel", "gaussian",
+                "--bandwidth", "cv", "--out", self.path("pred.csv"), "--json"]
+        status, out, shown = test_cli.run_on_a_terminal(*args)
+        self.assertEqual(status, 0, shown)
+        self.assertRegex(shown, r"qkv regress: cv: \[[#.]{30}\] +\d+% of \d+ points, \d+ points/s, "
+                                r"[0-9a-z ]+ left")
+        self.assertIn("qkv regress: cv: done, ", shown)
+        on_a_terminal = json.loads(out)
+        # Not a terminal (a line every 5 s: none with --quiet): the same bandwidth.
+        _, piped = self.regress(*args[1:], "--quiet")
+        self.assertEqual(piped["bandwidth"], on_a_terminal["bandwidth"])
+        self.assertEqual(piped["loo_error"], on_a_terminal["loo_error"])
+        # --quiet: no bar.
+        status, _, shown = test_cli.run_on_a_terminal(*args, "--quiet")
+        self.assertEqual(status, 0, shown)
+        self.assertNotIn("qkv regress: cv", shown)
+
+    def test_a_warning_with_the_estimate_before_a_long_run(self):
+        train = self.data(40000)
+        proc = subprocess.Popen([test_cli.QKV, "regress", "--train", train, "--grid", "0:5:1",
+                                 "--kernel", "gaussian", "--bandwidth", "cv", "--out",
+                                 self.path("pred.csv"), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stderr.readline()
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=60)
+        self.assertRegex(line, r"^qkv regress: warning: --bandwidth cv on n = 40000 points "
+                               r"evaluates the leave-one-out error about \d+ times, "
+                               r"n\^2 = 1.6e\+09 kernel evaluations each: about [0-9a-z ]+ "
+                               r"on \d+ threads? "
+                               r"\(estimated\)\. A rule of thumb takes milliseconds: "
+                               r"--bandwidth scott or silverman; --bandwidth cv-fast minimises "
+                               r"the same error through the fast 1-D path in seconds$")
+        self.assertFalse(os.path.exists(self.path("pred.csv")))
+        # A short run warns of nothing (above: nothing on stderr with --json).
+
+    def test_cv_fast_finds_cvs_bandwidth(self):
+        train = self.data(1500)
+        out = self.path("pred.csv")
+        args = ["--train", train, "--grid", "0:5:0.5", "--kernel", "gaussian", "--out", out,
+                "--json", "--quiet"]  # no progress lines: cv may pass 5 s on a busy machine
+        _, exact = self.regress(*args, "--bandwidth", "cv")
+        _, fast = self.regress(*args, "--bandwidth", "cv-fast")
+        self.assertEqual(fast["bandwidth_rule"], "cv-fast")
+        self.assertAlmostEqual(fast["bandwidth"][0], exact["bandwidth"][0],
+                               delta=2e-3 * exact["bandwidth"][0])
+        self.assertLessEqual(fast["loo_error"], exact["loo_error"] * (1 + 1e-7))
+        _, got = self.read_predictions(out)
+        data = np.load(train)
+        ref = np_predict(data[:, 0], data[:, 1], np.arange(0, 5, 0.5), fast["bandwidth"][0])
+        np.testing.assert_allclose(got[:, 1], ref, rtol=1e-10, atol=1e-12)
+        # Only where the fast path applies: exit 2 otherwise, nothing written.
+        os.remove(out)
+        boxcar = ["regress", "--train", train, "--grid", "0:5:0.5", "--kernel", "boxcar",
+                  "--bandwidth", "cv-fast", "--out", out]
+        self.expect_error("regress", boxcar, [out],
+                          ["--bandwidth cv-fast is cv through the fast 1-D Gaussian path; "
+                           "--kernel boxcar has none (use --bandwidth cv)"])
+        two = self.save("two.npy", np.column_stack([data[:, 0], data[:, 0] ** 2, data[:, 1]]))
+        query = self.save("q.npy", data[:5, :2])
+        self.expect_error("regress", ["regress", "--train", two, "--query", query, "--kernel",
+                                      "gaussian", "--bandwidth", "cv-fast", "--out", out], [out],
+                          ["--bandwidth cv-fast is cv through the fast 1-D Gaussian path; there "
+                           "are 2 x columns (x0, x1): use --bandwidth cv"])
 
 
 if __name__ == "__main__":

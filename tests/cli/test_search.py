@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -135,10 +136,28 @@ class SearchIndexTest(SearchCase):
     def test_same_bits_at_any_thread_count(self):
         a, b = self.path("a"), self.path("b")
         for out, threads in ((a, 1), (b, 2)):
-            self.ok(*index_args(out, "--seed", 5, "--threads", threads))
+            r = self.ok(*index_args(out, "--seed", 5, "--threads", threads, "--json"))
+            # --json: the manifest on stdout, as the index holds it.
+            with open(os.path.join(out, "manifest.json")) as f:
+                self.assertEqual(json.loads(r.stdout), json.load(f))
         read = lambda d, n: open(os.path.join(d, n), "rb").read()  # noqa: E731
         for name in ("query_head.npy", "documents/keys-000000.npy"):
             self.assertEqual(read(a, name), read(b, name), name)
+
+    def test_the_summary_is_one_line_naming_the_next_command(self):
+        # A name that needs quoting in a shell: the printed command still runs.
+        out = self.path("it's an index")
+        r = self.ok(*index_args(out))
+        lines = r.stdout.splitlines()
+        self.assertEqual(len(lines), 1, r.stdout)
+        self.assertTrue(lines[0].startswith(f"{out}: 274 packages from {LISTS}; next: "), r.stdout)
+        command = lines[0].split("; next: ", 1)[1]
+        self.assertTrue(command.startswith("qkv search query --index "), command)
+        shell = subprocess.run(["/bin/sh", "-c", shlex.quote(test_cli.QKV) + command[3:] +
+                                " --json"], capture_output=True, text=True, timeout=600)
+        self.assertEqual(shell.returncode, 0, shell.stderr)
+        self.assertEqual(json.loads(shell.stdout)["query"], "a text editor")
+        self.assertGreater(len(json.loads(shell.stdout)["results"]), 0)
 
     def test_the_model_comes_from_the_option_or_the_environment(self):
         out = self.path("i")

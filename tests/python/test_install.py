@@ -4,7 +4,7 @@ outside the source tree:
   1. the build tree (what the other tests import; PYTHONPATH=<build>/python);
   2. `cmake --install <build> --prefix P` puts it in P/<QKV_PYTHON_INSTALL_DIR>,
      which for the default prefix /usr/local is on /usr/bin/python3's path;
-  3. `pip install --no-build-isolation --no-index .` in a fresh venv made with
+  3. `pip install -v --no-build-isolation --no-index .` in a fresh venv made with
      `/usr/bin/python3 -m venv --system-site-packages` (so it sees Debian's
      numpy and torch): builds the extension with the project's CMake from a
      copy of the sources, fetches nothing (--no-index would fail a download).
@@ -12,6 +12,8 @@ outside the source tree:
      show it was built with (this CPU's best target and scalar): the build
      of every target is the Release build's, and this one took 174 s of the
      Release tests' 422 with all four (two compiles at once beside the tests).
+     With -v (docs/python.md's command) pip shows the build as it goes:
+     CMake's lines and setup.py's own with the percentage and the time left.
 
 Each installed copy must compute (a masked softmax and qkv.torch's SDPA), have
 the C++ library's version, and ship its type stubs.
@@ -145,12 +147,20 @@ def test_pip_install_in_a_venv(tmp_path):
     source = tmp_path / "qkv-source"
     source_copy(str(source))
     python = str(venv / "bin" / "python")
-    proc = subprocess.run([python, "-m", "pip", "install", "--no-build-isolation", "--no-index",
-                           "--no-cache-dir", str(source)],
+    proc = subprocess.run([python, "-m", "pip", "install", "-v", "--no-build-isolation",
+                           "--no-index", "--no-cache-dir", str(source)],
                           capture_output=True, text=True, timeout=1800, cwd=str(tmp_path),
                           env=clean_env(CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1),
                                         QKV_CMAKE_ARGS="-DQKV_NATIVE_SIMD_ONLY=ON"))
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    # The build's progress came through pip (on its stderr, where pip -v logs
+    # a backend's lines): CMake's lines, setup.py's with the time left (the
+    # build takes minutes: one at least every 10 s), the end.
+    shown = proc.stderr
+    assert re.search(r"^\s*\[\s*\d+%\] Building CXX object", shown, re.M), shown[-4000:]
+    assert re.search(r"^\s*qkv setup\.py: build: \d+ % after .+, about .+ left$", shown,
+                     re.M), shown[-4000:]
+    assert re.search(r"^\s*qkv setup\.py: build: done in ", shown, re.M), shown[-4000:]
     path, version = run_check(python, clean_env())
     info = subprocess.run([python, "-c", "import qkv; i = qkv.simd_info(); "
                            "print(*i['simd_targets_compiled']); print(*i['simd_targets_supported'])"],

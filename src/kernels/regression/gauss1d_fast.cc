@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "kernels/runtime/parallel.h"
-#include "kernels/simd/vecmath.h"
 #include "kernels/runtime/workspace.h"
+#include "kernels/simd/vecmath.h"
 
 namespace qkv::kernels::fast {
 namespace {
@@ -466,7 +466,7 @@ bool taylor_sums(const Problem& p, const Boxes& bx, double q, double xa, int64_t
 // gauss1d for coordinates that need no rescaling (needs_rescale false).
 const char* gauss1d_plain(const double* keys, const double* values, int64_t n, int64_t m,
                           const double* queries, int64_t t, double h, double* out, const Plan& plan,
-                          Workspace workspace) {
+                          Workspace workspace, double* weight_sums) {
   const double inv_h = 1.0 / h;
   const Problem p{keys, values, n, m, h, inv_h, plan.careful};
   const bool exact = plan.exact;
@@ -486,6 +486,7 @@ const char* gauss1d_plain(const double* keys, const double* values, int64_t n, i
   for (int64_t i = 0; i < t; ++i) {
     if (std::isnan(queries[i])) {
       std::fill(out + i * m, out + (i + 1) * m, std::numeric_limits<double>::quiet_NaN());
+      if (weight_sums) weight_sums[i] = std::numeric_limits<double>::quiet_NaN();
     } else {
       order[tq++] = {queries[i], i};
     }
@@ -552,6 +553,7 @@ const char* gauss1d_plain(const double* keys, const double* values, int64_t n, i
           for (int64_t j = lo; j < hi; ++j) acc += values[j * m + c];
           o[c] = acc / static_cast<double>(hi - lo);
         }
+        if (weight_sums) weight_sums[qi] = static_cast<double>(hi - lo);
         continue;
       }
       const int64_t a = nearest_key(keys, n, q);
@@ -586,6 +588,7 @@ const char* gauss1d_plain(const double* keys, const double* values, int64_t n, i
         window_sums(p, q, xa, lo, hi, s, sums);
       }
       for (int64_t c = 0; c < m; ++c) o[c] = sums[1 + c] / sums[0];
+      if (weight_sums) weight_sums[qi] = sums[0];
     }
   });
   if (exact) return "exact";
@@ -615,7 +618,7 @@ size_t gauss1d_workspace_size(const double* keys, int64_t n, int64_t m, const do
 // keys: (Nk) sorted   values: (Nk, Dv)   queries: (Nq)   out: (Nq, Dv)
 const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
                     const double* queries, int64_t t, double h, double rel_tol, double* out,
-                    Workspace workspace) {
+                    Workspace workspace, double* weight_sums) {
   assert(workspace.num_threads >= 1 && n >= 1);
   // The largest coordinate decides between rel_exponent and its careful
   // variant (one pass over the queries; keys are sorted).
@@ -633,7 +636,7 @@ const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t
     workspace.data = cursor;
   }
   const Plan plan = make_plan(keys, n, t, coord_max, h, 1.0 / h, rel_tol, 1.0);
-  return gauss1d_plain(keys, values, n, m, queries, t, h, out, plan, workspace);
+  return gauss1d_plain(keys, values, n, m, queries, t, h, out, plan, workspace, weight_sums);
 }
 
 }  // namespace qkv::kernels::fast

@@ -63,8 +63,14 @@ inline bool gauss1d_supports(Kernel kernel, int64_t num_features) {
 // moments (h = 0.001 x spread, B = 2000: 36.8 MB).
 size_t gauss1d_workspace_size(const double* keys, int64_t n, int64_t m, const double* queries,
                               int64_t t, double h, double rel_tol, int num_threads);
+// gauss1d's weight_sums (t), when not null, gets each query's W = sum_j w_ij with the
+// weights relative to its nearest key's (so W >= 1; the count of the extreme
+// key's copies for a query at +-inf, NaN for a NaN query), within the same
+// relative perturbation as the two sums the output divides: what
+// leave-one-out estimates at the keys need (KernelRegression's fast cv:
+// f_{-i}(x_i) = (out_i W_i - y_i) / (W_i - 1), the query x_i's own weight 1).
 const char* gauss1d(const double* keys, const double* values, int64_t n, int64_t m,
                     const double* queries, int64_t t, double h, double rel_tol, double* out,
-                    Workspace workspace);
+                    Workspace workspace, double* weight_sums = nullptr);
 
 }  // namespace qkv::kernels::fast

@@ -95,6 +95,16 @@ namespace fast {
 size_t loo_sums_workspace_size(const NwData& data, bool gradient, int num_threads);
 LooSums loo_sums(const NwData& data, double* gradient, Workspace workspace);
 
+// The same sums over points [row_begin, row_end) only, added into `total` and
+// `gradient` (p; not zeroed). Both ends are multiples of loo_rows_per_task(n)
+// (row_end may be n); consecutive ranges from 0 to n add the tasks' partial
+// sums in the same order as one call, so a caller that cuts a call into
+// ranges (to report progress between them) gets the same bits. The
+// workspace is loo_sums_workspace_size's.
+int64_t loo_rows_per_task(int64_t n);
+void loo_sums_rows(const NwData& data, int64_t row_begin, int64_t row_end, double* gradient,
+                   LooSums& total, Workspace workspace);
+
 // The chapter's parametric loss sum_i ||f_{-i}(x_i) - y_i||^2 with scores
 // -w^2 ||x_i - x_j||^2 / 2 and d loss / d w (ds_ij / dw = -w ||x_i - x_j||^2);
 // x (n, p), y (n, m) contiguous, n >= 2.

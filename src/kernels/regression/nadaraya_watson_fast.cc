@@ -13,10 +13,10 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels/runtime/blas.h"
-#include "kernels/regression/nadaraya_watson.h"
-#include "kernels/runtime/parallel.h"
 #include "kernels/attention/small_dim_attention.h"
+#include "kernels/regression/nadaraya_watson.h"
+#include "kernels/runtime/blas.h"
+#include "kernels/runtime/parallel.h"
 #include "kernels/simd/vecmath.h"
 
 namespace qkv::kernels {
@@ -312,14 +312,12 @@ int64_t nadaraya_watson(const NwData& d, const double* q, int64_t t, double* out
   return total;
 }
 
-namespace {
 // One task = rows points (>= 2^16 pairs, so small problems run as one task
 // without thread start-up); per task partial sums, added in task order, so
 // the result does not depend on the thread count.
 int64_t loo_rows_per_task(int64_t n) {
   return std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(n, 1));
 }
-}  // namespace
 
 // The keys feature-major (n, p); per slot a row of weights and of b (n each),
 // f and r (m each); per task its partial sums: sum_sq, defined, g (p).
@@ -329,9 +327,19 @@ size_t loo_sums_workspace_size(const NwData& d, bool, int num_threads) {
 }
 
 LooSums loo_sums(const NwData& d, double* gradient, Workspace ws) {
+  LooSums total;
+  if (gradient != nullptr) std::fill(gradient, gradient + d.p, 0.0);
+  loo_sums_rows(d, 0, d.n, gradient, total, ws);
+  return total;
+}
+
+void loo_sums_rows(const NwData& d, int64_t row_begin, int64_t row_end, double* gradient,
+                   LooSums& total, Workspace ws) {
   assert(ws.num_threads >= 1);
   const bool want_gradient = gradient != nullptr;
   const int64_t rows = loo_rows_per_task(d.n);
+  assert(row_begin % rows == 0 && (row_end % rows == 0 || row_end == d.n));
+  assert(0 <= row_begin && row_begin <= row_end && row_end <= d.n);
   assert(!want_gradient || d.kernel == Kernel::kGaussian);
   const int64_t n = d.n, p = d.p, m = d.m;
   double* const xt = ws.data;                                      // (n, p)
@@ -339,8 +347,9 @@ LooSums loo_sums(const NwData& d, double* gradient, Workspace ws) {
   double* const parts = slots + ws.num_threads * (2 * n + 2 * m);  // (tasks, 2 + p)
   transpose_keys(d, xt);
   const bool far = !differences_fit(d.x, n * p);
-  const int64_t tasks = ceil_div(n, rows);
-  for_each_task(tasks, ws.num_threads, [&](int64_t task, int64_t slot) {
+  const int64_t first_task = row_begin / rows, tasks = ceil_div(row_end, rows) - first_task;
+  for_each_task(tasks, ws.num_threads, [&](int64_t task_in_range, int64_t slot) {
+    const int64_t task = first_task + task_in_range;
     // sum_sq, defined (a count, exact in a double), then g.
     double* const part = parts + task * (2 + p);
     double* const g = part + 2;
@@ -388,15 +397,12 @@ LooSums loo_sums(const NwData& d, double* gradient, Workspace ws) {
       }
     }
   });
-  LooSums total;
-  if (want_gradient) std::fill(gradient, gradient + p, 0.0);
-  for (int64_t task = 0; task < tasks; ++task) {
+  for (int64_t task = first_task; task < first_task + tasks; ++task) {
     const double* part = parts + task * (2 + p);
     total.sum_sq += part[0];
     total.defined += static_cast<int64_t>(part[1]);
     for (int64_t c = 0; want_gradient && c < p; ++c) gradient[c] += part[2 + c];
   }
-  return total;
 }
 
 // inv_h and g (p each), then loo_sums' workspace.
