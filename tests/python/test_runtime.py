@@ -66,7 +66,7 @@ def test_version_is_the_projects():
 def test_version_is_the_commands(qkv_cli):
     proc = subprocess.run([qkv_cli, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"qkv {qkv.__version__}"
+    assert proc.stdout.strip() == f"qkv {qkv.__version__} ({qkv.__license__} license)"
 
 
 # ---- threads ---------------------------------------------------------------------
