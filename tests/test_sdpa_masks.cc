@@ -318,23 +318,7 @@ TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
                    LensForm::kPerBatch, Causal::kNone, 0.3, false, MaskForm::kQueriesKeys};
   const MaskProblem<T> p = make_problem<T>(rng, c);
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
-  const int before = num_threads();
-  AttentionResult<T> one, two;
-  DotProductGrads<T> g_one, g_two;
-  for (const int threads : {1, 2}) {
-    set_num_threads(threads);
-    AttentionResult<T>& r = threads == 1 ? one : two;
-    r = scaled_dot_product_attention(p.q, p.k, p.v, p.lens.get(), p.options);
-    (threads == 1 ? g_one : g_two) = scaled_dot_product_attention_backward(
-        p.q, p.k, p.v, p.lens.get(), p.options, {r.output, r.lse}, d_out);
-  }
-  set_num_threads(before);
-  expect_bitwise_equal(two.output, one.output, "output");
-  expect_bitwise_equal(two.lse, one.lse, "lse");
-  expect_bitwise_equal(g_two.d_queries, g_one.d_queries, "d_queries");
-  expect_bitwise_equal(g_two.d_keys, g_one.d_keys, "d_keys");
-  expect_bitwise_equal(g_two.d_values, g_one.d_values, "d_values");
-  expect_bitwise_equal(g_two.d_bias, g_one.d_bias, "d_bias");
+  expect_sdpa_same_bits_for_thread_counts(p.q, p.k, p.v, p.lens.get(), p.options, d_out);
 }
 
 // The bias gradient against central differences of sum(output * d_out) in
@@ -358,12 +342,7 @@ TEST(BiasGradient, MatchesFiniteDifferences) {
     o.bias = ConstView<double>(bias.view());
     o.want_bias_grad = true;
     o.return_lse = true;
-    const auto loss = [&] {
-      const Tensor<double> out = scaled_dot_product_attention(q, k, v, {}, o).output;
-      double sum = 0;
-      for (int64_t e = 0; e < out.numel(); ++e) sum += out.data()[e] * d_out.data()[e];
-      return sum;
-    };
+    const auto loss = [&] { return sdpa_dot_loss(q, k, v, o, d_out); };
     const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, {}, o);
     const Tensor<double> got =
         scaled_dot_product_attention_backward(q, k, v, {}, o, {fwd.output, fwd.lse}, d_out).d_bias;
