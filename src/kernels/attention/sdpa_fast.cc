@@ -402,13 +402,18 @@ void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t row
     }
   }
   if (config.alibi_slopes.data() != nullptr) {
-    // -slope |i + Nk - Nq - j|, the distance formed exactly in integers.
+    // -slope |i + Nk - Nq - j|. The distances are integers below 2^24, exact
+    // in float; formed from an int32 column index the loop vectorizes
+    // (int64 -> float has no SSE/AVX2 instruction: that way the float
+    // forward at B=2, H=8, N=2048, d=64 took 1.40x the plain one, this way
+    // 1.04-1.07x, against 1.26-1.32x for the same ALiBi as a (1, H, N, N)
+    // bias read from memory; 2 threads, a shared machine).
     for (int64_t r = 0; r < rows; ++r) {
       const T slope = static_cast<T>(config.alibi_slope(head(r)));
-      const int64_t diagonal = query(r) + nk - nq - j0;  // the column of distance 0
+      const T diagonal = static_cast<T>(query(r) + nk - nq - j0);  // the column at distance 0
       T* out = s + r * lds;
-      for (int64_t c = 0; c < cols; ++c) {
-        out[c] -= slope * static_cast<T>(std::abs(diagonal - c));
+      for (int32_t c = 0; c < static_cast<int32_t>(cols); ++c) {
+        out[c] -= slope * std::abs(diagonal - static_cast<T>(c));
       }
     }
   }
