@@ -368,6 +368,41 @@ TEST(BiasGradient, MatchesFiniteDifferences) {
   }
 }
 
+// A bias constant along the keys moves the lse by itself: with a gradient
+// d_lse at the lse, its gradient is d_lse summed over the heads it is
+// shared by (0 without one, as above), fast and reference alike.
+TEST(BiasGradient, KeyConstantBiasGetsTheLseGradient) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = 2, heads = 3, nq = 300, nk = 400, d = 16;
+  const Tensor<double> q = random_tensor<double>(rng, {batch, heads, nq, d});
+  const Tensor<double> k = random_tensor<double>(rng, {batch, heads, nk, d});
+  const Tensor<double> v = random_tensor<double>(rng, {batch, heads, nk, d});
+  const Tensor<double> d_out = random_tensor<double>(rng, {batch, heads, nq, d});
+  const Tensor<double> d_lse = random_tensor<double>(rng, {batch, heads, nq});
+  const Tensor<double> bias = random_tensor<double>(rng, {batch, 1, nq, 1});
+  AttentionOptions o;
+  o.bias = ConstView<double>(bias.view());
+  o.want_bias_grad = true;
+  o.return_lse = true;
+  const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, {}, o);
+  Tensor<double> want(bias.shape(), 0.0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < nq; ++i) want(b, 0, i, 0) += d_lse(b, h, i);
+  for (const bool fast : {true, false}) {
+    SCOPED_TRACE(fast ? "fast" : "reference");
+    const Tensor<double> got = fast ? scaled_dot_product_attention_backward(
+                                          q, k, v, {}, o, {fwd.output, fwd.lse}, d_out, d_lse)
+                                          .d_bias
+                                    : ref::scaled_dot_product_attention_backward(
+                                          q, k, v, {}, o, {fwd.output, fwd.lse}, d_out, d_lse)
+                                          .d_bias;
+    expect_close(got, want, kSdpaBackwardDouble, "d_bias");
+  }
+}
+
 // bf16 inputs with masks against the float reference on the widened inputs
 // (docs/semantics.md's bound: 2^-8 max|v| / (1 - p) plus float rounding).
 TEST(MasksBf16, MatchTheFloatReferenceOnWidenedInputs) {

@@ -78,7 +78,8 @@ struct AttentionOptions {
   BiasView bias;
   // The backward also returns d_bias, the gradient of the bias in its own
   // shape (summed over the axes it broadcasts along; exactly 0 where the
-  // bias is constant along the keys, which cannot change the weights).
+  // bias is constant along the keys, which cannot change the weights, unless
+  // the backward gets a d_lse: then d_lse, as such a bias shifts the lse).
   bool want_bias_grad = false;
   // Logit capping (Gemma 2; FlashAttention's softcap): the scaled dot
   // product x = scale q.k becomes softcap tanh(x / softcap), before the

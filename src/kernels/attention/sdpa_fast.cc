@@ -1162,8 +1162,23 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
   fill_heads(grads.d_values, Acc(0));
   if (bias_grad) std::fill_n(grads.d_bias.data(), bias_grad_extent(grads.d_bias), Acc(0));
   // A bias the same for every key of a row leaves the weights as they are:
-  // its gradient, sum_j P_ij (dP_ij - D_i) = D_i - D_i, is exactly 0.
+  // its gradient, sum_j P_ij (dP_ij - D_i) = D_i - D_i, is exactly 0, and
+  // the tiles do not form it (their key groups would all add into it). With
+  // a gradient at the lse, which such a bias shifts, it is d_lse_i (times
+  // sum_j P_ij: 1, or 0 for a row with no key), summed here row by row.
   const bool key_constant_bias = bias_grad && grads.d_bias.stride(3) == 0 && nk > 1;
+  if (key_constant_bias && saved.d_lse.data() != nullptr) {
+    const TensorView<Acc>& db = grads.d_bias;
+    for (int64_t bh = 0; bh < heads; ++bh) {
+      const int64_t b = bh / q.size(1), h = bh % q.size(1);
+      for (int64_t i = 0; i < nq; ++i) {
+        const Acc row_lse = saved.lse.data()[bh * nq + i];
+        if (row_lse == -std::numeric_limits<Acc>::infinity()) continue;
+        db.data()[b * db.stride(0) + h * db.stride(1) + i * db.stride(2)] +=
+            std::isnan(row_lse) ? row_lse : saved.d_lse.data()[bh * nq + i];
+      }
+    }
+  }
 
   // D_i = dO_i . O_i (O includes the dropout): sum_j P_ij dP_ij of the softmax
   // backward, less the gradient arriving at lse_i (d lse_i / d S_ij = P_ij).
