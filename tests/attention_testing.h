@@ -15,8 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include "qkv/attention.h"
 #include "qkv/dropout.h"
 #include "qkv/tensor.h"
+#include "qkv/threads.h"
 #include "qkv/valid_lens.h"
 #include "test_util.h"
 
@@ -509,6 +511,45 @@ NaiveDotGrads naive_distance_backward(ConstView<T> q, ConstView<T> k, ConstView<
     }
   }
   return g;
+}
+
+// sum(output * d_out) of scaled dot-product attention in float64: the loss
+// whose gradients the backward gives for d_output = d_out, for finite
+// differences.
+inline double sdpa_dot_loss(const Tensor<double>& q, const Tensor<double>& k,
+                            const Tensor<double>& v, const AttentionOptions& options,
+                            const Tensor<double>& d_out) {
+  const Tensor<double> out = scaled_dot_product_attention(q, k, v, {}, options).output;
+  double sum = 0;
+  for (int64_t e = 0; e < out.numel(); ++e) sum += out.data()[e] * d_out.data()[e];
+  return sum;
+}
+
+// Scaled dot-product attention, forward and backward, at 1 and at 2
+// threads: the same bits in the output, lse and every gradient (d_bias too
+// when options ask for it).
+template <class T>
+void expect_sdpa_same_bits_for_thread_counts(const Tensor<T>& q, const Tensor<T>& k,
+                                             const Tensor<T>& v, const ValidLens& lens,
+                                             AttentionOptions options, const Tensor<T>& d_out) {
+  options.return_lse = true;
+  const int before = num_threads();
+  AttentionResult<T> one, two;
+  DotProductGrads<T> g_one, g_two;
+  for (const int threads : {1, 2}) {
+    set_num_threads(threads);
+    AttentionResult<T>& r = threads == 1 ? one : two;
+    r = scaled_dot_product_attention(q, k, v, lens, options);
+    (threads == 1 ? g_one : g_two) =
+        scaled_dot_product_attention_backward(q, k, v, lens, options, {r.output, r.lse}, d_out);
+  }
+  set_num_threads(before);
+  expect_bitwise_equal(two.output, one.output, "output");
+  expect_bitwise_equal(two.lse, one.lse, "lse");
+  expect_bitwise_equal(g_two.d_queries, g_one.d_queries, "d_queries");
+  expect_bitwise_equal(g_two.d_keys, g_one.d_keys, "d_keys");
+  expect_bitwise_equal(g_two.d_values, g_one.d_values, "d_values");
+  if (options.want_bias_grad) expect_bitwise_equal(g_two.d_bias, g_one.d_bias, "d_bias");
 }
 
 }  // namespace qkv::test

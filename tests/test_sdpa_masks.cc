@@ -384,23 +384,7 @@ TYPED_TEST(Masks, SameBitsForAnyThreadCount) {
                    MaskForm::kQueriesKeys};
   const MaskProblem<T> p = make_problem<T>(rng, c);
   const Tensor<T> d_out = random_tensor<T>(rng, {c.batch, c.heads, c.nq, c.dv});
-  const int before = num_threads();
-  AttentionResult<T> one, two;
-  DotProductGrads<T> g_one, g_two;
-  for (const int threads : {1, 2}) {
-    set_num_threads(threads);
-    AttentionResult<T>& r = threads == 1 ? one : two;
-    r = scaled_dot_product_attention(p.q, p.k, p.v, p.lens.get(), p.options);
-    (threads == 1 ? g_one : g_two) = scaled_dot_product_attention_backward(
-        p.q, p.k, p.v, p.lens.get(), p.options, {r.output, r.lse}, d_out);
-  }
-  set_num_threads(before);
-  expect_bitwise_equal(two.output, one.output, "output");
-  expect_bitwise_equal(two.lse, one.lse, "lse");
-  expect_bitwise_equal(g_two.d_queries, g_one.d_queries, "d_queries");
-  expect_bitwise_equal(g_two.d_keys, g_one.d_keys, "d_keys");
-  expect_bitwise_equal(g_two.d_values, g_one.d_values, "d_values");
-  expect_bitwise_equal(g_two.d_bias, g_one.d_bias, "d_bias");
+  expect_sdpa_same_bits_for_thread_counts(p.q, p.k, p.v, p.lens.get(), p.options, d_out);
 }
 
 // The bias gradient against central differences of sum(output * d_out) in
@@ -424,12 +408,7 @@ TEST(BiasGradient, MatchesFiniteDifferences) {
     o.bias = ConstView<double>(bias.view());
     o.want_bias_grad = true;
     o.return_lse = true;
-    const auto loss = [&] {
-      const Tensor<double> out = scaled_dot_product_attention(q, k, v, {}, o).output;
-      double sum = 0;
-      for (int64_t e = 0; e < out.numel(); ++e) sum += out.data()[e] * d_out.data()[e];
-      return sum;
-    };
+    const auto loss = [&] { return sdpa_dot_loss(q, k, v, o, d_out); };
     const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, {}, o);
     const Tensor<double> got =
         scaled_dot_product_attention_backward(q, k, v, {}, o, {fwd.output, fwd.lse}, d_out).d_bias;
@@ -452,6 +431,41 @@ TEST(BiasGradient, MatchesFiniteDifferences) {
     if (form == MaskForm::kPerQuery) {  // constant along the keys: exactly 0
       for (const double g : got.values()) EXPECT_EQ(g, 0.0);
     }
+  }
+}
+
+// A bias constant along the keys moves the lse by itself: with a gradient
+// d_lse at the lse, its gradient is d_lse summed over the heads it is
+// shared by (0 without one, as above), fast and reference alike.
+TEST(BiasGradient, KeyConstantBiasGetsTheLseGradient) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  const int64_t batch = 2, heads = 3, nq = 300, nk = 400, d = 16;
+  const Tensor<double> q = random_tensor<double>(rng, {batch, heads, nq, d});
+  const Tensor<double> k = random_tensor<double>(rng, {batch, heads, nk, d});
+  const Tensor<double> v = random_tensor<double>(rng, {batch, heads, nk, d});
+  const Tensor<double> d_out = random_tensor<double>(rng, {batch, heads, nq, d});
+  const Tensor<double> d_lse = random_tensor<double>(rng, {batch, heads, nq});
+  const Tensor<double> bias = random_tensor<double>(rng, {batch, 1, nq, 1});
+  AttentionOptions o;
+  o.bias = ConstView<double>(bias.view());
+  o.want_bias_grad = true;
+  o.return_lse = true;
+  const AttentionResult<double> fwd = scaled_dot_product_attention(q, k, v, {}, o);
+  Tensor<double> want(bias.shape(), 0.0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < nq; ++i) want(b, 0, i, 0) += d_lse(b, h, i);
+  for (const bool fast : {true, false}) {
+    SCOPED_TRACE(fast ? "fast" : "reference");
+    const Tensor<double> got = fast ? scaled_dot_product_attention_backward(
+                                          q, k, v, {}, o, {fwd.output, fwd.lse}, d_out, d_lse)
+                                          .d_bias
+                                    : ref::scaled_dot_product_attention_backward(
+                                          q, k, v, {}, o, {fwd.output, fwd.lse}, d_out, d_lse)
+                                          .d_bias;
+    expect_close(got, want, kSdpaBackwardDouble, "d_bias");
   }
 }
 

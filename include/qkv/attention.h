@@ -78,8 +78,20 @@ struct AttentionOptions {
   BiasView bias;
   // The backward also returns d_bias, the gradient of the bias in its own
   // shape (summed over the axes it broadcasts along; exactly 0 where the
-  // bias is constant along the keys, which cannot change the weights).
+  // bias is constant along the keys, which cannot change the weights, unless
+  // the backward gets a d_lse: then d_lse, as such a bias shifts the lse).
   bool want_bias_grad = false;
+  // Logit capping (Gemma 2; FlashAttention's softcap): the scaled dot
+  // product x = scale q.k becomes softcap tanh(x / softcap), before the
+  // bias, ALiBi and the masks; finite and >= 0, and 0 (the default) caps
+  // nothing. The backward scales each score's gradient by 1 - tanh²(x / softcap).
+  double softcap = 0.0;
+  // ALiBi (FlashAttention's alibi_slopes): adds -slope |i + Nk - Nq - j| to
+  // query i's score of key j (aligned bottom-right, like the window), slope
+  // per head: (H) or per batch element and head: (B, H) (H = 1 for 3-D
+  // inputs), finite. Formed tile by tile, never as a (B, H, Nq, Nk) bias;
+  // no gradient.
+  ConstView<double> alibi_slopes;
 };
 
 template <class T>

@@ -85,6 +85,8 @@ def scaled_dot_product_attention(
     key_mask: Optional[ArrayLike] = None,
     window: Optional[Tuple[int, int]] = None,
     bias: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
@@ -105,6 +107,8 @@ def scaled_dot_product_attention_backward(
     window: Optional[Tuple[int, int]] = None,
     bias: Optional[ArrayLike] = None,
     bias_grad: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[ScaledDotProductAttentionGrads, ScaledDotProductAttentionBiasGrads]: ...
 def additive_attention(
@@ -398,6 +402,8 @@ def _scaled_dot_product_attention_bf16(
     key_mask: Optional[ArrayLike],
     window: Optional[Tuple[int, int]],
     bias: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
 ) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
 def _scaled_dot_product_attention_bf16_backward(
     queries: ArrayLike,
@@ -416,6 +422,8 @@ def _scaled_dot_product_attention_bf16_backward(
     window: Optional[Tuple[int, int]],
     bias: Optional[ArrayLike] = None,
     bias_grad: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
 ) -> Tuple[FloatArray, FloatArray, FloatArray, Optional[FloatArray]]: ...
 
 # The submodule qkv._qkv.search (re-exported as qkv.search).

@@ -27,6 +27,7 @@ maps this module to the book's code.
 
 import functools
 import math
+import numbers
 import warnings
 
 import numpy as np
@@ -297,16 +298,18 @@ def masked_softmax(X, valid_lens=None):
 # ---- scaled dot-product attention ------------------------------------------------
 
 def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                  bias, need_lse):
+                  bias, need_lse, scores=None):
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
     has query's dtype."""
     _not_traced("scaled_dot_product_attention")
+    scores = _score_options(scores)
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-            want_weights, need_lse, causal, mask, None, None,
-            None if bias is None else _array(bias))
+            want_weights, need_lse, causal, mask, None, scores["window"],
+            None if bias is None else _array(bias), softcap=scores["softcap"],
+            alibi_slopes=scores["alibi_slopes"])
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
         return output.to(torch.bfloat16), weights, output, lse
@@ -322,7 +325,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
         _array(query), _array(key), _array(value), lens, scale=scale, dropout_p=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
         out=None if out is None else _array(out), mask=mask,
-        bias=None if bias is None else _array(bias))
+        bias=None if bias is None else _array(bias), **scores)
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts) if out is None else out
         return output, None, output, None
@@ -340,10 +343,12 @@ class _Sdpa(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                bias):
-        ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask))
+                bias, scores=None):
+        ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask),
+                      _score_options(scores))
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
-                                                     seed, want_weights, causal, mask, bias, True)
+                                                     seed, want_weights, causal, mask, bias, True,
+                                                     scores)
         ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse), bias)
         if weights is None:
             weights = query.new_empty(0)
@@ -354,28 +359,72 @@ class _Sdpa(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, d_output, _d_weights):
         query, key, value, output, lse, bias = ctx.saved_tensors
-        lens, scale, dropout_p, seed, causal, mask = ctx.config
+        lens, scale, dropout_p, seed, causal, mask, scores = ctx.config
         bias_array = None if bias is None else _array(bias)
         bias_grad = bias is not None and ctx.needs_input_grad[10]
         if query.dtype == torch.bfloat16:
             *grads, d_bias = _qkv._scaled_dot_product_attention_bf16_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None, None,
-                bias_array, bias_grad)
+                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None,
+                scores["window"], bias_array, bias_grad, softcap=scores["softcap"],
+                alibi_slopes=scores["alibi_slopes"])
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output), lens, scale=scale, dropout_p=dropout_p, seed=seed, causal=causal,
-                mask=mask, bias=bias_array, bias_grad=bias_grad)
+                mask=mask, bias=bias_array, bias_grad=bias_grad, **scores)
             d_bias = grads[3] if bias_grad else None
             grads = [torch.from_numpy(g) for g in grads[:3]]
         d_bias = None if d_bias is None else torch.from_numpy(d_bias)
-        return (*grads, None, None, None, None, None, None, None, d_bias)
+        return (*grads, None, None, None, None, None, None, None, d_bias, None)
+
+
+def _score_options(scores):
+    """The kernels' keyword arguments for window, softcap and ALiBi (FlashAttention's
+    window_size, softcap, alibi_slopes), from _scores' dict or None."""
+    return scores or {"window": None, "softcap": 0.0, "alibi_slopes": None}
+
+
+def _scores(fn, window_size, softcap, alibi_slopes):
+    """window_size, softcap and alibi_slopes as the kernels take them (None when
+    all are unset): the window a pair of ints (-1: that side open), the slopes
+    a float64 array (no gradient: FlashAttention gives none either)."""
+    window = None
+    if window_size is not None:
+        pair = tuple(window_size) if isinstance(window_size, (tuple, list)) else ()
+        if len(pair) != 2 or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                                     for w in pair):
+            raise TypeError(f"{fn}: window_size is {window_size!r}; expected (left, right), "
+                            f"two integers (-1: no limit on that side)")
+        if min(pair) < -1:
+            raise ValueError(f"{fn}: window_size = {window_size!r} has a side below -1 "
+                             f"(-1: no limit on that side)")
+        if pair != (-1, -1):
+            window = tuple(int(w) for w in pair)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap is {softcap!r}; expected a number (0: no capping)")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"{fn}: softcap = {softcap!r}; expected a finite number >= 0 "
+                         f"(0: no capping)")
+    slopes = None
+    if alibi_slopes is not None:
+        if not (isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.is_floating_point()):
+            raise TypeError(f"{fn}: alibi_slopes must be a float tensor, (H) or (B, H); got "
+                            f"{type(alibi_slopes).__name__}"
+                            + (f" of dtype {alibi_slopes.dtype}"
+                               if isinstance(alibi_slopes, torch.Tensor) else ""))
+        if alibi_slopes.device.type != "cpu":
+            raise ValueError(f"{fn}: alibi_slopes is on {alibi_slopes.device}; qkv computes "
+                             f"on the CPU")
+        slopes = alibi_slopes.detach().to(torch.float64).contiguous().numpy()
+    if window is None and softcap == 0 and slopes is None:
+        return None
+    return {"window": window, "softcap": float(softcap), "alibi_slopes": slopes}
 
 
 def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None,
-          enable_gqa=False, attn_mask=None):
+          enable_gqa=False, attn_mask=None, scores=None):
     """Checks, runs the kernels (through _Sdpa when a gradient is wanted);
     (output, weights or None). 2-D and 3-D inputs go as they are (2-D is a
     batch of one); 4-D (B, H, N, D) as heads, read in place whatever their
@@ -421,11 +470,11 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
         query, key, value = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
     args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal,
-            mask, bias)
+            mask, bias, scores)
     if _needs_grad(query, key, value, *(() if bias is None else (bias,))):
         output, weights = _Sdpa.apply(*args)
     else:
-        output, weights = _sdpa_forward(*args, False)[:2]
+        output, weights = _sdpa_forward(*args[:-1], False, scores)[:2]
     if lead is not None:
         output = output.reshape(*lead, *output.shape[-3:])
         if want_weights:
@@ -439,7 +488,8 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
 @_not_scripted_function
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 valid_lens=None, seed=None):
+                                 valid_lens=None, seed=None, window_size=None, softcap=0.0,
+                                 alibi_slopes=None):
     """softmax(Q K^T * scale) V on qkv's fused kernels, differentiable in query, key, value.
 
     torch 2.x's torch.nn.functional.scaled_dot_product_attention signature (a
@@ -476,6 +526,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             weight 0 (a query with length 0 gives 0).
         seed: the dropout mask's seed; None draws one from torch's default
             generator (torch.manual_seed makes the run repeatable).
+        window_size: FlashAttention's (left, right): query i sees keys j with
+            i + Nk - Nq - left <= j <= i + Nk - Nq + right (aligned
+            bottom-right); -1 leaves a side open, so (-1, -1) is no window.
+            Combined with the other masks; inputs of rank 2 to 4.
+        softcap: FlashAttention's logit capping (Gemma 2): each scaled
+            score x becomes softcap * tanh(x / softcap) before attn_mask's
+            bias, ALiBi and the masks; finite, >= 0; 0 caps nothing.
+            Differentiable (the gradient through the tanh).
+        alibi_slopes: FlashAttention's ALiBi, a float tensor (H) or (B, H)
+            (H = 1 for 3-D inputs): adds -slope * |i + Nk - Nq - j| to query
+            i's score of key j, fused (no (B, H, Nq, Nk) bias is formed). No
+            gradient, as in FlashAttention. (With is_causal, FlashAttention
+            adds slope * (j - Nk + 1) instead: the same weights and output.)
 
     Returns:
         The output (..., Nq, Dv), query's dtype.
@@ -493,8 +556,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             [[10., 11., 12., 13.]]])
     """
     fn = "scaled_dot_product_attention"
+    scores = _scores(fn, window_size, softcap, alibi_slopes)
     return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
-                 "top-left" if is_causal else None, enable_gqa, attn_mask)[0]
+                 "top-left" if is_causal else None, enable_gqa, attn_mask, scores)[0]
 
 
 # ---- additive, bilinear and distance attention -------------------------------------

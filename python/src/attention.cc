@@ -7,6 +7,7 @@
 
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -107,7 +108,7 @@ AttentionOptions options_of(std::optional<double> scale, double dropout, py::han
 // 1-D key_mask with 2-D inputs is the batch of one's), window (left, right).
 // `storage` keeps the arrays alive for the call.
 struct MaskArrays {
-  py::object mask, key_mask, bias;
+  py::object mask, key_mask, bias, alibi_slopes;
 };
 
 ConstView<uint8_t> byte_mask(py::handle obj, std::string_view fn, std::string_view name,
@@ -147,6 +148,33 @@ void set_bias(std::string_view fn, py::handle bias, Dtype compute, AttentionOpti
   } else {
     options.bias = view_of<double>(array);
   }
+}
+
+// softcap: a real number, finite and >= 0 (checked here, to name it as the
+// caller spelled it); alibi_slopes: None or a float array, (H) or (B, H),
+// read as float64 (its shape and values checked by the library).
+void set_softcap_alibi(std::string_view fn, py::handle softcap, py::handle alibi_slopes,
+                       AttentionOptions& options, MaskArrays& storage) {
+  const bool real = (PyFloat_Check(softcap.ptr()) || PyLong_Check(softcap.ptr()) ||
+                     PyObject_HasAttrString(softcap.ptr(), "__float__")) &&
+                    !PyBool_Check(softcap.ptr());
+  if (!real) {
+    throw py::type_error(std::string(fn) + ": softcap is " + std::string(py::repr(softcap)) +
+                         "; expected a number (0: no capping)");
+  }
+  const py::object as_float = py::reinterpret_steal<py::object>(PyNumber_Float(softcap.ptr()));
+  if (!as_float) throw py::error_already_set();
+  const double cap = PyFloat_AsDouble(as_float.ptr());
+  if (!(std::isfinite(cap) && cap >= 0.0)) {
+    throw Error(std::string(fn) + ": softcap = " + std::string(py::repr(softcap)) +
+                "; expected a finite number >= 0 (0: no capping)");
+  }
+  options.softcap = cap;
+  if (alibi_slopes.is_none()) return;
+  py::array array = float_array(alibi_slopes, fn, "alibi_slopes");
+  py::array slopes = py::module_::import("numpy").attr("asarray")(array, "float64");
+  options.alibi_slopes = view_of<double>(slopes);
+  storage.alibi_slopes = slopes;  // after view_of, which may replace it by a copy
 }
 
 void set_masks(std::string_view fn, py::handle mask, py::handle key_mask, py::handle window,
@@ -299,7 +327,7 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
                    std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
                    bool return_weights, bool return_lse, py::handle causal, py::handle out,
                    py::handle mask, py::handle key_mask, py::handle window, py::handle bias,
-                   py::handle dropout_old) {
+                   py::handle softcap, py::handle alibi_slopes, py::handle dropout_old) {
   Tensors t =
       float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old), seed,
@@ -307,6 +335,7 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpa, bias, t.dtype, options, masks);
+  set_softcap_alibi(kSdpa, softcap, alibi_slopes, options, masks);
   const auto attend = [&](auto q, auto k, auto v, const ValidLens& lens, const auto& outputs) {
     scaled_dot_product_attention(q, k, v, lens, options, outputs);
   };
@@ -389,7 +418,7 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             std::optional<double> scale, std::optional<double> dropout_p,
                             py::handle seed, py::handle causal, py::handle mask,
                             py::handle key_mask, py::handle window, py::handle bias, bool bias_grad,
-                            py::handle dropout_old) {
+                            py::handle softcap, py::handle alibi_slopes, py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -404,6 +433,7 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, t.batch_of_one, options, masks);
   set_bias(kSdpaBackward, bias, t.dtype, options, masks);
+  set_softcap_alibi(kSdpaBackward, softcap, alibi_slopes, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
   return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
                                     : sdpa_backward<double>(t, valid_lens, options);
@@ -609,13 +639,15 @@ Bf16Inputs bf16_inputs(std::string_view fn, py::handle q_obj, py::handle k_obj, 
 py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                        std::optional<double> scale, double dropout, py::handle seed,
                        bool return_weights, bool return_lse, py::handle causal, py::handle mask,
-                       py::handle key_mask, py::handle window, py::handle bias) {
+                       py::handle key_mask, py::handle window, py::handle bias, py::handle softcap,
+                       py::handle alibi_slopes) {
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
       options_of(scale, dropout, seed, kSdpa, Pass::kForward, causal_of(kSdpa, causal));
   MaskArrays masks;
   set_masks(kSdpa, mask, key_mask, window, in.batch_of_one, options, masks);
   set_bias(kSdpa, bias, Dtype::kFloat32, options, masks);
+  set_softcap_alibi(kSdpa, softcap, alibi_slopes, options, masks);
   options.return_weights = return_weights;
   options.return_lse = return_lse;
   AttentionResult<float> r;
@@ -636,7 +668,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 py::handle lse, py::handle d_output, py::handle valid_lens,
                                 std::optional<double> scale, double dropout, py::handle seed,
                                 py::handle causal, py::handle mask, py::handle key_mask,
-                                py::handle window, py::handle bias, bool bias_grad) {
+                                py::handle window, py::handle bias, bool bias_grad,
+                                py::handle softcap, py::handle alibi_slopes) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -650,6 +683,7 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   MaskArrays masks;
   set_masks(kSdpaBackward, mask, key_mask, window, one, options, masks);
   set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
+  set_softcap_alibi(kSdpaBackward, softcap, alibi_slopes, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
   const SavedForward<float> s{with_batch_axis(view_of<float>(saved[0]), one, 2),
                               with_batch_axis(view_of<float>(saved[1]), one, 1)};
@@ -697,8 +731,8 @@ void register_attention(py::module_& m) {
         py::arg("seed") = py::none(), py::arg("return_weights") = false,
         py::arg("return_lse") = false, py::arg("causal") = py::none(), py::arg("out") = py::none(),
         py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
-        py::arg("window") = py::none(), py::arg("bias") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("window") = py::none(), py::arg("bias") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("alibi_slopes") = py::none(), py::arg("dropout") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -749,6 +783,14 @@ Arguments:
         attn_mask: ALiBi, relative positions), broadcast like mask, of the
         inputs' dtype; read in place. -inf leaves a key out; masks win over
         the bias.
+    softcap: logit capping (Gemma 2, FlashAttention's softcap): each scaled
+        score x becomes softcap * tanh(x / softcap), before bias, ALiBi and
+        the masks; a finite number >= 0, 0 (the default) caps nothing.
+    alibi_slopes: None, or float slopes (H) (one per head; 3-D inputs
+        have H = 1) or (B, H): ALiBi, adding -slope * |i + Nk - Nq - j| to
+        query i's score of key j (aligned bottom-right, like window), formed
+        tile by tile, never as a (B, H, Nq, Nk) array (FlashAttention's
+        alibi_slopes). No gradient.
     out: None, or an array to write the output into and return, of the
         output's shape and the inputs' dtype; any strides whose rows (the
         last axis) are contiguous and do not overlap: e.g. heads written as
@@ -762,10 +804,11 @@ Returns:
     inputs' dtype (2-D inputs: no batch axis).
 
 Raises:
-    TypeError: an input that is not float32/float64, mixed dtypes, or
-        valid_lens that are not integers.
+    TypeError: an input that is not float32/float64, mixed dtypes,
+        valid_lens that are not integers, a softcap that is not a number.
     qkv.Error (a ValueError): shapes that do not fit, a length outside
-        [0, Nk], dropout_p outside [0, 1], a scale that is not finite.
+        [0, Nk], dropout_p outside [0, 1], a scale that is not finite, a
+        softcap that is negative or not finite, alibi_slopes not finite.
 
 >>> import numpy as np, qkv
 >>> q = np.ones((2, 1, 2), np.float32); k = np.ones((2, 10, 2), np.float32)
@@ -782,7 +825,8 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("dropout_p") = py::none(), py::arg("seed") = py::none(),
         py::arg("causal") = py::none(), py::arg("mask") = py::none(),
         py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
-        py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("dropout") = py::none(),
+        py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
+        py::arg("alibi_slopes") = py::none(), py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
@@ -790,7 +834,8 @@ from the seed, not stored.
 
 Arguments:
     queries, keys, values, valid_lens, scale, dropout_p, seed, causal, mask,
-        key_mask, window, bias: exactly as the forward got them.
+        key_mask, window, bias, softcap, alibi_slopes: exactly as the
+        forward got them.
     bias_grad: with a bias, also return d_bias (False skips it).
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
@@ -1000,13 +1045,15 @@ Raises:
         py::arg("values"), py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"),
         py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
         py::arg("mask"), py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
+        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
         "(output, weights or None, lse or None) out.");
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"),
         py::arg("causal"), py::arg("mask"), py::arg("key_mask"), py::arg("window"),
-        py::arg("bias") = py::none(), py::arg("bias_grad") = true,
+        py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
+        py::arg("alibi_slopes") = py::none(),
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values, d_bias or None).");
 }

@@ -250,6 +250,40 @@ inline void check_masks(std::string_view fn, const Dims& dims, const AttentionOp
   config.window_right = -1;
 }
 
+// options.softcap and options.alibi_slopes as the kernels read them: the
+// slopes as a (B, H) view, stride 0 along B for per-head slopes (H).
+inline void check_softcap_alibi(std::string_view fn, const Dims& dims,
+                                const AttentionOptions& options, kernels::AttentionConfig& config) {
+  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0)) {
+    fail(fn, "options.softcap = " + std::to_string(options.softcap) +
+                 "; expected a finite number >= 0 (0: no capping)");
+  }
+  config.softcap = options.softcap;
+  const ConstView<double>& slopes = options.alibi_slopes;
+  if (slopes.rank() == 0 && slopes.data() == nullptr) return;  // absent (a scalar is an error)
+  const bool per_head = slopes.rank() == 1 && slopes.size(0) == dims.heads;
+  const bool per_batch =
+      slopes.rank() == 2 && slopes.size(0) == dims.batch && slopes.size(1) == dims.heads;
+  if (!per_head && !per_batch) {
+    fail(fn, "options.alibi_slopes has shape " + slopes.shape().str() + "; expected " +
+                 Shape{dims.heads}.str() + " (one slope per head) or " +
+                 Shape{dims.batch, dims.heads}.str() + " (per batch element and head)");
+  }
+  const ConstView<double> full(slopes.data(), Shape{dims.batch, dims.heads},
+                               per_head ? Shape{0, slopes.stride(0)} : slopes.strides());
+  for (int64_t b = 0; b < (per_head ? std::min<int64_t>(dims.batch, 1) : dims.batch); ++b) {
+    for (int64_t h = 0; h < dims.heads; ++h) {
+      if (!std::isfinite(full(b, h))) {
+        fail(fn, "options.alibi_slopes" +
+                     (per_head ? "[" + std::to_string(h) + "]"
+                               : "[" + std::to_string(b) + ", " + std::to_string(h) + "]") +
+                     " = " + std::to_string(full(b, h)) + " is not finite");
+      }
+    }
+  }
+  config.alibi_slopes = full;
+}
+
 inline const char* type_name(float) { return "float32"; }
 inline const char* type_name(double) { return "float64"; }
 
@@ -286,7 +320,9 @@ void check_bias(std::string_view fn, const Dims& dims, const AttentionOptions& o
 
 inline bool has_masks(const AttentionOptions& options) {
   return options.mask.rank() > 0 || options.key_mask.rank() > 0 || options.window_left != -1 ||
-         options.window_right != -1 || has_bias(options) || options.want_bias_grad;
+         options.window_right != -1 || has_bias(options) || options.want_bias_grad ||
+         options.softcap != 0.0 || options.alibi_slopes.rank() > 0 ||
+         options.alibi_slopes.data() != nullptr;
 }
 
 // options.scale by the scoring function's rule (qkv/scoring.h), or its default.
@@ -347,9 +383,10 @@ kernels::AttentionConfig attention_config(std::string_view fn, const ScoringRule
   if (rules.masks) {
     check_masks(fn, dims, options, config);
     check_bias<Acc>(fn, dims, options, config);
+    check_softcap_alibi(fn, dims, options, config);
   } else if (has_masks(options)) {
-    fail(fn, "options.mask, key_mask, window_left/right and bias are for " + titles_with_masks() +
-                 " attention; " + std::string(rules.title) +
+    fail(fn, "options.mask, key_mask, window_left/right, bias, softcap and alibi_slopes are for " +
+                 titles_with_masks() + " attention; " + std::string(rules.title) +
                  " attention takes valid_lens and causal");
   }
   return config;

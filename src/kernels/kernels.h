@@ -7,7 +7,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
@@ -66,6 +68,20 @@ struct AttentionConfig {
   // masks, so a masked key stays -inf whatever its bias.
   ConstView<float> bias_float = {};
   ConstView<double> bias_double = {};
+  // Logit capping (Gemma 2, FlashAttention's softcap): the scaled dot product
+  // x becomes softcap tanh(x / softcap) before the bias, ALiBi and masks; 0:
+  // none. Its derivative, 1 - tanh², scales the score's gradient.
+  double softcap = 0.0;
+  // ALiBi (FlashAttention's alibi_slopes): slope (B, H) with stride 0 along B
+  // for per-head slopes, null data when absent; adds
+  // -slope |i + Nk - Nq - j| after the bias (aligned like the window).
+  ConstView<double> alibi_slopes = {};
+  double alibi_slope(int64_t bh) const { return alibi_slopes(bh / heads, bh % heads); }
+  // What ALiBi adds to query i's score of key j (0 without it).
+  double alibi_at(int64_t bh, int64_t i, int64_t j, int64_t nq, int64_t nk) const {
+    if (alibi_slopes.data() == nullptr) return 0.0;
+    return -alibi_slope(bh) * static_cast<double>(std::abs(i + nk - nq - j));
+  }
   template <class Acc>
   ConstView<Acc> bias() const {
     if constexpr (std::is_same_v<Acc, float>) {
@@ -88,8 +104,11 @@ struct AttentionConfig {
     return mask.data() != nullptr || key_mask.data() != nullptr || window_left >= 0 ||
            window_right >= 0;
   }
-  // Whether the scores get anything after scale q.k: a bias or masks.
-  bool adjusts_scores() const { return masked() || biased(); }
+  // Whether the scores get anything after scale q.k: softcap, a bias,
+  // ALiBi or masks.
+  bool adjusts_scores() const {
+    return masked() || biased() || softcap > 0.0 || alibi_slopes.data() != nullptr;
+  }
   // Keys [lo, hi) of query i that the window leaves (all of [0, nk) without one).
   int64_t window_begin(int64_t i, int64_t nq, int64_t nk) const {
     return window_left < 0 ? 0 : std::max<int64_t>(i + nk - nq - window_left, 0);

@@ -4,6 +4,7 @@
 // Heads are a batch: query head bh = b H + h attends over key head
 // b Hkv + h / (H / Hkv), as 3-D attention over B H batch elements with each
 // key head repeated for its H / Hkv query heads.
+#include <cmath>
 #include <limits>
 
 #include "kernels/attention/attend_ref.h"
@@ -22,24 +23,36 @@ KeyHead key_head(ConstView<T> q, ConstView<T> k, int64_t bh) {
   return {bh / heads, (bh % heads) / group};
 }
 
-// scores (B H, Nq, Nk) = scale q kᵀ + bias per head; -inf where the window
-// or a mask leaves the key out (AttentionConfig).
+// scores (B H, Nq, Nk) = cap(scale q kᵀ) + bias + alibi per head; -inf where
+// the window or a mask leaves the key out (AttentionConfig). cap(x) =
+// softcap tanh(x / softcap) with a softcap, else x; cap_grad, when given,
+// gets d cap / dx = 1 - tanh² of each score (1 without a softcap).
 template <class T>
-Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, const AttentionConfig& config) {
-  const double scale = config.scale;
+Matrix dot_product_scores(ConstView<T> q, ConstView<T> k, const AttentionConfig& config,
+                          Matrix* cap_grad = nullptr) {
+  const double scale = config.scale, softcap = config.softcap;
   const int64_t heads = q.size(0) * q.size(1), nq = q.size(2), nk = k.size(2), d = q.size(3);
   Matrix scores(heads * nq * nk);
+  if (cap_grad) cap_grad->assign(heads * nq * nk, 1.0);
   for (int64_t bh = 0; bh < heads; ++bh) {
     const int64_t b = bh / q.size(1), h = bh % q.size(1);
     const KeyHead kh = key_head(q, k, bh);
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < nk; ++j) {
+        const int64_t e = (bh * nq + i) * nk + j;
         double s = 0.0;
-        for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q(b, h, i, c)) * k(kh.b, kh.h, j, c);
+        for (int64_t c = 0; c < d; ++c)
+          s += static_cast<double>(q(b, h, i, c)) * k(kh.b, kh.h, j, c);
+        s *= scale;
+        if (softcap > 0.0) {
+          const double t = std::tanh(s / softcap);
+          s = softcap * t;
+          if (cap_grad) (*cap_grad)[e] = 1.0 - t * t;
+        }
         const bool seen = j >= config.window_begin(i, nq, nk) && j < config.window_end(i, nq, nk) &&
                           config.mask_keeps(bh, i, j);
-        scores[(bh * nq + i) * nk + j] =
-            seen ? s * scale + config.bias_at(bh, i, j) : -std::numeric_limits<double>::infinity();
+        scores[e] = seen ? s + config.bias_at(bh, i, j) + config.alibi_at(bh, i, j, nq, nk)
+                         : -std::numeric_limits<double>::infinity();
       }
     }
   }
@@ -129,8 +142,9 @@ void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const Attenti
     }
   }
   std::vector<double> dv_per_head(heads * nk * dv);
+  Matrix cap_grad;  // d score / d (scale q.k): the softcap's 1 - tanh²
   const Matrix ds = attend_backward(
-      dot_product_scores(q, k, config), heads, nq, nk,
+      dot_product_scores(q, k, config, &cap_grad), heads, nq, nk,
       ConstView<double>(flat_heads(values.data(), heads, nk, dv)), config,
       ConstView<double>(flat_heads(d_out.data(), heads, nq, dv)),
       flat_heads(dv_per_head.data(), heads, nk, dv), d_lse.empty() ? nullptr : d_lse.data());
@@ -143,7 +157,8 @@ void sdpa_backward(ConstView<T> q, ConstView<T> k, ConstView<T> v, const Attenti
     const int64_t bkv = kh.b * k.size(1) + kh.h;
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < nk; ++j) {
-        const double g = ds[(bh * nq + i) * nk + j] * config.scale;
+        const int64_t e = (bh * nq + i) * nk + j;
+        const double g = ds[e] * cap_grad[e] * config.scale;
         if (g == 0.0) continue;
         for (int64_t c = 0; c < d; ++c) {
           dq[(bh * nq + i) * d + c] += g * static_cast<double>(k(kh.b, kh.h, j, c));
