@@ -84,7 +84,7 @@ auto calling(std::string_view fn, F&& f) -> decltype(f()) {
 
 // A bandwidth as Python gives it: a number (every feature), one per feature,
 // or the name of a rule applied to the training data at fit.
-enum class Rule { kSilverman, kScott, kCv };
+enum class Rule { kSilverman, kScott, kCv, kCvFast };
 using Bandwidth = std::variant<double, std::vector<double>, Rule>;
 
 Bandwidth bandwidth_of(py::handle obj, std::string_view fn) {
@@ -93,9 +93,10 @@ Bandwidth bandwidth_of(py::handle obj, std::string_view fn) {
     if (name == "silverman") return Rule::kSilverman;
     if (name == "scott") return Rule::kScott;
     if (name == "cv") return Rule::kCv;
+    if (name == "cv-fast") return Rule::kCvFast;
     throw Error(std::string(fn) + ": bandwidth = '" + name +
                 "' is not a rule; expected a number, one number per feature, 'silverman', "
-                "'scott' or 'cv'");
+                "'scott', 'cv' or 'cv-fast'");
   }
   // A number (Python's or NumPy's), or numbers: np.asarray says which.
   std::optional<py::array> values;
@@ -125,8 +126,8 @@ Bandwidth bandwidth_of(py::handle obj, std::string_view fn) {
   }
   throw py::type_error(std::string(fn) + ": bandwidth is a " +
                        std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
-                       "; expected a number, one number per feature, 'silverman', 'scott' or "
-                       "'cv'");
+                       "; expected a number, one number per feature, 'silverman', 'scott', "
+                       "'cv' or 'cv-fast'");
 }
 
 struct Fitted {
@@ -155,6 +156,19 @@ Fitted fit_model(ConstView<double> x, ConstView<double> y, Kernel kernel,
         f.cv = cv_bandwidth(f.model);
         f.model.set_bandwidth(f.cv->bandwidth);
         break;
+      case Rule::kCvFast: {
+        // Checked here so the message names the Python argument, not the C++
+        // function cv_bandwidth_fast_1d.
+        const int64_t p = x.rank() == 1 ? 1 : x.size(1);
+        if (kernel != Kernel::kGaussian || p != 1) {
+          throw Error("bandwidth = 'cv-fast' is cv through the fast 1-D Gaussian path; x has " +
+                      std::to_string(p) + " feature" + (p == 1 ? "" : "s") + " and the kernel is '" +
+                      std::string(kernel_name(kernel)) + "' (use bandwidth='cv')");
+        }
+        f.cv = cv_bandwidth_fast_1d(f.model);
+        f.model.set_bandwidth(f.cv->bandwidth);
+        break;
+      }
     }
   }
   return f;
@@ -299,7 +313,7 @@ class PyKernelRegression {
     if (const auto* hs = std::get_if<std::vector<double>>(&bandwidth_spec_)) {
       return vector_array(*hs);
     }
-    static const char* const kNames[] = {"silverman", "scott", "cv"};
+    static const char* const kNames[] = {"silverman", "scott", "cv", "cv-fast"};
     return py::str(kNames[static_cast<int>(std::get<Rule>(bandwidth_spec_))]);
   }
 
@@ -329,8 +343,11 @@ Arguments:
         float64 (float32 is converted).
     kernel: 'gaussian', 'boxcar' (or 'uniform'), 'epanechnikov', 'triangular'.
     bandwidth: h, one number for every feature or one per feature, or a rule
-        fitted to the training data: 'silverman', 'scott' or 'cv'
-        (leave-one-out cross-validation).
+        fitted to the training data: 'silverman', 'scott', 'cv'
+        (leave-one-out cross-validation) or 'cv-fast' (the same error
+        minimised through the fast 1-D path: one feature and the Gaussian
+        kernel only; seconds where 'cv' takes hours at n = 200,000, the
+        error at its bandwidth within 1e-7 of 'cv''s).
     exact: evaluate every kernel term even where the fast 1-D path would serve.
 
 Returns:
@@ -357,12 +374,15 @@ the kernels and the bandwidth rules.
 
 Arguments:
     kernel: 'gaussian', 'boxcar' (or 'uniform'), 'epanechnikov', 'triangular'.
-    bandwidth: a number, one number per feature, 'silverman', 'scott' or 'cv'.
+    bandwidth: a number, one number per feature, 'silverman', 'scott', 'cv'
+        or 'cv-fast' (one feature, Gaussian kernel).
 
 Attributes (after fit):
     bandwidth_: the bandwidth per feature, an array (p,).
     cv_loo_error_, cv_iterations_: the leave-one-out error at the chosen
-        bandwidth and the search's iterations (bandwidth='cv'; else None).
+        bandwidth and the search's iterations (bandwidth='cv' or 'cv-fast',
+        whose error is the fast path's, within about 1e-9 max|y| of the
+        exact one; else None).
     n_features_in_: p.
 
 >>> model = qkv.KernelRegression(bandwidth='cv').fit(x, y)
@@ -419,14 +439,15 @@ at the fitted bandwidth or the one given (numbers, not a rule).
             const Fitted& f = r.fitted("cv_loo_error_");
             return f.cv ? py::object(py::float_(f.cv->loo_error)) : py::none();
           },
-          "The leave-one-out error at the cross-validated bandwidth (bandwidth='cv'), else None.")
+          "The leave-one-out error at the cross-validated bandwidth (bandwidth='cv' or 'cv-fast'), "
+          "else None.")
       .def_property_readonly(
           "cv_iterations_",
           [](const PyKernelRegression& r) -> py::object {
             const Fitted& f = r.fitted("cv_iterations_");
             return f.cv ? py::object(py::int_(f.cv->iterations)) : py::none();
           },
-          "The cross-validation search's iterations (bandwidth='cv'), else None.")
+          "The cross-validation search's iterations (bandwidth='cv' or 'cv-fast'), else None.")
       .def_property_readonly(
           "n_features_in_",
           [](const PyKernelRegression& r) {

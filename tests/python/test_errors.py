@@ -662,7 +662,18 @@ REGRESSION_CASES = [
      "qkv.Error", ["KernelRegression: kernel = 'nope' is not a kernel"]),
     ("unknown rule", lambda a: lambda: qkv.nadaraya_watson(a.x, a.y, a.x, bandwidth="foo"),
      "qkv.Error", ["nadaraya_watson: bandwidth = 'foo' is not a rule", "'silverman'", "'scott'",
-                   "'cv'"]),
+                   "'cv'", "'cv-fast'"]),
+    ("cv-fast of a compact kernel", lambda a: lambda: qkv.KernelRegression(
+        "epanechnikov", "cv-fast").fit(a.x, a.y),
+     "qkv.Error", ["KernelRegression.fit: bandwidth = 'cv-fast' is cv through the fast 1-D "
+                   "Gaussian path; x has 1 feature and the kernel is 'epanechnikov' "
+                   "(use bandwidth='cv')"]),
+    ("cv-fast of 2 features", lambda a: lambda: qkv.nadaraya_watson(
+        np.stack([a.x, a.y], 1), a.y, np.stack([a.x, a.x], 1), bandwidth="cv-fast"),
+     "qkv.Error", ["nadaraya_watson: bandwidth = 'cv-fast' is cv through the fast 1-D Gaussian "
+                   "path; x has 2 features and the kernel is 'gaussian' (use bandwidth='cv')"]),
+    ("cv-fast of one point", lambda a: lambda: qkv.KernelRegression(bandwidth="cv-fast").fit(
+        a.x[:1], a.y[:1]), "qkv.Error", ["needs at least 2 points"]),
     ("KernelRegression unknown rule", lambda a: lambda: qkv.KernelRegression(bandwidth="learn"),
      "qkv.Error", ["KernelRegression: bandwidth = 'learn' is not a rule"]),
     ("bandwidth 0", lambda a: lambda: qkv.nadaraya_watson(a.x, a.y, a.x, bandwidth=0.0),

@@ -11,6 +11,9 @@
   (reg_type='lc', var_type 'c' * p): relative error < 1e-10;
 - bandwidth='cv' gives a leave-one-out error no worse than Scott's rule's, and
   loo_error() is the NumPy leave-one-out error at the fitted bandwidth;
+  bandwidth='cv-fast' (1-D, Gaussian) finds a bandwidth whose NumPy
+  leave-one-out error is within 1e-7 of cv's, its cv_loo_error_ within 1e-9
+  max|y| of the NumPy error at its own bandwidth;
 - silverman_bandwidth and scott_bandwidth against their formulas (NumPy's
   std with ddof=1 and percentiles); train_parametric against a NumPy replay
   of its SGD (the loss and its analytic gradient);
@@ -262,6 +265,28 @@ def test_cv_is_no_worse_than_scott(kernel, p, rng):
                 == model.predict(xq).tobytes()), rule
 
 
+@pytest.mark.parametrize("p", [None, 1])
+def test_cv_fast_finds_cvs_bandwidth(p, rng):
+    n = int(rng.integers(60, 300))
+    x, y = data(rng, n, p, None)
+    cv = qkv.KernelRegression("gaussian", "cv").fit(x, y)
+    fast = qkv.KernelRegression("gaussian", "cv-fast").fit(x, y)
+    assert fast.bandwidth == "cv-fast" and fast.bandwidth_.shape == (1,)
+    assert fast.cv_iterations_ == 1
+    exact_at_fast = ref_loo(x, y, fast.bandwidth_, "gaussian")
+    exact_at_cv = ref_loo(x, y, cv.bandwidth_, "gaussian")
+    # The documented promise: the exact error at cv-fast's bandwidth within
+    # 1e-7 (relative) of cv's; cv's is a local minimum, so only above it.
+    assert exact_at_fast <= exact_at_cv * (1 + 1e-7), (fast.bandwidth_, cv.bandwidth_)
+    # Each estimate within 1e-9 max|y|, each residual at most 2 max|y|: the
+    # mean of squares within 2 * 2 max|y| * 1e-9 max|y|.
+    assert abs(fast.cv_loo_error_ - exact_at_fast) <= 4e-9 * np.abs(y).max() ** 2, (
+        fast.cv_loo_error_, exact_at_fast)
+    xq = as_2d(x)[:9] if p else x[:9]
+    assert (qkv.nadaraya_watson(x, y, xq, bandwidth="cv-fast").tobytes()
+            == fast.predict(xq).tobytes())
+
+
 @pytest.mark.parametrize("p", [None, 1, 3])
 def test_rules_of_thumb_are_their_formulas(p, rng):
     n = int(rng.integers(5, 200))
@@ -487,7 +512,7 @@ def test_uniform_weights(rng):
                        qkv.average_pooling(v, Nq, per_query), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bandwidth", [0.4, [0.3, 0.7], "scott", "cv"])
+@pytest.mark.parametrize("bandwidth", [0.4, [0.3, 0.7], "scott", "cv", "cv-fast"])
 def test_kernel_regression_pickles(bandwidth, rng):
     """KernelRegression could not be pickled (nor copied, nor sent to a
     process pool). Unpickled, a fitted model gives the same bits, bandwidth
