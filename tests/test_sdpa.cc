@@ -310,6 +310,54 @@ TEST(SdpaGradient, LseGradient) {
   }
 }
 
+// d_lse with bf16 inputs (what qkv.torch's return_lse runs for
+// torch.bfloat16): with d_output = 0 the gradients are d_lse's term alone,
+// against the float backward on the widened inputs given the same d_lse.
+// The bf16 products round dS to bf16 (2^-8 relative) where the native
+// kernel runs; d_lse of another shape is refused by name.
+TEST(SdpaGradient, LseGradientBf16) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed_note(seed));
+  Rng rng(seed);
+  AttentionOptions opt;
+  opt.return_lse = true;
+  opt.causal = Causal::kBottomRight;
+  const Tensor<float> q = random_tensor<float>(rng, {2, 2, 37, 64}, -2, 2);
+  const Tensor<float> k = random_tensor<float>(rng, {2, 2, 300, 64}, -2, 2);
+  const Tensor<float> v = random_tensor<float>(rng, {2, 2, 300, 16});
+  Tensor<bfloat16> qb(q.shape()), kb(k.shape()), vb(v.shape());
+  Tensor<float> qw(q.shape()), kw(k.shape()), vw(v.shape());
+  for (const auto& [src, dst, wide] : {std::tuple{&q, &qb, &qw}, {&k, &kb, &kw}, {&v, &vb, &vw}}) {
+    for (int64_t e = 0; e < src->numel(); ++e) {
+      dst->data()[e] = bfloat16(src->data()[e]);
+      wide->data()[e] = static_cast<float>(dst->data()[e]);
+    }
+  }
+  const Tensor<float> d_out(Shape{2, 2, 37, 16});
+  const Tensor<float> d_lse = random_tensor<float>(rng, {2, 2, 37});
+  const AttentionResult<float> fb = scaled_dot_product_attention(qb, kb, vb, {}, opt);
+  const AttentionResult<float> fw = scaled_dot_product_attention(qw, kw, vw, {}, opt);
+  const DotProductGrads<float> got =
+      scaled_dot_product_attention_backward(qb, kb, vb, {}, opt, {fb.output, fb.lse}, d_out, d_lse);
+  const DotProductGrads<float> want =
+      scaled_dot_product_attention_backward(qw, kw, vw, {}, opt, {fw.output, fw.lse}, d_out, d_lse);
+  for (const auto& [g, w, what] :
+       {std::tuple{&got.d_queries, &want.d_queries, "dQ"}, {&got.d_keys, &want.d_keys, "dK"}}) {
+    double max_want = 0;
+    for (const float x : w->values()) max_want = std::max(max_want, std::abs(double{x}));
+    ASSERT_GT(max_want, 1e-3) << what << ": d_lse's term is not zero";
+    expect_close(*g, *w, Tol{.atol = (0x1p-8 + 1e-5) * max_want, .rtol = 0},
+                 std::string("bf16 ") + what + " of the lse vs float on widened inputs");
+  }
+  for (const float x : got.d_values.values()) EXPECT_EQ(x, 0.0f) << "dV (d_output = 0)";
+  expect_error(
+      [&] {
+        scaled_dot_product_attention_backward(qb, kb, vb, {}, opt, {fb.output, fb.lse}, d_out,
+                                              Tensor<float>(Shape{2, 2, 36}));
+      },
+      {"scaled_dot_product_attention_backward", "d_lse", "[2, 2, 36]"});
+}
+
 // ---- bad input (the rest is in test_attention.cc's AttentionErrors) ------------
 
 // Keys and queries must share their feature size D, in the forward and the

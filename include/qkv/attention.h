@@ -287,8 +287,9 @@ DotProductGrads<double> distance_attention_backward(
 // Scaled dot-product attention with bfloat16 queries, keys and values
 // (qkv/bfloat16.h): products accumulate in float32 and the softmax runs in
 // float32, so output, weights, lse and the gradients are float32. The
-// backward takes d_output in float32 and rounds it to bf16 for its products
-// with the values. Same shapes, lengths, options and errors as above.
+// backward takes d_output (and d_lse) in float32 and rounds d_output to bf16
+// for its products with the values. Same shapes, lengths, options and errors
+// as above.
 AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> queries,
                                                     ConstView<bfloat16> keys,
                                                     ConstView<bfloat16> values,
@@ -297,7 +298,7 @@ AttentionResult<float> scaled_dot_product_attention(ConstView<bfloat16> queries,
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<bfloat16> queries, ConstView<bfloat16> keys, ConstView<bfloat16> values,
     const ValidLens& valid_lens, const AttentionOptions& options, const SavedForward<float>& saved,
-    ConstView<float> d_output);
+    ConstView<float> d_output, ConstView<float> d_lse = {});
 
 namespace ref {
 // Reference versions: plain loops, double accumulation, any strides. They

@@ -28,7 +28,11 @@ struct MergedAttention {
 // output of 0, like attention over no keys. A NaN or +inf lse_s (a part
 // whose valid scores held NaN or +inf) makes that row's lse and output NaN.
 // Every output has one shape with rank >= 2, every lse that shape without its
-// last axis; any strides. At least one part. Throws Error otherwise.
+// last axis; any strides. At least one part. Throws Error otherwise. A view
+// holds at most kMaxRank (4) axes: fold further leading axes into one, e.g.
+// (B, G, H, Nq, Dv) (xformers' grouped heads) as (B·G·H, Nq, Dv) with lses
+// (B·G·H, Nq); the merge is row by row, so the folded rows merge alike (the
+// Python binding folds arrays of any rank so).
 MergedAttention<float> merge_attention(const std::vector<ConstView<float>>& outputs,
                                        const std::vector<ConstView<float>>& lses);
 MergedAttention<double> merge_attention(const std::vector<ConstView<double>>& outputs,

@@ -115,6 +115,11 @@ class MultiheadAttention(nn.MultiheadAttention):
                                 f"one (module.to(dtype) or {name}.to(dtype))")
         _check_mask_dtype("attn_mask", attn_mask)
         _check_mask_dtype("key_padding_mask", key_padding_mask)
+        # Truthiness would take is_causal="bottom-right" as torch's top-left.
+        need_weights, average_attn_weights, is_causal = (
+            _qkv_torch._flag(_FN, name, value) for name, value in (
+                ("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
+                ("is_causal", is_causal)))
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"{_FN}: query, key and value must be all 3-D (batched) or all "
                              f"2-D (unbatched); got shapes {list(query.shape)}, "
@@ -169,8 +174,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             causal = None
         mask = _kernel_mask(attn_mask, key_padding_mask, batch, heads, q.dtype, extra_keys)
         p = self.dropout if self.training else 0.0
-        output, weights = _qkv_torch._sdpa("MultiheadAttention", q, k, v, None, None, p, None,
-                                           need_weights, causal=causal, attn_mask=mask)
+        output, weights, _ = _qkv_torch._sdpa("MultiheadAttention", q, k, v, None, None, p, None,
+                                              need_weights, causal=causal, attn_mask=mask)
         # (N, H, L, head_dim) over (N, L, H, head_dim) memory: the heads'
         # concatenation is a view.
         output = F.linear(output.transpose(1, 2).reshape(batch, nq, embed),

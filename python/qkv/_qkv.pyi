@@ -109,6 +109,7 @@ def scaled_dot_product_attention_backward(
     bias_grad: bool = True,
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
+    d_lse: Optional[ArrayLike] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[ScaledDotProductAttentionGrads, ScaledDotProductAttentionBiasGrads]: ...
 def additive_attention(
@@ -424,6 +425,7 @@ def _scaled_dot_product_attention_bf16_backward(
     bias_grad: bool = True,
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
+    d_lse: Optional[ArrayLike] = None,
 ) -> Tuple[FloatArray, FloatArray, FloatArray, Optional[FloatArray]]: ...
 
 # The submodule qkv._qkv.search (re-exported as qkv.search).

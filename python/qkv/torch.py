@@ -7,7 +7,9 @@ d2l's attention modules on them:
     masked_softmax(X, valid_lens=None)
     scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 valid_lens=None, seed=None)
+                                 valid_lens=None, seed=None, window_size=None, softcap=0.0,
+                                 alibi_slopes=None, causal=None, key_mask=None,
+                                 return_lse=False)
     additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
                        dropout_p=0.0, seed=None)
     bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0.0, seed=None,
@@ -142,6 +144,49 @@ def _check(fn, name, tensor, dtypes=_FLOATS):
     return tensor
 
 
+def _flag(fn, name, value, hint=""):
+    """A bool argument, or a TypeError naming it: truthiness would take a
+    string ('bottom-right', 'no') as True and go on silently."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: {name} is {value!r}; expected True or False{hint}")
+    return bool(value)
+
+
+def _real(fn, name, value):
+    """A real number (a float or an int, not a bool), or a TypeError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{fn}: {name} is {value!r}; expected a number")
+    return float(value)
+
+
+def _probability(fn, name, p):
+    """A dropout probability in [0, 1] (TypeError for a non-number, ValueError
+    outside, NaN included)."""
+    p = _real(fn, name, p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{fn}: {name} = {p} is outside [0, 1]")
+    return p
+
+
+def _seed(fn, seed):
+    """None or a whole number (the kernels check its range): a float seed was
+    taken as 0 by `seed or 0` when it was 0.0, and refused otherwise."""
+    if seed is not None and (isinstance(seed, (bool, np.bool_))
+                             or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"{fn}: seed is {seed!r}; expected None or a whole number in "
+                        f"[0, 2**64)")
+    return seed
+
+
+def _count(fn, name, value):
+    """A size of a module (features, heads): a whole number >= 1."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: {name} is {value!r}; expected a whole number >= 1")
+    if value < 1:
+        raise ValueError(f"{fn}: {name} = {value}; expected a whole number >= 1")
+    return int(value)
+
+
 def _half_as_float(tensors):
     """float16 tensors as float32 (a differentiable .float(), so gradients come
     back in float16), and whether they were float16: the result is then
@@ -237,6 +282,32 @@ def _check_attn_mask_shape(fn, attn_mask, query, key):
                          f"or the scores' size")
 
 
+def _key_mask(fn, key_mask, query, key):
+    """key_mask for the kernels: None, or a bool array (no copy of a CPU bool
+    tensor; uint8/int8: nonzero = takes part, as the NumPy API's), (B, Nk)
+    for inputs of rank 3 and 4 (shared by the heads), (Nk) for 2-D ones;
+    its shape is checked here, to name it as the caller spelled it."""
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"{fn}: key_mask is a {type(key_mask).__name__}; expected a bool "
+                        f"torch.Tensor")
+    if not key_mask.is_cpu:
+        raise ValueError(f"{fn}: key_mask is on {key_mask.device}; qkv computes on the CPU")
+    if key_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+        raise TypeError(f"{fn}: key_mask has dtype {str(key_mask.dtype).removeprefix('torch.')}"
+                        f"; expected bool (or uint8/int8: nonzero = takes part)")
+    if query.dim() > 4:
+        raise ValueError(f"{fn}: key_mask takes inputs of rank 2 to 4; got query "
+                         f"{list(query.shape)}")
+    expected = [key.shape[-2]] if query.dim() == 2 else [query.shape[0], key.shape[-2]]
+    if list(key_mask.shape) != expected:
+        axes = "(Nk)" if query.dim() == 2 else "(B, Nk)"
+        raise _qkv.Error(f"{fn}: key_mask has shape {list(key_mask.shape)}; expected "
+                         f"{expected} {axes}: key j of batch element b takes part")
+    return _array(key_mask)
+
+
 def _draw_seed():
     """A dropout seed from torch's default generator: torch.manual_seed makes runs repeatable."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
@@ -298,7 +369,7 @@ def masked_softmax(X, valid_lens=None):
 # ---- scaled dot-product attention ------------------------------------------------
 
 def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                  bias, need_lse, scores=None):
+                  bias, need_lse, scores=None, key_mask=None):
     """One forward through the kernels: (result, weights or None, output, lse or
     None); output is float32 for bf16 inputs (the backward takes it so), result
     has query's dtype."""
@@ -307,7 +378,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     if query.dtype == torch.bfloat16:
         out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
-            want_weights, need_lse, causal, mask, None, scores["window"],
+            want_weights, need_lse, causal, mask, key_mask, scores["window"],
             None if bias is None else _array(bias), softcap=scores["softcap"],
             alibi_slopes=scores["alibi_slopes"])
         output = torch.from_numpy(out)
@@ -324,7 +395,7 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
     parts = _qkv.scaled_dot_product_attention(
         _array(query), _array(key), _array(value), lens, scale=scale, dropout_p=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
-        out=None if out is None else _array(out), mask=mask,
+        out=None if out is None else _array(out), mask=mask, key_mask=key_mask,
         bias=None if bias is None else _array(bias), **scores)
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts) if out is None else out
@@ -338,46 +409,54 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
 
 class _Sdpa(torch.autograd.Function):
     """query (B, Nq, D), key (B, Nk, D), value (B, Nk, Dv) (or all 2-D; or heads (B, H, Nq, D),
-    (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights); differentiable in
-    query, key, value and the float bias."""
+    (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)) -> (output, weights, lse); differentiable in
+    query, key, value and the float bias, through the output and the lse."""
 
     @staticmethod
     def forward(ctx, query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                bias, scores=None):
+                bias, scores=None, key_mask=None):
         ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask),
-                      _score_options(scores))
+                      _score_options(scores), _kept(key_mask))
         result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
                                                      seed, want_weights, causal, mask, bias, True,
-                                                     scores)
-        ctx.save_for_backward(query, key, value, output, torch.from_numpy(lse), bias)
+                                                     scores, key_mask)
+        lse = torch.from_numpy(lse)
+        ctx.save_for_backward(query, key, value, output, lse, bias)
         if weights is None:
             weights = query.new_empty(0)
         ctx.mark_non_differentiable(weights)
-        return result, weights
+        # An output the loss does not read gets None, not a tensor of zeros:
+        # the lse's gradient is only formed when something reads the lse.
+        ctx.set_materialize_grads(False)
+        return result, weights, lse
 
     @staticmethod
     @_first_order_only
-    def backward(ctx, d_output, _d_weights):
+    def backward(ctx, d_output, _d_weights, d_lse):
         query, key, value, output, lse, bias = ctx.saved_tensors
-        lens, scale, dropout_p, seed, causal, mask, scores = ctx.config
+        lens, scale, dropout_p, seed, causal, mask, scores, key_mask = ctx.config
+        if d_output is None:  # only the lse is read
+            d_output = torch.zeros(output.shape, dtype=output.dtype)
+        d_lse = None if d_lse is None else _array(d_lse)
         bias_array = None if bias is None else _array(bias)
         bias_grad = bias is not None and ctx.needs_input_grad[10]
         if query.dtype == torch.bfloat16:
             *grads, d_bias = _qkv._scaled_dot_product_attention_bf16_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
-                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, None,
+                _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, key_mask,
                 scores["window"], bias_array, bias_grad, softcap=scores["softcap"],
-                alibi_slopes=scores["alibi_slopes"])
+                alibi_slopes=scores["alibi_slopes"], d_lse=d_lse)
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output), lens, scale=scale, dropout_p=dropout_p, seed=seed, causal=causal,
-                mask=mask, bias=bias_array, bias_grad=bias_grad, **scores)
+                mask=mask, key_mask=key_mask, bias=bias_array, bias_grad=bias_grad, d_lse=d_lse,
+                **scores)
             d_bias = grads[3] if bias_grad else None
             grads = [torch.from_numpy(g) for g in grads[:3]]
         d_bias = None if d_bias is None else torch.from_numpy(d_bias)
-        return (*grads, None, None, None, None, None, None, None, d_bias, None)
+        return (*grads, None, None, None, None, None, None, None, d_bias, None, None)
 
 
 def _score_options(scores):
@@ -424,9 +503,9 @@ def _scores(fn, window_size, softcap, alibi_slopes):
 
 
 def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weights, causal=None,
-          enable_gqa=False, attn_mask=None, scores=None):
+          enable_gqa=False, attn_mask=None, scores=None, key_mask=None, want_lse=False):
     """Checks, runs the kernels (through _Sdpa when a gradient is wanted);
-    (output, weights or None). 2-D and 3-D inputs go as they are (2-D is a
+    (output, weights or None, lse or None). 2-D and 3-D inputs go as they are (2-D is a
     batch of one); 4-D (B, H, N, D) as heads, read in place whatever their
     strides along B, H and N; more leading axes are folded into B (a copy
     where their strides do not fold)."""
@@ -442,14 +521,17 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
     (query, key, value), half = _half_as_float((query, key, value))
     if rank >= 3:
         query, key, value = _broadcast_batch(query, key, value, enable_gqa)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
+    dropout_p = _probability(fn, "dropout_p", dropout_p)
+    if scale is not None:
+        scale = _real(fn, "scale", scale)
+    seed = _seed(fn, seed)
     if rank >= 4 and query.shape[-3] != key.shape[-3] and not enable_gqa:
         raise ValueError(f"{fn}: query has {query.shape[-3]} heads but key has "
                          f"{key.shape[-3]} (shapes {list(query.shape)}, {list(key.shape)}); "
                          f"pass enable_gqa=True for grouped-query attention")
     lens = _lens(fn, valid_lens)
     mask, bias = _attn_mask(fn, attn_mask, query)
+    key_mask = _key_mask(fn, key_mask, query, key)
     if dropout_p > 0 and seed is None:
         seed = _draw_seed()
     lead = None
@@ -469,31 +551,38 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
                              f"lengths; got query {list(query.shape)}")
         batch = math.prod(lead)  # not -1: a tensor with no elements has no inferable axis
         query, key, value = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
-    args = (query, key, value, lens, scale, float(dropout_p), seed or 0, want_weights, causal,
-            mask, bias, scores)
+    args = (query, key, value, lens, scale, dropout_p, seed or 0, want_weights, causal, mask,
+            bias, scores, key_mask)
     if _needs_grad(query, key, value, *(() if bias is None else (bias,))):
-        output, weights = _Sdpa.apply(*args)
+        output, weights, lse = _Sdpa.apply(*args)
     else:
-        output, weights = _sdpa_forward(*args[:-1], False, scores)[:2]
+        output, weights, _, lse = _sdpa_forward(*args[:-2], want_lse, scores, key_mask)
+        lse = None if lse is None else torch.from_numpy(lse)
     if lead is not None:
         output = output.reshape(*lead, *output.shape[-3:])
         if want_weights:
             weights = weights.reshape(*lead, *weights.shape[-3:])
+        if lse is not None:
+            lse = lse.reshape(*lead, *lse.shape[-2:])
     if half:
         output = output.half()
         weights = weights.half() if want_weights else None
-    return output, weights if want_weights else None
+    return output, weights if want_weights else None, lse if want_lse else None
 
 
 @_not_scripted_function
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  valid_lens=None, seed=None, window_size=None, softcap=0.0,
-                                 alibi_slopes=None):
+                                 alibi_slopes=None, causal=None, key_mask=None, return_lse=False):
     """softmax(Q K^T * scale) V on qkv's fused kernels, differentiable in query, key, value.
 
     torch 2.x's torch.nn.functional.scaled_dot_product_attention signature (a
-    drop-in where Debian's torch 1.13 has none), plus d2l's valid_lens.
+    drop-in where Debian's torch 1.13 has none), plus d2l's valid_lens and
+    the NumPy API's causal, key_mask and return_lse. Every argument is
+    checked: a value of the wrong type (a string for a bool, is_causal=
+    'bottom-right' included) or outside its set is refused, never taken as
+    true.
 
     Arguments:
         query: (..., Nq, D), key: (..., Nk, D), value: (..., Nk, Dv), CPU
@@ -510,11 +599,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             valid_lens (a key takes part where all let it; torch 2 refuses
             attn_mask with is_causal); a query left with no key gives 0 and
             zero gradients, as torch 2.13 does.
-        is_causal: query i sees keys j <= i (torch's top-left alignment;
-            with Nq > Nk the later queries see every key). Combined with
-            valid_lens by taking the smaller length; key blocks no query may
-            see are skipped. A query left with no key gives 0 (where the
-            formula in torch's documentation gives NaN).
+        is_causal: True or False; True: query i sees keys j <= i (torch's
+            top-left alignment; with Nq > Nk the later queries see every
+            key), the same as causal='top-left'. Combined with valid_lens by
+            taking the smaller length; key blocks no query may see are
+            skipped. A query left with no key gives 0 (where the formula in
+            torch's documentation gives NaN).
         dropout_p: drop probability on the weights, applied whenever > 0 (as
             in torch); kept weights scaled by 1/(1 - p).
         scale: multiplies Q K^T; default 1/sqrt(D).
@@ -539,14 +629,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             i's score of key j, fused (no (B, H, Nq, Nk) bias is formed). No
             gradient, as in FlashAttention. (With is_causal, FlashAttention
             adds slope * (j - Nk + 1) instead: the same weights and output.)
+        causal: None, 'top-left' (is_causal=True) or 'bottom-right': query i
+            sees keys j <= i + Nk - Nq (queries that continue a key cache:
+            the last query sees every key; with Nq > Nk the first Nq - Nk
+            see none and give 0), torch 2's
+            torch.nn.attention.bias.causal_lower_right and the NumPy API's
+            causal='bottom-right'. Not with is_causal=True.
+        key_mask: None, or a bool tensor (B, Nk) ((Nk) for 2-D inputs; uint8
+            or int8: nonzero) saying which keys take part (key padding),
+            shared by the heads; inputs of rank 2 to 4. The NumPy API's
+            key_mask. Combined with everything else.
+        return_lse: also return lse (..., Nq) (query's shape without D), the
+            log-sum-exp of each query's valid scaled scores (-inf for a query
+            with no key), float64 for float64 inputs and float32 otherwise
+            (FlashAttention's softmax_lse). Differentiable: its gradient
+            (d lse / d score = the weight) flows into query, key and the
+            float attn_mask, e.g. for a cross-entropy over the keys.
 
     Returns:
-        The output (..., Nq, Dv), query's dtype.
+        The output (..., Nq, Dv), query's dtype; with return_lse, the pair
+        (output, lse).
 
     Raises:
-        TypeError: a dtype qkv does not compute in, or mixed dtypes.
+        TypeError: a dtype qkv does not compute in, or mixed dtypes; an
+            argument of the wrong type (is_causal, enable_gqa, return_lse not
+            a bool; causal not a string; dropout_p, scale, softcap not a
+            number; seed not a whole number).
         ValueError: tensors not on the CPU, shapes that do not fit,
-            dropout_p outside [0, 1] (qkv.Error, a ValueError, from the kernels).
+            dropout_p outside [0, 1], causal not one of its values, causal
+            with is_causal=True (qkv.Error, a ValueError, from the kernels).
 
     >>> q = torch.ones(2, 1, 2); k = torch.ones(2, 10, 2)
     >>> v = torch.arange(40.0).reshape(1, 10, 4).repeat(2, 1, 1)
@@ -556,9 +667,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             [[10., 11., 12., 13.]]])
     """
     fn = "scaled_dot_product_attention"
+    is_causal = _flag(fn, "is_causal", is_causal, " (torch's top-left causal mask; bottom-right "
+                      "is causal='bottom-right')")
+    enable_gqa = _flag(fn, "enable_gqa", enable_gqa)
+    return_lse = _flag(fn, "return_lse", return_lse)
+    if causal is not None and not isinstance(causal, str):
+        raise TypeError(f"{fn}: causal is {causal!r}; expected None, 'top-left' (is_causal=True) "
+                        f"or 'bottom-right'")
+    if causal not in (None, "top-left", "bottom-right"):
+        raise _qkv.Error(f"{fn}: causal = {causal!r} is not one of None, 'top-left', "
+                         f"'bottom-right'")
+    if is_causal and causal is not None:
+        raise ValueError(f"{fn}: is_causal=True and causal={causal!r} both given; "
+                         f"is_causal=True is causal='top-left': give one")
     scores = _scores(fn, window_size, softcap, alibi_slopes)
-    return _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
-                 "top-left" if is_causal else None, enable_gqa, attn_mask, scores)[0]
+    output, _, lse = _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, False,
+                           "top-left" if is_causal else causal, enable_gqa, attn_mask, scores,
+                           key_mask, return_lse)
+    return (output, lse) if return_lse else output
 
 
 # ---- additive, bilinear and distance attention -------------------------------------
@@ -606,11 +732,10 @@ def _scored(fn, ops, named, valid_lens, dropout_p, seed, options, want_weights):
         _check(fn, name, t)
     _same_dtype(fn, named[0], named[1:])
     tensors, half = _half_as_float([t for _, t in named])
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{fn}: dropout_p = {dropout_p} is outside [0, 1]")
-    if dropout_p > 0 and seed is None:
+    dropout_p = _probability(fn, "dropout_p", dropout_p)
+    if _seed(fn, seed) is None and dropout_p > 0:
         seed = _draw_seed()
-    options = dict(options, dropout_p=float(dropout_p), seed=seed or 0)
+    options = dict(options, dropout_p=dropout_p, seed=seed or 0)
     lens = _lens(fn, valid_lens)
     if _needs_grad(*tensors):
         output, weights = _Scored.apply(ops, lens, options, want_weights, *tensors)
@@ -655,6 +780,7 @@ def additive_attention(queries, keys, values, W_q, W_k, w_v, valid_lens=None, *,
     ...                              torch.tensor([2, 6])).shape
     torch.Size([2, 1, 4])
     """
+    return_weights = _flag("additive_attention", "return_weights", return_weights)
     output, weights = _additive("additive_attention", queries, keys, values, W_q, W_k, w_v,
                                 valid_lens, dropout_p, seed, return_weights, causal)
     return (output, weights) if return_weights else output
@@ -684,6 +810,7 @@ def bilinear_attention(queries, keys, values, W, valid_lens=None, *, dropout_p=0
     torch.Size([2, 1, 4])
     """
     fn = "bilinear_attention"
+    return_weights = _flag(fn, "return_weights", return_weights)
     output, weights = _scored(
         fn, (_qkv.bilinear_attention, _qkv.bilinear_attention_backward),
         (("queries", queries), ("keys", keys), ("values", values), ("W", W)), valid_lens,
@@ -713,10 +840,12 @@ def distance_attention(queries, keys, values, valid_lens=None, *, scale=None, dr
     torch.Size([2, 1, 4])
     """
     fn = "distance_attention"
+    return_weights = _flag(fn, "return_weights", return_weights)
     output, weights = _scored(
         fn, (_qkv.distance_attention, _qkv.distance_attention_backward),
         (("queries", queries), ("keys", keys), ("values", values)), valid_lens, dropout_p, seed,
-        {"causal": causal, "scale": None if scale is None else float(scale)}, return_weights)
+        {"causal": causal, "scale": None if scale is None else _real(fn, "scale", scale)},
+        return_weights)
     return (output, weights) if return_weights else output
 
 
@@ -744,10 +873,11 @@ class DotProductAttention(nn.Module):
 
     def __init__(self, dropout, keep_attention_weights=True, **kwargs):
         super().__init__(**kwargs)
+        fn = "DotProductAttention"
         # The probability lives where d2l keeps it (module.dropout.p); qkv's
         # kernel applies it.
-        self.dropout = nn.Dropout(dropout)
-        self.keep_attention_weights = keep_attention_weights
+        self.dropout = nn.Dropout(_probability(fn, "dropout", dropout))
+        self.keep_attention_weights = _flag(fn, "keep_attention_weights", keep_attention_weights)
         self.attention_weights = None
 
     __prepare_scriptable__ = _not_scripted
@@ -756,8 +886,8 @@ class DotProductAttention(nn.Module):
         """queries (B, Nq, D), keys (B, Nk, D), values (B, Nk, Dv), valid_lens None,
         (B) or (B, Nq) -> (B, Nq, Dv); sets attention_weights (B, Nq, Nk)."""
         p = self.dropout.p if self.training else 0.0
-        output, weights = _sdpa("DotProductAttention", queries, keys, values, valid_lens, None,
-                                p, None, self.keep_attention_weights)
+        output, weights, _ = _sdpa("DotProductAttention", queries, keys, values, valid_lens,
+                                   None, p, None, self.keep_attention_weights)
         self.attention_weights = weights
         return output
 
@@ -776,11 +906,14 @@ class AdditiveAttention(nn.Module):
     def __init__(self, key_size, query_size, num_hiddens, dropout, keep_attention_weights=True,
                  **kwargs):
         super().__init__(**kwargs)
+        fn = "AdditiveAttention"
+        key_size, query_size, num_hiddens = (_count(fn, name, value) for name, value in (
+            ("key_size", key_size), ("query_size", query_size), ("num_hiddens", num_hiddens)))
         self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
         self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
         self.w_v = nn.Linear(num_hiddens, 1, bias=False)
-        self.dropout = nn.Dropout(dropout)
-        self.keep_attention_weights = keep_attention_weights
+        self.dropout = nn.Dropout(_probability(fn, "dropout", dropout))
+        self.keep_attention_weights = _flag(fn, "keep_attention_weights", keep_attention_weights)
         self.attention_weights = None
 
     __prepare_scriptable__ = _not_scripted
@@ -822,11 +955,17 @@ class MultiHeadAttention(nn.Module):
                  keep_attention_weights=True, **kwargs):
         super().__init__(**kwargs)
         fn = "MultiHeadAttention"
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads < 1 or num_hiddens % num_heads != 0:
+        num_hiddens, num_heads = _count(fn, "num_hiddens", num_hiddens), _count(fn, "num_heads",
+                                                                               num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else _count(fn, "num_kv_heads",
+                                                                     num_kv_heads)
+        bias = _flag(fn, "bias", bias)
+        dropout = _probability(fn, "dropout", dropout)
+        keep_attention_weights = _flag(fn, "keep_attention_weights", keep_attention_weights)
+        if num_hiddens % num_heads != 0:
             raise ValueError(f"{fn}: num_hiddens = {num_hiddens} is not a multiple of "
                              f"num_heads = {num_heads}")
-        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        if num_heads % num_kv_heads != 0:
             raise ValueError(f"{fn}: num_heads = {num_heads} is not a multiple of "
                              f"num_kv_heads = {num_kv_heads}")
         self.num_heads = num_heads
@@ -855,9 +994,10 @@ class MultiHeadAttention(nn.Module):
         k = heads(self.W_k(keys), nk, self.num_kv_heads)
         v = heads(self.W_v(values), nk, self.num_kv_heads)
         p = self.attention.dropout.p if self.training else 0.0
-        output, weights = _sdpa("MultiHeadAttention", q, k, v, valid_lens, None, p, None,
-                                self.attention.keep_attention_weights,
-                                "top-left" if is_causal else None, enable_gqa=True)
+        causal = "top-left" if _flag("MultiHeadAttention.forward", "is_causal", is_causal) else None
+        output, weights, _ = _sdpa("MultiHeadAttention", q, k, v, valid_lens, None, p, None,
+                                   self.attention.keep_attention_weights, causal,
+                                   enable_gqa=True)
         self.attention.attention_weights = (
             None if weights is None else weights.reshape(-1, nq, nk))
         # (B, H, Nq, d) over (B, Nq, H, d) memory: the concatenation is a view.

@@ -390,8 +390,22 @@ Saved<T> saved_of(Tensors& t, size_t first) {
           with_batch_axis(view_of<T>(t.arrays[first + 2]), one, 2)};
 }
 
+// d_lse, the gradient at the forward's lse (None: no term), as a view over
+// the caller's array of the compute dtype; `storage` keeps it alive.
 template <class T>
-py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options) {
+ConstView<T> d_lse_of(py::handle obj, std::string_view fn, Dtype dtype, bool batch_of_one,
+                      py::object& storage) {
+  if (obj.is_none()) return {};
+  py::array array = float_array(obj, fn, "d_lse");
+  check_same_dtype(array, dtype, fn, "d_lse", "lse");
+  const ConstView<T> view = view_of<T>(array);
+  storage = array;  // after view_of, which may replace it by a copy
+  return with_batch_axis(view, batch_of_one, 1);
+}
+
+template <class T>
+py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options,
+                         py::handle d_lse_obj) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
@@ -399,10 +413,12 @@ py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions
   const Saved<T> s = saved_of<T>(t, 3);
   py::object lens_storage;
   const ValidLens lens = lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
+  py::object d_lse_storage;
+  const ConstView<T> d_lse = d_lse_of<T>(d_lse_obj, kSdpaBackward, t.dtype, one, d_lse_storage);
   DotProductGrads<T> g;
   {
     const ReleasedGil release;
-    g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output);
+    g = scaled_dot_product_attention_backward(q, k, v, lens, options, s.saved, s.d_output, d_lse);
   }
   py::object dq = to_numpy(std::move(g.d_queries), without_batch_axis(q.shape(), one));
   py::object dk = to_numpy(std::move(g.d_keys), without_batch_axis(k.shape(), one));
@@ -418,7 +434,8 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             std::optional<double> scale, std::optional<double> dropout_p,
                             py::handle seed, py::handle causal, py::handle mask,
                             py::handle key_mask, py::handle window, py::handle bias, bool bias_grad,
-                            py::handle softcap, py::handle alibi_slopes, py::handle dropout_old) {
+                            py::handle softcap, py::handle alibi_slopes, py::handle d_lse,
+                            py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -435,8 +452,8 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
   set_bias(kSdpaBackward, bias, t.dtype, options, masks);
   set_softcap_alibi(kSdpaBackward, softcap, alibi_slopes, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
-  return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options)
-                                    : sdpa_backward<double>(t, valid_lens, options);
+  return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options, d_lse)
+                                    : sdpa_backward<double>(t, valid_lens, options, d_lse);
 }
 
 template <class T>
@@ -669,7 +686,7 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 std::optional<double> scale, double dropout, py::handle seed,
                                 py::handle causal, py::handle mask, py::handle key_mask,
                                 py::handle window, py::handle bias, bool bias_grad,
-                                py::handle softcap, py::handle alibi_slopes) {
+                                py::handle softcap, py::handle alibi_slopes, py::handle d_lse_obj) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -688,10 +705,13 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   const SavedForward<float> s{with_batch_axis(view_of<float>(saved[0]), one, 2),
                               with_batch_axis(view_of<float>(saved[1]), one, 1)};
   const ConstView<float> g = with_batch_axis(view_of<float>(saved[2]), one, 2);
+  py::object d_lse_storage;
+  const ConstView<float> d_lse =
+      d_lse_of<float>(d_lse_obj, kSdpaBackward, Dtype::kFloat32, one, d_lse_storage);
   DotProductGrads<float> grads;
   {
     const ReleasedGil release;
-    grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g);
+    grads = scaled_dot_product_attention_backward(in.q, in.k, in.v, in.lens, options, s, g, d_lse);
   }
   return py::make_tuple(
       to_numpy(std::move(grads.d_queries), without_batch_axis(in.q.shape(), one)),
@@ -826,7 +846,8 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("causal") = py::none(), py::arg("mask") = py::none(),
         py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
         py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
-        py::arg("alibi_slopes") = py::none(), py::arg("dropout") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("d_lse") = py::none(),
+        py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
@@ -839,6 +860,10 @@ Arguments:
     bias_grad: with a bias, also return d_bias (False skips it).
     output, lse: the forward's output and lse (return_lse=True).
     d_output: the gradient of the loss with respect to output.
+    d_lse: None, or the gradient of the loss with respect to lse (lse's
+        shape and dtype), for a loss that reads the lse too (a
+        cross-entropy over the keys): d lse / d score = the weight, so each
+        score's gradient gains weight * d_lse.
 
 Returns:
     qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), a
@@ -1053,7 +1078,7 @@ Raises:
         py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"),
         py::arg("causal"), py::arg("mask"), py::arg("key_mask"), py::arg("window"),
         py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
-        py::arg("alibi_slopes") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("d_lse") = py::none(),
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values, d_bias or None).");
 }

@@ -2,6 +2,12 @@
 // key sets (outputs and lses) merged into the result over their union.
 #include "qkv/merge.h"
 
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +36,62 @@ std::vector<py::array> float_arrays(py::handle seq, std::string_view name) {
   return arrays;
 }
 
+using Dims = std::vector<py::ssize_t>;
+
+Dims dims_of(const py::array& a) { return Dims(a.shape(), a.shape() + a.ndim()); }
+
+std::string dims_str(const Dims& dims) {
+  std::string text = "[";
+  for (size_t a = 0; a < dims.size(); ++a) text += (a ? ", " : "") + std::to_string(dims[a]);
+  return text + "]";
+}
+
+// qkv's views hold at most kMaxRank (4) axes, and the merge is row by row:
+// outputs (..., Nq, Dv) of a higher rank (xformers' grouped heads: (B, G,
+// H, Nq, Dv)) are merged as (rows, Nq, Dv) and their lses as (rows, Nq), the
+// leading axes folded into one (NumPy's reshape: a copy only where the
+// strides do not fold). Their shapes are checked first, as given and in the
+// library's words (src/ops/merge.cc), since two different shapes may fold
+// alike. Returns the outputs' shape to unfold the results to, or nothing
+// when every array fits a view as it is.
+std::optional<Dims> fold_leading_axes(std::vector<py::array>& outputs,
+                                      std::vector<py::array>& lses) {
+  const auto high = [](const py::array& a) { return a.ndim() > kMaxRank; };
+  if (std::none_of(outputs.begin(), outputs.end(), high) &&
+      std::none_of(lses.begin(), lses.end(), high)) {
+    return std::nullopt;
+  }
+  const auto fail = [](const std::string& message) {
+    throw Error(std::string(kFn) + ": " + message);
+  };
+  if (lses.size() != outputs.size()) {  // outputs is not empty: one of them is high
+    fail("outputs has " + std::to_string(outputs.size()) + " parts but lses has " +
+         std::to_string(lses.size()) + "; expected one lse per output");
+  }
+  const Dims shape = dims_of(outputs[0]);
+  if (shape.size() < 2) {
+    fail("outputs[0] has shape " + dims_str(shape) + "; expected rank >= 2 (..., Nq, Dv)");
+  }
+  const Dims lse_shape(shape.begin(), shape.end() - 1);
+  for (size_t s = 0; s < outputs.size(); ++s) {
+    const std::string part = "[" + std::to_string(s) + "]";
+    if (dims_of(outputs[s]) != shape) {
+      fail("outputs" + part + " has shape " + dims_str(dims_of(outputs[s])) +
+           " but outputs[0] has shape " + dims_str(shape) + "; every part has one shape");
+    }
+    if (dims_of(lses[s]) != lse_shape) {
+      fail("lses" + part + " has shape " + dims_str(dims_of(lses[s])) + "; expected " +
+           dims_str(lse_shape) + " (the outputs' shape " + dims_str(shape) + " without Dv)");
+    }
+  }
+  const py::ssize_t nq = shape[shape.size() - 2], dv = shape.back();
+  const py::ssize_t rows =
+      std::accumulate(shape.begin(), shape.end() - 2, py::ssize_t{1}, std::multiplies<>());
+  for (py::array& a : outputs) a = py::array(a.attr("reshape")(rows, nq, dv));
+  for (py::array& a : lses) a = py::array(a.attr("reshape")(rows, nq));
+  return shape;
+}
+
 py::object merge_attention_py(py::handle outputs_obj, py::handle lses_obj) {
   std::vector<py::array> outputs = float_arrays(outputs_obj, "outputs");
   std::vector<py::array> lses = float_arrays(lses_obj, "lses");
@@ -40,6 +102,7 @@ py::object merge_attention_py(py::handle outputs_obj, py::handle lses_obj) {
   for (size_t s = 0; s < lses.size(); ++s) {
     check_same_dtype(lses[s], dtype, kFn, "lses[" + std::to_string(s) + "]", "outputs[0]");
   }
+  const std::optional<Dims> unfolded = fold_leading_axes(outputs, lses);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     std::vector<ConstView<T>> output_views, lse_views;
@@ -50,7 +113,14 @@ py::object merge_attention_py(py::handle outputs_obj, py::handle lses_obj) {
       const ReleasedGil release;
       merged = merge_attention(output_views, lse_views);
     }
-    return merged_type(to_numpy(std::move(merged.output)), to_numpy(std::move(merged.lse)));
+    py::array output = to_numpy(std::move(merged.output)), lse = to_numpy(std::move(merged.lse));
+    if (unfolded) {  // views of the new arrays: no copy
+      const Dims& shape = *unfolded;
+      output = py::array(output.attr("reshape")(py::tuple(py::cast(shape))));
+      lse =
+          py::array(lse.attr("reshape")(py::tuple(py::cast(Dims(shape.begin(), shape.end() - 1)))));
+    }
+    return merged_type(output, lse);
   };
   return dtype == Dtype::kFloat32 ? run(float{}) : run(double{});
 }
@@ -75,8 +145,10 @@ read; a row whose parts are all -inf gets lse -inf and output 0; a NaN or
 backward given the merged output and lse (docs/semantics.md).
 
 Arguments:
-    outputs: list or tuple of arrays (..., Nq, Dv), one shape, e.g. the
-        outputs of scaled_dot_product_attention over each part of the keys.
+    outputs: list or tuple of arrays (..., Nq, Dv), one shape of any rank
+        >= 2 (leading axes past qkv's four are folded into one: the merge
+        is row by row), e.g. the outputs of scaled_dot_product_attention
+        over each part of the keys.
     lses: their log-sum-exps (..., Nq) (return_lse=True), one per output.
         float32 or float64, one dtype for all.
 

@@ -144,7 +144,7 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
                                           ConstView<bfloat16> v, const ValidLens& valid_lens,
                                           const AttentionOptions& options,
                                           const SavedForward<float>& saved,
-                                          ConstView<float> d_output) {
+                                          ConstView<float> d_output, ConstView<float> d_lse) {
   const Dims dims =
       check_inputs(kSdpaBackward, rules_of(Scoring::kDotProduct), q, k, v, valid_lens);
   const kernels::AttentionConfig config = attention_config<float>(
@@ -152,15 +152,19 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
   check_saved(kSdpaBackward, dims, saved, d_output);
   if (bf16_backward_through_float()) {
     const Tensor<float> qf = widened(q), kf = widened(k), vf = widened(v);
-    return sdpa_backward<float>(Version::kFast, qf, kf, vf, valid_lens, options, saved, d_output);
+    return sdpa_backward<float>(Version::kFast, qf, kf, vf, valid_lens, options, saved, d_output,
+                                d_lse);
   }
+  if (d_lse.data() != nullptr) detail::check_shape(kSdpaBackward, "d_lse", d_lse, lse_shape(dims));
   DotProductGrads<float> grads;
   const kernels::SdpaGradViews<float> out = gradient_views(q, k, v, dims, options, grads);
   const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
   const KernelOperand<float> ok(saved.output), gk(d_output);
-  const detail::Contiguous<float> lc(saved.lse);
-  fast_sdpa_backward<bfloat16, float>(qk.view(), kk.view(), vk.view(), config,
-                                      {ok.view(), lc.view()}, gk.view(), out);
+  const detail::Contiguous<float> lc(saved.lse), dlc(d_lse);
+  fast_sdpa_backward<bfloat16, float>(
+      qk.view(), kk.view(), vk.view(), config,
+      {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<float>()}, gk.view(),
+      out);
   return grads;
 }
 
@@ -215,8 +219,9 @@ DotProductGrads<double> scaled_dot_product_attention_backward(
 }
 DotProductGrads<float> scaled_dot_product_attention_backward(
     ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v, const ValidLens& lens,
-    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output) {
-  return sdpa_backward_bf16(q, k, v, lens, options, saved, d_output);
+    const AttentionOptions& options, const SavedForward<float>& saved, ConstView<float> d_output,
+    ConstView<float> d_lse) {
+  return sdpa_backward_bf16(q, k, v, lens, options, saved, d_output, d_lse);
 }
 
 namespace ref {

@@ -12,8 +12,11 @@
 - Rules: a part with lse -inf is not read; all parts -inf give lse -inf and
   output 0; a NaN lse gives a NaN row; the result is a MergedAttention
   named tuple of new arrays in the inputs' dtype.
+- Any rank: outputs of rank 2 to 7 (strided parts, empty rows) against the
+  formula in float64 NumPy.
 - Errors: TypeError for a non-sequence, a non-float dtype or mixed dtypes;
-  qkv.Error (a ValueError) for no parts, mismatched counts or shapes.
+  qkv.Error (a ValueError) for no parts, mismatched counts or shapes (at
+  ranks past four too, named as given).
 """
 
 import math
@@ -157,3 +160,70 @@ def test_errors_name_the_argument():
         qkv.merge_attention([out, out], [lse])
     with pytest.raises(qkv.Error, match=r"lses\[0\] has shape \[2, 4\]; expected \[2, 3\]"):
         qkv.merge_attention([out], [np.zeros((2, 4), np.float32)])
+
+
+def numpy_merge(outputs, lses):
+    """The merge in float64 NumPy, straight from the formula: lse = log sum_s
+    exp(lse_s) (largest taken out), output = sum_s exp(lse_s - lse) output_s;
+    a row whose parts are all -inf gets lse -inf and output 0."""
+    lse_parts = np.stack([np.asarray(l, np.float64) for l in lses])
+    out_parts = np.stack([np.asarray(o, np.float64) for o in outputs])
+    top = lse_parts.max(axis=0)
+    empty = top == -np.inf
+    shifted = np.exp(lse_parts - np.where(empty, 0.0, top))
+    total = shifted.sum(axis=0)
+    lse = np.where(empty, -np.inf, top + np.log(np.where(empty, 1.0, total)))
+    weights = np.where(empty, 0.0, shifted / np.where(empty, 1.0, total))
+    # A part of weight 0 is not read (its output may be NaN).
+    terms = np.where(weights[..., None] == 0, 0.0, weights[..., None] * out_parts)
+    return terms.sum(axis=0), lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [2, 3, 4, 5, 6, 7])
+def test_any_rank_against_the_numpy_formula(dtype, rank, rng):
+    """Outputs (..., Nq, Dv) of any rank (docs/semantics.md): past qkv's four
+    axes the binding folds the leading ones, so rank 5 (xformers' grouped
+    heads, (B, G, H, Nq, Dv)) to 7 merge as ranks 2 to 4 do; strided parts
+    (a transposed view) too."""
+    for _ in range(5):
+        shape = [int(n) for n in rng.integers(1, 4, size=rank - 2)] + \
+            [int(rng.integers(1, 6)), int(rng.integers(1, 5))]
+        parts = int(rng.integers(1, 4))
+        outputs = [rng.normal(size=shape).astype(dtype) for _ in range(parts)]
+        lses = [(rng.normal(size=shape[:-1]) * 3).astype(dtype) for _ in range(parts)]
+        if rank >= 3:  # a strided part: the transpose of contiguous memory
+            outputs[0] = np.ascontiguousarray(np.swapaxes(outputs[0], 0, -2)).swapaxes(0, -2)
+        lses[0].reshape(-1)[0] = -np.inf  # a part with no keys for one row
+        if parts == 1:
+            outputs[0].reshape(-1, shape[-1])[0] = np.nan  # not read: its lse is -inf
+        merged = qkv.merge_attention(outputs, lses)
+        want_out, want_lse = numpy_merge(outputs, lses)
+        context = f"shape {shape}, {parts} parts"
+        assert merged.output.shape == tuple(shape) and merged.lse.shape == tuple(shape[:-1])
+        assert merged.output.dtype == dtype and merged.lse.dtype == dtype
+        np.testing.assert_allclose(merged.output, want_out, **TOL[dtype], err_msg=context)
+        np.testing.assert_allclose(merged.lse, want_lse, **TOL[dtype], err_msg=context)
+
+
+def test_errors_at_any_rank_name_the_argument_and_the_shapes():
+    out = np.zeros((2, 1, 3, 3, 4), np.float32)
+    lse = np.zeros((2, 1, 3, 3), np.float32)
+    with pytest.raises(qkv.Error, match=r"merge_attention: outputs\[1\] has shape "
+                                        r"\[1, 2, 3, 3, 4\] but outputs\[0\] has shape "
+                                        r"\[2, 1, 3, 3, 4\]; every part has one shape"):
+        qkv.merge_attention([out, out.reshape(1, 2, 3, 3, 4)], [lse, lse])
+    with pytest.raises(qkv.Error, match=r"outputs\[1\] has shape \[2, 3, 3, 4\] but "
+                                        r"outputs\[0\] has shape \[2, 1, 3, 3, 4\]"):
+        qkv.merge_attention([out, out[:, 0]], [lse, lse])
+    with pytest.raises(qkv.Error, match=r"lses\[1\] has shape \[2, 1, 3, 3, 1\]; expected "
+                                        r"\[2, 1, 3, 3\] \(the outputs' shape \[2, 1, 3, 3, 4\]"
+                                        r" without Dv\)"):
+        qkv.merge_attention([out, out], [lse, lse[..., None]])
+    with pytest.raises(qkv.Error, match=r"lses\[0\] has shape \[2, 1, 3, 3, 1\]; expected "
+                                        r"\[2, 3, 3\]"):
+        qkv.merge_attention([out[:, 0]], [lse[..., None]])
+    with pytest.raises(qkv.Error, match="outputs has 2 parts but lses has 1"):
+        qkv.merge_attention([out, out], [lse])
+    with pytest.raises(qkv.Error, match=r"outputs\[0\] has shape \[4\]; expected rank >= 2"):
+        qkv.merge_attention([np.zeros(4, np.float32)], [lse])

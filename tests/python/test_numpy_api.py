@@ -106,8 +106,9 @@ def numpy_names(fn):
 
 # qkv.torch's scaled_dot_product_attention keeps torch 2's signature (the
 # table's exception): its own names for the NumPy API's queries, keys,
-# values, mask and causal.
-TORCHS_OWN = {"query", "key", "value", "attn_mask", "is_causal", "enable_gqa"}
+# values, mask and causal (is_causal=True; causal= is the shared name), and
+# FlashAttention's window_size for the NumPy API's window (docs/python.md).
+TORCHS_OWN = {"query", "key", "value", "attn_mask", "is_causal", "enable_gqa", "window_size"}
 
 
 @pytest.mark.parametrize("fn", ["masked_softmax", "scaled_dot_product_attention",
