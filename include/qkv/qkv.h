@@ -13,6 +13,7 @@
 #include "qkv/modules.h"
 #include "qkv/npy.h"
 #include "qkv/pooling.h"
+#include "qkv/print.h"
 #include "qkv/scoring.h"
 #include "qkv/simd.h"
 #include "qkv/staged_file.h"

@@ -1032,9 +1032,16 @@ class DemoTest(CliTest):
         index = os.path.join(folder, "index.html")
         with open(index, encoding="utf-8") as f:
             html = f.read()
-        for name in DEMO_FIGURES:
+        # Dot-product attention's figure over equal keys is additive attention's byte for
+        # byte: the page shows it once and says why (test_demo_page.py checks the layout).
+        shown = [name for name in DEMO_FIGURES if name != "dot-product-attention.png"]
+        for name in shown:
             self.assertIn(f'<img src="{name}"', html)
-        self.assertEqual(html.count("<img "), len(DEMO_FIGURES))
+        self.assertEqual(html.count("<img "), len(shown))
+        self.assertIn("dot-product-attention.png is byte for byte additive-attention.png", html)
+        for heading in ("11.1 Queries, Keys, and Values", "11.2 Attention Pooling by Similarity",
+                        "11.3 Attention Scoring Functions"):
+            self.assertIn(f"<h2>{heading}</h2>", html)
         self.assertIn("[[2, 3, 4, 5]]", html)  # the report is on the page
         self.assertIn("<pre>", html)
         self.assertEqual(out.splitlines()[-1], "figures: " + os.path.realpath(index))

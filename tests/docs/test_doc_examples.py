@@ -9,9 +9,10 @@ Each fenced block is extracted and, by its language:
   python           run by Debian's /usr/bin/python3 with the built package on
                    PYTHONPATH (as after `cmake --install`);
   cpp              compiled against the installed package (find_package(qkv),
-                   qkv::qkv; qkv::chapter or qkv::mpi when it includes their
-                   headers) and run there; a block without `int main` is the
-                   body of one (its #include lines above it);
+                   qkv::qkv; qkv::chapter, or qkv::mpi with COMPONENTS mpi,
+                   when it includes their headers) and run there; a block
+                   without `int main` is the body of one (its #include lines
+                   above it);
   cmake            the body of a project's CMakeLists.txt after
                    `add_executable(my_app main.cc)` (main.cc includes
                    <qkv/qkv.h>), configured and built against the package;
@@ -300,8 +301,10 @@ class CppBuild:
             else:
                 with open(os.path.join(folder, "main.cc"), "w") as f:
                     f.write(cpp_source(block))
-                cmake = (f"find_package(qkv REQUIRED)\nadd_executable({name} main.cc)\n"
-                         f"target_link_libraries({name} PRIVATE {' '.join(cpp_targets(block))})\n")
+                targets = cpp_targets(block)
+                components = " COMPONENTS mpi" if "qkv::mpi" in targets else ""
+                cmake = (f"find_package(qkv REQUIRED{components})\nadd_executable({name} main.cc)\n"
+                         f"target_link_libraries({name} PRIVATE {' '.join(targets)})\n")
             with open(os.path.join(folder, "CMakeLists.txt"), "w") as f:
                 f.write(cmake)
             top.append(f"add_subdirectory({name})")
