@@ -318,6 +318,13 @@ void check_options(const AttendArgs& args, const ScoringRules& rules) {
                      }) +
                      "; " + std::string(rules.title) + " attention has no scale");
   }
+  // Dropout applies only in training mode, as in a d2l module after .eval();
+  // a --dropout that silently did nothing hid a forgotten --train.
+  if (args.dropout != 0.0 && !args.train) {
+    throw UsageError("--dropout " + shortest_number(args.dropout) +
+                     " has no effect without --train (dropout applies only in training mode); "
+                     "add --train or drop --dropout");
+  }
   if (!rules.masks) {
     for (const auto& [flag, value] : {std::pair{"--window", &args.window},
                                       {"--mask", &args.mask},
@@ -623,7 +630,7 @@ Command add_attend_command(CLI::App& parent) {
           },
           ""));
   app->add_option("--dropout", args->dropout,
-                  "Dropout probability on the weights, applied only with --train")
+                  "Dropout probability on the weights, 0 <= P <= 1; needs --train")
       ->type_name("P")
       ->capture_default_str()
       ->check(CLI::Validator(
