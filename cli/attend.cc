@@ -318,6 +318,13 @@ void check_options(const AttendArgs& args, const ScoringRules& rules) {
                      }) +
                      "; " + std::string(rules.title) + " attention has no scale");
   }
+  // Dropout applies only in training mode, as in a d2l module after .eval();
+  // a --dropout that silently did nothing hid a forgotten --train.
+  if (args.dropout != 0.0 && !args.train) {
+    throw UsageError("--dropout " + shortest_number(args.dropout) +
+                     " has no effect without --train (dropout applies only in training mode); "
+                     "add --train or drop --dropout");
+  }
   if (!rules.masks) {
     for (const auto& [flag, value] : {std::pair{"--window", &args.window},
                                       {"--mask", &args.mask},
@@ -481,7 +488,9 @@ void run_attend(const AttendArgs& args) {
 Command add_attend_command(CLI::App& parent) {
   auto args = std::make_shared<AttendArgs>();
   CLI::App* app = parent.add_subcommand(
-      "attend", "Attention pooling: softmax of dot-product or additive scores, times the values");
+      "attend",
+      "Attention pooling: softmax of dot-product, additive, bilinear or distance scores, times "
+      "the values");
   std::string scoring_help;
   std::vector<std::string> scoring_choices;
   for (const ScoringRules& rules : scoring_table()) {
@@ -493,6 +502,7 @@ Command add_attend_command(CLI::App& parent) {
   app->add_option("--scoring", args->scoring,
                   scoring_help + "required except with --store (default dot; a store takes " +
                       scoring_names(/*over_store_only=*/true) + ")")
+      ->type_name("dot|additive|bilinear|distance")
       ->check(CLI::IsMember(scoring_choices))
       ->each([](const std::string& value) {
         if (value == "gaussian") {
@@ -594,6 +604,7 @@ Command add_attend_command(CLI::App& parent) {
                   "--valid-lens the smaller length wins")
       ->expected(0, 1)
       ->default_str("top-left")
+      ->option_text("[top-left|bottom-right]")
       ->check(CLI::IsMember({"top-left", "bottom-right"}));
   require_path(app->add_option("--mask", args->mask,
                                "dot only: which keys each query sees, bool or uint8 (nonzero = "
@@ -623,7 +634,7 @@ Command add_attend_command(CLI::App& parent) {
           },
           ""));
   app->add_option("--dropout", args->dropout,
-                  "Dropout probability on the weights, applied only with --train")
+                  "Dropout probability on the weights, 0 <= P <= 1; needs --train")
       ->type_name("P")
       ->capture_default_str()
       ->check(CLI::Validator(
@@ -650,6 +661,12 @@ Command add_attend_command(CLI::App& parent) {
                       "Also write the log-sum-exp of each query's valid scores: (B, Nq), or (Nq)"))
       ->type_name("LSE.npy");
   add_threads_option(*app, args->threads);
+  set_help_footer(*app,
+                  {"qkv attend --scoring dot --queries queries.npy --keys keys.npy --values "
+                   "values.npy --valid-lens lens.npy --out out.npy --weights weights.npy",
+                   "qkv attend --store kv --queries queries.npy --top-k 3 --top-ids ids.npy "
+                   "--out out.npy"},
+                  "docs/cli.md#qkv-attend");
   return {app, [args] { run_attend(*args); }};
 }
 

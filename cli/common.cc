@@ -304,6 +304,29 @@ int report_error(std::string_view command) {
   }
 }
 
+void set_help_footer(CLI::App& command, const std::vector<std::string>& examples,
+                     const std::string& doc) {
+  std::string footer = "Examples:\n";
+  for (const std::string& example : examples) footer += "  " + example + "\n";
+  command.footer(footer + "More: " + doc);
+}
+
+void tidy_help(CLI::App& root) {
+  for (CLI::Option* option : root.get_options()) {
+    // Option has no count of its checks; get_validator(i) throws past the last.
+    for (int i = 0;; ++i) {
+      CLI::Validator* check = nullptr;
+      try {
+        check = option->get_validator(i);
+      } catch (const CLI::OptionNotFound&) {
+        break;
+      }
+      check->description("");
+    }
+  }
+  for (CLI::App* command : root.get_subcommands({})) tidy_help(*command);
+}
+
 void add_threads_option(CLI::App& command, std::optional<int>& threads) {
   command
       .add_option("--threads", threads,

@@ -44,6 +44,22 @@ Command add_softmax_command(CLI::App& parent);
 Command add_attend_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);
 
+// The end of a command's --help (docs/cli.md, "Conventions"): one or two
+// examples that run as written on the files of the examples before them
+// (tests/cli/test_help.py runs them in that order) and the page of docs/ to
+// read, e.g.
+//   Examples:
+//     qkv softmax --scores scores.npy --valid-lens lens.npy --out weights.npy
+//   More: docs/cli.md#qkv-softmax
+void set_help_footer(CLI::App& command, const std::vector<std::string>& examples,
+                     const std::string& doc);
+
+// Called once every command is added: CLI11 appends each check's description
+// to an option's value name in --help ("--top-k K:INT in [0 - 68719476736]",
+// "--scoring TEXT:{dot,additive,...}"); each option's own description says
+// its range and choices in words, so those are dropped (the checks stay).
+void tidy_help(CLI::App& root);
+
 // x printed with a printf format for one double, e.g. "%.4f"; exact_number
 // uses "%.17g", which reads back as the same double.
 std::string format_number(double x, const char* format);

@@ -606,7 +606,9 @@ Command add_demo_command(CLI::App& parent) {
   add_threads_option(*app, args->threads);
   require_path(app->add_option("--out", args->out,
                                "Folder for the figures and index.html (created if missing)"))
+      ->type_name("DIR")
       ->capture_default_str();
+  set_help_footer(*app, {"qkv demo --out qkv-demo"}, "docs/cli.md#qkv-demo");
   return {app, [args] { run_demo(*args); }};
 }
 

@@ -75,12 +75,16 @@ Command add_heatmap_command(CLI::App& parent) {
                                "Nk) B panels in a row, or (rows, cols, Nq, Nk)"))
       ->type_name("W.npy")
       ->required();
-  app->add_option("--xlabel", args->xlabel, "Label under the bottom row")->capture_default_str();
+  app->add_option("--xlabel", args->xlabel, "Label under the bottom row")
+      ->type_name("LABEL")
+      ->capture_default_str();
   app->add_option("--ylabel", args->ylabel, "Label left of the first column")
+      ->type_name("LABEL")
       ->capture_default_str();
   app->add_option("--titles", args->titles, "Comma-separated titles, one per column of panels")
       ->type_name("A,B,..");
-  app->add_option("--cmap", args->cmap, "Colour map")
+  app->add_option("--cmap", args->cmap, "Colour map: Reds, Blues, viridis or gray")
+      ->type_name("MAP")
       ->capture_default_str()
       ->check(CLI::IsMember({"Reds", "Blues", "viridis", "gray"}));
   require_path(
@@ -88,6 +92,11 @@ Command add_heatmap_command(CLI::App& parent) {
                       "Output figure; the format follows the extension: .png, .svg or .pdf"))
       ->type_name("FIG.png|svg|pdf")
       ->required();
+  set_help_footer(*app,
+                  {"qkv heatmap --weights weights.npy --out weights.png",
+                   "qkv heatmap --weights weights.npy --cmap viridis --titles softmax --out "
+                   "weights.svg"},
+                  "docs/cli.md#qkv-heatmap");
   return {app, [args] { run_heatmap(*args); }};
 }
 

@@ -242,7 +242,7 @@ Command add_index_command(CLI::App& parent) {
                                         "(default 4 sqrt(N))"))
       ->type_name("L");
   require_integer(build.app->add_option("--iterations", build.args->iterations,
-                                        "k-means rounds on the training sample"))
+                                        "k-means rounds on the training sample, 0 <= N <= 1000"))
       ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
@@ -252,6 +252,8 @@ Command add_index_command(CLI::App& parent) {
   add_threads_option(*build.app, build.args->threads);
   build.app->add_flag("--json", build.args->json, "Print the summary as JSON");
   build.app->add_flag("--quiet", build.args->quiet, "No progress on stderr");
+  set_help_footer(*build.app, {"qkv index build kv --out kv-index --lists 4"},
+                  "docs/cli.md#qkv-index");
 
   const Sub update = sub("update",
                          "Add the rows appended to the store since the index was built to their "
@@ -265,17 +267,27 @@ Command add_index_command(CLI::App& parent) {
   add_threads_option(*update.app, update.args->threads);
   update.app->add_flag("--json", update.args->json, "Print the summary as JSON");
   update.app->add_flag("--quiet", update.args->quiet, "No progress on stderr");
+  set_help_footer(*update.app,
+                  {"qkv store append kv --keys keys.npy --values values.npy",
+                   "qkv index update kv-index --store kv"},
+                  "docs/cli.md#qkv-index");
 
   const Sub info = sub("info",
                        "Print an index's sizes, its lists' sizes and radii (checks its manifest "
                        "and files' sizes)");
   add_index_positional(info.app, *info.args);
   info.app->add_flag("--json", info.args->json, "Print the summary as JSON");
+  set_help_footer(*info.app, {"qkv index info kv-index"}, "docs/cli.md#qkv-index");
 
   const Sub verify = sub("verify", "Check every file of an index against its checksum");
   add_index_positional(verify.app, *verify.args);
   verify.app->add_flag("--json", verify.args->json, "Print the result as JSON");
   verify.app->add_flag("--quiet", verify.args->quiet, "No progress on stderr");
+  set_help_footer(*verify.app, {"qkv index verify kv-index"}, "docs/cli.md#qkv-index");
+  set_help_footer(*app,
+                  {"qkv index build kv --out kv-index --lists 4",
+                   "qkv attend --store kv --index kv-index --queries queries.npy --out out.npy"},
+                  "docs/cli.md#qkv-index and docs/scale.md");
 
   const auto run = [build, update, info, verify] {
     if (build.app->parsed()) {

@@ -99,6 +99,7 @@ Command add_info_command(CLI::App& parent) {
       "Print the CPU features, the SIMD targets compiled in and supported, the one the kernels "
       "run on (QKV_SIMD_TARGET caps it), how bf16 products run, threads and the BLAS");
   app->add_flag("--json", args->json, "Print the same as JSON");
+  set_help_footer(*app, {"qkv info", "qkv info --json"}, "docs/cli.md#qkv-info");
   return {app, [args] { run_info(*args); }};
 }
 

@@ -169,7 +169,7 @@ Command add_lookup_command(CLI::App& parent) {
       "Query the key-value database of d2l 11.1 (default: the chapter's six names) by exact "
       "match, approximate match (attention over key similarity, through an n-gram index) or "
       "average pooling; prints the K records of largest weight");
-  app->add_option("--query", args->query, "The query string")->required();
+  app->add_option("--query", args->query, "The query string")->type_name("QUERY")->required();
   require_path(app->add_option("--table", args->table,
                                "CSV of records with header columns key and value (default: the "
                                "chapter's six names)"))
@@ -191,6 +191,9 @@ Command add_lookup_command(CLI::App& parent) {
   app->add_flag("--all", args->all,
                 "Also print every record's weight, in table order (default: the top K only)");
   app->add_flag("--json", args->json, "Print the result as JSON");
+  set_help_footer(*app,
+                  {"qkv lookup --query Alise", "qkv lookup --query Lipton --mode exact --json"},
+                  "docs/cli.md#qkv-lookup");
   return {app, [args] { run_lookup(*args); }};
 }
 

@@ -83,9 +83,15 @@ using PreinitFunction = void (*)(int, char**, char**);
 int main(int argc, char** argv) {
   qkv::cli::remove_temporaries_on_signals();
   using qkv::cli::Command;
+  // The summary names every command (tests/cli/test_help.py checks it).
   CLI::App app(std::string("qkv ") + qkv::kVersion +
-                   ": attention pooling (masked softmax, scaled dot-product and additive "
-                   "attention) on .npy files",
+                   ": attention pooling on the CPU, on .npy files: masked softmax (softmax), "
+                   "attention by dot-product, additive, bilinear or distance scores (attend), "
+                   "Nadaraya-Watson kernel regression (regress), a key-value store on disk "
+                   "(store) with an index for attention over more rows than memory (index), a "
+                   "search engine over Debian's packages (search), the name lookup (lookup), "
+                   "heatmaps (heatmap), d2l 11.1-11.3 worked through with figures (demo) and "
+                   "the CPU's SIMD support (info)",
                "qkv");
   app.set_version_flag("--version",
                        std::string("qkv ") + qkv::kVersion + " (" + qkv::kLicense + " license)");
@@ -96,6 +102,13 @@ int main(int argc, char** argv) {
       qkv::cli::add_lookup_command(app),  qkv::cli::add_heatmap_command(app),
       qkv::cli::add_info_command(app),    qkv::cli::add_store_command(app),
       qkv::cli::add_index_command(app),   qkv::cli::add_search_command(app)};
+  qkv::cli::set_help_footer(
+      app,
+      {"qkv demo --out qkv-demo",
+       "qkv attend --scoring dot --queries queries.npy --keys keys.npy --values values.npy "
+       "--valid-lens lens.npy --out out.npy --weights weights.npy"},
+      "docs/cli.md, or qkv COMMAND --help");
+  qkv::cli::tidy_help(app);
   const auto selected = [&]() -> const Command* {
     for (const Command& command : commands) {
       if (command.app->parsed()) return &command;

@@ -824,6 +824,7 @@ Command add_regress_command(CLI::App& parent) {
   app->add_option("--kernel", args->kernel,
                   "gaussian exp(-u^2/2); boxcar (or uniform) 1{|u|<=1}; epanechnikov "
                   "(1-u^2) 1{|u|<=1}; triangular (1-|u|) 1{|u|<=1}")
+      ->type_name("KERNEL")
       ->required()
       ->check(CLI::IsMember({"gaussian", "boxcar", "uniform", "epanechnikov", "triangular"}));
   app->add_option("--bandwidth", args->bandwidth,
@@ -861,6 +862,12 @@ Command add_regress_command(CLI::App& parent) {
   app->add_flag("--verbose", args->verbose, "Each phase on stderr even when it is not a terminal");
   app->add_flag("--quiet", args->quiet, "No progress on stderr (warnings stay)");
   add_threads_option(*app, args->threads);
+  set_help_footer(*app,
+                  {"qkv regress --train data.csv --grid 0:5:0.1 --kernel gaussian --bandwidth cv "
+                   "--out pred.csv --plot fit.png",
+                   "qkv regress --train data.csv --query data.csv --kernel epanechnikov "
+                   "--bandwidth silverman --out pred.csv --json"},
+                  "docs/cli.md#qkv-regress");
   return {app, [args] { run_regress(*args); }};
 }
 

@@ -313,14 +313,19 @@ Command add_search_command(CLI::App& parent) {
                                  "prints it); default: $QKV_SEARCH_MODEL"))
       ->type_name("DIR");
   require_integer(index->add_option("--document-tokens", args->document_tokens,
-                                    "Where a document's text is cut, in tokens"))
+                                    "Where a document's text is cut, in tokens, 3 <= N <= 512"))
+      ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{3}, int64_t{512}));
   require_integer(index->add_option("--epochs", args->epochs,
-                                    "Passes of the head's training over the training queries"))
+                                    "Passes of the head's training over the training queries, "
+                                    "0 <= N <= 1000"))
+      ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
-  require_integer(index->add_option("--batch", args->batch, "Training queries per step"))
+  require_integer(
+      index->add_option("--batch", args->batch, "Training queries per step, 1 <= N <= 1048576"))
+      ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   add_seed_option(*index, args->seed, "Seeds the order of the training queries");
@@ -328,20 +333,26 @@ Command add_search_command(CLI::App& parent) {
   index->add_flag("--quiet", args->quiet, "No progress on stderr");
   index->add_flag("--json", args->json,
                   "Print the index's manifest (JSON) on stdout instead of the one-line summary");
+  set_help_footer(*index,
+                  {"qkv search index --out search-index --model \"$(scripts/model-dir.sh)\"",
+                   "qkv search index --out search-index --lists tests/search/lists"},
+                  "docs/search.md");
 
   CLI::App* query = app->add_subcommand(
       "query", "Rank the packages for a free-text query, or for each line of --queries-file");
   require_path(query->add_option("--index", args->index, "The index directory"))
       ->type_name("INDEX")
       ->required();
-  query->add_option("text", args->query, "The query");
+  query->add_option("text", args->query, "The query")->type_name("QUERY");
   query
       ->add_option("--queries-file", args->queries_file,
                    "Queries, one per line (- for stdin), answered as JSON lines, one per query, "
                    "as each is read")
       ->type_name("FILE");
   CLI::Option* top_k =
-      require_integer(query->add_option("--top-k", args->top, "How many packages to show"))
+      require_integer(
+          query->add_option("--top-k", args->top, "How many packages to show, 1 <= K <= 1000"))
+          ->type_name("K")
           ->capture_default_str()
           ->check(CLI::Range(int64_t{1}, int64_t{1000}));
   require_integer(
@@ -351,6 +362,7 @@ Command add_search_command(CLI::App& parent) {
   query
       ->add_option("--engine", args->engine,
                    "hybrid (the best measured), learned (attention alone) or bm25")
+      ->type_name("ENGINE")
       ->capture_default_str()
       ->check(CLI::IsMember({"learned", "bm25", "hybrid"}));
   query->add_flag("--json", args->json, "Print the results as JSON");
@@ -358,12 +370,17 @@ Command add_search_command(CLI::App& parent) {
                   "Check every file of the index against its checksum first (as qkv search "
                   "verify does)");
   add_threads_option(*query, args->threads);
+  set_help_footer(*query,
+                  {"qkv search query --index search-index 'parse json files'",
+                   "qkv search query --index search-index --engine bm25 --top-k 5 --json gzip"},
+                  "docs/cli.md#qkv-search");
 
   CLI::App* verify = app->add_subcommand(
       "verify", "Check every file of an index against the checksums its manifest keeps");
   require_path(verify->add_option("--index", args->index, "The index directory"))
       ->type_name("INDEX")
       ->required();
+  set_help_footer(*verify, {"qkv search verify --index search-index"}, "docs/cli.md#qkv-search");
 
   CLI::App* eval = app->add_subcommand(
       "eval",
@@ -375,6 +392,7 @@ Command add_search_command(CLI::App& parent) {
   eval->add_flag("--json", args->json, "Print the table as JSON");
   eval->add_flag("--quiet", args->quiet, "No progress on stderr");
   add_threads_option(*eval, args->threads);
+  set_help_footer(*eval, {"qkv search eval --index search-index"}, "docs/search.md#results");
 
   CLI::App* encode = app->add_subcommand(
       "encode",
@@ -383,7 +401,7 @@ Command add_search_command(CLI::App& parent) {
   require_path(encode->add_option("--index", args->index, "The index directory"))
       ->type_name("INDEX")
       ->required();
-  encode->add_option("text", args->texts, "Texts to encode, one row each");
+  encode->add_option("text", args->texts, "Texts to encode, one row each")->type_name("QUERY");
   encode->add_flag("--held-out", args->held_out,
                    "Encode the held-out queries (their packages' short descriptions, in the "
                    "index's order) instead of texts");
@@ -395,6 +413,16 @@ Command add_search_command(CLI::App& parent) {
                                   "(N) int64"))
       ->type_name("IDS.npy");
   add_threads_option(*encode, args->threads);
+  set_help_footer(*encode,
+                  {"qkv search encode --index search-index --out encodings.npy 'parse json' "
+                   "'compress files'",
+                   "qkv search encode --index search-index --held-out --out held-out.npy --ids "
+                   "ids.npy"},
+                  "docs/cli.md#qkv-search");
+  set_help_footer(*app,
+                  {"qkv search index --out search-index --model \"$(scripts/model-dir.sh)\"",
+                   "qkv search query --index search-index 'parse json files'"},
+                  "docs/search.md");
 
   const auto run = [index, query, eval, encode, verify, args] {
     apply_threads(args->threads);

@@ -68,6 +68,8 @@ Command add_softmax_command(CLI::App& parent) {
       ->type_name("W.npy")
       ->required();
   add_threads_option(*app, args->threads);
+  set_help_footer(*app, {"qkv softmax --scores scores.npy --valid-lens lens.npy --out weights.npy"},
+                  "docs/cli.md#qkv-softmax");
   return {app, [args] { run_softmax(*args); }};
 }
 

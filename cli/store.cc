@@ -129,27 +129,42 @@ Command add_store_command(CLI::App& parent) {
                                      store, create.args->store))
       ->type_name("STORE");
   add_rows_options(create.app, *create.args);
-  create.app->add_option("--dtype", create.args->dtype, "How the rows are stored")
+  create.app
+      ->add_option("--dtype", create.args->dtype, "How the rows are stored: float32 or bfloat16")
+      ->type_name("DTYPE")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   require_integer(create.app->add_option("--chunk-rows", create.args->chunk_rows,
-                                         "Rows per chunk file (the last may hold fewer)"))
+                                         "Rows per chunk file, >= 1 (the last may hold fewer)"))
+      ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 36));
   add_common_options(create.app, *create.args, true);
+  set_help_footer(*create.app, {"qkv store create kv --keys keys.npy --values values.npy"},
+                  "docs/cli.md#qkv-store");
 
   const Sub append = sub("append", "Append rows to a store, atomically");
   add_store_positional(append.app, *append.args);
   add_rows_options(append.app, *append.args);
   add_common_options(append.app, *append.args, true);
+  set_help_footer(*append.app, {"qkv store append kv --keys keys.npy --values values.npy"},
+                  "docs/cli.md#qkv-store");
 
   const Sub info = sub("info", "Print a store's sizes (checks its manifest and files' sizes)");
   add_store_positional(info.app, *info.args);
   add_common_options(info.app, *info.args, false);
+  set_help_footer(*info.app, {"qkv store info kv", "qkv store info kv --json"},
+                  "docs/cli.md#qkv-store");
 
   const Sub verify = sub("verify", "Check every chunk file against its checksum");
   add_store_positional(verify.app, *verify.args);
   add_common_options(verify.app, *verify.args, true);
+  set_help_footer(*verify.app, {"qkv store verify kv"}, "docs/cli.md#qkv-store");
+  set_help_footer(*app,
+                  {"qkv store create kv --keys keys.npy --values values.npy",
+                   "qkv attend --store kv --queries queries.npy --top-k 3 --top-ids ids.npy "
+                   "--out out.npy"},
+                  "docs/cli.md#qkv-store and docs/scale.md");
 
   const auto run = [create, append, info, verify] {
     if (create.app->parsed()) {

@@ -888,13 +888,14 @@ class AttendTest(CliTest):
         queries = self.rng.normal(size=(2, 1, 20)).astype(np.float32)
         w_q, w_k, w_v = self.additive_params(np.float32, hiddens=8, query_size=20, key_size=2,
                                              w_v_2d=True)
+        # The book's AdditiveAttention(dropout=0.1) in eval mode: no --dropout without --train.
         self.ok(*self.additive_args(queries, keys, values, w_q, w_k, w_v), "--valid-lens",
-                self.save("l.npy", lens), "--dropout", "0.1")
+                self.save("l.npy", lens))
         self.assertClose(self.load(self.path("o.npy"), np.float32, (2, 1, 4)), expected,
                          np.float32)
         queries = self.rng.normal(size=(2, 1, 2)).astype(np.float32)
         self.ok(*self.dot_args(queries, keys, values), "--valid-lens", self.save("l.npy", lens),
-                "--dropout", "0.5", "--weights", self.path("w.npy"))
+                "--weights", self.path("w.npy"))
         self.assertClose(self.load(self.path("o.npy"), np.float32, (2, 1, 4)), expected,
                          np.float32)
         weights = self.load(self.path("w.npy"), np.float32, (2, 1, 10))
@@ -911,8 +912,8 @@ class AttendTest(CliTest):
             return np.load(self.path("o.npy"))
 
         eval_out = output()
-        # --dropout without --train is eval mode; --train without --dropout drops nothing.
-        np.testing.assert_array_equal(output("--dropout", "0.5"), eval_out)
+        # --train without --dropout drops nothing (--dropout without --train is an
+        # error: test_dropout_needs_train).
         np.testing.assert_array_equal(output("--train"), eval_out)
         first = output("--dropout", "0.5", "--train", "--seed", "7")
         self.assertFalse(np.array_equal(first, eval_out))
@@ -1252,6 +1253,21 @@ class ErrorsTest(CliTest):
             self.expect_error("demo", ["demo", "--seed", seed], [], ["--seed"])
         for p in ("1.5", "-0.1", "x"):
             self.expect_error("attend", self.dot(**{"--dropout": p}), [self.out], ["--dropout"])
+
+    def test_dropout_needs_train(self):
+        # --dropout without --train would silently do nothing (dropout applies only
+        # in training mode): an error naming both options and the value, nothing written.
+        weights = self.path("w.npy")
+        for p in ("0.1", "1", "0.25"):
+            self.expect_error("attend", self.dot(**{"--dropout": p, "--weights": weights}),
+                              [self.out, weights],
+                              [f"--dropout {p} has no effect without --train",
+                               "add --train or drop --dropout"])
+        self.expect_error("attend", self.additive(**{"--dropout": "0.5"}), [self.out],
+                          ["--dropout 0.5 has no effect without --train"])
+        # --dropout 0 asks for nothing; with --train it drops.
+        self.assertEqual(run(*self.dot(**{"--dropout": "0"})).returncode, 0)
+        self.assertEqual(run(*self.dot(**{"--dropout": "0.1"}), "--train").returncode, 0)
         self.expect_error("attend", self.dot(**{"--scale": "x"}), [self.out], ["--scale"])
         self.expect_error("attend", ["attend", "--scoring", "cosine"] + self.dot()[3:],
                           [self.out], ["--scoring"])
