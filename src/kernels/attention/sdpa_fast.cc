@@ -30,21 +30,19 @@
 // Zen 4 (AVX-512 on 256-bit units) at the 256 x 256 blocks used now: S 1.09x,
 // O += P V 1.15x, the pair 1.11x. Everything
 // else goes to the BLAS (single-threaded OpenBLAS inside our tasks): double,
-// whose products have no Highway kernel, and the backward, whose transposed
-// products (Pᵀ dO, dSᵀ Q) the two kernels do not cover and which was not
-// measured against them; its S recomputed by sgemm may differ from the
-// forward's in the last bits. bf16 inputs use kernels/simd/gemm_bf16.h
-// (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16 for
-// their products, everything else in float; the forward packs each key
-// block's K and V for the products once per call, not once per query block,
-// and the softmax writes P straight in bf16 when there is no dropout. Where
-// the bf16 products run on AMX tiles, a task's whole key loop runs fused on
-// the tiles instead (kernels/simd/amx_attention.h: one tile configuration per
-// task, S at scale 1 with the scale in the softmax, P V added per key block),
-// unless masks, a bias, dropout or the weights ask for the loop here. Without
-// the BF16 instructions the bf16 forward widens each tile of Q, K and V to
-// float and runs block_gemm on it (P stays float), and the backward runs on
-// float copies of the inputs (attention.cc).
+// whose products have no Highway kernel, and the backward's other products,
+// whose transposed ones (Pᵀ dO, dSᵀ Q) the two kernels do not cover and which
+// were not measured against them; the backward's S is formed on the forward's
+// own product (backward_scores), so P gets the forward's bits. bf16 inputs use
+// kernels/simd/gemm_bf16.h (AVX-512 BF16 dot products or AMX tiles) with P and dS rounded to bf16
+// for their products, everything else in float; the forward packs each key block's K and V for the
+// products once per call, not once per query block, and the softmax writes P straight in bf16 when
+// there is no dropout. Where the bf16 products run on AMX tiles, a task's whole key loop runs fused
+// on the tiles instead (kernels/simd/amx_attention.h: one tile configuration per task, S at scale 1
+// with the scale in the softmax, P V added per key block), unless masks, a bias, dropout or the
+// weights ask for the loop here. Without the BF16 instructions the bf16 forward widens each tile of
+// Q, K and V to float and runs block_gemm on it (P stays float), and the backward runs on float
+// copies of the inputs (attention.cc).
 //
 // Rows whose valid scores are not all finite (NaN, ±inf) take an exact
 // single-row path that applies DESIGN.md §3's rules.
@@ -130,7 +128,12 @@ struct Flash {
     }
     return 0;
   }
-  static size_t backward_gemm_words(int64_t, int64_t) { return 0; }
+  // The backward's S on the forward's product (backward_scores): block_gemm's
+  // panels of D-long rows; the other products go to the BLAS.
+  static size_t backward_gemm_words(int64_t d, int64_t) {
+    if constexpr (std::is_same_v<In, float>) return (fast::block_gemm_scratch_floats(d) + 1) / 2;
+    return 0;
+  }
   static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
                      const In* b, int64_t ldb, Acc* c, int64_t ldc, double* scratch) {
     if constexpr (std::is_same_v<In, float>) {
@@ -982,7 +985,8 @@ struct BackwardProblem {
   const AttentionConfig* config;
   const Acc* lse;        // (B H, Nq)
   ConstView<Acc> d_out;  // (B, H, Nq, Dv)
-  const Acc* delta;      // (B H, Nq): dO_i . O_i
+  const Acc* delta;      // (B H, Nq): dO_i . O_i - d_lse_i
+  const Acc* d_lse;      // (B H, Nq), or null
   int64_t groups;        // key groups per key head
   int64_t blocks_per_group;
   Acc* d_queries_parts;       // (groups, B H, Nq, D), or null when groups == 1
@@ -991,6 +995,42 @@ struct BackwardProblem {
   TensorView<Acc> d_values;   // (B, Hkv, Nk, Dv)
   TensorView<Acc> d_bias;     // (B, H, Nq, Nk), zero strides where it broadcasts; or null
 };
+
+// The backward's tile of scores S = scale Q Kᵀ for queries [i0, i0 + rows)
+// (p: rows x cols, ldp), on the product the forward formed them with, so P
+// gets the forward's bits: row_scores where the forward's task had at most
+// kRowProductRows queries, else Flash<In>::scores (float: block_scores). Each
+// element of either is one sum over D in an order fixed by D alone
+// (block_gemm.h, row_products.h), so the tiles' sizes do not change it.
+// Recomputed on the BLAS, S differed from the forward's in the last bits,
+// so P = exp(S - lse) disagreed with the P inside the saved output and D: on
+// FlashAttention's grid (bench/fa_grad_rule.py: float32, 2 x 1764 checks
+// against plain torch in float32 and float64) the gradients' max error
+// reached 4.19x float32 torch's (its rule is 2x; 42 checks above 2x besides
+// the one-key rows); on the forward's bits 2.72x (23 checks). What is left is
+// the float32 lse: a torch emulation keeping the forward's max and sum stays
+// within 1.8x. bf16 keeps gemm_bf16; float64's BLAS bits can still depend on
+// the tile's shape (OpenBLAS's small-matrix kernels).
+template <class In>
+void backward_scores(int64_t nq, int64_t i0, int64_t rows, int64_t cols, int64_t d,
+                     typename Flash<In>::Acc scale, const In* q_blk, int64_t ldq, const In* k_blk,
+                     int64_t ldk, typename Flash<In>::Acc* p, int64_t ldp,
+                     const BackwardScratch<In>& sc) {
+  using Acc = typename Flash<In>::Acc;
+  if constexpr (!Flash<In>::kConverts) {
+    // The forward's query blocks are kQueryBlock long, a multiple of ours.
+    static_assert(kQueryBlock % kBackQueryBlock == 0);
+    const int64_t forward_rows = std::min(kQueryBlock, nq - i0 / kQueryBlock * kQueryBlock);
+    if (forward_rows <= kRowProductRows) {
+      fast::row_scores(rows, cols, d, scale, q_blk, ldq, k_blk, ldk, p, ldp);
+    } else {
+      Flash<In>::scores(rows, cols, d, scale, q_blk, ldq, k_blk, ldk, p, ldp, sc.gemm);
+    }
+  } else {
+    Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, Acc(0), p, ldp,
+                    sc.gemm);
+  }
+}
 
 // One key block [j0, j0 + cols) of key head bkv against every query block
 // of the query heads that read it (in head order): its dK and dV summed over
@@ -1045,8 +1085,7 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
       }
       Acc* p = sc.p;
       Acc* dp = sc.dp;
-      Flash<In>::gemm(false, true, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, Acc(0), p, cols,
-                      sc.gemm);
+      backward_scores(nq, i0, rows, cols, d, scale, q_blk, ldq, k_blk, ldk, p, cols, sc);
       if (config.adjusts_scores()) {
         adjust_scores(config, p, cols, rows, cols, j0, nq, nk, row_head, row_query, sc.cap_grad,
                       cols);
@@ -1072,6 +1111,19 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
         }
         // dS = P (dP - D) into dp; then P becomes the dropped weights for dV.
         fast::softmax_grad(p_row, dp_row, pb.delta[bh * nq + i], dp_row, valid);
+        // A weight of exactly 1 leaves every other weight of its row below
+        // 2^-24 (they sum to 1 - P), so sum_k P_k dP_k is dP_j to float
+        // rounding and the exact dS_j = P_j sum_{k != j} P_k (dP_j - dP_k)
+        // + P_j d_lse is d_lse_i to within 2^-23 max|dP|: exactly so for a
+        // query that sees one key (Nk = 1, window (0, 0)), where P (S recomputed
+        // with the forward's bits, lse = m + log 1 = m) is exactly 1. dP - D
+        // itself is not 0 there: dP comes from the BLAS, D = dO . O from a
+        // dot in another order (1e-7 off before, issue 33's item 2).
+        // (A select, not a branch, so the loop vectorizes.)
+        const Acc one_key_ds = pb.d_lse ? pb.d_lse[bh * nq + i] : Acc(0);
+        for (int64_t c = 0; c < valid; ++c) {
+          dp_row[c] = p_row[c] == Acc(1) ? one_key_ds : dp_row[c];
+        }
         std::fill(dp_row + valid, dp_row + cols, Acc(0));
         if (pb.d_bias.data() != nullptr) {  // dS is the gradient of the biased score
           const TensorView<Acc>& db = pb.d_bias;
@@ -1226,6 +1278,7 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                                saved.lse.data(),
                                d_output,
                                ws.delta,
+                               d_lse,
                                groups,
                                blocks_per_group,
                                groups > 1 ? ws.parts : nullptr,
