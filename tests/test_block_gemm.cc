@@ -1,8 +1,9 @@
 // Tests for the float block products of the SDPA forward
 // (src/kernels/simd/block_gemm.h): scores and accumulate against a float64 loop,
 // over shapes around every tile edge (tiles differ by SIMD target: CTest runs
-// these once per target); accumulation onto C, scores never reading C, and
-// the same bits from any thread.
+// these once per target); accumulation onto C, scores never reading C, the
+// scores' rounding error that of sums in groups (the model below), and the
+// same bits from any thread.
 #include <gtest/gtest.h>
 
 #include <algorithm>
