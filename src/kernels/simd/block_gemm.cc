@@ -23,18 +23,28 @@ namespace hn = hwy::HWY_NAMESPACE;
 using D = hn::ScalableTag<float>;
 
 // Micro-tiles of MR rows x NV vectors of C, all MR * NV accumulators in
-// registers for the whole k loop; each A element is one broadcast feeding NV
-// FMAs. Shapes from bench/block_gemm_choice.cc's sweep on AVX-512 (32
-// registers): S in 8 x 2 vectors (16 accumulators + 2 B vectors + 1
-// broadcast), O in 6 x 4 (24 + 4 + 1). Targets with 16 vector registers
-// (AVX2, SSE4) fill at most 16: S in 4 x 3 (12 + 3 + 1), O in 6 x 2
-// (12 + 2 + 1). Forced to AVX2 here, against OpenBLAS's Haswell kernels at
-// 128 x 256 x 64: S 4 x 3 1.16x, 6 x 2 0.83x; O 6 x 2 and 4 x 3 1.11x, 3 x 4 1.03x.
+// registers for the whole k loop (for scores, for each group of
+// kBlockScoreGroup terms); each A element is one broadcast feeding NV FMAs.
+// Shapes from bench/block_gemm_choice.cc's sweep on AVX-512 (32 registers):
+// O in 6 x 4 (24 accumulators + 4 B vectors + 1 broadcast); S was 8 x 2
+// (16 + 2 + 1) while it summed one chain over k, and is 4 x 3 since it sums
+// groups: 12 accumulators + 12 totals of the groups + 3 + 1 fit, where 8 x 2
+// had to add each group into C in memory, 16 stores per 32 terms, which made
+// block_scores 8 % (d = 64) and 11 % (d = 128) slower at 256 x 256 x d; 4 x 3
+// with the totals in registers takes the old 8 x 2's time (one thread, min
+// of 300 x 10 calls, 3 alternating runs: 39.4-41.0 us against 39.4-39.7 at
+// d = 64, 76.5-77.2 against 76.0-77.1 at d = 128). Targets with 16 vector
+// registers (AVX2, SSE4) fill at most 16: S in 4 x 3 (12 + 3 + 1, the
+// groups added into C in memory: 0-2 % slower than one chain, same
+// measurement), O in 6 x 2 (12 + 2 + 1). Forced to AVX2 here, against
+// OpenBLAS's Haswell kernels at 128 x 256 x 64: S 4 x 3 1.16x, 6 x 2 0.83x;
+// O 6 x 2 and 4 x 3 1.11x, 3 x 4 1.03x.
+constexpr int kScoreMR = 4, kScoreNV = 3;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kScoreMR = 8, kScoreNV = 2;
+constexpr int kRegisters = 32;
 constexpr int kOutMR = 6, kOutNV = 4;
 #else
-constexpr int kScoreMR = 4, kScoreNV = 3;
+constexpr int kRegisters = 16;
 constexpr int kOutMR = 6, kOutNV = 2;
 #endif
 // Keys (rows of B) per pass over C in accumulate: 128 x 64 floats of V are
@@ -53,38 +63,67 @@ using ::qkv::kernels::fast::HWY_NAMESPACE::StoreTail;
 
 // C (MR x NV vectors) = alpha A B (kAccumulate: C += A B). A is MR rows of
 // k, lda apart; B is k rows of NV vectors, ldb apart (a packed panel, or V
-// itself). Only the first `last` lanes of the last vector are C's.
+// itself). Only the first `last` lanes of the last vector are C's. The sum
+// over k runs in groups of `group` terms from the first: each group is one
+// FMA chain from 0, then added to the total: in registers when the tile
+// leaves room for it (kTotalsInRegisters), else into C in memory (the tile's
+// rows stay in L1). Either way C's element is ((g0 + g1) + g2) + ..., times
+// alpha last: the same bits. Scores take kBlockScoreGroup (block_gemm.h);
+// accumulate passes its whole k (at most kOutKc keys), one group.
 template <int MR, int NV, bool kAccumulate>
 HWY_INLINE void micro_tile(const float* HWY_RESTRICT a, int64_t lda, const float* HWY_RESTRICT b,
-                           int64_t ldb, int64_t k, float alpha, float* HWY_RESTRICT c, int64_t ldc,
-                           size_t last) {
+                           int64_t ldb, int64_t k, int64_t group, float alpha,
+                           float* HWY_RESTRICT c, int64_t ldc, size_t last) {
   const D d;
   const size_t lanes = hn::Lanes(d);
-  hn::Vec<D> acc[MR][NV];
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
-  }
-  for (int64_t kk = 0; kk < k; ++kk) {
-    hn::Vec<D> bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(d, b + kk * ldb + v * lanes);
+  constexpr bool kTotalsInRegisters = !kAccumulate && 2 * MR * NV + NV + 1 <= kRegisters;
+  hn::Vec<D> total[MR][NV];
+  for (int64_t k0 = 0; k0 < k; k0 += group) {
+    const int64_t k1 = std::min(k, k0 + group);
+    hn::Vec<D> acc[MR][NV];
     for (int r = 0; r < MR; ++r) {
-      const auto ar = hn::Set(d, a[r * lda + kk]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
+    }
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      hn::Vec<D> bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(d, b + kk * ldb + v * lanes);
+      for (int r = 0; r < MR; ++r) {
+        const auto ar = hn::Set(d, a[r * lda + kk]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+      }
+    }
+    if constexpr (kTotalsInRegisters) {
+      for (int r = 0; r < MR; ++r) {
+        for (int v = 0; v < NV; ++v)
+          total[r][v] = k0 == 0 ? acc[r][v] : hn::Add(total[r][v], acc[r][v]);
+      }
+      continue;
+    }
+    // Scores overwrite C with their first group and scale the total after
+    // their last; accumulate adds every group to C.
+    const bool add_to_c = kAccumulate || k0 > 0;
+    const bool scale = !kAccumulate && k1 == k;
+    for (int r = 0; r < MR; ++r) {
+      for (int v = 0; v < NV; ++v) {
+        float* out = c + r * ldc + v * lanes;
+        const bool whole = v + 1 < NV || last == lanes;
+        auto x = acc[r][v];
+        if (add_to_c) x = hn::Add(whole ? hn::LoadU(d, out) : LoadTail(d, out, last), x);
+        if (scale) x = hn::Mul(x, hn::Set(d, alpha));
+        if (whole) {
+          hn::StoreU(x, d, out);
+        } else {
+          StoreTail(d, x, out, last);
+        }
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < NV; ++v) {
-      float* out = c + r * ldc + v * lanes;
-      const bool whole = v + 1 < NV || last == lanes;
-      if constexpr (kAccumulate) {
-        if (whole) {
-          hn::StoreU(hn::Add(hn::LoadU(d, out), acc[r][v]), d, out);
-        } else {
-          StoreTail(d, hn::Add(LoadTail(d, out, last), acc[r][v]), out, last);
-        }
-      } else {
-        const auto x = hn::Mul(acc[r][v], hn::Set(d, alpha));
-        if (whole) {
+  if constexpr (kTotalsInRegisters) {
+    for (int r = 0; r < MR; ++r) {
+      for (int v = 0; v < NV; ++v) {
+        float* out = c + r * ldc + v * lanes;
+        const auto x = hn::Mul(total[r][v], hn::Set(d, alpha));
+        if (v + 1 < NV || last == lanes) {
           hn::StoreU(x, d, out);
         } else {
           StoreTail(d, x, out, last);
@@ -101,7 +140,8 @@ HWY_NOINLINE void panel_rows(const float* a, int64_t lda, const float* b, int64_
                              int64_t k, float alpha, float* c, int64_t ldc, size_t last) {
   int64_t r = 0;
   for (; r + MR <= m; r += MR) {
-    micro_tile<MR, NV, kAccumulate>(a + r * lda, lda, b, ldb, k, alpha, c + r * ldc, ldc, last);
+    micro_tile<MR, NV, kAccumulate>(a + r * lda, lda, b, ldb, k, kAccumulate ? k : kBlockScoreGroup,
+                                    alpha, c + r * ldc, ldc, last);
   }
   if constexpr (MR > 1) {
     if (r < m) {
