@@ -91,18 +91,6 @@ bool switch_core(void* handle, const std::string& name) {
   // An unknown name would make OpenBLAS fall back to Prescott: only names
   // it has tables for.
   if (quit == nullptr || init == nullptr || !has_core(handle, name)) return false;
-  // OpenBLAS's server threads, started by its constructor, allocate their
-  // buffer first thing, and the first allocation in a process runs
-  // gotoblas_dynamic_init; one doing so between quit() and init() below
-  // raced ours (a SIGSEGV in gotoblas_dynamic_init, reading the table
-  // pointer as null: 1 start in about 6,000 of a test binary). One
-  // allocation here first marks OpenBLAS's memory initialised, so a thread
-  // starting later skips it.
-  using Alloc = void* (*)(int);
-  using Free = void (*)(void*);
-  auto alloc = reinterpret_cast<Alloc>(dlsym(handle, "blas_memory_alloc"));
-  auto release = reinterpret_cast<Free>(dlsym(handle, "blas_memory_free"));
-  if (alloc != nullptr && release != nullptr) release(alloc(0));
   const char* was = std::getenv("OPENBLAS_CORETYPE");
   const std::string saved = was ? was : "";
   setenv("OPENBLAS_CORETYPE", name.c_str(), 1);
