@@ -2,6 +2,7 @@
 // reaching every kernel (the Highway dispatch and the hand-written AVX-512
 // bf16 paths), and its errors. The kernel tests themselves run once per
 // target (tests/CMakeLists.txt); this file checks that forcing a target works.
+#include <cblas.h>
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
@@ -279,6 +280,27 @@ void expect_gemm_right(const std::string& core) {
   }
   // 70 products of |x| <= 1 in float: each rounding at most 2^-24 of a sum <= 70.
   EXPECT_LT(worst, 70 * 70 * 6e-8) << core;
+
+  // OpenBLAS's own threads, which a switch stops and starts again (blas.cc's
+  // switch_core), on a product big enough to be split between 2 of them;
+  // every 7th entry against a float64 loop.
+  const int64_t big = 300;
+  std::vector<float> x(big * big), y(big * big), z(big * big, 7.0f);
+  for (float& e : x) e = dist(gen);
+  for (float& e : y) e = dist(gen);
+  const int threads_before = openblas_get_num_threads();
+  openblas_set_num_threads(2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, big, big, big, 1.0f, x.data(), big,
+              y.data(), big, 0.0f, z.data(), big);
+  openblas_set_num_threads(threads_before);
+  worst = 0;
+  for (int64_t e = 0; e < big * big; e += 7) {
+    const int64_t i = e / big, j = e % big;
+    double want = 0;
+    for (int64_t p = 0; p < big; ++p) want += double(x[i * big + p]) * y[j * big + p];
+    worst = std::max(worst, std::abs(want - z[e]));
+  }
+  EXPECT_LT(worst, 300 * 300 * 6e-8) << core << " with OpenBLAS's threads";
 }
 
 TEST(Simd, OpenBlasRunsTheBestCoreTypeThisCpuRuns) {

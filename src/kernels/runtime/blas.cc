@@ -83,19 +83,36 @@ int cap_rank_of(std::string_view cap) {
 
 // Runs OpenBLAS's core-type selection again with OPENBLAS_CORETYPE=name,
 // then puts the variable back as it was.
+//
+// OpenBLAS's server threads are stopped meanwhile. Each one, as it starts,
+// allocates its buffer, and the first allocation runs gotoblas_dynamic_init;
+// between our quit and init that call finds no table, runs the CPU
+// detection, and stores null for a CPU it does not know before falling back
+// to Prescott. A CI run died on that null (SIGSEGV in gotoblas_dynamic_init,
+// about 2 starts in 6,000); a start that survives it may keep Prescott.
+// blas_thread_shutdown_ joins the threads (OpenBLAS's own fork handler), and
+// blas_thread_init starts them again once the table is in place.
 bool switch_core(void* handle, const std::string& name) {
   if (handle == nullptr) return false;
   using Entry = void (*)();
+  using Status = int (*)();
   auto quit = reinterpret_cast<Entry>(dlsym(handle, "gotoblas_dynamic_quit"));
   auto init = reinterpret_cast<Entry>(dlsym(handle, "gotoblas_dynamic_init"));
+  auto stop_threads = reinterpret_cast<Status>(dlsym(handle, "blas_thread_shutdown_"));
+  auto start_threads = reinterpret_cast<Status>(dlsym(handle, "blas_thread_init"));
   // An unknown name would make OpenBLAS fall back to Prescott: only names
-  // it has tables for.
+  // it has tables for. Without the thread entry points (an OpenMP or a
+  // single-threaded build, which start no server threads) there is nothing
+  // to stop.
   if (quit == nullptr || init == nullptr || !has_core(handle, name)) return false;
+  if ((stop_threads == nullptr) != (start_threads == nullptr)) return false;
   const char* was = std::getenv("OPENBLAS_CORETYPE");
   const std::string saved = was ? was : "";
   setenv("OPENBLAS_CORETYPE", name.c_str(), 1);
+  if (stop_threads != nullptr) stop_threads();
   quit();
   init();
+  if (start_threads != nullptr) start_threads();
   if (was != nullptr) {
     setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
   } else {
