@@ -10,7 +10,9 @@ err the max abs error against float64, and atol hopper/test_flash_attn.py's
 rounding term, 2 max|ref + 0.3 - 0.3 - ref| computed in float32 (only
 matters where both errors are ~0). Printed: the worst ratio
 err(qkv) / (err(f32) + atol / 2) (the rule is ratio <= 2) per tensor, and
-how many checks exceed 2 and 3.
+how many checks exceed 2 and 3; for qkv's backward given the forward's
+softmax statistics (what qkv.torch does), and, on the same inputs, given the
+lse alone (the weights recomputed as exp(score - lse)).
 
 Run with the venv's Python and the build's qkv:
   PYTHONPATH=build/release/python build/venv/bin/python bench/fa_grad_rule.py [--seed S] [--max-n N]
@@ -22,8 +24,10 @@ import argparse
 import itertools
 import sys
 
+import numpy as np
 import torch
 
+import qkv
 import qkv.torch
 
 SIZES = (1, 64, 113, 128, 239, 512, 1024)
@@ -69,6 +73,18 @@ def grads(fn, q, k, v, g):
     return q.grad, k.grad, v.grad
 
 
+def qkv_grads(q, k, v, g, window, with_stats):
+    """dq, dk, dv of sum(out * g) from qkv's NumPy forward and backward: the
+    backward given the forward's softmax statistics, or the lse alone."""
+    arrays = [t.numpy() for t in (q, k, v, g)]
+    kwargs = {} if window is None else {"window": window}
+    out, lse, stats = qkv.scaled_dot_product_attention(
+        *arrays[:3], return_lse=True, return_softmax_stats=True, **kwargs)
+    grads = qkv.scaled_dot_product_attention_backward(
+        *arrays[:3], out, lse, arrays[3], softmax_stats=stats if with_stats else None, **kwargs)
+    return [torch.from_numpy(np.asarray(x)) for x in grads]
+
+
 def atol_of(ref):
     r = ref.float()
     return 2 * (r + 0.3 - 0.3 - r).abs().max().item()
@@ -83,9 +99,10 @@ def main():
     torch.set_num_threads(2)
     # Cases where every query sees at most one key (Nk = 1, window (0, 0), a
     # window (0, R) for Nq = 1), whose exact dq and dk are 0, apart from the others.
-    worst = {kind: {"dq": (0.0, None), "dk": (0.0, None), "dv": (0.0, None)}
-             for kind in ("one key", "others")}
-    over2 = {"one key": 0, "others": 0}
+    kinds = [f"{ways}, {keys}" for ways in ("softmax_stats", "lse alone")
+             for keys in ("one key", "others")]
+    worst = {kind: {"dq": (0.0, None), "dk": (0.0, None), "dv": (0.0, None)} for kind in kinds}
+    over2 = {kind: 0 for kind in kinds}
     over3 = dict(over2)
     checks = dict(over2)
     sizes = [n for n in SIZES if n <= args.max_n]
@@ -106,18 +123,24 @@ def main():
             f32 = grads(lambda q, k, v: plain_attention(q, k, v, window, scale), q, k, v, g)
             f64 = grads(lambda q, k, v: plain_attention(q, k, v, window, scale),
                         q.double(), k.double(), v.double(), g.double())
-            for name, a, b32, ref in zip(("dq", "dk", "dv"), got, f32, f64):
-                err = (a.double() - ref).abs().max().item()
-                err32 = (b32.double() - ref).abs().max().item()
-                atol = atol_of(ref)
-                denom = err32 + atol / 2
-                ratio = 0.0 if err == 0 else err / denom if denom > 0 else float("inf")
-                kind = "one key" if one_key else "others"
-                checks[kind] += 1
-                over2[kind] += ratio > 2
-                over3[kind] += ratio > 3
-                if ratio > worst[kind][name][0]:
-                    worst[kind][name] = (ratio, (b, h, hkv, nq, nk, d, window, err, err32))
+            # qkv.torch is the NumPy backward given the statistics, bit for bit.
+            with_stats = qkv_grads(q, k, v, g, window, True)
+            for a, b in zip(got, with_stats):
+                assert torch.equal(a, b), "qkv.torch's gradients are not the NumPy backward's"
+            lse_alone = qkv_grads(q, k, v, g, window, False)
+            for ways, result in (("softmax_stats", got), ("lse alone", lse_alone)):
+                for name, a, b32, ref in zip(("dq", "dk", "dv"), result, f32, f64):
+                    err = (a.double() - ref).abs().max().item()
+                    err32 = (b32.double() - ref).abs().max().item()
+                    atol = atol_of(ref)
+                    denom = err32 + atol / 2
+                    ratio = 0.0 if err == 0 else err / denom if denom > 0 else float("inf")
+                    kind = f"{ways}, {'one key' if one_key else 'others'}"
+                    checks[kind] += 1
+                    over2[kind] += ratio > 2
+                    over3[kind] += ratio > 3
+                    if ratio > worst[kind][name][0]:
+                        worst[kind][name] = (ratio, (b, h, hkv, nq, nk, d, window, err, err32))
     print(f"fa_grad_rule (seed {args.seed}): err(qkv) / (err(f32) + atol / 2), the rule <= 2")
     for kind in worst:
         print(f"  {kind}: {checks[kind]} checks, {over2[kind]} above 2x, {over3[kind]} above 3x")

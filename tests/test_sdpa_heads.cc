@@ -367,8 +367,9 @@ TYPED_TEST(Heads, WritesIntoStridedOutputs) {
   const AttentionResult<T> want = scaled_dot_product_attention(q, k, v, p.lens.get(), p.options);
   Strided<T> out = strided<T>(Shape{c.batch, c.heads, c.nq, c.dv}, Layout::kTokenMajor);
   Tensor<T> lse(Shape{c.batch, c.heads, c.nq});
-  scaled_dot_product_attention(q, k, v, p.lens.get(), p.options,
-                               AttentionOutputs<T>{out.view, std::nullopt, lse.view()});
+  scaled_dot_product_attention(
+      q, k, v, p.lens.get(), p.options,
+      AttentionOutputs<T>{out.view, std::nullopt, lse.view(), std::nullopt});
   expect_bitwise_equal(Tensor<T>::copy_of(as_const_view(out.view)), want.output, "output");
   expect_bitwise_equal(lse, want.lse, "lse");
 }

@@ -306,7 +306,8 @@ void SentenceEncoder::encode_batch(const std::vector<std::vector<int32_t>>& ids,
   const ValidLens valid_lens(lens.view());
   for (const Layer& layer : layers_) {
     linear(x.view(), layer.qkv_weight.view(), layer.qkv_bias.view(), qkv.view());
-    AttentionOutputs<float> outputs{heads_of(joined.data(), h, 0), std::nullopt, std::nullopt};
+    AttentionOutputs<float> outputs{heads_of(joined.data(), h, 0), std::nullopt, std::nullopt,
+                                    std::nullopt};
     scaled_dot_product_attention(heads_of(qkv.data(), 3 * h, 0), heads_of(qkv.data(), 3 * h, 1),
                                  heads_of(qkv.data(), 3 * h, 2), valid_lens, AttentionOptions{},
                                  outputs);

@@ -46,6 +46,17 @@ struct AttentionOptions {
   // Return lse[b, i] = log sum_{j < L} exp(score[b, i, j]) (-inf when L = 0),
   // needed by the backward and for merging partial results over key sets.
   bool return_lse = false;
+  // Scaled dot-product attention, with return_lse: also return the softmax's
+  // statistics (B, Nq, 2) ((B, H, Nq, 2) for heads), each row's pair (m, l)
+  // with weights exp(score - m) / l as the forward formed them: its largest
+  // score and its sum, so lse = m + log l (a row the kernels summed in one
+  // exact pass, or with D and Dv <= 4: (lse, 1); no key: (-inf, 0)). Given
+  // back to the backward (SavedForward::softmax_stats), it recomputes the
+  // forward's very weights instead of exp(score - lse), which carries the
+  // lse's rounding into every weight of a row alike: float32 gradients
+  // within 2x the error of float32 torch on FlashAttention's test grid,
+  // 2.6x without (docs/semantics.md).
+  bool return_softmax_stats = false;
   // Causal masking, combined with valid_lens by taking the smaller length:
   // query i's valid length is min(valid_lens, clamp(i + 1 + offset, 0, Nk))
   // with offset 0 (kTopLeft) or Nk - Nq (kBottomRight). Key blocks no query
@@ -99,6 +110,7 @@ struct AttentionResult {
   Tensor<T> output;   // (B, Nq, Dv)
   Tensor<T> weights;  // (B, Nq, Nk), empty unless return_weights
   Tensor<T> lse;      // (B, Nq), empty unless return_lse
+  Tensor<T> softmax_stats;  // (B, Nq, 2), empty unless return_softmax_stats
 };
 
 // Caller-provided destinations for the write-into form; each must be
@@ -108,6 +120,7 @@ struct AttentionOutputs {
   TensorView<T> output;
   std::optional<TensorView<T>> weights;
   std::optional<TensorView<T>> lse;
+  std::optional<TensorView<T>> softmax_stats = std::nullopt;  // scaled dot-product; needs lse
 };
 
 template <class T>
@@ -146,11 +159,13 @@ struct AdditiveWeights {
 };
 
 // What a backward reads back from its forward (return_lse set there):
-// output (B, Nq, Dv) and lse (B, Nq).
+// output (B, Nq, Dv) and lse (B, Nq); for scaled dot-product attention,
+// optionally the softmax's statistics (B, Nq, 2) (return_softmax_stats).
 template <class T>
 struct SavedForward {
   ConstView<T> output;
   ConstView<T> lse;
+  ConstView<T> softmax_stats = {};
 };
 
 // ---- Scaled dot-product attention: softmax(Q Kᵀ · scale) V ----------------

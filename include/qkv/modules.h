@@ -178,6 +178,7 @@ class MultiHeadAttention {
   // The last forward: its inputs (copies), lengths, options, the projections
   // (B, N, features), the joined heads' output (B, Nq, num_hiddens) and lse.
   Tensor<T> queries_, keys_, values_, q_proj_, k_proj_, v_proj_, joined_, lse_, weights_;
+  Tensor<T> softmax_stats_;  // the forward's (m, l) per row, for the backward's weights
   Tensor<int64_t> valid_lens_;
   AttentionOptions options_;
   bool ready_ = false;

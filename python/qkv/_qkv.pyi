@@ -87,6 +87,7 @@ def scaled_dot_product_attention(
     bias: Optional[ArrayLike] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
+    return_softmax_stats: bool = False,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[FloatArray, Tuple[FloatArray, ...]]: ...
 def scaled_dot_product_attention_backward(
@@ -110,6 +111,7 @@ def scaled_dot_product_attention_backward(
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
     d_lse: Optional[ArrayLike] = None,
+    softmax_stats: Optional[ArrayLike] = None,
     dropout: Optional[float] = None,  # deprecated: dropout_p
 ) -> Union[ScaledDotProductAttentionGrads, ScaledDotProductAttentionBiasGrads]: ...
 def additive_attention(
@@ -405,7 +407,8 @@ def _scaled_dot_product_attention_bf16(
     bias: Optional[ArrayLike] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
-) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray]]: ...
+    return_softmax_stats: bool = False,
+) -> Tuple[FloatArray, Optional[FloatArray], Optional[FloatArray], Optional[FloatArray]]: ...
 def _scaled_dot_product_attention_bf16_backward(
     queries: ArrayLike,
     keys: ArrayLike,
@@ -426,6 +429,7 @@ def _scaled_dot_product_attention_bf16_backward(
     softcap: float = 0.0,
     alibi_slopes: Optional[ArrayLike] = None,
     d_lse: Optional[ArrayLike] = None,
+    softmax_stats: Optional[ArrayLike] = None,
 ) -> Tuple[FloatArray, FloatArray, FloatArray, Optional[FloatArray]]: ...
 
 # The submodule qkv._qkv.search (re-exported as qkv.search).

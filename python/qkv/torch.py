@@ -369,21 +369,22 @@ def masked_softmax(X, valid_lens=None):
 # ---- scaled dot-product attention ------------------------------------------------
 
 def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask,
-                  bias, need_lse, scores=None, key_mask=None):
+                  bias, need_lse, scores=None, key_mask=None, need_stats=False):
     """One forward through the kernels: (result, weights or None, output, lse or
-    None); output is float32 for bf16 inputs (the backward takes it so), result
-    has query's dtype."""
+    None, softmax statistics or None (need_stats, with need_lse)); output is
+    float32 for bf16 inputs (the backward takes it so), result has query's
+    dtype."""
     _not_traced("scaled_dot_product_attention")
     scores = _score_options(scores)
     if query.dtype == torch.bfloat16:
-        out, weights, lse = _qkv._scaled_dot_product_attention_bf16(
+        out, weights, lse, stats = _qkv._scaled_dot_product_attention_bf16(
             _array(query), _array(key), _array(value), lens, scale, dropout_p, seed,
             want_weights, need_lse, causal, mask, key_mask, scores["window"],
             None if bias is None else _array(bias), softcap=scores["softcap"],
-            alibi_slopes=scores["alibi_slopes"])
+            alibi_slopes=scores["alibi_slopes"], return_softmax_stats=need_stats)
         output = torch.from_numpy(out)
         weights = torch.from_numpy(weights).to(torch.bfloat16) if want_weights else None
-        return output.to(torch.bfloat16), weights, output, lse
+        return output.to(torch.bfloat16), weights, output, lse, stats
     # Heads: the output is written as (B, Nq, H, Dv) memory and returned as its
     # (B, H, Nq, Dv) view (as torch's CPU flash attention does), so
     # output.transpose(1, 2).reshape(B, Nq, H * Dv) -- the heads concatenated
@@ -396,15 +397,16 @@ def _sdpa_forward(query, key, value, lens, scale, dropout_p, seed, want_weights,
         _array(query), _array(key), _array(value), lens, scale=scale, dropout_p=dropout_p,
         seed=seed, return_weights=want_weights, return_lse=need_lse, causal=causal,
         out=None if out is None else _array(out), mask=mask, key_mask=key_mask,
-        bias=None if bias is None else _array(bias), **scores)
+        bias=None if bias is None else _array(bias), return_softmax_stats=need_stats, **scores)
     if not (want_weights or need_lse):
         output = torch.from_numpy(parts) if out is None else out
-        return output, None, output, None
+        return output, None, output, None, None
     parts = list(parts)
     first = parts.pop(0)
     output = torch.from_numpy(first) if out is None else out
     weights = torch.from_numpy(parts.pop(0)) if want_weights else None
-    return output, weights, output, parts.pop(0) if need_lse else None
+    lse = parts.pop(0) if need_lse else None
+    return output, weights, output, lse, parts.pop(0) if need_stats else None
 
 
 class _Sdpa(torch.autograd.Function):
@@ -417,11 +419,14 @@ class _Sdpa(torch.autograd.Function):
                 bias, scores=None, key_mask=None):
         ctx.config = (_kept(lens), scale, dropout_p, seed, causal, _kept(mask),
                       _score_options(scores), _kept(key_mask))
-        result, weights, output, lse = _sdpa_forward(query, key, value, lens, scale, dropout_p,
-                                                     seed, want_weights, causal, mask, bias, True,
-                                                     scores, key_mask)
+        # The softmax's statistics too: the backward then forms the forward's
+        # very weights, not exp(score - lse) (float32 gradients within 2x
+        # float32 torch's error on FlashAttention's tests, 2.6x without).
+        result, weights, output, lse, stats = _sdpa_forward(
+            query, key, value, lens, scale, dropout_p, seed, want_weights, causal, mask, bias,
+            True, scores, key_mask, need_stats=True)
         lse = torch.from_numpy(lse)
-        ctx.save_for_backward(query, key, value, output, lse, bias)
+        ctx.save_for_backward(query, key, value, output, lse, torch.from_numpy(stats), bias)
         if weights is None:
             weights = query.new_empty(0)
         ctx.mark_non_differentiable(weights)
@@ -433,7 +438,7 @@ class _Sdpa(torch.autograd.Function):
     @staticmethod
     @_first_order_only
     def backward(ctx, d_output, _d_weights, d_lse):
-        query, key, value, output, lse, bias = ctx.saved_tensors
+        query, key, value, output, lse, stats, bias = ctx.saved_tensors
         lens, scale, dropout_p, seed, causal, mask, scores, key_mask = ctx.config
         if d_output is None:  # only the lse is read
             d_output = torch.zeros(output.shape, dtype=output.dtype)
@@ -445,14 +450,14 @@ class _Sdpa(torch.autograd.Function):
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output.float()), lens, scale, dropout_p, seed, causal, mask, key_mask,
                 scores["window"], bias_array, bias_grad, softcap=scores["softcap"],
-                alibi_slopes=scores["alibi_slopes"], d_lse=d_lse)
+                alibi_slopes=scores["alibi_slopes"], d_lse=d_lse, softmax_stats=_array(stats))
             grads = [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
         else:
             grads = _qkv.scaled_dot_product_attention_backward(
                 _array(query), _array(key), _array(value), _array(output), _array(lse),
                 _array(d_output), lens, scale=scale, dropout_p=dropout_p, seed=seed, causal=causal,
                 mask=mask, key_mask=key_mask, bias=bias_array, bias_grad=bias_grad, d_lse=d_lse,
-                **scores)
+                softmax_stats=_array(stats), **scores)
             d_bias = grads[3] if bias_grad else None
             grads = [torch.from_numpy(g) for g in grads[:3]]
         d_bias = None if d_bias is None else torch.from_numpy(d_bias)
@@ -556,7 +561,7 @@ def _sdpa(fn, query, key, value, valid_lens, scale, dropout_p, seed, want_weight
     if _needs_grad(query, key, value, *(() if bias is None else (bias,))):
         output, weights, lse = _Sdpa.apply(*args)
     else:
-        output, weights, _, lse = _sdpa_forward(*args[:-2], want_lse, scores, key_mask)
+        output, weights, _, lse, _ = _sdpa_forward(*args[:-2], want_lse, scores, key_mask)
         lse = None if lse is None else torch.from_numpy(lse)
     if lead is not None:
         output = output.reshape(*lead, *output.shape[-3:])

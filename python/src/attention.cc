@@ -242,12 +242,14 @@ ValidLens lens_of(py::handle obj, std::string_view fn, bool batch_of_one, const 
 }
 
 py::object forward_result(py::object output, std::optional<py::object> weights,
-                          std::optional<py::object> lse) {
+                          std::optional<py::object> lse,
+                          std::optional<py::object> softmax_stats = std::nullopt) {
   if (!weights && !lse) return output;
   py::list parts;
   parts.append(output);
   if (weights) parts.append(*weights);
   if (lse) parts.append(*lse);
+  if (softmax_stats) parts.append(*softmax_stats);
   return py::tuple(parts);
 }
 
@@ -256,7 +258,8 @@ py::object forward_result(py::object output, std::optional<py::object> weights,
 // attend(q, k, v, lens, outputs) runs the scoring function.
 template <class T, class Attend>
 py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle lens_obj,
-                   bool return_weights, bool return_lse, py::handle out = py::none()) {
+                   bool return_weights, bool return_lse, py::handle out = py::none(),
+                   bool return_softmax_stats = false) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
@@ -292,8 +295,9 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     output_view = mutable_view_of<T>(array);
     output = array;
   }
-  AttentionOutputs<T> outputs{with_batch_axis(output_view, one, 2), std::nullopt, std::nullopt};
-  std::optional<py::object> weights, lse;
+  AttentionOutputs<T> outputs{with_batch_axis(output_view, one, 2), std::nullopt, std::nullopt,
+                              std::nullopt};
+  std::optional<py::object> weights, lse, softmax_stats;
   if (return_weights) {
     auto [array, view] = new_array<T>(with_lead({nq, nk}));
     weights = array;
@@ -303,6 +307,11 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     auto [array, view] = new_array<T>(with_lead({nq}));
     lse = array;
     outputs.lse = with_batch_axis(view, one, 1);
+  }
+  if (return_softmax_stats) {  // checked by the library: only with the lse
+    auto [array, view] = new_array<T>(with_lead({nq, 2}));
+    softmax_stats = array;
+    outputs.softmax_stats = with_batch_axis(view, one, 2);
   }
   // The caller's out as it was, put back if Ctrl-C stops the call: a
   // stopped call leaves no partial output (a copy of the output, small
@@ -320,14 +329,26 @@ py::object forward(std::string_view fn, Tensors& t, Attend&& attend, py::handle 
     }
     throw;
   }
-  return forward_result(output, weights, lse);
+  return forward_result(output, weights, lse, softmax_stats);
+}
+
+// The statistics come with the lse, as the user spelled the two flags (the
+// library, given write-into outputs, would name those).
+void check_softmax_stats_with_lse(std::string_view fn, bool return_softmax_stats, bool return_lse) {
+  if (return_softmax_stats && !return_lse) {
+    throw Error(std::string(fn) +
+                ": return_softmax_stats=True needs return_lse=True; the statistics come with "
+                "the lse (the backward reads both)");
+  }
 }
 
 py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_lens,
                    std::optional<double> scale, std::optional<double> dropout_p, py::handle seed,
                    bool return_weights, bool return_lse, py::handle causal, py::handle out,
                    py::handle mask, py::handle key_mask, py::handle window, py::handle bias,
-                   py::handle softcap, py::handle alibi_slopes, py::handle dropout_old) {
+                   py::handle softcap, py::handle alibi_slopes, bool return_softmax_stats,
+                   py::handle dropout_old) {
+  check_softmax_stats_with_lse(kSdpa, return_softmax_stats, return_lse);
   Tensors t =
       float_arrays(kSdpa, Scoring::kDotProduct, {{"queries", q}, {"keys", k}, {"values", v}}, 3);
   AttentionOptions options = options_of(scale, dropout_of(kSdpa, dropout_p, dropout_old), seed,
@@ -340,9 +361,11 @@ py::object sdpa_py(py::handle q, py::handle k, py::handle v, py::handle valid_le
     scaled_dot_product_attention(q, k, v, lens, options, outputs);
   };
   if (t.dtype == Dtype::kFloat32) {
-    return forward<float>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out);
+    return forward<float>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out,
+                          return_softmax_stats);
   }
-  return forward<double>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out);
+  return forward<double>(kSdpa, t, attend, valid_lens, return_weights, return_lse, out,
+                         return_softmax_stats);
 }
 
 template <class T>
@@ -390,31 +413,37 @@ Saved<T> saved_of(Tensors& t, size_t first) {
           with_batch_axis(view_of<T>(t.arrays[first + 2]), one, 2)};
 }
 
-// d_lse, the gradient at the forward's lse (None: no term), as a view over
-// the caller's array of the compute dtype; `storage` keeps it alive.
+// An optional array of a backward, None or of the compute dtype (`name`'s
+// dtype is compared with the lse's), as a view with the batch axis of a
+// batch of one put back (`axes`: the axes after it); `storage` keeps it
+// alive. d_lse, the gradient at the forward's lse, takes the lse's shape
+// (axes 1); softmax_stats, the forward's (return_softmax_stats), (..., 2).
 template <class T>
-ConstView<T> d_lse_of(py::handle obj, std::string_view fn, Dtype dtype, bool batch_of_one,
-                      py::object& storage) {
+ConstView<T> optional_saved_of(py::handle obj, std::string_view fn, const char* name, Dtype dtype,
+                               bool batch_of_one, int axes, py::object& storage) {
   if (obj.is_none()) return {};
-  py::array array = float_array(obj, fn, "d_lse");
-  check_same_dtype(array, dtype, fn, "d_lse", "lse");
+  py::array array = float_array(obj, fn, name);
+  check_same_dtype(array, dtype, fn, name, "lse");
   const ConstView<T> view = view_of<T>(array);
   storage = array;  // after view_of, which may replace it by a copy
-  return with_batch_axis(view, batch_of_one, 1);
+  return with_batch_axis(view, batch_of_one, axes);
 }
 
 template <class T>
 py::object sdpa_backward(Tensors& t, py::handle lens_obj, const AttentionOptions& options,
-                         py::handle d_lse_obj) {
+                         py::handle d_lse_obj, py::handle softmax_stats_obj) {
   const bool one = t.batch_of_one;
   const ConstView<T> q = with_batch_axis(view_of<T>(t.arrays[0]), one, 2);
   const ConstView<T> k = with_batch_axis(view_of<T>(t.arrays[1]), one, 2);
   const ConstView<T> v = with_batch_axis(view_of<T>(t.arrays[2]), one, 2);
-  const Saved<T> s = saved_of<T>(t, 3);
+  Saved<T> s = saved_of<T>(t, 3);
   py::object lens_storage;
   const ValidLens lens = lens_of(lens_obj, kSdpaBackward, one, shape_of(t.arrays[0]), lens_storage);
-  py::object d_lse_storage;
-  const ConstView<T> d_lse = d_lse_of<T>(d_lse_obj, kSdpaBackward, t.dtype, one, d_lse_storage);
+  py::object d_lse_storage, stats_storage;
+  const ConstView<T> d_lse =
+      optional_saved_of<T>(d_lse_obj, kSdpaBackward, "d_lse", t.dtype, one, 1, d_lse_storage);
+  s.saved.softmax_stats = optional_saved_of<T>(softmax_stats_obj, kSdpaBackward, "softmax_stats",
+                                               t.dtype, one, 2, stats_storage);
   DotProductGrads<T> g;
   {
     const ReleasedGil release;
@@ -435,7 +464,7 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
                             py::handle seed, py::handle causal, py::handle mask,
                             py::handle key_mask, py::handle window, py::handle bias, bool bias_grad,
                             py::handle softcap, py::handle alibi_slopes, py::handle d_lse,
-                            py::handle dropout_old) {
+                            py::handle softmax_stats, py::handle dropout_old) {
   Tensors t = float_arrays(kSdpaBackward, Scoring::kDotProduct,
                            {{"queries", q},
                             {"keys", k},
@@ -452,8 +481,9 @@ py::object sdpa_backward_py(py::handle q, py::handle k, py::handle v, py::handle
   set_bias(kSdpaBackward, bias, t.dtype, options, masks);
   set_softcap_alibi(kSdpaBackward, softcap, alibi_slopes, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
-  return t.dtype == Dtype::kFloat32 ? sdpa_backward<float>(t, valid_lens, options, d_lse)
-                                    : sdpa_backward<double>(t, valid_lens, options, d_lse);
+  return t.dtype == Dtype::kFloat32
+             ? sdpa_backward<float>(t, valid_lens, options, d_lse, softmax_stats)
+             : sdpa_backward<double>(t, valid_lens, options, d_lse, softmax_stats);
 }
 
 template <class T>
@@ -657,7 +687,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
                        std::optional<double> scale, double dropout, py::handle seed,
                        bool return_weights, bool return_lse, py::handle causal, py::handle mask,
                        py::handle key_mask, py::handle window, py::handle bias, py::handle softcap,
-                       py::handle alibi_slopes) {
+                       py::handle alibi_slopes, bool return_softmax_stats) {
+  check_softmax_stats_with_lse(kSdpa, return_softmax_stats, return_lse);
   const Bf16Inputs in = bf16_inputs(kSdpa, q, k, v, valid_lens);
   AttentionOptions options =
       options_of(scale, dropout, seed, kSdpa, Pass::kForward, causal_of(kSdpa, causal));
@@ -667,6 +698,7 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
   set_softcap_alibi(kSdpa, softcap, alibi_slopes, options, masks);
   options.return_weights = return_weights;
   options.return_lse = return_lse;
+  options.return_softmax_stats = return_softmax_stats;
   AttentionResult<float> r;
   {
     const ReleasedGil release;
@@ -678,7 +710,8 @@ py::tuple sdpa_bf16_py(py::handle q, py::handle k, py::handle v, py::handle vali
     return to_numpy(std::move(t), without_batch_axis(shape, one));
   };
   return py::make_tuple(result(r.output), return_weights ? result(r.weights) : py::none(),
-                        return_lse ? result(r.lse) : py::none());
+                        return_lse ? result(r.lse) : py::none(),
+                        return_softmax_stats ? result(r.softmax_stats) : py::none());
 }
 
 py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::handle output,
@@ -686,7 +719,8 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
                                 std::optional<double> scale, double dropout, py::handle seed,
                                 py::handle causal, py::handle mask, py::handle key_mask,
                                 py::handle window, py::handle bias, bool bias_grad,
-                                py::handle softcap, py::handle alibi_slopes, py::handle d_lse_obj) {
+                                py::handle softcap, py::handle alibi_slopes, py::handle d_lse_obj,
+                                py::handle softmax_stats_obj) {
   const Bf16Inputs in = bf16_inputs(kSdpaBackward, q, k, v, valid_lens);
   std::vector<py::array> saved;
   for (const auto& [name, obj] : std::vector<std::pair<const char*, py::handle>>{
@@ -702,12 +736,16 @@ py::tuple sdpa_bf16_backward_py(py::handle q, py::handle k, py::handle v, py::ha
   set_bias(kSdpaBackward, bias, Dtype::kFloat32, options, masks);
   set_softcap_alibi(kSdpaBackward, softcap, alibi_slopes, options, masks);
   options.want_bias_grad = !bias.is_none() && bias_grad;
-  const SavedForward<float> s{with_batch_axis(view_of<float>(saved[0]), one, 2),
-                              with_batch_axis(view_of<float>(saved[1]), one, 1)};
+  py::object stats_storage;
+  const SavedForward<float> s{
+      with_batch_axis(view_of<float>(saved[0]), one, 2),
+      with_batch_axis(view_of<float>(saved[1]), one, 1),
+      optional_saved_of<float>(softmax_stats_obj, kSdpaBackward, "softmax_stats", Dtype::kFloat32,
+                               one, 2, stats_storage)};
   const ConstView<float> g = with_batch_axis(view_of<float>(saved[2]), one, 2);
   py::object d_lse_storage;
-  const ConstView<float> d_lse =
-      d_lse_of<float>(d_lse_obj, kSdpaBackward, Dtype::kFloat32, one, d_lse_storage);
+  const ConstView<float> d_lse = optional_saved_of<float>(d_lse_obj, kSdpaBackward, "d_lse",
+                                                          Dtype::kFloat32, one, 1, d_lse_storage);
   DotProductGrads<float> grads;
   {
     const ReleasedGil release;
@@ -752,7 +790,8 @@ void register_attention(py::module_& m) {
         py::arg("return_lse") = false, py::arg("causal") = py::none(), py::arg("out") = py::none(),
         py::arg("mask") = py::none(), py::arg("key_mask") = py::none(),
         py::arg("window") = py::none(), py::arg("bias") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("alibi_slopes") = py::none(), py::arg("dropout") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("return_softmax_stats") = false,
+        py::arg("dropout") = py::none(),
         R"(Scaled dot-product attention: softmax(Q K^T * scale + bias) V, masked and fused.
 
 No (B, Nq, Nk) score matrix is formed unless the weights are asked for.
@@ -811,6 +850,13 @@ Arguments:
         query i's score of key j (aligned bottom-right, like window), formed
         tile by tile, never as a (B, H, Nq, Nk) array (FlashAttention's
         alibi_slopes). No gradient.
+    return_softmax_stats: with return_lse, also return the softmax's
+        statistics (B, Nq, 2) (heads: (B, H, Nq, 2)), each row's pair
+        (m, l), weights = exp(score - m) / l as the forward formed them
+        (lse = m + log l). Given to the backward (softmax_stats=), it
+        recomputes these very weights instead of exp(score - lse), which
+        carries the lse's rounding into a whole row: float32 gradients
+        within 2x float32 torch's error on FlashAttention's tests.
     out: None, or an array to write the output into and return, of the
         output's shape and the inputs' dtype; any strides whose rows (the
         last axis) are contiguous and do not overlap: e.g. heads written as
@@ -820,7 +866,7 @@ Arguments:
 
 Returns:
     output (B, Nq, Dv) (heads: (B, H, Nq, Dv)), or the tuple
-    (output[, weights][, lse]) when a return_ flag is set; arrays of the
+    (output[, weights][, lse][, softmax_stats]) when a return_ flag is set; arrays of the
     inputs' dtype (2-D inputs: no batch axis).
 
 Raises:
@@ -847,7 +893,7 @@ array([[[ 2.,  3.,  4.,  5.]],
         py::arg("key_mask") = py::none(), py::arg("window") = py::none(),
         py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
         py::arg("alibi_slopes") = py::none(), py::arg("d_lse") = py::none(),
-        py::arg("dropout") = py::none(),
+        py::arg("softmax_stats") = py::none(), py::arg("dropout") = py::none(),
         R"(Gradients of scaled_dot_product_attention with respect to its inputs (and its bias).
 
 Fused as the forward: no (B, Nq, Nk) buffer; dropout's mask is regenerated
@@ -864,6 +910,9 @@ Arguments:
         shape and dtype), for a loss that reads the lse too (a
         cross-entropy over the keys): d lse / d score = the weight, so each
         score's gradient gains weight * d_lse.
+    softmax_stats: None, or the forward's (return_softmax_stats=True):
+        the weights are then recomputed as the forward formed them, not
+        from the lse (float32: more exact gradients, at no extra cost).
 
 Returns:
     qkv.ScaledDotProductAttentionGrads(d_queries, d_keys, d_values), a
@@ -1071,14 +1120,16 @@ Raises:
         py::arg("seed"), py::arg("return_weights"), py::arg("return_lse"), py::arg("causal"),
         py::arg("mask"), py::arg("key_mask"), py::arg("window"), py::arg("bias") = py::none(),
         py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+        py::arg("return_softmax_stats") = false,
         "bf16 scaled dot-product attention for qkv.torch: int16 bits in, float32 "
-        "(output, weights or None, lse or None) out.");
+        "(output, weights or None, lse or None, softmax_stats or None) out.");
   m.def("_scaled_dot_product_attention_bf16_backward", &sdpa_bf16_backward_py, py::arg("queries"),
         py::arg("keys"), py::arg("values"), py::arg("output"), py::arg("lse"), py::arg("d_output"),
         py::arg("valid_lens"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"),
         py::arg("causal"), py::arg("mask"), py::arg("key_mask"), py::arg("window"),
         py::arg("bias") = py::none(), py::arg("bias_grad") = true, py::arg("softcap") = 0.0,
         py::arg("alibi_slopes") = py::none(), py::arg("d_lse") = py::none(),
+        py::arg("softmax_stats") = py::none(),
         "The backward of _scaled_dot_product_attention_bf16: float32 (d_queries, d_keys, "
         "d_values, d_bias or None).");
 }

@@ -41,6 +41,12 @@ void fast_sdpa_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
       });
 }
 
+// A contiguous copy's view of an optional argument: null data when not given.
+template <class T>
+ConstView<T> optional_view(const detail::Contiguous<T>& copy, ConstView<T> given) {
+  return given.data() != nullptr ? copy.view() : ConstView<T>();
+}
+
 // The gradients of a backward, allocated in the inputs' shapes (and the
 // bias's when asked for), and the views the kernels write them through.
 template <class In, class Acc>
@@ -70,7 +76,7 @@ AttentionResult<T> sdpa_forward(Version version, ConstView<T> q, ConstView<T> k,
       attention_config<T>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   AttentionResult<T> result;
   kernels::ForwardViews<T> out = destinations(kSdpa, version, dims, options, given, result,
-                                              /*strided_output=*/true);
+                                              /*strided_output=*/true, /*stats=*/true);
   out.output = kernels::as_heads(out.output);
   if (version == Version::kFast) {
     const KernelOperand<T> qk(q), kk(k), vk(v);
@@ -96,11 +102,11 @@ DotProductGrads<T> sdpa_backward(Version version, ConstView<T> q, ConstView<T> k
   const kernels::SdpaGradViews<T> out = gradient_views(q, k, v, dims, options, grads);
   if (version == Version::kFast) {
     const KernelOperand<T> qk(q), kk(k), vk(v), ok(saved.output), gk(d_output);
-    const detail::Contiguous<T> lc(saved.lse), dlc(d_lse);
+    const detail::Contiguous<T> lc(saved.lse), dlc(d_lse), sc(saved.softmax_stats);
     fast_sdpa_backward(
         qk.view(), kk.view(), vk.view(), config,
-        {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<T>()}, gk.view(),
-        out);
+        {ok.view(), lc.view(), optional_view(dlc, d_lse), optional_view(sc, saved.softmax_stats)},
+        gk.view(), out);
     return grads;
   }
   kernels::ref::sdpa_backward(kernels::as_heads(q), kernels::as_heads(k), kernels::as_heads(v),
@@ -133,7 +139,8 @@ AttentionResult<float> sdpa_forward_bf16(ConstView<bfloat16> q, ConstView<bfloat
       attention_config<float>(kSdpa, rules_of(Scoring::kDotProduct), dims, valid_lens, options);
   AttentionResult<float> result;
   kernels::ForwardViews<float> out =
-      destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result);
+      destinations<float>(kSdpa, Version::kFast, dims, options, nullptr, result,
+                          /*strided_output=*/false, /*stats=*/true);
   out.output = kernels::as_heads(out.output);
   const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
   fast_sdpa(qk.view(), kk.view(), vk.view(), config, out);
@@ -160,11 +167,11 @@ DotProductGrads<float> sdpa_backward_bf16(ConstView<bfloat16> q, ConstView<bfloa
   const kernels::SdpaGradViews<float> out = gradient_views(q, k, v, dims, options, grads);
   const KernelOperand<bfloat16> qk(q), kk(k), vk(v);
   const KernelOperand<float> ok(saved.output), gk(d_output);
-  const detail::Contiguous<float> lc(saved.lse), dlc(d_lse);
+  const detail::Contiguous<float> lc(saved.lse), dlc(d_lse), sc(saved.softmax_stats);
   fast_sdpa_backward<bfloat16, float>(
       qk.view(), kk.view(), vk.view(), config,
-      {ok.view(), lc.view(), d_lse.data() != nullptr ? dlc.view() : ConstView<float>()}, gk.view(),
-      out);
+      {ok.view(), lc.view(), optional_view(dlc, d_lse), optional_view(sc, saved.softmax_stats)},
+      gk.view(), out);
   return grads;
 }
 

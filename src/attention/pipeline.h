@@ -134,6 +134,9 @@ inline Shape heads_shape(const Dims& dims, int64_t heads, int64_t n, int64_t las
 inline Shape lse_shape(const Dims& dims) {
   return dims.rank == 4 ? Shape{dims.batch, dims.heads, dims.nq} : Shape{dims.batch, dims.nq};
 }
+inline Shape softmax_stats_shape(const Dims& dims) {
+  return dims.rank == 4 ? Shape{dims.batch, dims.heads, dims.nq, 2} : Shape{dims.batch, dims.nq, 2};
+}
 
 // An SDPA operand in the fast kernels' layout (kernels::rows_in_place): the
 // caller's view when its rows already are (any strides along B, H and N, so
@@ -416,6 +419,15 @@ void check_outputs(std::string_view fn, const Dims& dims, const AttentionOutputs
                               heads_shape(dims, dims.heads, dims.nq, dims.nk));
   }
   if (outputs.lse) detail::check_destination(fn, "outputs.lse", *outputs.lse, lse_shape(dims));
+  if (outputs.softmax_stats) {
+    if (!outputs.lse) {
+      fail(fn,
+           "outputs.softmax_stats is given but outputs.lse is not; the statistics come "
+           "with the lse (the backward reads both)");
+    }
+    detail::check_destination(fn, "outputs.softmax_stats", *outputs.softmax_stats,
+                              softmax_stats_shape(dims));
+  }
 }
 
 template <class T>
@@ -424,29 +436,47 @@ void check_saved(std::string_view fn, const Dims& dims, const SavedForward<T>& s
   const Shape output_shape = heads_shape(dims, dims.heads, dims.nq, dims.dv);
   detail::check_shape(fn, "output", saved.output, output_shape);
   detail::check_shape(fn, "lse", saved.lse, lse_shape(dims));
+  if (saved.softmax_stats.data() != nullptr) {
+    detail::check_shape(fn, "softmax_stats", saved.softmax_stats, softmax_stats_shape(dims));
+  }
   detail::check_shape(fn, "d_output", d_output, output_shape);
 }
 
 // The destinations of a forward: the caller's (write-into form), or tensors
 // of `result` allocated here (weights and lse as asked for; the reference
-// always returns both).
+// always returns both). The softmax's statistics only where `stats` says
+// the scoring function forms them (scaled dot-product).
 template <class T>
 kernels::ForwardViews<T> destinations(std::string_view fn, Version version, const Dims& dims,
                                       const AttentionOptions& options,
                                       const AttentionOutputs<T>* given, AttentionResult<T>& result,
-                                      bool strided_output = false) {
+                                      bool strided_output = false, bool stats = false) {
+  const bool stats_asked = given ? given->softmax_stats.has_value() : options.return_softmax_stats;
+  if (stats_asked && !stats) {
+    fail(fn, std::string(given ? "outputs.softmax_stats is given"
+                               : "options.return_softmax_stats "
+                                 "is set") +
+                 ", but only scaled_dot_product_attention returns the softmax's statistics");
+  }
   if (given != nullptr) {
     check_outputs(fn, dims, *given, strided_output);
     return {given->output, given->weights.value_or(TensorView<T>()),
-            given->lse.value_or(TensorView<T>())};
+            given->lse.value_or(TensorView<T>()), given->softmax_stats.value_or(TensorView<T>())};
+  }
+  if (options.return_softmax_stats && !options.return_lse) {
+    fail(fn,
+         "options.return_softmax_stats is set but options.return_lse is not; the statistics "
+         "come with the lse (the backward reads both)");
   }
   const bool weights = version == Version::kRef || options.return_weights;
   const bool lse = version == Version::kRef || options.return_lse;
   result.output = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.dv));
   if (weights) result.weights = Tensor<T>(heads_shape(dims, dims.heads, dims.nq, dims.nk));
   if (lse) result.lse = Tensor<T>(lse_shape(dims));
+  if (stats_asked) result.softmax_stats = Tensor<T>(softmax_stats_shape(dims));
   return {result.output.view(), weights ? result.weights.view() : TensorView<T>(),
-          lse ? result.lse.view() : TensorView<T>()};
+          lse ? result.lse.view() : TensorView<T>(),
+          stats_asked ? result.softmax_stats.view() : TensorView<T>()};
 }
 
 }  // namespace qkv::detail

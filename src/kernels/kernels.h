@@ -186,23 +186,30 @@ struct AdditiveParams {
 };
 
 // Where a forward writes: output (B, Nq, Dv); weights (B, Nq, Nk) and lse
-// (B, Nq) have null data when not wanted. Contiguous.
+// (B, Nq) have null data when not wanted. Contiguous. SDPA only: the
+// softmax's statistics (B, Nq, 2), each row's pair (m, l) with weights
+// exp(score - m) / l as the forward formed them (a row summed exactly, or
+// by a kernel that keeps no pair: (lse, 1); no key: (-inf, 0)); wanted only
+// with the lse.
 template <class T>
 struct ForwardViews {
   TensorView<T> output;
   TensorView<T> weights;
   TensorView<T> lse;
+  TensorView<T> softmax_stats = {};
 };
 
 // What a backward reads back from its forward: output (B, Nq, Dv) and lse
 // (B, Nq) (the reference recomputes both and ignores them), and beside them
 // the gradient arriving at lse, d_lse (the lse's shape, contiguous; null
-// data: 0; SDPA only).
+// data: 0; SDPA only), and the forward's softmax statistics (ForwardViews;
+// contiguous; null data: the weights are recomputed as exp(score - lse)).
 template <class T>
 struct SavedViews {
   ConstView<T> output;
   ConstView<T> lse;
   ConstView<T> d_lse = {};
+  ConstView<T> softmax_stats = {};
 };
 
 // Where a backward writes, every element. SDPA: the layouts of its inputs

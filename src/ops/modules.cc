@@ -307,8 +307,10 @@ Tensor<T> MultiHeadAttention<T>::forward(ConstView<T> queries, ConstView<T> keys
   const int64_t batch = queries.size(0), nq = queries.size(1), nk = keys.size(1);
   joined_ = Tensor<T>(Shape{batch, nq, params_.w_q.size(0)});
   lse_ = Tensor<T>(Shape{batch, num_heads_, nq});
+  softmax_stats_ = Tensor<T>(Shape{batch, num_heads_, nq, 2});
   weights_ = keep_weights_ ? Tensor<T>(Shape{batch, num_heads_, nq, nk}) : Tensor<T>();
-  AttentionOutputs<T> outputs{heads_of(joined_.view(), num_heads_), std::nullopt, lse_.view()};
+  AttentionOutputs<T> outputs{heads_of(joined_.view(), num_heads_), std::nullopt, lse_.view(),
+                              softmax_stats_.view()};
   if (keep_weights_) outputs.weights = weights_.view();
   ready_ = false;
   scaled_dot_product_attention(
@@ -341,7 +343,8 @@ MultiHeadGrads<T> MultiHeadAttention<T>::backward(ConstView<T> d_output) {
   const DotProductGrads<T> heads = scaled_dot_product_attention_backward(
       heads_of(q_proj_.view(), num_heads_), heads_of(k_proj_.view(), num_kv_heads_),
       heads_of(v_proj_.view(), num_kv_heads_), ValidLens(valid_lens_), options_,
-      {heads_of(joined_.view(), num_heads_), lse_}, heads_of(d_joined.view(), num_heads_));
+      {heads_of(joined_.view(), num_heads_), lse_, softmax_stats_},
+      heads_of(d_joined.view(), num_heads_));
   return {project_backward(queries_, params_.w_q, heads.d_queries, grads_.w_q, grads_.b_q),
           project_backward(keys_, params_.w_k, heads.d_keys, grads_.w_k, grads_.b_k),
           project_backward(values_, params_.w_v, heads.d_values, grads_.w_v, grads_.b_v)};

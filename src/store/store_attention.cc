@@ -262,8 +262,8 @@ Partial attend_chunks(ConstView<float> queries, const ChunkSource& source,
   for_each_chunk(
       source, query_rows, options.progress, lens,
       [&](const SourceChunk& chunk, const ValidLens& valid) {
-        const AttentionOutputs<float> outputs{result.output.view(), std::nullopt,
-                                              result.lse.view()};
+        const AttentionOutputs<float> outputs{result.output.view(), std::nullopt, result.lse.view(),
+                                              std::nullopt};
         if (distance) {
           const Tensor<float> keys = bf16 ? widened(chunk.keys<bfloat16>()) : Tensor<float>();
           const Tensor<float> values = bf16 ? widened(chunk.values<bfloat16>()) : Tensor<float>();

@@ -277,6 +277,22 @@ def randn(*shape, dtype, scale=1.0):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def output_inputs(dtype, mha_type, alibi, local, d, seqlens, softcap):
+    """The draw test_flash_attn_output and test_flash_attn_varlen_output share:
+    q, the q passed in (times softcap, which the kernels divide back), k, v,
+    the ALiBi slopes or None, and the window."""
+    (seqlen_q, seqlen_k), batch_size = seqlens, 2
+    nheads = 6 if softcap == 0.0 else 4
+    nheads_k = nheads if mha_type == "mha" else (1 if mha_type == "mqa" else 2)
+    window_size = window_for(local, seqlen_k)
+    q = randn(batch_size, seqlen_q, nheads, d, dtype=dtype)
+    q_in = q * softcap if softcap > 0 else q
+    k = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
+    v = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
+    alibi_slopes = torch.rand(batch_size, nheads) * 0.3 if alibi else None
+    return q, q_in, k, v, alibi_slopes, window_size
+
+
 class FlashAttnTests(unittest.TestCase):
     def run_group(self, group, grid, one_case, fits=small):
         failures = []
@@ -299,17 +315,10 @@ class FlashAttnTests(unittest.TestCase):
         }
 
         def one(case, dtype, mha_type, alibi, local, causal, d, seqlens, softcap):
-            (seqlen_q, seqlen_k), batch_size = seqlens, 2
-            nheads = 6 if softcap == 0.0 else 4
-            nheads_k = nheads if mha_type == "mha" else (1 if mha_type == "mqa" else 2)
-            window_size = window_for(local, seqlen_k)
-            q = randn(batch_size, seqlen_q, nheads, d, dtype=dtype)
-            q_in = q * softcap if softcap > 0 else q
-            k = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
-            v = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
-            alibi_slopes = torch.rand(batch_size, nheads) * 0.3 if alibi else None
-            attn_bias = (attn_bias_from_alibi_slopes(alibi_slopes, seqlen_q, seqlen_k,
-                                                     causal=causal) if alibi else None)
+            q, q_in, k, v, alibi_slopes, window_size = output_inputs(
+                dtype, mha_type, alibi, local, d, seqlens, softcap)
+            attn_bias = (attn_bias_from_alibi_slopes(alibi_slopes, *seqlens, causal=causal)
+                         if alibi else None)
             out = flash_attn_func(q_in, k, v, causal=causal, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes)
             common = dict(attn_bias=attn_bias, causal=causal, window_size=window_size,
@@ -388,17 +397,11 @@ class FlashAttnTests(unittest.TestCase):
         }
 
         def one(case, dtype, mha_type, alibi, local, causal, d, seqlens, softcap):
-            (seqlen_q, seqlen_k), batch_size = seqlens, 2
-            nheads = 6 if softcap == 0.0 else 4
-            nheads_k = nheads if mha_type == "mha" else (1 if mha_type == "mqa" else 2)
-            window_size = window_for(local, seqlen_k)
-            q = randn(batch_size, seqlen_q, nheads, d, dtype=dtype)
-            q_in = q * softcap if softcap > 0 else q
-            k = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
-            v = randn(batch_size, seqlen_k, nheads_k, d, dtype=dtype)
+            q, q_in, k, v, alibi_slopes, window_size = output_inputs(
+                dtype, mha_type, alibi, local, d, seqlens, softcap)
+            (seqlen_q, seqlen_k), batch_size = seqlens, q.shape[0]
             query_padding_mask = generate_random_padding_mask(seqlen_q, batch_size)
             key_padding_mask = generate_random_padding_mask(seqlen_k, batch_size)
-            alibi_slopes = torch.rand(batch_size, nheads) * 0.3 if alibi else None
             attn_bias = (attn_bias_from_alibi_slopes(alibi_slopes, seqlen_q, seqlen_k,
                                                      query_padding_mask, key_padding_mask,
                                                      causal=causal) if alibi else None)

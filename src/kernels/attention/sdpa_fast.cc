@@ -12,7 +12,8 @@
 //
 // Backward, one task per (batch element, group of key blocks): the task owns
 // dK and dV of its keys; it sweeps the query blocks, recomputes S and
-// P = exp(S - lse) per tile, forms dP = dO Vᵀ, dS = P (dP - D) with
+// P = exp(S - m) / l per tile (the forward's row max and sum when saved, else
+// m = lse, l = 1), forms dP = dO Vᵀ, dS = P (dP - D) with
 // D_i = dO_i . O_i, and accumulates dV += Pᵀ dO, dK += dSᵀ Q and its own
 // partial dQ += dS K. The partial dQs are summed in group order at the end.
 // The number of groups depends only on the shapes, so no two threads write
@@ -128,10 +129,13 @@ struct Flash {
     }
     return 0;
   }
-  // The backward's S on the forward's product (backward_scores): block_gemm's
-  // panels of D-long rows; the other products go to the BLAS.
-  static size_t backward_gemm_words(int64_t d, int64_t) {
-    if constexpr (std::is_same_v<In, float>) return (fast::block_gemm_scratch_floats(d) + 1) / 2;
+  // The backward's S on the forward's product (backward_scores) and dP =
+  // dO Vᵀ on the same: block_gemm's panels of D- or Dv-long rows; the other
+  // products go to the BLAS.
+  static size_t backward_gemm_words(int64_t d, int64_t dv) {
+    if constexpr (std::is_same_v<In, float>) {
+      return (fast::block_gemm_scratch_floats(std::max(d, dv)) + 1) / 2;
+    }
     return 0;
   }
   static void scores(int64_t m, int64_t n, int64_t k, Acc alpha, const In* a, int64_t lda,
@@ -379,18 +383,27 @@ void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t row
                    int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query,
                    T* cap_grad = nullptr, int64_t ldg = 0) {
   if (config.softcap > 0.0) {
-    // tanh_row's float fit is within 3e-7 of tanh (additive_tile.h): the
-    // capped score within ~3e-7 softcap, below the product's own rounding.
-    const T cap = static_cast<T>(config.softcap), inv_cap = static_cast<T>(1.0 / config.softcap);
+    // In double, rounded once: softcap tanh(x / softcap) and 1 - tanh² to
+    // float from Highway's double tanh (4 units in the last place of a
+    // double). tanh_row's float fit (2.7e-7 relative, additive_tile.h) with
+    // the division and product in float put up to 1.35e-5 on a score at
+    // softcap 50, and FlashAttention's softcap checks then saw 6.3 times
+    // float32 torch's error.
+    const double cap = config.softcap, inv_cap = 1.0 / config.softcap;
+    constexpr int64_t kChunk = 256;
+    double t[kChunk];
     for (int64_t r = 0; r < rows; ++r) {
       T* row = s + r * lds;
-      fast::scale(row, inv_cap, cols);
-      tanh_row(row, row, cols);
-      if (cap_grad) {
-        T* g = cap_grad + r * ldg;
-        for (int64_t c = 0; c < cols; ++c) g[c] = T(1) - row[c] * row[c];
+      T* g = cap_grad ? cap_grad + r * ldg : nullptr;
+      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c0);
+        for (int64_t c = 0; c < n; ++c) t[c] = static_cast<double>(row[c0 + c]) * inv_cap;
+        tanh_row(t, t, n);
+        if (g) {
+          for (int64_t c = 0; c < n; ++c) g[c0 + c] = static_cast<T>(1.0 - t[c] * t[c]);
+        }
+        for (int64_t c = 0; c < n; ++c) row[c0 + c] = static_cast<T>(cap * t[c]);
       }
-      fast::scale(row, cap, cols);
     }
   }
   const ConstView<T> bias = config.bias<T>();
@@ -461,6 +474,36 @@ typename Flash<In>::Acc exact_row(const In* q_i, const In* k_b, int64_t ldk, con
   return lse;
 }
 
+// Where the forward puts its finished rows' lse and softmax statistics
+// (ForwardViews::softmax_stats), either null; `at(r)` is row r on.
+template <class Acc>
+struct RowResults {
+  Acc* lse = nullptr;
+  Acc* stats = nullptr;  // (m, l) pairs
+
+  RowResults at(int64_t r) const {
+    return {lse ? lse + r : nullptr, stats ? stats + 2 * r : nullptr};
+  }
+  // Row r summed with running max m and sum l (0: no key, an empty sum).
+  void put(int64_t r, Acc m, Acc l) const {
+    const bool empty = !(l > Acc(0));
+    constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+    if (lse) lse[r] = empty ? -kInf : m + std::log(l);
+    if (stats) {
+      stats[2 * r] = empty ? -kInf : m;
+      stats[2 * r + 1] = empty ? Acc(0) : l;
+    }
+  }
+  // Row r done exactly (exact_row): its weights are exp(score - row_lse).
+  void put_exact(int64_t r, Acc row_lse) const {
+    if (lse) lse[r] = row_lse;
+    if (stats) {
+      stats[2 * r] = row_lse;
+      stats[2 * r + 1] = row_lse == -std::numeric_limits<Acc>::infinity() ? Acc(0) : Acc(1);
+    }
+  }
+};
+
 // What a task over one chunk of the keys leaves for merge_key_chunks: each
 // row's running max m and sum l, whether it met a non-finite score, and (in
 // the task's `out`) its output before the division by l.
@@ -481,7 +524,8 @@ template <class In>
 void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
                   int64_t bh, int64_t i0, int64_t rows, int64_t key_begin, int64_t key_end,
                   typename Flash<In>::Acc* out, int64_t ldo, typename Flash<In>::Acc* weights,
-                  typename Flash<In>::Acc* lse, const ChunkState<typename Flash<In>::Acc>* chunk,
+                  const RowResults<typename Flash<In>::Acc>& results,
+                  const ChunkState<typename Flash<In>::Acc>* chunk,
                   const typename Flash<In>::KeyBlock* key_blocks, int64_t prepared_keys,
                   const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
@@ -643,12 +687,8 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
 
   for (int64_t r = 0; r < rows; ++r) {
     if (sc.special[r]) continue;
-    if (sc.l[r] > Acc(0)) {
-      fast::scale(out + r * ldo, Acc(1) / sc.l[r], dv);
-      if (lse) lse[r] = sc.m[r] + std::log(sc.l[r]);
-    } else if (lse) {
-      lse[r] = -kInf;  // L = 0: an empty sum
-    }
+    if (sc.l[r] > Acc(0)) fast::scale(out + r * ldo, Acc(1) / sc.l[r], dv);
+    results.put(r, sc.m[r], sc.l[r]);
   }
 
   if (weights) {
@@ -678,7 +718,7 @@ void forward_task(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atten
     const Acc row_lse =
         exact_row(q_blk + r * ldq, k_b, ldk, v_b, ldv, d, dv, sc.len[r], nq, nk, row_head(r),
                   row_query(r), config, out + r * ldo, weights ? weights + r * nk : nullptr, sc);
-    if (lse) lse[r] = row_lse;
+    results.put_exact(r, row_lse);
   }
 }
 
@@ -793,7 +833,8 @@ size_t forward_workspace_size(ConstView<In> q, ConstView<In> k, ConstView<In> v,
 template <class In>
 void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                       const AttentionConfig& config, const ForwardWorkspace<In>& ws, int64_t bh,
-                      int64_t i, typename Flash<In>::Acc* out, typename Flash<In>::Acc* lse,
+                      int64_t i, typename Flash<In>::Acc* out,
+                      const RowResults<typename Flash<In>::Acc>& results,
                       const ForwardScratch<In>& sc) {
   using Acc = typename Flash<In>::Acc;
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
@@ -811,7 +852,7 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     const Acc row_lse = exact_row(head_rows(q, bh) + i * q.stride(2), head_rows(k, bkv),
                                   k.stride(2), head_rows(v, bkv), v.stride(2), d, dv,
                                   config.len(bh, i, nk), nq, nk, bh, i, config, out, nullptr, sc);
-    if (lse) *lse = row_lse;
+    results.put_exact(0, row_lse);
     return;
   }
   std::fill_n(out, dv, Acc(0));
@@ -824,21 +865,19 @@ void merge_key_chunks(ConstView<In> q, ConstView<In> k, ConstView<In> v,
     const Acc* part = ws.chunk_out + at(c) * dv;
     for (int64_t e = 0; e < dv; ++e) out[e] += factor * part[e];
   }
-  if (sum > Acc(0)) {
-    fast::scale(out, Acc(1) / sum, dv);
-    if (lse) *lse = m_max + std::log(sum);
-  } else if (lse) {
-    *lse = -kInf;  // L = 0: an empty sum
-  }
+  if (sum > Acc(0)) fast::scale(out, Acc(1) / sum, dv);
+  results.put(0, m_max, sum);
 }
 
 template <class In>
 void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const AttentionConfig& config,
                    TensorView<typename Flash<In>::Acc> output,
                    TensorView<typename Flash<In>::Acc> weights,
-                   TensorView<typename Flash<In>::Acc> lse, Workspace workspace) {
+                   TensorView<typename Flash<In>::Acc> lse,
+                   TensorView<typename Flash<In>::Acc> softmax_stats, Workspace workspace) {
   using Acc = typename Flash<In>::Acc;
   using KeyBlock = typename Flash<In>::KeyBlock;
+  const RowResults<Acc> results{lse.data(), softmax_stats.data()};
   const int64_t heads = q.size(0) * q.size(1), kv_heads = k.size(0) * k.size(1);
   const int64_t nq = q.size(2), nk = k.size(2), d = q.size(3), dv = v.size(3);
   const int64_t ldo = output.stride(2);
@@ -908,8 +947,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
                        spans ? scratch.out_rows : head_rows(output, bh) + i0 * ldo,
                        spans ? dv : ldo,
                        weights.data() ? weights.data() + (bh * nq + i0) * nk : nullptr,
-                       lse.data() ? lse.data() + bh * nq + i0 : nullptr, nullptr, prepared,
-                       prepared_keys, scratch);
+                       results.at(bh * nq + i0), nullptr, prepared, prepared_keys, scratch);
           if (spans) {
             for (int64_t r = 0; r < rows; ++r) {
               std::copy_n(scratch.out_rows + r * dv, dv,
@@ -923,7 +961,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
                                     ws.chunk_special + first};
         forward_task(q, k, v, config, bh, i0, rows, c * chunk_keys,
                      std::min(nk, (c + 1) * chunk_keys), ws.chunk_out + first * dv, dv, nullptr,
-                     nullptr, &state, prepared, prepared_keys, scratch);
+                     RowResults<Acc>(), &state, prepared, prepared_keys, scratch);
       });
   if (chunks == 1) return;
   // Rows in groups of a query block: the merge reads chunks x Dv per row.
@@ -936,7 +974,7 @@ void flash_forward(ConstView<In> q, ConstView<In> k, ConstView<In> v, const Atte
              ++row) {
           const int64_t bh = row / nq, i = row % nq;
           merge_key_chunks(q, k, v, config, ws, bh, i, head_rows(output, bh) + i * ldo,
-                           lse.data() ? lse.data() + row : nullptr, scratch);
+                           results.at(row), scratch);
         }
       });
 }
@@ -984,6 +1022,7 @@ struct BackwardProblem {
   ConstView<In> q, k, v;
   const AttentionConfig* config;
   const Acc* lse;        // (B H, Nq)
+  const Acc* stats;      // (B H, Nq, 2): the forward's (m, l) per row, or null
   ConstView<Acc> d_out;  // (B, H, Nq, Dv)
   const Acc* delta;      // (B H, Nq): dO_i . O_i - d_lse_i
   const Acc* d_lse;      // (B H, Nq), or null
@@ -1090,20 +1129,35 @@ void backward_key_block(const BackwardProblem<In>& pb, int64_t bkv, int64_t g, i
         adjust_scores(config, p, cols, rows, cols, j0, nq, nk, row_head, row_query, sc.cap_grad,
                       cols);
       }
-      Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, Acc(0), dp,
-                      cols, sc.gemm);
+      // dP = dO Vᵀ summed in groups of 32 like S (block_gemm.h): on the BLAS's
+      // one chain per element, dq's error reached 2.2x a float32 torch
+      // computation's at Nq = Nk = 512, D = 128 (a numpy emulation of this
+      // backward, 20 draws), 1.1x in groups; its mean 1.03x -> 0.75x.
+      if constexpr (!Flash<In>::kConverts) {
+        Flash<In>::scores(rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, dp, cols, sc.gemm);
+      } else {
+        Flash<In>::gemm(false, true, rows, cols, dv, Acc(1), d_out_op, ld_dop, v_blk, ldv, Acc(0),
+                        dp, cols, sc.gemm);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         const int64_t valid = std::clamp<int64_t>(config.len(bh, i, nk) - j0, 0, cols);
-        const Acc row_lse = pb.lse[bh * nq + i];
+        // P as the forward formed it, exp(S - m) / l, from its row max and
+        // sum; from the lse alone, exp(S - lse) carries the lse's rounding
+        // into every weight of the row alike (float32: 2.4e-7 at lse = 3),
+        // which FlashAttention's grid saw in the gradients as up to 2.6x
+        // float32 torch's error (bench/fa_grad_rule.py).
+        const Acc shift = pb.stats ? pb.stats[2 * (bh * nq + i)] : pb.lse[bh * nq + i];
+        const Acc row_sum = pb.stats ? pb.stats[2 * (bh * nq + i) + 1] : Acc(1);
         Acc* p_row = p + r * cols;
         Acc* dp_row = dp + r * cols;
-        if (valid == 0 || row_lse == -kInf) {
+        if (valid == 0 || shift == -kInf) {
           std::fill(p_row, p_row + cols, Acc(0));  // no weight, no gradient
           std::fill(dp_row, dp_row + cols, Acc(0));
           continue;
         }
-        fast::exp_shift_sum(p_row, row_lse, p_row, valid);  // NaN lse gives a NaN row
+        fast::exp_shift_sum(p_row, shift, p_row, valid);  // NaN lse gives a NaN row
+        if (row_sum != Acc(1)) fast::scale(p_row, Acc(1) / row_sum, valid);
         std::fill(p_row + valid, p_row + cols, Acc(0));
         if (dropout) {
           kernels::dropout_row_mask(config.seed, config.dropout, bh, i, j0, valid, sc.keep);
@@ -1276,6 +1330,7 @@ void flash_backward(ConstView<In> q, ConstView<In> k, ConstView<In> v,
                                v,
                                &config,
                                saved.lse.data(),
+                               saved.softmax_stats.data(),
                                d_output,
                                ws.delta,
                                d_lse,
@@ -1365,9 +1420,14 @@ void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig&
                                   : TensorView<T>();
     small_dim_forward(one_head(q), one_head(k), one_head(v), static_cast<const T*>(nullptr),
                       ScoreKind::kDotProduct, config, one_head(out.output), lse, workspace);
+    // This kernel keeps no (m, l) pair: its rows' weights are exp(score - lse).
+    const RowResults<T> results{nullptr, out.softmax_stats.data()};
+    for (int64_t r = 0; results.stats && r < q.size(0) * q.size(2); ++r) {
+      results.put_exact(r, out.lse.data()[r]);
+    }
     return;
   }
-  flash_forward(q, k, v, config, out.output, out.weights, out.lse, workspace);
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse, out.softmax_stats, workspace);
 }
 
 size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
@@ -1379,7 +1439,7 @@ size_t sdpa_workspace_size(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstVi
 
 void sdpa(ConstView<bfloat16> q, ConstView<bfloat16> k, ConstView<bfloat16> v,
           const AttentionConfig& config, const ForwardViews<float>& out, Workspace workspace) {
-  flash_forward(q, k, v, config, out.output, out.weights, out.lse, workspace);
+  flash_forward(q, k, v, config, out.output, out.weights, out.lse, out.softmax_stats, workspace);
 }
 
 template <class T>

@@ -116,6 +116,15 @@ void sdpa(ConstView<T> q, ConstView<T> k, ConstView<T> v, const AttentionConfig&
   attend(dot_product_scores(q, k, config), heads, nq, nk,
          ConstView<T>(flat_heads(values.data(), heads, nk, dv)), config, flat);
   scatter(Matrix(output.begin(), output.end()), out.output);
+  // The weights are exp(score - lse), in double: the pair (lse, 1), or
+  // (-inf, 0) for a row with no key (kernels.h).
+  if (T* stats = out.softmax_stats.data()) {
+    for (int64_t r = 0; r < heads * nq; ++r) {
+      const T row_lse = out.lse.data()[r];
+      stats[2 * r] = row_lse;
+      stats[2 * r + 1] = row_lse == -std::numeric_limits<T>::infinity() ? T(0) : T(1);
+    }
+  }
 }
 
 // Gradients dQ (B, H, Nq, D), dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv),
