@@ -383,27 +383,11 @@ void adjust_scores(const AttentionConfig& config, T* s, int64_t lds, int64_t row
                    int64_t j0, int64_t nq, int64_t nk, Head&& head, Query&& query,
                    T* cap_grad = nullptr, int64_t ldg = 0) {
   if (config.softcap > 0.0) {
-    // In double, rounded once: softcap tanh(x / softcap) and 1 - tanh² to
-    // float from Highway's double tanh (4 units in the last place of a
-    // double). tanh_row's float fit (2.7e-7 relative, additive_tile.h) with
-    // the division and product in float put up to 1.35e-5 on a score at
-    // softcap 50, and FlashAttention's softcap checks then saw 6.3 times
-    // float32 torch's error.
-    const double cap = config.softcap, inv_cap = 1.0 / config.softcap;
-    constexpr int64_t kChunk = 256;
-    double t[kChunk];
+    // Highway's tanh (vecmath.h): tanh_row's float fit (2.7e-7 relative,
+    // additive_tile.h) put up to 1.35e-5 on a score at softcap 50, and
+    // FlashAttention's softcap checks saw 6.3 times float32 torch's error.
     for (int64_t r = 0; r < rows; ++r) {
-      T* row = s + r * lds;
-      T* g = cap_grad ? cap_grad + r * ldg : nullptr;
-      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, cols - c0);
-        for (int64_t c = 0; c < n; ++c) t[c] = static_cast<double>(row[c0 + c]) * inv_cap;
-        tanh_row(t, t, n);
-        if (g) {
-          for (int64_t c = 0; c < n; ++c) g[c0 + c] = static_cast<T>(1.0 - t[c] * t[c]);
-        }
-        for (int64_t c = 0; c < n; ++c) row[c0 + c] = static_cast<T>(cap * t[c]);
-      }
+      fast::softcap(s + r * lds, config.softcap, cap_grad ? cap_grad + r * ldg : nullptr, cols);
     }
   }
   const ConstView<T> bias = config.bias<T>();

@@ -24,6 +24,14 @@ double max_of(const double* x, int64_t n, bool* nan_or_plus_inf);
 float exp_shift_sum(const float* x, float shift, float* out, int64_t n);
 double exp_shift_sum(const double* x, double shift, double* out, int64_t n);
 
+// FlashAttention's softcap of a row of scores: x[j] = cap tanh(x[j] / cap),
+// and grad[j] = 1 - tanh(x[j] / cap)^2 where grad is not null (the
+// backward's d x_new / d x); about as exact as float32 torch's (vecmath.cc).
+// Every element alike, tail included, so a score's bits do not depend on the
+// tile it falls in.
+void softcap(float* x, double cap, float* grad, int64_t n);
+void softcap(double* x, double cap, double* grad, int64_t n);
+
 // x[j] *= s.
 void scale(float* x, float s, int64_t n);
 void scale(double* x, double s, int64_t n);
