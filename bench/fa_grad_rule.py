@@ -125,8 +125,8 @@ def main():
                         q.double(), k.double(), v.double(), g.double())
             # qkv.torch is the NumPy backward given the statistics, bit for bit.
             with_stats = qkv_grads(q, k, v, g, window, True)
-            for a, b in zip(got, with_stats):
-                assert torch.equal(a, b), "qkv.torch's gradients are not the NumPy backward's"
+            for mine, numpy_way in zip(got, with_stats):
+                assert torch.equal(mine, numpy_way), "qkv.torch's gradients differ from the NumPy backward's"
             lse_alone = qkv_grads(q, k, v, g, window, False)
             for ways, result in (("softmax_stats", got), ("lse alone", lse_alone)):
                 for name, a, b32, ref in zip(("dq", "dk", "dv"), result, f32, f64):

@@ -78,9 +78,10 @@ T ExpShiftSum(const T* x, T shift, T* out, int64_t n_signed) {
 // last place at most): as float32 torch computes it, cap * tanh(x / cap)
 // measured 0.48 units in the last place on average and 3.7 at most (x ~
 // N(0, 50), cap 50), against 0.51 and 3.4 for x / cap, glibc's tanhf and
-// the product. additive_tile.h's rational fit, twice as fast, gave 0.76 and
-// 5.3, and FlashAttention's softcap checks saw up to 6.3 times torch's
-// error; in double lanes, 0.5 at most but 1.6 times as slow again.
+// the product. additive_tile.h's rational fit gave 0.76 and 5.3, and
+// FlashAttention's softcap checks saw up to 6.3 times torch's error. Cost
+// (docs/semantics.md, "Softcap and ALiBi"): the forward about 1.2 times its
+// time without a softcap; in double lanes (0.5 at most) it was 1.7 times.
 template <class T>
 void Softcap(T* x, double cap, T* grad, int64_t n_signed) {
   const hn::ScalableTag<T> d;
