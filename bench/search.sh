@@ -30,11 +30,11 @@ if [ "${args[*]:-}" != --replay ]; then
   fi
   cmake --build "$build" -j "$(nproc)" --target qkv_cli qkv_python
   # The encoder against its reference implementation (sentence-transformers
-  # in the venv): the peer test's figures, for the page.
+  # in the venv): the peer test's figures on its whole lists (--full), for the page.
   python=$(scripts/make-venv.sh)
   check=$(mktemp)
   PYTHONPATH=$(pwd)/$build/python HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    "$python" tests/search/test_encoder_peer.py 2>"$check" >/dev/null ||
+    "$python" tests/search/test_encoder_peer.py --full 2>"$check" >/dev/null ||
     { cat "$check" >&2; exit 1; }
   encoder_check=(--encoder-check "$check")
 fi

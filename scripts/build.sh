@@ -92,7 +92,9 @@ print("  qkv", qkv.__version__, "on", qkv.simd_target() + ": scaled_dot_product_
       index_fuzz tokenizer_fuzz
     stage "fuzz: the file readers" fuzz_readers npy manifest index tokenizer
     # Debug with AddressSanitizer + UndefinedBehaviorSanitizer: the kernels at
-    # this CPU's best SIMD target and scalar (CMakeLists.txt).
+    # this CPU's best SIMD target and scalar (CMakeLists.txt); the Python
+    # package, the docs' examples and --help's run in Release only
+    # (tests/CMakeLists.txt).
     stage "ASan+UBSan: build" configure_and_build build/asan -DCMAKE_BUILD_TYPE=Debug \
       -DQKV_SANITIZE=ON -DQKV_BUILD_BENCH=OFF
     stage "ASan+UBSan: tests" ctest --test-dir build/asan --output-on-failure -j "$jobs"
