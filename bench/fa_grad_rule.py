@@ -12,7 +12,9 @@ matters where both errors are ~0). Printed: the worst ratio
 err(qkv) / (err(f32) + atol / 2) (the rule is ratio <= 2) per tensor, and
 how many checks exceed 2 and 3; for qkv's backward given the forward's
 softmax statistics (what qkv.torch does), and, on the same inputs, given the
-lse alone (the weights recomputed as exp(score - lse)).
+lse alone (the weights recomputed as exp(score - lse)); and, as a yardstick
+of the rule itself between two float32 computations, torch's own float32
+with the scale applied to K instead (FlashAttention's reorder_ops).
 
 Run with the venv's Python and the build's qkv:
   PYTHONPATH=build/release/python build/venv/bin/python bench/fa_grad_rule.py [--seed S] [--max-n N]
@@ -50,12 +52,16 @@ def window_mask(nq, nk, window):
     return masked
 
 
-def plain_attention(q, k, v, window, scale):
-    """softmax(q k^T * scale) v in q's dtype; rows with no key give 0."""
+def plain_attention(q, k, v, window, scale, scale_keys=False):
+    """softmax(q k^T * scale) v in q's dtype; rows with no key give 0. With
+    scale_keys, the scale multiplies k first (FlashAttention's reorder_ops)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if scale_keys:
+        s = torch.matmul(q, (k * scale).transpose(-1, -2))
+    else:
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if window is not None:
         masked = window_mask(q.shape[2], k.shape[2], window)
         s = s.masked_fill(masked, float("-inf"))
@@ -99,7 +105,7 @@ def main():
     torch.set_num_threads(2)
     # Cases where every query sees at most one key (Nk = 1, window (0, 0), a
     # window (0, R) for Nq = 1), whose exact dq and dk are 0, apart from the others.
-    kinds = [f"{ways}, {keys}" for ways in ("softmax_stats", "lse alone")
+    kinds = [f"{ways}, {keys}" for ways in ("softmax_stats", "lse alone", "torch, scale on K")
              for keys in ("one key", "others")]
     worst = {kind: {"dq": (0.0, None), "dk": (0.0, None), "dv": (0.0, None)} for kind in kinds}
     over2 = {kind: 0 for kind in kinds}
@@ -128,7 +134,10 @@ def main():
             for mine, numpy_way in zip(got, with_stats):
                 assert torch.equal(mine, numpy_way), "qkv.torch's gradients differ from the NumPy backward's"
             lse_alone = qkv_grads(q, k, v, g, window, False)
-            for ways, result in (("softmax_stats", got), ("lse alone", lse_alone)):
+            torch_k = grads(lambda q, k, v: plain_attention(q, k, v, window, scale, True),
+                            q, k, v, g)
+            for ways, result in (("softmax_stats", got), ("lse alone", lse_alone),
+                                 ("torch, scale on K", torch_k)):
                 for name, a, b32, ref in zip(("dq", "dk", "dv"), result, f32, f64):
                     err = (a.double() - ref).abs().max().item()
                     err32 = (b32.double() - ref).abs().max().item()
