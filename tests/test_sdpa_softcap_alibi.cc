@@ -185,6 +185,10 @@ TYPED_TEST(SoftcapAlibi, FastAndReferenceMatchThePlainLoop) {
       {1, 6, 2, 3, 900, 64, 32, 0.5, {{}, Causal::kNone, 200, 10, {1}, 30.0, {1}}, true},
       {2, 2, 1, 40, 700, 16, 4, 1.0, {{1}, Causal::kBottomRight, 100, 0, {}, 1.0, {1}}, true},
   };
+  // Under the sanitizers a sample: softcap alone, ALiBi with causal and
+  // grouped heads, and everything at once (the six took 33 s there in CI
+  // run 46, over the best target and scalar); Release runs them all.
+  if (kSanitized) cases = {cases[0], cases[2], cases[5]};
   int checked = 0;
   double worst_out = 0, worst_grad = 0;
   for (LoopCase& c : cases) {
